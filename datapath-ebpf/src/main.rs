@@ -1,0 +1,21 @@
+//! meshpath's eBPF programs. One object, loaded once per node and pinned; each pod gets links
+//! to the shared programs, and every per-pod fact is looked up by the pod's netns cookie.
+//!
+//! - `pod_traffic`: TC (TCX) counters on the pod's interface.
+
+#![no_std]
+#![no_main]
+
+mod pod_traffic;
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    // eBPF programs cannot panic (the verifier rejects unbounded loops); this is never reached.
+    loop {}
+}
+
+/// GPL-compatible licence, required for GPL-only helpers.
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

@@ -1,0 +1,58 @@
+//! The loader's typed errors. Each names the pod (by netns path or cookie) and the cause in one
+//! sentence; the CLI adds context with anyhow.
+
+use std::{io, path::PathBuf};
+
+/// Everything that can go wrong in the loader library.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{path} is not a network namespace ({reason})")]
+    NotANetns { path: PathBuf, reason: String },
+
+    #[error("pod {pod} (netns cookie {cookie}) is already enrolled; unenrol it first")]
+    AlreadyEnrolled { pod: String, cookie: u64 },
+
+    #[error("pod {pod} is not enrolled")]
+    NotEnrolled { pod: String },
+
+    #[error("pod {pod}: interface {iface} not found in its network namespace")]
+    NoSuchInterface { pod: String, iface: String },
+
+    #[error("bpffs is not mounted at {0} and could not be mounted: {1}")]
+    Bpffs(PathBuf, io::Error),
+
+    #[error(
+        "the kernel rejected eBPF program {program}: {cause}; the verifier's log is in {}",
+        log.display()
+    )]
+    Verifier { program: String, cause: io::Error, log: PathBuf },
+
+    #[error("{what}: {source}")]
+    Bpf {
+        what: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Result with the loader's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// Wraps an aya (or other library) error with what was being done.
+    pub fn bpf(what: impl Into<String>, e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self::Bpf { what: what.into(), source: Box::new(e) }
+    }
+
+    /// Wraps an I/O error with what was being done.
+    pub fn io(what: impl Into<String>, source: io::Error) -> Self {
+        Self::Io { what: what.into(), source }
+    }
+}

@@ -1,0 +1,10 @@
+//! meshpath's node agent as a library: the pinned datapath (`datapath`), network namespaces
+//! (`netns`), and the pod lifecycle on top of them (`pods`). The `meshpath-loader` binary is a
+//! thin CLI over this; the end-to-end tests drive the same functions.
+
+pub mod datapath;
+pub mod error;
+pub mod netns;
+pub mod pods;
+
+pub use error::{Error, Result};

@@ -1,0 +1,165 @@
+//! `meshpath-loader`: the node agent's command line.
+
+use std::{path::PathBuf, process::ExitCode};
+
+use anyhow::{Context as _, Result};
+use clap::{Args, Parser, Subcommand};
+use datapath_common::consts::pins;
+use meshpath_loader::{
+    datapath::Datapath,
+    netns::Netns,
+    pods::{self, EnrolOptions, PodStatus},
+};
+
+#[derive(Parser)]
+#[command(name = "meshpath-loader", version, about = "meshpath node agent: enrol pods into the eBPF datapath")]
+struct Cli {
+    /// bpffs directory holding meshpath's pinned programs, maps and links.
+    #[arg(long, env = "MESHPATH_PIN_ROOT", default_value = pins::DEFAULT_ROOT, global = true)]
+    pin_root: PathBuf,
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Enrol a pod by its network namespace.
+    Enrol {
+        /// The pod's netns: /var/run/netns/NAME or /proc/PID/ns/net.
+        #[arg(long)]
+        netns: PathBuf,
+        /// The pod's interface inside its netns.
+        #[arg(long, default_value = "eth0")]
+        iface: String,
+        /// A name to show for the pod (default: the netns path).
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// Remove a pod from the datapath.
+    Unenrol(PodRef),
+    /// List enrolled pods with their counters.
+    List {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one pod's record and counters.
+    Show {
+        #[command(flatten)]
+        pod: PodRef,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// A pod, by its netns path or, when the netns is gone, by the cookie `list` shows.
+#[derive(Args)]
+#[group(required = true, multiple = false)]
+struct PodRef {
+    /// The pod's netns path.
+    #[arg(long)]
+    netns: Option<PathBuf>,
+    /// The pod's netns cookie.
+    #[arg(long)]
+    cookie: Option<u64>,
+}
+
+impl PodRef {
+    fn cookie(&self) -> Result<u64> {
+        match (&self.netns, self.cookie) {
+            (_, Some(c)) => Ok(c),
+            (Some(path), None) => Ok(Netns::open(path)?.cookie()),
+            (None, None) => anyhow::bail!("name the pod with --netns or --cookie"),
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("meshpath-loader: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let dp = || {
+        Datapath::open_or_load(&cli.pin_root)
+            .with_context(|| format!("opening the datapath at {}", cli.pin_root.display()))
+    };
+    match &cli.command {
+        Cmd::Enrol { netns, iface, name } => {
+            let ns = Netns::open(netns)?;
+            let opts = EnrolOptions { iface: iface.clone(), name: name.clone() };
+            let cookie = pods::enrol(&dp()?, &ns, &opts)?;
+            println!("enrolled {} (netns cookie {cookie})", name.as_deref().unwrap_or(&netns.display().to_string()));
+        }
+        Cmd::Unenrol(pod) => {
+            let cookie = pod.cookie()?;
+            pods::unenrol(&dp()?, cookie)?;
+            println!("unenrolled netns cookie {cookie}");
+        }
+        Cmd::List { json } => {
+            let all = pods::list(&dp()?)?;
+            if *json {
+                println!("{}", serde_json::to_string_pretty(&all.iter().map(to_json).collect::<Vec<_>>())?);
+            } else {
+                println!(
+                    "{:<20} {:<32} {:>7} {:>12} {:>14} {:>12} {:>14}",
+                    "COOKIE", "POD", "IFINDEX", "IN_PACKETS", "IN_BYTES", "OUT_PACKETS", "OUT_BYTES"
+                );
+                for p in &all {
+                    let c = &p.counters;
+                    println!(
+                        "{:<20} {:<32} {:>7} {:>12} {:>14} {:>12} {:>14}",
+                        p.cookie, p.info.name(), p.info.ifindex, c.ingress_packets, c.ingress_bytes,
+                        c.egress_packets, c.egress_bytes
+                    );
+                }
+            }
+        }
+        Cmd::Show { pod, json } => {
+            let p = pods::show(&dp()?, pod.cookie()?)?;
+            if *json {
+                println!("{}", serde_json::to_string_pretty(&to_json(&p))?);
+            } else {
+                let c = &p.counters;
+                println!("pod:          {}", p.info.name());
+                println!("netns cookie: {}", p.cookie);
+                println!("netns inode:  {}", p.info.netns_inode);
+                println!("ifindex:      {}", p.info.ifindex);
+                println!("pins:         {}", p.pins.join(", "));
+                println!("ingress:      {} packets, {} bytes", c.ingress_packets, c.ingress_bytes);
+                println!("egress:       {} packets, {} bytes", c.egress_packets, c.egress_bytes);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn to_json(p: &PodStatus) -> serde_json::Value {
+    let c = &p.counters;
+    serde_json::json!({
+        "cookie": p.cookie,
+        "name": p.info.name(),
+        "ifindex": p.info.ifindex,
+        "netns_inode": p.info.netns_inode,
+        "pins": p.pins,
+        "counters": {
+            "ingress_packets": c.ingress_packets,
+            "ingress_bytes": c.ingress_bytes,
+            "egress_packets": c.egress_packets,
+            "egress_bytes": c.egress_bytes,
+        },
+    })
+}

@@ -1,0 +1,218 @@
+//! Pod lifecycle: enrol a pod's network namespace into the datapath, remove it, and report what
+//! is enrolled. State lives only in bpffs (the `PODS` map and one pin directory per pod), so any
+//! loader process, including one started after a crash, sees the same truth.
+
+use std::{fs, io, path::PathBuf};
+
+use aya::{
+    maps::{MapError, PerCpuValues},
+    programs::{links::FdLink, SchedClassifier, TcAttachType},
+    util::nr_cpus,
+};
+use datapath_common::{consts::programs, NetnsCookie, PodCounters, PodInfo};
+use tracing::{info, warn};
+
+use crate::{datapath::Datapath, netns::Netns, Error, Result};
+
+/// Pin file names of a pod's links, inside its pod directory.
+pub mod link_pins {
+    /// The TCX ingress link on the pod's interface.
+    pub const TC_INGRESS: &str = "tc_ingress";
+    /// The TCX egress link on the pod's interface.
+    pub const TC_EGRESS: &str = "tc_egress";
+}
+
+/// How to enrol a pod.
+#[derive(Debug, Clone)]
+pub struct EnrolOptions {
+    /// The pod's interface inside its netns.
+    pub iface: String,
+    /// A name to show for the pod (defaults to the netns path).
+    pub name: Option<String>,
+}
+
+impl Default for EnrolOptions {
+    fn default() -> Self {
+        Self { iface: "eth0".into(), name: None }
+    }
+}
+
+/// One enrolled pod as the datapath sees it.
+#[derive(Debug, Clone)]
+pub struct PodStatus {
+    /// The pod's netns cookie.
+    pub cookie: NetnsCookie,
+    /// What was recorded at enrolment.
+    pub info: PodInfo,
+    /// Counters summed over CPUs.
+    pub counters: PodCounters,
+    /// The pin files present in the pod's directory.
+    pub pins: Vec<String>,
+}
+
+/// Enrols the pod whose netns is `netns`: creates its counters, attaches the TC programs to its
+/// interface and pins the links, then records it in `PODS`. Either all of it happens or, on
+/// error, none of it is left behind.
+pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsCookie> {
+    let cookie = netns.cookie();
+    let pod = opts.name.clone().unwrap_or_else(|| netns.path().display().to_string());
+    if is_enrolled(dp, cookie)? {
+        return Err(Error::AlreadyEnrolled { pod, cookie });
+    }
+    let mut undo = Undo { dp, cookie, armed: true };
+
+    let ncpus = nr_cpus().map_err(|(what, e)| Error::io(what, e))?;
+    let zeros = PerCpuValues::try_from(vec![PodCounters::default(); ncpus])
+        .map_err(|e| Error::bpf("per-CPU counters", e))?;
+    dp.counters()?
+        .insert(cookie, zeros, 0)
+        .map_err(|e| Error::bpf(format!("pod {pod}: creating counters"), e))?;
+
+    let dir = dp.pod_dir(cookie);
+    fs::create_dir(&dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    let ifindex = netns.run(|| attach_tc(dp, cookie, &dir, &pod, &opts.iface))??;
+
+    let info = PodInfo::new(ifindex, netns.inode(), &pod);
+    dp.pods()?
+        .insert(cookie, info, 0)
+        .map_err(|e| Error::bpf(format!("pod {pod}: recording enrolment"), e))?;
+    undo.armed = false;
+    info!(%pod, cookie, ifindex, iface = %opts.iface, "pod enrolled");
+    Ok(cookie)
+}
+
+/// Loads the pod's instance of both TC programs, attaches them to `iface` in the calling
+/// thread's netns and pins the links in `dir`. Returns the interface index.
+fn attach_tc(
+    dp: &Datapath,
+    cookie: NetnsCookie,
+    dir: &std::path::Path,
+    pod: &str,
+    iface: &str,
+) -> Result<u32> {
+    let ifindex = nix::net::if_::if_nametoindex(iface)
+        .map_err(|_| Error::NoSuchInterface { pod: pod.to_owned(), iface: iface.to_owned() })?;
+    let tc = [
+        (programs::TC_POD_INGRESS, TcAttachType::Ingress, link_pins::TC_INGRESS),
+        (programs::TC_POD_EGRESS, TcAttachType::Egress, link_pins::TC_EGRESS),
+    ];
+    let mut ebpf = dp.load_pod_programs(cookie, &tc.map(|(p, _, _)| p))?;
+    for (program, attach_type, pin) in tc {
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut(program)
+            .and_then(|p| p.try_into().ok())
+            .ok_or_else(|| Error::bpf(program, io::Error::other("not a TC program")))?;
+        let what = || format!("pod {pod}: attaching {program} to {iface}");
+        let id = prog.attach(iface, attach_type).map_err(|e| Error::bpf(what(), e))?;
+        let link: FdLink =
+            prog.take_link(id).map_err(|e| Error::bpf(what(), e))?.try_into().map_err(|e| {
+                Error::bpf(what(), e)
+            })?;
+        link.pin(dir.join(pin)).map_err(|e| Error::bpf(format!("pod {pod}: pinning {pin}"), e))?;
+    }
+    Ok(ifindex)
+}
+
+/// Removes everything enrolment made for the pod with this cookie. Works whether or not the
+/// pod's netns still exists.
+pub fn unenrol(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
+    if !is_enrolled(dp, cookie)? {
+        return Err(Error::NotEnrolled { pod: format!("with netns cookie {cookie}") });
+    }
+    remove_all(dp, cookie)?;
+    info!(cookie, "pod unenrolled");
+    Ok(())
+}
+
+/// Whether any trace of an enrolment exists for `cookie`.
+pub fn is_enrolled(dp: &Datapath, cookie: NetnsCookie) -> Result<bool> {
+    let recorded = match dp.pods()?.get(&cookie, 0) {
+        Ok(_) => true,
+        Err(MapError::KeyNotFound) => false,
+        Err(e) => return Err(Error::bpf("reading PODS", e)),
+    };
+    Ok(recorded || dp.pod_dir(cookie).exists())
+}
+
+/// Removes the pod's links (unpinning detaches them), its directory and its map entries.
+/// Missing pieces are not errors: this also finishes a half-done enrolment.
+fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
+    let dir = dp.pod_dir(cookie);
+    match fs::read_dir(&dir) {
+        Ok(entries) => {
+            for entry in entries.flatten() {
+                fs::remove_file(entry.path())
+                    .map_err(|e| Error::io(format!("unpinning {}", entry.path().display()), e))?;
+            }
+            fs::remove_dir(&dir).map_err(|e| Error::io(format!("removing {}", dir.display()), e))?;
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(Error::io(format!("reading {}", dir.display()), e)),
+    }
+    for res in [dp.pods()?.remove(&cookie), dp.counters()?.remove(&cookie)] {
+        match res {
+            Ok(()) | Err(MapError::KeyNotFound) => {}
+            Err(e) => return Err(Error::bpf(format!("removing map entries of cookie {cookie}"), e)),
+        }
+    }
+    Ok(())
+}
+
+/// Undoes a partial enrolment when dropped while armed.
+struct Undo<'a> {
+    dp: &'a Datapath,
+    cookie: NetnsCookie,
+    armed: bool,
+}
+
+impl Drop for Undo<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            if let Err(e) = remove_all(self.dp, self.cookie) {
+                warn!(cookie = self.cookie, error = %e, "could not undo a failed enrolment");
+            }
+        }
+    }
+}
+
+/// Every enrolled pod, with its counters.
+pub fn list(dp: &Datapath) -> Result<Vec<PodStatus>> {
+    let pods = dp.pods()?;
+    let mut out = Vec::new();
+    for entry in pods.iter() {
+        let (cookie, info) = entry.map_err(|e| Error::bpf("reading PODS", e))?;
+        out.push(status_of(dp, cookie, info)?);
+    }
+    out.sort_by_key(|p| p.cookie);
+    Ok(out)
+}
+
+/// One enrolled pod, with its counters.
+pub fn show(dp: &Datapath, cookie: NetnsCookie) -> Result<PodStatus> {
+    let info = match dp.pods()?.get(&cookie, 0) {
+        Ok(info) => info,
+        Err(MapError::KeyNotFound) => {
+            return Err(Error::NotEnrolled { pod: format!("with netns cookie {cookie}") })
+        }
+        Err(e) => return Err(Error::bpf("reading PODS", e)),
+    };
+    status_of(dp, cookie, info)
+}
+
+fn status_of(dp: &Datapath, cookie: NetnsCookie, info: PodInfo) -> Result<PodStatus> {
+    let counters = match dp.counters()?.get(&cookie, 0) {
+        Ok(per_cpu) => per_cpu.iter().fold(PodCounters::default(), |a, c| a.saturating_add(*c)),
+        Err(MapError::KeyNotFound) => PodCounters::default(),
+        Err(e) => return Err(Error::bpf("reading POD_COUNTERS", e)),
+    };
+    let pins = pin_names(dp.pod_dir(cookie));
+    Ok(PodStatus { cookie, info, counters, pins })
+}
+
+fn pin_names(dir: PathBuf) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(dir)
+        .map(|rd| rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    names.sort();
+    names
+}

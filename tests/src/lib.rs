@@ -1,0 +1,223 @@
+//! Test fixtures for meshpath's end-to-end tests: pod-like network namespaces joined by veth,
+//! private pin roots, real TCP traffic. Every fixture removes what it made when dropped, also
+//! when the test fails, and every name is unique so tests run in parallel and again.
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream},
+    path::{Path, PathBuf},
+    process::{Command, Output},
+    sync::atomic::{AtomicU32, Ordering},
+    thread::JoinHandle,
+};
+
+use anyhow::{bail, Context as _, Result};
+use meshpath_loader::{datapath::Datapath, netns::Netns};
+
+/// Panics unless running as root: these tests load eBPF programs and create namespaces. They are
+/// never skipped, so a run without privileges fails loudly instead of passing empty.
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "meshpath's end-to-end tests must run as root (they load eBPF programs)");
+}
+
+/// A name no other test (in this or another process) is using: `prefix` + pid + counter.
+/// Kept short: interface names are limited to 15 bytes.
+pub fn unique(prefix: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!("{prefix}{}x{}", std::process::id() % 100_000, N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Runs a command, failing with its stderr if it does not succeed.
+pub fn sh(program: &str, args: &[&str]) -> Result<Output> {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {program}"))?;
+    if !out.status.success() {
+        bail!(
+            "`{program} {}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(out)
+}
+
+/// A named network namespace (`ip netns add`), deleted on drop.
+#[derive(Debug)]
+pub struct NetnsGuard {
+    name: String,
+}
+
+impl NetnsGuard {
+    pub fn new(prefix: &str) -> Result<Self> {
+        let name = unique(prefix);
+        sh("ip", &["netns", "add", &name])?;
+        let ns = Self { name };
+        ns.ip(&["link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn path(&self) -> PathBuf {
+        Path::new("/var/run/netns").join(&self.name)
+    }
+
+    pub fn open(&self) -> Result<Netns> {
+        Ok(Netns::open(&self.path())?)
+    }
+
+    /// `ip -n NAME ARGS…`
+    pub fn ip(&self, args: &[&str]) -> Result<Output> {
+        let mut all = vec!["-n", &self.name];
+        all.extend_from_slice(args);
+        sh("ip", &all)
+    }
+}
+
+impl Drop for NetnsGuard {
+    fn drop(&mut self) {
+        // Deleting the netns also deletes the veth ends inside it.
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
+    }
+}
+
+/// Two pods, each in its own netns with an `eth0`, joined by a veth pair on 10.x/24.
+#[derive(Debug)]
+pub struct PodPair {
+    pub a: NetnsGuard,
+    pub b: NetnsGuard,
+    pub a_ip: Ipv4Addr,
+    pub b_ip: Ipv4Addr,
+}
+
+impl PodPair {
+    pub fn new() -> Result<Self> {
+        let a = NetnsGuard::new("mpa")?;
+        let b = NetnsGuard::new("mpb")?;
+        let (va, vb) = (unique("va"), unique("vb"));
+        sh("ip", &["link", "add", &va, "netns", a.name(), "type", "veth", "peer", "name", &vb, "netns", b.name()])?;
+        let (a_ip, b_ip) = (Ipv4Addr::new(10, 199, 0, 1), Ipv4Addr::new(10, 199, 0, 2));
+        for (ns, dev, ip) in [(&a, &va, a_ip), (&b, &vb, b_ip)] {
+            ns.ip(&["link", "set", dev, "name", "eth0"])?;
+            ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
+            ns.ip(&["link", "set", "eth0", "up"])?;
+        }
+        Ok(Self { a, b, a_ip, b_ip })
+    }
+}
+
+/// A private pin root under /sys/fs/bpf, removed (with every pin in it, which detaches the links
+/// they hold) on drop.
+#[derive(Debug)]
+pub struct PinRoot {
+    path: PathBuf,
+}
+
+impl PinRoot {
+    pub fn new() -> Self {
+        Self { path: Path::new("/sys/fs/bpf").join(unique("meshpath-test-")) }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Opens (creating on first use) the datapath under this root. The returned handle holds the
+    /// root's lock: drop it before running a loader process on the same root.
+    pub fn datapath(&self) -> Result<Datapath> {
+        Ok(Datapath::open_or_load(&self.path)?)
+    }
+
+    /// Every pin file under the root's `pods/` directory.
+    pub fn pod_pins(&self) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        let pods = self.path.join(datapath_common::consts::pins::PODS_DIR);
+        for dir in std::fs::read_dir(pods).into_iter().flatten().flatten() {
+            out.push(dir.path());
+            out.extend(std::fs::read_dir(dir.path()).into_iter().flatten().flatten().map(|e| e.path()));
+        }
+        out
+    }
+}
+
+impl Default for PinRoot {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for PinRoot {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// The `meshpath-loader` binary of this build (`MESHPATH_LOADER` overrides).
+pub fn loader_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("MESHPATH_LOADER") {
+        return PathBuf::from(p);
+    }
+    // tests/ → workspace root → target/<profile>/ (the test binary lives in target/<profile>/deps).
+    let exe = std::env::current_exe().expect("current_exe");
+    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>");
+    profile_dir.join("meshpath-loader")
+}
+
+/// Runs `meshpath-loader --pin-root ROOT ARGS…` as a separate process.
+pub fn loader(root: &PinRoot, args: &[&str]) -> Output {
+    Command::new(loader_bin())
+        .arg("--pin-root")
+        .arg(root.path())
+        .args(args)
+        .output()
+        .expect("running meshpath-loader (build it first: cargo xtask build)")
+}
+
+/// A TCP server inside `ns` that counts the bytes it receives on one connection.
+pub fn tcp_sink(ns: &Netns, addr: SocketAddrV4) -> Result<JoinHandle<std::io::Result<u64>>> {
+    let listener = ns.run(|| TcpListener::bind(addr))??;
+    Ok(std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept()?;
+        let mut buf = vec![0u8; 1 << 16];
+        let mut total = 0u64;
+        loop {
+            match conn.read(&mut buf)? {
+                0 => return Ok(total),
+                n => total += n as u64,
+            }
+        }
+    }))
+}
+
+/// Connects from inside `ns` to `addr` and sends exactly `bytes` bytes, then closes.
+pub fn tcp_send(ns: &Netns, addr: SocketAddrV4, bytes: usize) -> Result<()> {
+    let mut conn = ns.run(|| TcpStream::connect(SocketAddr::V4(addr)))??;
+    let chunk = vec![0x5au8; 1 << 16];
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(chunk.len());
+        conn.write_all(&chunk[..n])?;
+        left -= n;
+    }
+    conn.shutdown(std::net::Shutdown::Write)?;
+    // Wait for the peer to close so every segment has crossed both TC hooks.
+    let mut rest = [0u8; 1];
+    let _ = conn.read(&mut rest)?;
+    Ok(())
+}
+
+/// Sends `bytes` from pod a to pod b over TCP and returns what b received.
+pub fn transfer(pods: &PodPair, port: u16, bytes: usize) -> Result<u64> {
+    let (a, b) = (pods.a.open()?, pods.b.open()?);
+    let addr = SocketAddrV4::new(pods.b_ip, port);
+    let sink = tcp_sink(&b, addr)?;
+    tcp_send(&a, addr, bytes)?;
+    let got = sink.join().map_err(|_| anyhow::anyhow!("sink panicked"))??;
+    Ok(got)
+}

@@ -62,12 +62,21 @@ impl PodInfo {
             end -= 1;
         }
         buf[..end].copy_from_slice(&name.as_bytes()[..end]);
-        Self { ifindex, flags: 0, netns_inode, name: buf }
+        Self {
+            ifindex,
+            flags: 0,
+            netns_inode,
+            name: buf,
+        }
     }
 
     /// The name as text (up to the first NUL).
     pub fn name(&self) -> &str {
-        let end = self.name.iter().position(|&b| b == 0).unwrap_or(POD_NAME_LEN);
+        let end = self
+            .name
+            .iter()
+            .position(|&b| b == 0)
+            .unwrap_or(POD_NAME_LEN);
         match core::str::from_utf8(&self.name[..end]) {
             Ok(s) => s,
             Err(e) => {

@@ -18,8 +18,7 @@ use datapath_common::{consts::MAX_PODS, NetnsCookie, PodCounters, PodInfo};
 /// Per pod, per CPU counters. Entries are created by the loader at enrolment and removed at
 /// unenrolment, so a packet of a pod that is not enrolled finds none and is not counted.
 #[map]
-static POD_COUNTERS: PerCpuHashMap<NetnsCookie, PodCounters> =
-    PerCpuHashMap::pinned(MAX_PODS, 0);
+static POD_COUNTERS: PerCpuHashMap<NetnsCookie, PodCounters> = PerCpuHashMap::pinned(MAX_PODS, 0);
 
 /// The enrolled pods. Written only by the loader; declared here so the object owns its layout.
 #[map]

@@ -24,13 +24,11 @@ use tracing::{debug, info};
 use crate::{Error, Result};
 
 /// The compiled eBPF object, built by build.rs with aya-build.
-static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/meshpath-datapath"));
+static EBPF_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/meshpath-datapath"));
 
 /// Where verifier logs are written when the kernel rejects a program.
 const VERIFIER_LOG_DIR: &str = "/run/meshpath";
-
-/// `BPF_FS_MAGIC` from include/uapi/linux/magic.h.
-const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
 /// The pinned datapath under one pin root. Holding it holds an exclusive lock on the root, so
 /// two loaders never change the same node at once.
@@ -49,10 +47,14 @@ impl Datapath {
             fs::create_dir_all(root.join(dir))
                 .map_err(|e| Error::io(format!("creating {}", root.join(dir).display()), e))?;
         }
-        let dir = File::open(root).map_err(|e| Error::io(format!("opening {}", root.display()), e))?;
+        let dir =
+            File::open(root).map_err(|e| Error::io(format!("opening {}", root.display()), e))?;
         let lock = Flock::lock(dir, FlockArg::LockExclusive)
             .map_err(|(_, e)| Error::io(format!("locking {}", root.display()), e.into()))?;
-        let dp = Self { root: root.to_owned(), _lock: lock };
+        let dp = Self {
+            root: root.to_owned(),
+            _lock: lock,
+        };
         if !dp.maps_pinned() {
             // Parsing the object creates and pins every map it declares `pinned`.
             dp.load_object(0)?;
@@ -76,7 +78,9 @@ impl Datapath {
     }
 
     fn maps_pinned(&self) -> bool {
-        [map_names::POD_COUNTERS, map_names::PODS].iter().all(|m| self.map_pin(m).exists())
+        [map_names::POD_COUNTERS, map_names::PODS]
+            .iter()
+            .all(|m| self.map_pin(m).exists())
     }
 
     /// Parses the embedded object for one pod: maps declared `pinned` are reused from the pin
@@ -96,7 +100,9 @@ impl Datapath {
         for &name in names {
             let prog: &mut SchedClassifier = ebpf
                 .program_mut(name)
-                .ok_or_else(|| Error::bpf(name, io::Error::other("program missing from the object")))?
+                .ok_or_else(|| {
+                    Error::bpf(name, io::Error::other("program missing from the object"))
+                })?
                 .try_into()
                 .map_err(|e| Error::bpf(format!("program {name}"), e))?;
             prog.load().map_err(|e| verifier_error(name, e))?;
@@ -126,14 +132,21 @@ impl Datapath {
 /// Turns a load failure into one sentence plus a file with the verifier's log.
 fn verifier_error(program: &str, e: ProgramError) -> Error {
     match e {
-        ProgramError::LoadError { io_error, verifier_log } => {
+        ProgramError::LoadError {
+            io_error,
+            verifier_log,
+        } => {
             let log = PathBuf::from(VERIFIER_LOG_DIR).join(format!("verifier-{program}.log"));
             let written = fs::create_dir_all(VERIFIER_LOG_DIR)
                 .and_then(|()| fs::write(&log, verifier_log.to_string()));
             if let Err(w) = written {
                 debug!(error = %w, "could not write the verifier log");
             }
-            Error::Verifier { program: program.to_owned(), cause: io_error, log }
+            Error::Verifier {
+                program: program.to_owned(),
+                cause: io_error,
+                log,
+            }
         }
         other => Error::bpf(format!("loading program {program}"), other),
     }
@@ -148,8 +161,8 @@ fn ensure_bpffs(root: &Path) -> Result<()> {
             break;
         }
     }
-    let fs_type = nix::sys::statfs::statfs(&probe).map(|s| s.filesystem_type().0 as i64);
-    if fs_type == Ok(BPF_FS_MAGIC) {
+    let fs_type = nix::sys::statfs::statfs(&probe).map(|s| s.filesystem_type());
+    if fs_type == Ok(nix::sys::statfs::BPF_FS_MAGIC) {
         return Ok(());
     }
     let mount_point = Path::new("/sys/fs/bpf");

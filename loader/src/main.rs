@@ -12,7 +12,11 @@ use meshpath_loader::{
 };
 
 #[derive(Parser)]
-#[command(name = "meshpath-loader", version, about = "meshpath node agent: enrol pods into the eBPF datapath")]
+#[command(
+    name = "meshpath-loader",
+    version,
+    about = "meshpath node agent: enrol pods into the eBPF datapath"
+)]
 struct Cli {
     /// bpffs directory holding meshpath's pinned programs, maps and links.
     #[arg(long, env = "MESHPATH_PIN_ROOT", default_value = pins::DEFAULT_ROOT, global = true)]
@@ -100,9 +104,15 @@ fn run(cli: Cli) -> Result<()> {
     match &cli.command {
         Cmd::Enrol { netns, iface, name } => {
             let ns = Netns::open(netns)?;
-            let opts = EnrolOptions { iface: iface.clone(), name: name.clone() };
+            let opts = EnrolOptions {
+                iface: iface.clone(),
+                name: name.clone(),
+            };
             let cookie = pods::enrol(&dp()?, &ns, &opts)?;
-            println!("enrolled {} (netns cookie {cookie})", name.as_deref().unwrap_or(&netns.display().to_string()));
+            println!(
+                "enrolled {} (netns cookie {cookie})",
+                name.as_deref().unwrap_or(&netns.display().to_string())
+            );
         }
         Cmd::Unenrol(pod) => {
             let cookie = pod.cookie()?;
@@ -112,18 +122,32 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::List { json } => {
             let all = pods::list(&dp()?)?;
             if *json {
-                println!("{}", serde_json::to_string_pretty(&all.iter().map(to_json).collect::<Vec<_>>())?);
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&all.iter().map(to_json).collect::<Vec<_>>())?
+                );
             } else {
                 println!(
                     "{:<20} {:<32} {:>7} {:>12} {:>14} {:>12} {:>14}",
-                    "COOKIE", "POD", "IFINDEX", "IN_PACKETS", "IN_BYTES", "OUT_PACKETS", "OUT_BYTES"
+                    "COOKIE",
+                    "POD",
+                    "IFINDEX",
+                    "IN_PACKETS",
+                    "IN_BYTES",
+                    "OUT_PACKETS",
+                    "OUT_BYTES"
                 );
                 for p in &all {
                     let c = &p.counters;
                     println!(
                         "{:<20} {:<32} {:>7} {:>12} {:>14} {:>12} {:>14}",
-                        p.cookie, p.info.name(), p.info.ifindex, c.ingress_packets, c.ingress_bytes,
-                        c.egress_packets, c.egress_bytes
+                        p.cookie,
+                        p.info.name(),
+                        p.info.ifindex,
+                        c.ingress_packets,
+                        c.ingress_bytes,
+                        c.egress_packets,
+                        c.egress_bytes
                     );
                 }
             }
@@ -139,8 +163,14 @@ fn run(cli: Cli) -> Result<()> {
                 println!("netns inode:  {}", p.info.netns_inode);
                 println!("ifindex:      {}", p.info.ifindex);
                 println!("pins:         {}", p.pins.join(", "));
-                println!("ingress:      {} packets, {} bytes", c.ingress_packets, c.ingress_bytes);
-                println!("egress:       {} packets, {} bytes", c.egress_packets, c.egress_bytes);
+                println!(
+                    "ingress:      {} packets, {} bytes",
+                    c.ingress_packets, c.ingress_bytes
+                );
+                println!(
+                    "egress:       {} packets, {} bytes",
+                    c.egress_packets, c.egress_bytes
+                );
             }
         }
     }

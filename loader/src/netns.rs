@@ -18,8 +18,6 @@ use crate::{Error, Result};
 const SO_NETNS_COOKIE: libc::c_int = 71;
 /// `NS_GET_NSTYPE` ioctl on an nsfs file: `_IO(0xb7, 0x3)`.
 const NS_GET_NSTYPE: libc::c_ulong = 0xb703;
-/// `NSFS_MAGIC` from include/uapi/linux/magic.h.
-const NSFS_MAGIC: i64 = 0x6e73_6673;
 
 /// An open network namespace with the facts meshpath keys on.
 #[derive(Debug)]
@@ -34,10 +32,13 @@ impl Netns {
     /// Opens `path` (e.g. `/var/run/netns/NAME` or `/proc/PID/ns/net`) and checks that it is a
     /// network namespace.
     pub fn open(path: &Path) -> Result<Self> {
-        let not_netns = |reason: String| Error::NotANetns { path: path.to_owned(), reason };
+        let not_netns = |reason: String| Error::NotANetns {
+            path: path.to_owned(),
+            reason,
+        };
         let file = File::open(path).map_err(|e| not_netns(e.to_string()))?;
         let fs = nix::sys::statfs::fstatfs(file.as_fd()).map_err(|e| not_netns(e.to_string()))?;
-        if fs.filesystem_type().0 as i64 != NSFS_MAGIC {
+        if fs.filesystem_type() != nix::sys::statfs::NSFS_MAGIC {
             return Err(not_netns("not a namespace file".into()));
         }
         // SAFETY: NS_GET_NSTYPE takes no argument and only reads the nsfs inode.
@@ -49,7 +50,12 @@ impl Netns {
             return Err(not_netns("a namespace of another type".into()));
         }
         let inode = file.metadata().map_err(|e| not_netns(e.to_string()))?.ino();
-        let mut ns = Self { file, path: path.to_owned(), inode, cookie: 0 };
+        let mut ns = Self {
+            file,
+            path: path.to_owned(),
+            inode,
+            cookie: 0,
+        };
         ns.cookie = ns.run(read_cookie)??;
         Ok(ns)
     }
@@ -76,8 +82,9 @@ impl Netns {
         let fd = self.file.as_fd();
         std::thread::scope(|s| {
             s.spawn(|| {
-                setns(fd, CloneFlags::CLONE_NEWNET)
-                    .map_err(|e| Error::io(format!("entering netns {}", self.path.display()), e.into()))?;
+                setns(fd, CloneFlags::CLONE_NEWNET).map_err(|e| {
+                    Error::io(format!("entering netns {}", self.path.display()), e.into())
+                })?;
                 Ok(f())
             })
             .join()
@@ -88,9 +95,21 @@ impl Netns {
 
 /// Reads the cookie of the calling thread's network namespace.
 pub fn read_cookie() -> Result<u64> {
-    let sock = socket(AddressFamily::Inet, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None)
-        .or_else(|_| socket(AddressFamily::Unix, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None))
-        .map_err(|e| Error::io("creating a socket to read the netns cookie", e.into()))?;
+    let sock = socket(
+        AddressFamily::Inet,
+        SockType::Datagram,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .or_else(|_| {
+        socket(
+            AddressFamily::Unix,
+            SockType::Datagram,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+    })
+    .map_err(|e| Error::io("creating a socket to read the netns cookie", e.into()))?;
     let mut cookie: u64 = 0;
     let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
     // SAFETY: the out-pointer and length describe a valid u64.

@@ -33,7 +33,10 @@ pub struct EnrolOptions {
 
 impl Default for EnrolOptions {
     fn default() -> Self {
-        Self { iface: "eth0".into(), name: None }
+        Self {
+            iface: "eth0".into(),
+            name: None,
+        }
     }
 }
 
@@ -55,11 +58,18 @@ pub struct PodStatus {
 /// error, none of it is left behind.
 pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsCookie> {
     let cookie = netns.cookie();
-    let pod = opts.name.clone().unwrap_or_else(|| netns.path().display().to_string());
+    let pod = opts
+        .name
+        .clone()
+        .unwrap_or_else(|| netns.path().display().to_string());
     if is_enrolled(dp, cookie)? {
         return Err(Error::AlreadyEnrolled { pod, cookie });
     }
-    let mut undo = Undo { dp, cookie, armed: true };
+    let mut undo = Undo {
+        dp,
+        cookie,
+        armed: true,
+    };
 
     let ncpus = nr_cpus().map_err(|(what, e)| Error::io(what, e))?;
     let zeros = PerCpuValues::try_from(vec![PodCounters::default(); ncpus])
@@ -90,11 +100,21 @@ fn attach_tc(
     pod: &str,
     iface: &str,
 ) -> Result<u32> {
-    let ifindex = nix::net::if_::if_nametoindex(iface)
-        .map_err(|_| Error::NoSuchInterface { pod: pod.to_owned(), iface: iface.to_owned() })?;
+    let ifindex = nix::net::if_::if_nametoindex(iface).map_err(|_| Error::NoSuchInterface {
+        pod: pod.to_owned(),
+        iface: iface.to_owned(),
+    })?;
     let tc = [
-        (programs::TC_POD_INGRESS, TcAttachType::Ingress, link_pins::TC_INGRESS),
-        (programs::TC_POD_EGRESS, TcAttachType::Egress, link_pins::TC_EGRESS),
+        (
+            programs::TC_POD_INGRESS,
+            TcAttachType::Ingress,
+            link_pins::TC_INGRESS,
+        ),
+        (
+            programs::TC_POD_EGRESS,
+            TcAttachType::Egress,
+            link_pins::TC_EGRESS,
+        ),
     ];
     let mut ebpf = dp.load_pod_programs(cookie, &tc.map(|(p, _, _)| p))?;
     for (program, attach_type, pin) in tc {
@@ -103,12 +123,16 @@ fn attach_tc(
             .and_then(|p| p.try_into().ok())
             .ok_or_else(|| Error::bpf(program, io::Error::other("not a TC program")))?;
         let what = || format!("pod {pod}: attaching {program} to {iface}");
-        let id = prog.attach(iface, attach_type).map_err(|e| Error::bpf(what(), e))?;
-        let link: FdLink =
-            prog.take_link(id).map_err(|e| Error::bpf(what(), e))?.try_into().map_err(|e| {
-                Error::bpf(what(), e)
-            })?;
-        link.pin(dir.join(pin)).map_err(|e| Error::bpf(format!("pod {pod}: pinning {pin}"), e))?;
+        let id = prog
+            .attach(iface, attach_type)
+            .map_err(|e| Error::bpf(what(), e))?;
+        let link: FdLink = prog
+            .take_link(id)
+            .map_err(|e| Error::bpf(what(), e))?
+            .try_into()
+            .map_err(|e| Error::bpf(what(), e))?;
+        link.pin(dir.join(pin))
+            .map_err(|e| Error::bpf(format!("pod {pod}: pinning {pin}"), e))?;
     }
     Ok(ifindex)
 }
@@ -117,7 +141,9 @@ fn attach_tc(
 /// pod's netns still exists.
 pub fn unenrol(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
     if !is_enrolled(dp, cookie)? {
-        return Err(Error::NotEnrolled { pod: format!("with netns cookie {cookie}") });
+        return Err(Error::NotEnrolled {
+            pod: format!("with netns cookie {cookie}"),
+        });
     }
     remove_all(dp, cookie)?;
     info!(cookie, "pod unenrolled");
@@ -144,7 +170,8 @@ fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
                 fs::remove_file(entry.path())
                     .map_err(|e| Error::io(format!("unpinning {}", entry.path().display()), e))?;
             }
-            fs::remove_dir(&dir).map_err(|e| Error::io(format!("removing {}", dir.display()), e))?;
+            fs::remove_dir(&dir)
+                .map_err(|e| Error::io(format!("removing {}", dir.display()), e))?;
         }
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(Error::io(format!("reading {}", dir.display()), e)),
@@ -152,7 +179,12 @@ fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
     for res in [dp.pods()?.remove(&cookie), dp.counters()?.remove(&cookie)] {
         match res {
             Ok(()) | Err(MapError::KeyNotFound) => {}
-            Err(e) => return Err(Error::bpf(format!("removing map entries of cookie {cookie}"), e)),
+            Err(e) => {
+                return Err(Error::bpf(
+                    format!("removing map entries of cookie {cookie}"),
+                    e,
+                ))
+            }
         }
     }
     Ok(())
@@ -192,7 +224,9 @@ pub fn show(dp: &Datapath, cookie: NetnsCookie) -> Result<PodStatus> {
     let info = match dp.pods()?.get(&cookie, 0) {
         Ok(info) => info,
         Err(MapError::KeyNotFound) => {
-            return Err(Error::NotEnrolled { pod: format!("with netns cookie {cookie}") })
+            return Err(Error::NotEnrolled {
+                pod: format!("with netns cookie {cookie}"),
+            })
         }
         Err(e) => return Err(Error::bpf("reading PODS", e)),
     };
@@ -201,17 +235,28 @@ pub fn show(dp: &Datapath, cookie: NetnsCookie) -> Result<PodStatus> {
 
 fn status_of(dp: &Datapath, cookie: NetnsCookie, info: PodInfo) -> Result<PodStatus> {
     let counters = match dp.counters()?.get(&cookie, 0) {
-        Ok(per_cpu) => per_cpu.iter().fold(PodCounters::default(), |a, c| a.saturating_add(*c)),
+        Ok(per_cpu) => per_cpu
+            .iter()
+            .fold(PodCounters::default(), |a, c| a.saturating_add(*c)),
         Err(MapError::KeyNotFound) => PodCounters::default(),
         Err(e) => return Err(Error::bpf("reading POD_COUNTERS", e)),
     };
     let pins = pin_names(dp.pod_dir(cookie));
-    Ok(PodStatus { cookie, info, counters, pins })
+    Ok(PodStatus {
+        cookie,
+        info,
+        counters,
+        pins,
+    })
 }
 
 fn pin_names(dir: PathBuf) -> Vec<String> {
     let mut names: Vec<String> = fs::read_dir(dir)
-        .map(|rd| rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
         .unwrap_or_default();
     names.sort();
     names

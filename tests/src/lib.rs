@@ -19,14 +19,21 @@ use meshpath_loader::{datapath::Datapath, netns::Netns};
 pub fn require_root() {
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
-    assert_eq!(euid, 0, "meshpath's end-to-end tests must run as root (they load eBPF programs)");
+    assert_eq!(
+        euid, 0,
+        "meshpath's end-to-end tests must run as root (they load eBPF programs)"
+    );
 }
 
 /// A name no other test (in this or another process) is using: `prefix` + pid + counter.
 /// Kept short: interface names are limited to 15 bytes.
 pub fn unique(prefix: &str) -> String {
     static N: AtomicU32 = AtomicU32::new(0);
-    format!("{prefix}{}x{}", std::process::id() % 100_000, N.fetch_add(1, Ordering::Relaxed))
+    format!(
+        "{prefix}{}x{}",
+        std::process::id() % 100_000,
+        N.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 /// Runs a command, failing with its stderr if it does not succeed.
@@ -83,7 +90,9 @@ impl NetnsGuard {
 impl Drop for NetnsGuard {
     fn drop(&mut self) {
         // Deleting the netns also deletes the veth ends inside it.
-        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .output();
     }
 }
 
@@ -101,7 +110,23 @@ impl PodPair {
         let a = NetnsGuard::new("mpa")?;
         let b = NetnsGuard::new("mpb")?;
         let (va, vb) = (unique("va"), unique("vb"));
-        sh("ip", &["link", "add", &va, "netns", a.name(), "type", "veth", "peer", "name", &vb, "netns", b.name()])?;
+        sh(
+            "ip",
+            &[
+                "link",
+                "add",
+                &va,
+                "netns",
+                a.name(),
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &vb,
+                "netns",
+                b.name(),
+            ],
+        )?;
         let (a_ip, b_ip) = (Ipv4Addr::new(10, 199, 0, 1), Ipv4Addr::new(10, 199, 0, 2));
         for (ns, dev, ip) in [(&a, &va, a_ip), (&b, &vb, b_ip)] {
             ns.ip(&["link", "set", dev, "name", "eth0"])?;
@@ -121,7 +146,9 @@ pub struct PinRoot {
 
 impl PinRoot {
     pub fn new() -> Self {
-        Self { path: Path::new("/sys/fs/bpf").join(unique("meshpath-test-")) }
+        Self {
+            path: Path::new("/sys/fs/bpf").join(unique("meshpath-test-")),
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -140,7 +167,13 @@ impl PinRoot {
         let pods = self.path.join(datapath_common::consts::pins::PODS_DIR);
         for dir in std::fs::read_dir(pods).into_iter().flatten().flatten() {
             out.push(dir.path());
-            out.extend(std::fs::read_dir(dir.path()).into_iter().flatten().flatten().map(|e| e.path()));
+            out.extend(
+                std::fs::read_dir(dir.path())
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .map(|e| e.path()),
+            );
         }
         out
     }
@@ -165,7 +198,10 @@ pub fn loader_bin() -> PathBuf {
     }
     // tests/ → workspace root → target/<profile>/ (the test binary lives in target/<profile>/deps).
     let exe = std::env::current_exe().expect("current_exe");
-    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>");
     profile_dir.join("meshpath-loader")
 }
 
@@ -218,6 +254,8 @@ pub fn transfer(pods: &PodPair, port: u16, bytes: usize) -> Result<u64> {
     let addr = SocketAddrV4::new(pods.b_ip, port);
     let sink = tcp_sink(&b, addr)?;
     tcp_send(&a, addr, bytes)?;
-    let got = sink.join().map_err(|_| anyhow::anyhow!("sink panicked"))??;
+    let got = sink
+        .join()
+        .map_err(|_| anyhow::anyhow!("sink panicked"))??;
     Ok(got)
 }

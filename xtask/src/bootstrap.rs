@@ -53,11 +53,14 @@ pub fn ensure(needs: Needs) -> Result<Option<PathBuf>> {
 }
 
 fn ensure_nightly_rust_src() -> Result<()> {
-    let installed = output("rustup", &["component", "list", "--installed", "--toolchain", NIGHTLY])
-        .context(
-            "the nightly Rust toolchain is missing; it must be preinstalled on this machine \
+    let installed = output(
+        "rustup",
+        &["component", "list", "--installed", "--toolchain", NIGHTLY],
+    )
+    .context(
+        "the nightly Rust toolchain is missing; it must be preinstalled on this machine \
              (rustup cannot fetch another one here)",
-        )?;
+    )?;
     if installed.lines().any(|l| l.starts_with("rust-src")) {
         return Ok(());
     }
@@ -94,7 +97,10 @@ fn nightly_libllvm() -> Result<PathBuf> {
     // Prefer the versioned soname (libLLVM.so.22.1-…), which is what the linker records.
     candidates.sort_by_key(|p| !p.to_string_lossy().contains("libLLVM.so."));
     candidates.into_iter().next().with_context(|| {
-        format!("the nightly ships no libLLVM shared object in {}", lib.display())
+        format!(
+            "the nightly ships no libLLVM shared object in {}",
+            lib.display()
+        )
     })
 }
 
@@ -105,8 +111,7 @@ fn bpf_linker_works(bin: &Path) -> bool {
         .stderr(Stdio::null())
         .output()
         .is_ok_and(|o| {
-            o.status.success()
-                && String::from_utf8_lossy(&o.stdout).contains(BPF_LINKER_VERSION)
+            o.status.success() && String::from_utf8_lossy(&o.stdout).contains(BPF_LINKER_VERSION)
         })
 }
 
@@ -120,9 +125,13 @@ fn ensure_bpf_linker() -> Result<PathBuf> {
     // bpf-linker's build links against lib/libLLVM.so; the binary then loads the library by its
     // soname (the file's own name) through an rpath to lib/. Both names must point at the
     // nightly's current library (a nightly update changes it).
-    let soname = libllvm.file_name().context("libLLVM path has no file name")?;
+    let soname = libllvm
+        .file_name()
+        .context("libLLVM path has no file name")?;
     let links = [lib_dir.join("libLLVM.so"), lib_dir.join(soname)];
-    let links_ok = links.iter().all(|l| fs::read_link(l).is_ok_and(|t| t == libllvm));
+    let links_ok = links
+        .iter()
+        .all(|l| fs::read_link(l).is_ok_and(|t| t == libllvm));
     if links_ok && bpf_linker_works(&bin) {
         return Ok(bin_dir);
     }
@@ -143,13 +152,26 @@ fn ensure_bpf_linker() -> Result<PathBuf> {
         libllvm.display()
     );
     run(Command::new("cargo")
-        .args(["install", "--locked", "bpf-linker", "--version", BPF_LINKER_VERSION])
-        .args(["--no-default-features", "--features", BPF_LINKER_LLVM_FEATURE, "--force"])
+        .args([
+            "install",
+            "--locked",
+            "bpf-linker",
+            "--version",
+            BPF_LINKER_VERSION,
+        ])
+        .args([
+            "--no-default-features",
+            "--features",
+            BPF_LINKER_LLVM_FEATURE,
+            "--force",
+        ])
         .arg("--root")
         .arg(&root)
         .env("LLVM_PREFIX", &llvm_prefix)
         .stdout(Stdio::null()))
-    .context("could not build bpf-linker from crates.io; run the command above by hand to see why")?;
+    .context(
+        "could not build bpf-linker from crates.io; run the command above by hand to see why",
+    )?;
     if !bpf_linker_works(&bin) {
         bail!(
             "bpf-linker was built at {} but `bpf-linker --version` does not run; \
@@ -178,10 +200,16 @@ fn ensure_debian_packages() -> Result<()> {
         return Ok(());
     }
     if !is_root() {
-        bail!("Debian packages {} are missing; install them as root (apt-get install {})",
-            missing.join(", "), missing.join(" "));
+        bail!(
+            "Debian packages {} are missing; install them as root (apt-get install {})",
+            missing.join(", "),
+            missing.join(" ")
+        );
     }
-    println!("bootstrap: installing Debian packages {}", missing.join(" "));
+    println!(
+        "bootstrap: installing Debian packages {}",
+        missing.join(" ")
+    );
     let install = || {
         Command::new("apt-get")
             .args(["install", "-y", "-qq", "--no-install-recommends"])
@@ -195,11 +223,16 @@ fn ensure_debian_packages() -> Result<()> {
         return Ok(());
     }
     // A fresh machine has empty package lists: update once, then try again.
-    run(Command::new("apt-get").args(["update", "-qq"]).stdout(Stdio::null()))
-        .context("apt-get update failed")?;
+    run(Command::new("apt-get")
+        .args(["update", "-qq"])
+        .stdout(Stdio::null()))
+    .context("apt-get update failed")?;
     if !install() {
-        bail!("apt-get could not install {}; run `apt-get install {}` to see why",
-            missing.join(" "), missing.join(" "));
+        bail!(
+            "apt-get could not install {}; run `apt-get install {}` to see why",
+            missing.join(" "),
+            missing.join(" ")
+        );
     }
     Ok(())
 }
@@ -236,7 +269,9 @@ fn output(program: &str, args: &[&str]) -> Result<String> {
 }
 
 pub fn run(cmd: &mut Command) -> Result<()> {
-    let status = cmd.status().with_context(|| format!("could not start {cmd:?}"))?;
+    let status = cmd
+        .status()
+        .with_context(|| format!("could not start {cmd:?}"))?;
     if !status.success() {
         bail!("{cmd:?} failed with {status}");
     }

@@ -1,11 +1,13 @@
-//! `cargo xtask`: the one entry point for building, testing, demonstrating and benchmarking
-//! meshpath. It installs what a fresh machine lacks before it needs it (see bootstrap.rs).
+//! `cargo xtask`: the one entry point for building, testing and demonstrating meshpath. It
+//! installs what a fresh machine lacks before it needs it (see bootstrap.rs).
 
 mod bootstrap;
+mod cargo;
+mod demo;
 
-use std::{env, ffi::OsString, path::PathBuf, process::Command};
+use std::process::ExitCode;
 
-use anyhow::{Context as _, Result};
+use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -19,13 +21,72 @@ struct Cli {
 enum Cmd {
     /// Install what this machine lacks (nightly rust-src, bpf-linker, Debian packages, bpffs).
     Setup,
+    /// Build the eBPF object and every userspace binary.
+    Build {
+        /// Build with the release profile.
+        #[arg(long)]
+        release: bool,
+    },
+    /// Run every check and test: rustfmt, clippy, unit and end-to-end tests (as root).
+    Test {
+        /// Only run tests whose name contains this.
+        filter: Option<String>,
+    },
+    /// Run a local node: pods in network namespaces, enrolled, with real traffic.
+    Demo,
 }
 
-fn main() -> Result<()> {
-    let cli = Cli::parse();
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    use bootstrap::Needs;
     match cli.command {
         Cmd::Setup => {
-            bootstrap::ensure(bootstrap::Needs { ebpf_toolchain: true, runtime: true })?;
+            bootstrap::ensure(Needs {
+                ebpf_toolchain: true,
+                runtime: true,
+            })?;
+            println!("setup: everything meshpath needs is installed");
+        }
+        Cmd::Build { release } => {
+            let path = bootstrap::ensure(Needs {
+                ebpf_toolchain: true,
+                runtime: false,
+            })?;
+            cargo::build(path.as_deref(), release)?;
+        }
+        Cmd::Test { filter } => {
+            if !bootstrap::is_root() {
+                bail!(
+                    "the tests load eBPF programs and create network namespaces: run them as root"
+                );
+            }
+            let path = bootstrap::ensure(Needs {
+                ebpf_toolchain: true,
+                runtime: true,
+            })?;
+            cargo::test(path.as_deref(), filter.as_deref())?;
+        }
+        Cmd::Demo => {
+            if !bootstrap::is_root() {
+                bail!(
+                    "the demo loads eBPF programs and creates network namespaces: run it as root"
+                );
+            }
+            let path = bootstrap::ensure(Needs {
+                ebpf_toolchain: true,
+                runtime: true,
+            })?;
+            let bin_dir = cargo::build(path.as_deref(), false)?;
+            demo::run(&bin_dir)?;
         }
     }
     Ok(())

@@ -1,0 +1,175 @@
+//! Cargo invocations with the eBPF toolchain on PATH, and eBPF compile errors shown plainly.
+
+use std::{
+    env,
+    ffi::OsString,
+    io::{BufRead as _, BufReader},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+};
+
+use anyhow::{bail, Context as _, Result};
+
+/// The workspace root (xtask lives one level below it).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+}
+
+/// A cargo command run from the workspace root with `extra_path` first on PATH.
+fn cargo(extra_path: Option<&Path>) -> Result<Command> {
+    let mut cmd = Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.current_dir(workspace_root());
+    if let Some(dir) = extra_path {
+        let mut path = OsString::from(dir);
+        if let Some(old) = env::var_os("PATH") {
+            path.push(":");
+            path.push(old);
+        }
+        cmd.env("PATH", path);
+    }
+    Ok(cmd)
+}
+
+/// Runs a cargo command. aya-build reports the eBPF crate's compiler output as
+/// `warning: meshpath-loader@…: ` lines; on failure those are printed again without the prefix,
+/// so an eBPF compile error reads like any other.
+fn run_cargo(mut cmd: Command) -> Result<()> {
+    let what = format!(
+        "cargo {}",
+        cmd.get_args()
+            .map(|a| a.to_string_lossy())
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    let mut child = cmd
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting {what}"))?;
+    let stderr = child.stderr.take().context("cargo stderr")?;
+    let mut ebpf_lines = Vec::new();
+    for line in BufReader::new(stderr).lines() {
+        let line = line.unwrap_or_default();
+        match line
+            .split_once("meshpath-loader@")
+            .and_then(|(_, rest)| rest.split_once(": "))
+        {
+            Some((_, msg)) if line.starts_with("warning: ") => ebpf_lines.push(msg.to_owned()),
+            _ => eprintln!("{line}"),
+        }
+    }
+    let status = child.wait()?;
+    if !status.success() {
+        let relevant: Vec<&String> = ebpf_lines
+            .iter()
+            .filter(|l| {
+                !l.trim_start().starts_with("Compiling")
+                    && !l.trim_start().starts_with("Downloaded")
+            })
+            .collect();
+        if relevant.iter().any(|l| l.contains("error")) {
+            eprintln!("--- eBPF crate (datapath-ebpf) build output ---");
+            for l in relevant {
+                eprintln!("{l}");
+            }
+        }
+        bail!("{what} failed with {status}");
+    }
+    Ok(())
+}
+
+/// Builds every default workspace member (the loader's build script builds the eBPF object).
+/// Returns the directory holding the binaries.
+pub fn build(extra_path: Option<&Path>, release: bool) -> Result<PathBuf> {
+    let mut cmd = cargo(extra_path)?;
+    cmd.args(["build", "--bins"]);
+    if release {
+        cmd.arg("--release");
+    }
+    run_cargo(cmd)?;
+    Ok(workspace_root()
+        .join("target")
+        .join(if release { "release" } else { "debug" }))
+}
+
+/// rustfmt check, clippy with warnings as errors, then every test.
+pub fn test(extra_path: Option<&Path>, filter: Option<&str>) -> Result<()> {
+    println!("test: cargo fmt --check");
+    let mut fmt = cargo(extra_path)?;
+    fmt.args(["fmt", "--all", "--", "--check"]);
+    run_cargo(fmt).context("code is not formatted: run `cargo fmt --all`")?;
+
+    println!("test: cargo clippy -D warnings");
+    let mut clippy = cargo(extra_path)?;
+    clippy.args(["clippy", "--all-targets", "--", "-D", "warnings"]);
+    run_cargo(clippy)?;
+
+    // The end-to-end tests run the loader binary: build every binary first.
+    let bin_dir = build(extra_path, false)?;
+    println!("test: cargo test");
+    let mut test = cargo(extra_path)?;
+    test.args(["test", "--no-fail-fast", "--all-targets"]);
+    test.env("MESHPATH_LOADER", bin_dir.join("meshpath-loader"));
+    if let Some(f) = filter {
+        test.args(["--", f]);
+    }
+    // Tee the harness output and add up its `test result:` lines, so the run ends with one
+    // total (the last harness line is otherwise some crate's empty doc-test run).
+    let mut child = test
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting cargo test")?;
+    let stdout = child.stdout.take().context("cargo test stdout")?;
+    let (mut passed, mut failed) = (0u64, 0u64);
+    for line in BufReader::new(stdout).lines() {
+        let line = line.unwrap_or_default();
+        println!("{line}");
+        if let Some(rest) = line.strip_prefix("test result: ") {
+            passed += count_before(rest, " passed");
+            failed += count_before(rest, " failed");
+        }
+    }
+    let status = child.wait()?;
+    println!("tests: {passed} passed, {failed} failed");
+    if !status.success() || failed > 0 {
+        bail!("cargo test failed ({status})");
+    }
+    if passed == 0 {
+        bail!("cargo test ran no test");
+    }
+    Ok(())
+}
+
+/// The number just before `label` in a `test result:` line (`ok. 6 passed; 0 failed; …`).
+fn count_before(line: &str, label: &str) -> u64 {
+    line.split(';')
+        .find_map(|part| {
+            part.trim()
+                .trim_start_matches("ok. ")
+                .trim_start_matches("FAILED. ")
+                .strip_suffix(label.trim_start())
+        })
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::count_before;
+
+    #[test]
+    fn harness_totals_are_read_from_ok_and_failed_lines() {
+        let ok = "ok. 6 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.81s";
+        let bad = "FAILED. 4 passed; 2 failed; 0 ignored; 0 measured; 0 filtered out";
+        assert_eq!(
+            (count_before(ok, " passed"), count_before(ok, " failed")),
+            (6, 0)
+        );
+        assert_eq!(
+            (count_before(bad, " passed"), count_before(bad, " failed")),
+            (4, 2)
+        );
+    }
+}

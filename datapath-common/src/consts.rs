@@ -37,6 +37,27 @@ pub mod programs {
     pub const TC_POD_INGRESS: &str = "tc_pod_ingress";
     /// TC (TCX) program on a pod's interface, egress direction (traffic out of the pod).
     pub const TC_POD_EGRESS: &str = "tc_pod_egress";
+    /// cgroup/connect4: redirects a captured pod's IPv4 TCP connect() to the outbound listener.
+    pub const CONNECT4: &str = "mp_connect4";
+    /// cgroup/connect6: the same for IPv6 (and v4-mapped) sockets.
+    pub const CONNECT6: &str = "mp_connect6";
+    /// cgroup/getpeername4: shows the app the destination it asked for.
+    pub const GETPEERNAME4: &str = "mp_getpeername4";
+    /// cgroup/getpeername6.
+    pub const GETPEERNAME6: &str = "mp_getpeername6";
+    /// sock_ops: records a captured connection under its local port once it is established.
+    pub const SOCK_OPS: &str = "mp_sock_ops";
+    /// cgroup/getsockopt: answers SO_ORIGINAL_DST / IP6T_SO_ORIGINAL_DST for captured sockets.
+    pub const GETSOCKOPT: &str = "mp_getsockopt";
+    /// Every node-wide cgroup program, in the order the loader attaches them.
+    pub const CGROUP: [&str; 6] = [
+        SOCK_OPS,
+        GETSOCKOPT,
+        GETPEERNAME4,
+        GETPEERNAME6,
+        CONNECT4,
+        CONNECT6,
+    ];
 }
 
 /// Names of load-time constants (`aya_ebpf::Global`) in the eBPF object.
@@ -51,6 +72,14 @@ pub mod map_names {
     pub const POD_COUNTERS: &str = "POD_COUNTERS";
     /// [`crate::PodInfo`] per enrolled pod, keyed by the pod's netns cookie.
     pub const PODS: &str = "PODS";
+    /// cgroup ids whose sockets are never captured (the proxy's), value unused.
+    pub const PROXY_CGROUPS: &str = "PROXY_CGROUPS";
+    /// [`crate::OrigDst`] by the app socket's cookie (LRU).
+    pub const ORIG_DST_BY_SOCKET: &str = "ORIG_DST_BY_SOCKET";
+    /// [`crate::OrigDst`] by [`crate::ConnKey`] (LRU), for the proxy's getsockopt.
+    pub const ORIG_DST_BY_CONN: &str = "ORIG_DST_BY_CONN";
+    /// Ports excluded from capture, by [`crate::PortKey`], value unused.
+    pub const EXCLUDED_PORTS: &str = "EXCLUDED_PORTS";
 }
 
 /// meshpath's bpffs layout. Every path is relative to a pin root, [`pins::DEFAULT_ROOT`] unless
@@ -60,6 +89,8 @@ pub mod pins {
     pub const DEFAULT_ROOT: &str = "/sys/fs/bpf/meshpath";
     /// Maps, pinned by name (the eBPF object declares them `pinned`).
     pub const MAPS_DIR: &str = "maps";
+    /// Node-wide links (cgroup programs attached at the cgroup v2 root).
+    pub const NODE_LINKS_DIR: &str = "node";
     /// One directory per enrolled pod, named by its netns cookie in decimal, holding its links
     /// (which hold the pod's program instances).
     pub const PODS_DIR: &str = "pods";
@@ -67,3 +98,18 @@ pub mod pins {
 
 /// Capacity of the per-pod maps: how many pods one node can enrol.
 pub const MAX_PODS: u32 = 4096;
+/// Capacity of the per-connection original-destination maps (LRU: the oldest entries go first).
+pub const MAX_TRACKED_CONNECTIONS: u32 = 65_536;
+
+/// Socket option numbers the proxy uses to read a captured connection's original destination,
+/// as under iptables REDIRECT.
+pub mod sockopt {
+    /// `SOL_IP`.
+    pub const SOL_IP: i32 = 0;
+    /// `SOL_IPV6`.
+    pub const SOL_IPV6: i32 = 41;
+    /// `SO_ORIGINAL_DST` (linux/netfilter_ipv4.h), level `SOL_IP`.
+    pub const SO_ORIGINAL_DST: i32 = 80;
+    /// `IP6T_SO_ORIGINAL_DST` (linux/netfilter_ipv6/ip6_tables.h), level `SOL_IPV6`.
+    pub const IP6T_SO_ORIGINAL_DST: i32 = 80;
+}

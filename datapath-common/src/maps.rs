@@ -45,7 +45,7 @@ pub const POD_NAME_LEN: usize = 64;
 pub struct PodInfo {
     /// Index of the pod's interface inside its netns.
     pub ifindex: u32,
-    /// Reserved; zero.
+    /// What the datapath does for this pod: [`pod_flags`] bits.
     pub flags: u32,
     /// Inode of the pod's netns (to match it against `/proc/*/ns/net` and `/var/run/netns/*`).
     pub netns_inode: u64,
@@ -53,8 +53,14 @@ pub struct PodInfo {
     pub name: [u8; POD_NAME_LEN],
 }
 
+/// Bits of [`PodInfo::flags`].
+pub mod pod_flags {
+    /// Capture the pod's outbound TCP to the proxy's outbound listener.
+    pub const CAPTURE_OUTBOUND: u32 = 1 << 0;
+}
+
 impl PodInfo {
-    /// Builds a record, truncating `name` on a character boundary.
+    /// Builds a record with no flags, truncating `name` on a character boundary.
     pub fn new(ifindex: u32, netns_inode: u64, name: &str) -> Self {
         let mut buf = [0u8; POD_NAME_LEN];
         let mut end = name.len().min(POD_NAME_LEN);
@@ -88,8 +94,67 @@ impl PodInfo {
     }
 }
 
+/// `AF_INET`, as the kernel stores it in socket contexts.
+pub const AF_INET: u16 = 2;
+/// `AF_INET6`.
+pub const AF_INET6: u16 = 10;
+
+/// Where a captured connection was going. Addresses and port in network byte order; an IPv4
+/// destination is in `addr[0]` with `family` [`AF_INET`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OrigDst {
+    /// IPv4 in `addr[0]`, or the 16 bytes of an IPv6 address.
+    pub addr: [u32; 4],
+    /// Destination port, network byte order.
+    pub port: u16,
+    /// [`AF_INET`] or [`AF_INET6`].
+    pub family: u16,
+}
+
+/// Finds a captured connection from the proxy's side: the pod's netns, the IP version of the
+/// loopback hop and the app's local (ephemeral) port, which is the accepted socket's peer port.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConnKey {
+    /// The pod's netns cookie.
+    pub netns: NetnsCookie,
+    /// The app socket's local port, host byte order.
+    pub port: u16,
+    /// 4 or 6: the IP version of the app↔proxy hop (a v4-mapped IPv6 socket counts as 4).
+    pub ip_version: u16,
+    /// Zero.
+    pub _pad: u32,
+}
+
+/// A port a pod excludes from capture in one direction.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PortKey {
+    /// The pod's netns cookie.
+    pub netns: NetnsCookie,
+    /// The port, host byte order.
+    pub port: u16,
+    /// [`direction::OUTBOUND`] or [`direction::INBOUND`].
+    pub direction: u16,
+    /// Zero.
+    pub _pad: u32,
+}
+
+/// Directions for [`PortKey::direction`].
+pub mod direction {
+    /// Traffic the pod's apps start.
+    pub const OUTBOUND: u16 = 1;
+    /// Traffic that arrives at the pod.
+    pub const INBOUND: u16 = 2;
+}
+
 #[cfg(feature = "user")]
 mod user {
+    // SAFETY: #[repr(C)] integers with explicit padding fields: every bit pattern is valid.
+    unsafe impl aya::Pod for super::OrigDst {}
+    unsafe impl aya::Pod for super::ConnKey {}
+    unsafe impl aya::Pod for super::PortKey {}
     // SAFETY: both types are #[repr(C)], made only of integers and byte arrays, with no padding
     // (u32+u32+u64+[u8;64] and 4×u64), so every bit pattern is valid.
     unsafe impl aya::Pod for super::PodCounters {}
@@ -117,5 +182,8 @@ mod tests {
     fn layouts_have_no_padding() {
         assert_eq!(core::mem::size_of::<PodCounters>(), 32);
         assert_eq!(core::mem::size_of::<PodInfo>(), 16 + POD_NAME_LEN);
+        assert_eq!(core::mem::size_of::<OrigDst>(), 20);
+        assert_eq!(core::mem::size_of::<ConnKey>(), 16);
+        assert_eq!(core::mem::size_of::<PortKey>(), 16);
     }
 }

@@ -1,11 +1,19 @@
 //! meshpath's eBPF programs. One object, loaded once per node and pinned; each pod gets links
 //! to the shared programs, and every per-pod fact is looked up by the pod's netns cookie.
 //!
-//! - `pod_traffic`: TC (TCX) counters on the pod's interface.
+//! - `maps`: every map, pinned by name.
+//! - `pod_traffic`: TC (TCX) counters on the pod's interface (one instance per pod).
+//! - `outbound`: cgroup connect4/6, getpeername4/6 and sock_ops: capture of outbound TCP to the
+//!   proxy's outbound listener, without netfilter (node-wide, filtered by netns cookie).
+//! - `original_dst`: cgroup getsockopt answering SO_ORIGINAL_DST for the proxy.
 
 #![no_std]
 #![no_main]
 
+mod maps;
+mod net;
+mod original_dst;
+mod outbound;
 mod pod_traffic;
 
 #[cfg(not(test))]

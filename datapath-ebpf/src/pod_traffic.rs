@@ -6,23 +6,10 @@
 //! the peer's netns, so pod B's ingress would be counted against pod A (seen on this kernel).
 //! The loader therefore loads these two tiny programs once per pod with [`POD_COOKIE`] set.
 
-use aya_ebpf::{
-    bindings::TC_ACT_UNSPEC,
-    macros::{classifier, map},
-    maps::{HashMap, PerCpuHashMap},
-    programs::TcContext,
-    Global,
-};
-use datapath_common::{consts::MAX_PODS, NetnsCookie, PodCounters, PodInfo};
+use aya_ebpf::{bindings::TC_ACT_UNSPEC, macros::classifier, programs::TcContext, Global};
+use datapath_common::NetnsCookie;
 
-/// Per pod, per CPU counters. Entries are created by the loader at enrolment and removed at
-/// unenrolment, so a packet of a pod that is not enrolled finds none and is not counted.
-#[map]
-static POD_COUNTERS: PerCpuHashMap<NetnsCookie, PodCounters> = PerCpuHashMap::pinned(MAX_PODS, 0);
-
-/// The enrolled pods. Written only by the loader; declared here so the object owns its layout.
-#[map]
-static PODS: HashMap<NetnsCookie, PodInfo> = HashMap::pinned(MAX_PODS, 0);
+use crate::maps::POD_COUNTERS;
 
 /// The netns cookie of the pod this program instance serves; set by the loader at load time
 /// (`datapath_common::consts::globals::POD_COOKIE`).

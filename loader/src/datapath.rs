@@ -10,13 +10,16 @@ use std::{
 };
 
 use aya::{
-    maps::{HashMap, Map, MapData, PerCpuHashMap},
-    programs::{ProgramError, SchedClassifier},
+    maps::{HashMap, Map, MapData, MapError, PerCpuHashMap},
+    programs::{
+        links::{CgroupAttachMode, FdLink},
+        CgroupSockopt, Program, ProgramError, SchedClassifier,
+    },
     Ebpf, EbpfLoader,
 };
 use datapath_common::{
-    consts::{globals, map_names, pins},
-    NetnsCookie, PodCounters, PodInfo,
+    consts::{globals, map_names, pins, programs},
+    NetnsCookie, PodCounters, PodInfo, PortKey,
 };
 use nix::fcntl::{Flock, FlockArg};
 use tracing::{debug, info};
@@ -43,7 +46,7 @@ impl Datapath {
     /// loader on the node. Mounts bpffs on its parent when missing.
     pub fn open_or_load(root: &Path) -> Result<Self> {
         ensure_bpffs(root)?;
-        for dir in [pins::MAPS_DIR, pins::PODS_DIR] {
+        for dir in [pins::MAPS_DIR, pins::PODS_DIR, pins::NODE_LINKS_DIR] {
             fs::create_dir_all(root.join(dir))
                 .map_err(|e| Error::io(format!("creating {}", root.join(dir).display()), e))?;
         }
@@ -60,6 +63,7 @@ impl Datapath {
             dp.load_object(0)?;
             info!(root = %dp.root.display(), "datapath maps created and pinned");
         }
+        dp.attach_node_programs()?;
         Ok(dp)
     }
 
@@ -110,6 +114,98 @@ impl Datapath {
         Ok(ebpf)
     }
 
+    /// Attaches the node-wide capture programs at the cgroup v2 root, once: their pinned links
+    /// under `node/` keep them attached across loader restarts.
+    fn attach_node_programs(&self) -> Result<()> {
+        let dir = self.root.join(pins::NODE_LINKS_DIR);
+        if programs::CGROUP.iter().all(|p| dir.join(p).exists()) {
+            return Ok(());
+        }
+        let cgroup_root = cgroup2_root()?;
+        let cgroup = File::open(&cgroup_root)
+            .map_err(|e| Error::io(format!("opening cgroup {}", cgroup_root.display()), e))?;
+        let mut ebpf = self.load_object(0)?;
+        // Dependencies first: connect4/6 (which start capturing) come last in CGROUP.
+        for name in programs::CGROUP {
+            let pin = dir.join(name);
+            if pin.exists() {
+                continue;
+            }
+            let what = || format!("attaching {name} to cgroup {}", cgroup_root.display());
+            let prog = ebpf.program_mut(name).ok_or_else(|| {
+                Error::bpf(name, io::Error::other("program missing from the object"))
+            })?;
+            let link: FdLink = match prog {
+                Program::CgroupSockAddr(p) => {
+                    load(p.load(), name)?;
+                    let id = p
+                        .attach(&cgroup, CgroupAttachMode::Single)
+                        .map_err(|e| Error::bpf(what(), e))?;
+                    p.take_link(id)
+                        .map_err(|e| Error::bpf(what(), e))?
+                        .try_into()
+                        .map_err(|e| Error::bpf(what(), e))?
+                }
+                Program::SockOps(p) => {
+                    load(p.load(), name)?;
+                    let id = p
+                        .attach(&cgroup, CgroupAttachMode::Single)
+                        .map_err(|e| Error::bpf(what(), e))?;
+                    p.take_link(id)
+                        .map_err(|e| Error::bpf(what(), e))?
+                        .try_into()
+                        .map_err(|e| Error::bpf(what(), e))?
+                }
+                Program::CgroupSockopt(p) => {
+                    load(p.load(), name)?;
+                    link_cgroup_sockopt(p, &cgroup, &pin).map_err(|e| Error::io(what(), e))?;
+                    continue;
+                }
+                _ => {
+                    return Err(Error::bpf(
+                        name,
+                        io::Error::other("unexpected program type"),
+                    ))
+                }
+            };
+            link.pin(&pin)
+                .map_err(|e| Error::bpf(format!("pinning {}", pin.display()), e))?;
+        }
+        info!(cgroup = %cgroup_root.display(), "capture programs attached");
+        Ok(())
+    }
+
+    fn hash_map<K: aya::Pod, V: aya::Pod>(&self, name: &str) -> Result<HashMap<MapData, K, V>> {
+        HashMap::try_from(self.map(name)?).map_err(|e| Error::bpf(format!("map {name}"), e))
+    }
+
+    /// Registers a cgroup whose sockets are never captured: the proxy's.
+    pub fn register_proxy_cgroup(&self, cgroup: &Path) -> Result<u64> {
+        let id = cgroup_id(cgroup)?;
+        self.hash_map::<u64, u32>(map_names::PROXY_CGROUPS)?
+            .insert(id, 1, 0)
+            .map_err(|e| Error::bpf("registering the proxy cgroup", e))?;
+        info!(cgroup = %cgroup.display(), id, "proxy cgroup registered");
+        Ok(id)
+    }
+
+    /// Forgets a proxy cgroup.
+    pub fn unregister_proxy_cgroup(&self, cgroup: &Path) -> Result<()> {
+        let id = cgroup_id(cgroup)?;
+        match self
+            .hash_map::<u64, u32>(map_names::PROXY_CGROUPS)?
+            .remove(&id)
+        {
+            Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
+            Err(e) => Err(Error::bpf("unregistering the proxy cgroup", e)),
+        }
+    }
+
+    /// Ports pods exclude from capture.
+    pub fn excluded_ports(&self) -> Result<HashMap<MapData, PortKey, u32>> {
+        self.hash_map(map_names::EXCLUDED_PORTS)
+    }
+
     fn map(&self, name: &str) -> Result<Map> {
         let data = MapData::from_pin(self.map_pin(name))
             .map_err(|e| Error::bpf(format!("opening pinned map {name}"), e))?;
@@ -127,6 +223,111 @@ impl Datapath {
         PerCpuHashMap::try_from(self.map(map_names::POD_COUNTERS)?)
             .map_err(|e| Error::bpf(format!("map {}", map_names::POD_COUNTERS), e))
     }
+}
+
+fn load(res: Result<(), ProgramError>, name: &str) -> Result<()> {
+    res.map_err(|e| verifier_error(name, e))
+}
+
+/// The cgroup v2 mount point (`MESHPATH_CGROUP_ROOT` overrides): where node-wide programs
+/// attach. /sys/fs/cgroup on most nodes, /sys/fs/cgroup/unified on hybrid hosts.
+pub fn cgroup2_root() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("MESHPATH_CGROUP_ROOT") {
+        return Ok(PathBuf::from(p));
+    }
+    let mountinfo = fs::read_to_string("/proc/self/mountinfo")
+        .map_err(|e| Error::io("reading /proc/self/mountinfo", e))?;
+    mountinfo
+        .lines()
+        .find_map(|l| {
+            let (pre, post) = l.split_once(" - ")?;
+            (post.split_whitespace().next() == Some("cgroup2"))
+                .then(|| pre.split_whitespace().nth(4).map(PathBuf::from))
+                .flatten()
+        })
+        .ok_or_else(|| {
+            Error::io(
+                "finding the cgroup v2 mount",
+                io::Error::other("cgroup2 is not mounted"),
+            )
+        })
+}
+
+/// A cgroup v2 directory's id, as `bpf_get_current_cgroup_id` reports it: its inode number.
+pub fn cgroup_id(cgroup: &Path) -> Result<u64> {
+    use std::os::unix::fs::MetadataExt as _;
+    let meta = fs::metadata(cgroup)
+        .map_err(|e| Error::io(format!("reading cgroup {}", cgroup.display()), e))?;
+    Ok(meta.ino())
+}
+
+/// aya 0.14 cannot turn a cgroup sockopt link into an `FdLink` to pin it, so this one link is
+/// created and pinned with the two bpf(2) commands directly.
+fn link_cgroup_sockopt(prog: &CgroupSockopt, cgroup: &File, pin: &Path) -> io::Result<()> {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    const BPF_OBJ_PIN: libc::c_long = 6;
+    const BPF_LINK_CREATE: libc::c_long = 28;
+    const BPF_CGROUP_GETSOCKOPT: u32 = 21;
+    #[repr(C)]
+    struct LinkCreate {
+        prog_fd: u32,
+        target_fd: u32,
+        attach_type: u32,
+        flags: u32,
+        rest: [u64; 8],
+    }
+    #[repr(C)]
+    struct ObjPin {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+        path_fd: i32,
+        pad: [u32; 7],
+    }
+    let prog_fd = std::os::fd::AsFd::as_fd(prog.fd().map_err(io::Error::other)?).as_raw_fd();
+    let attr = LinkCreate {
+        prog_fd: prog_fd as u32,
+        target_fd: cgroup.as_raw_fd() as u32,
+        attach_type: BPF_CGROUP_GETSOCKOPT,
+        flags: 0,
+        rest: [0; 8],
+    };
+    // SAFETY: bpf(2) with a zero-padded attr of the documented layout and its size.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_LINK_CREATE,
+            &raw const attr,
+            std::mem::size_of::<LinkCreate>(),
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this descriptor to us.
+    let link = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let path =
+        std::ffi::CString::new(pin.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
+    let attr = ObjPin {
+        pathname: path.as_ptr() as u64,
+        bpf_fd: link.as_raw_fd() as u32,
+        file_flags: 0,
+        path_fd: 0,
+        pad: [0; 7],
+    };
+    // SAFETY: as above; `path` outlives the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_PIN,
+            &raw const attr,
+            std::mem::size_of::<ObjPin>(),
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Turns a load failure into one sentence plus a file with the verifier's log.

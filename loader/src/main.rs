@@ -38,6 +38,20 @@ enum Cmd {
         /// A name to show for the pod (default: the netns path).
         #[arg(long)]
         name: Option<String>,
+        /// Capture the pod's outbound TCP to the proxy (port 15001 in the pod).
+        #[arg(long)]
+        capture_outbound: bool,
+        /// A destination port outbound capture leaves alone (repeatable).
+        #[arg(long = "exclude-outbound-port", value_name = "PORT")]
+        exclude_outbound_ports: Vec<u16>,
+    },
+    /// Register (or, with --remove, forget) the proxy's cgroup: its sockets are never captured.
+    ProxyCgroup {
+        /// The proxy's cgroup v2 directory.
+        #[arg(long)]
+        cgroup: PathBuf,
+        #[arg(long)]
+        remove: bool,
     },
     /// Remove a pod from the datapath.
     Unenrol(PodRef),
@@ -102,17 +116,35 @@ fn run(cli: Cli) -> Result<()> {
             .with_context(|| format!("opening the datapath at {}", cli.pin_root.display()))
     };
     match &cli.command {
-        Cmd::Enrol { netns, iface, name } => {
+        Cmd::Enrol {
+            netns,
+            iface,
+            name,
+            capture_outbound,
+            exclude_outbound_ports,
+        } => {
             let ns = Netns::open(netns)?;
             let opts = EnrolOptions {
                 iface: iface.clone(),
                 name: name.clone(),
+                capture_outbound: *capture_outbound,
+                exclude_outbound_ports: exclude_outbound_ports.clone(),
             };
             let cookie = pods::enrol(&dp()?, &ns, &opts)?;
             println!(
                 "enrolled {} (netns cookie {cookie})",
                 name.as_deref().unwrap_or(&netns.display().to_string())
             );
+        }
+        Cmd::ProxyCgroup { cgroup, remove } => {
+            let dp = dp()?;
+            if *remove {
+                dp.unregister_proxy_cgroup(cgroup)?;
+                println!("forgot proxy cgroup {}", cgroup.display());
+            } else {
+                let id = dp.register_proxy_cgroup(cgroup)?;
+                println!("registered proxy cgroup {} (id {id})", cgroup.display());
+            }
         }
         Cmd::Unenrol(pod) => {
             let cookie = pod.cookie()?;
@@ -183,6 +215,7 @@ fn to_json(p: &PodStatus) -> serde_json::Value {
         "cookie": p.cookie,
         "name": p.info.name(),
         "ifindex": p.info.ifindex,
+        "capture_outbound": p.info.flags & datapath_common::pod_flags::CAPTURE_OUTBOUND != 0,
         "netns_inode": p.info.netns_inode,
         "pins": p.pins,
         "counters": {

@@ -9,7 +9,9 @@ use aya::{
     programs::{links::FdLink, SchedClassifier, TcAttachType},
     util::nr_cpus,
 };
-use datapath_common::{consts::programs, NetnsCookie, PodCounters, PodInfo};
+use datapath_common::{
+    consts::programs, direction, pod_flags, NetnsCookie, PodCounters, PodInfo, PortKey,
+};
 use tracing::{info, warn};
 
 use crate::{datapath::Datapath, netns::Netns, Error, Result};
@@ -29,6 +31,10 @@ pub struct EnrolOptions {
     pub iface: String,
     /// A name to show for the pod (defaults to the netns path).
     pub name: Option<String>,
+    /// Send the pod's outbound TCP to the proxy's outbound listener.
+    pub capture_outbound: bool,
+    /// Destination ports the pod's outbound capture leaves alone.
+    pub exclude_outbound_ports: Vec<u16>,
 }
 
 impl Default for EnrolOptions {
@@ -36,6 +42,8 @@ impl Default for EnrolOptions {
         Self {
             iface: "eth0".into(),
             name: None,
+            capture_outbound: false,
+            exclude_outbound_ports: Vec::new(),
         }
     }
 }
@@ -82,7 +90,24 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
     fs::create_dir(&dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
     let ifindex = netns.run(|| attach_tc(dp, cookie, &dir, &pod, &opts.iface))??;
 
-    let info = PodInfo::new(ifindex, netns.inode(), &pod);
+    let mut excluded = dp.excluded_ports()?;
+    for &port in &opts.exclude_outbound_ports {
+        let key = PortKey {
+            netns: cookie,
+            port,
+            direction: direction::OUTBOUND,
+            _pad: 0,
+        };
+        excluded
+            .insert(key, 1, 0)
+            .map_err(|e| Error::bpf(format!("pod {pod}: excluding port {port}"), e))?;
+    }
+
+    // Last: the PODS entry is what turns capture on for the pod.
+    let mut info = PodInfo::new(ifindex, netns.inode(), &pod);
+    if opts.capture_outbound {
+        info.flags |= pod_flags::CAPTURE_OUTBOUND;
+    }
     dp.pods()?
         .insert(cookie, info, 0)
         .map_err(|e| Error::bpf(format!("pod {pod}: recording enrolment"), e))?;
@@ -176,7 +201,17 @@ fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(Error::io(format!("reading {}", dir.display()), e)),
     }
-    for res in [dp.pods()?.remove(&cookie), dp.counters()?.remove(&cookie)] {
+    // PODS first: capture stops before anything it relies on goes.
+    let mut results = vec![dp.pods()?.remove(&cookie)];
+    let mut excluded = dp.excluded_ports()?;
+    let keys: Vec<PortKey> = excluded
+        .keys()
+        .flatten()
+        .filter(|k| k.netns == cookie)
+        .collect();
+    results.extend(keys.iter().map(|k| excluded.remove(k)));
+    results.push(dp.counters()?.remove(&cookie));
+    for res in results {
         match res {
             Ok(()) | Err(MapError::KeyNotFound) => {}
             Err(e) => {

@@ -4,7 +4,7 @@
 
 use std::{
     io::{Read as _, Write as _},
-    net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream},
     path::{Path, PathBuf},
     process::{Command, Output},
     sync::atomic::{AtomicU32, Ordering},
@@ -96,13 +96,16 @@ impl Drop for NetnsGuard {
     }
 }
 
-/// Two pods, each in its own netns with an `eth0`, joined by a veth pair on 10.x/24.
+/// Two dual-stack pods, each in its own netns with an `eth0`, joined by a veth pair on
+/// 10.199.0.0/24 and fd00:199::/64.
 #[derive(Debug)]
 pub struct PodPair {
     pub a: NetnsGuard,
     pub b: NetnsGuard,
     pub a_ip: Ipv4Addr,
     pub b_ip: Ipv4Addr,
+    pub a_ip6: Ipv6Addr,
+    pub b_ip6: Ipv6Addr,
 }
 
 impl PodPair {
@@ -128,12 +131,23 @@ impl PodPair {
             ],
         )?;
         let (a_ip, b_ip) = (Ipv4Addr::new(10, 199, 0, 1), Ipv4Addr::new(10, 199, 0, 2));
-        for (ns, dev, ip) in [(&a, &va, a_ip), (&b, &vb, b_ip)] {
+        let a_ip6: Ipv6Addr = "fd00:199::1".parse()?;
+        let b_ip6: Ipv6Addr = "fd00:199::2".parse()?;
+        for (ns, dev, ip, ip6) in [(&a, &va, a_ip, a_ip6), (&b, &vb, b_ip, b_ip6)] {
             ns.ip(&["link", "set", dev, "name", "eth0"])?;
             ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
+            // nodad: usable at once, no duplicate address detection wait.
+            ns.ip(&["addr", "add", &format!("{ip6}/64"), "dev", "eth0", "nodad"])?;
             ns.ip(&["link", "set", "eth0", "up"])?;
         }
-        Ok(Self { a, b, a_ip, b_ip })
+        Ok(Self {
+            a,
+            b,
+            a_ip,
+            b_ip,
+            a_ip6,
+            b_ip6,
+        })
     }
 }
 
@@ -258,4 +272,110 @@ pub fn transfer(pods: &PodPair, port: u16, bytes: usize) -> Result<u64> {
         .join()
         .map_err(|_| anyhow::anyhow!("sink panicked"))??;
     Ok(got)
+}
+
+/// A cgroup v2 directory of its own (for the proxy), removed on drop.
+#[derive(Debug)]
+pub struct CgroupGuard {
+    path: PathBuf,
+}
+
+impl CgroupGuard {
+    pub fn new() -> Result<Self> {
+        let root = meshpath_loader::datapath::cgroup2_root()?;
+        let path = root.join(unique("meshpath-test-"));
+        std::fs::create_dir(&path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(Self { path })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for CgroupGuard {
+    fn drop(&mut self) {
+        // Its processes are gone by now (TestProxy is dropped first); retry briefly meanwhile.
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.path).is_ok() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+}
+
+/// `meshpath-test-proxy` running inside a pod's netns, in its own cgroup registered as the
+/// proxy's; killed on drop. Its stdout lines are collected.
+#[derive(Debug)]
+pub struct TestProxy {
+    child: std::process::Child,
+    lines: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl TestProxy {
+    /// Starts the proxy (`mode` is `echo` or `forward`) and waits until it listens.
+    pub fn start(bin: &Path, netns: &Path, cgroup: &CgroupGuard, mode: &str) -> Result<Self> {
+        use std::os::fd::AsRawFd as _;
+        use std::{io::BufRead as _, os::unix::process::CommandExt as _};
+        // Opened before fork: between fork and exec only write(2) runs (no allocation).
+        let procs = std::fs::OpenOptions::new()
+            .write(true)
+            .open(cgroup.path().join("cgroup.procs"))
+            .context("opening cgroup.procs")?;
+        let procs_fd = procs.as_raw_fd();
+        let mut cmd = Command::new(bin);
+        cmd.arg(netns)
+            .arg(mode)
+            .stdout(std::process::Stdio::piped());
+        // SAFETY: the closure only calls write(2) on an fd that stays open until spawn returns;
+        // "0" moves the writing process (the child) into the cgroup before it execs.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::write(procs_fd, b"0".as_ptr().cast(), 1) != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().context("starting meshpath-test-proxy")?;
+        drop(procs);
+        let stdout = child.stdout.take().context("proxy stdout")?;
+        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if line == "READY" {
+                    let _ = ready_tx.send(());
+                }
+                sink.lock().unwrap_or_else(|p| p.into_inner()).push(line);
+            }
+        });
+        let proxy = Self { child, lines };
+        ready_rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .context("meshpath-test-proxy did not become ready")?;
+        Ok(proxy)
+    }
+
+    /// Lines printed so far.
+    pub fn lines(&self) -> Vec<String> {
+        self.lines.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Stops the proxy now.
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for TestProxy {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }

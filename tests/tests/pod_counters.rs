@@ -276,6 +276,8 @@ fn failed_enrolment_rolls_back_everything_it_made() {
     let opts = EnrolOptions {
         iface: "nosuch0".into(),
         name: Some("ns/web".into()),
+        capture_outbound: true,
+        exclude_outbound_ports: vec![9090],
     };
 
     let err = pods::enrol(&dp, &pods.a.open().expect("netns"), &opts)
@@ -292,4 +294,8 @@ fn failed_enrolment_rolls_back_everything_it_made() {
     );
     assert_eq!(dp.counters().expect("COUNTERS").keys().count(), 0);
     assert_eq!(dp.pods().expect("PODS").keys().count(), 0);
+    assert_eq!(
+        dp.excluded_ports().expect("EXCLUDED_PORTS").keys().count(),
+        0
+    );
 }

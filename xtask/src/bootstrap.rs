@@ -26,6 +26,9 @@ pub const DEBIAN_PACKAGES: &[(&str, &str)] = &[
     ("bpftool", "bpftool"),
     ("util-linux", "nsenter"),
     ("procps", "ps"),
+    // Only to show, in tests, that capture writes no netfilter rule.
+    ("iptables", "iptables-save"),
+    ("nftables", "nft"),
 ];
 
 /// What `ensure` should make sure of.

@@ -1,0 +1,38 @@
+//! Every map of the object. Layouts come from datapath-common; all maps are pinned by name so
+//! that every program instance and every loader process shares them.
+
+use aya_ebpf::{
+    macros::map,
+    maps::{HashMap, LruHashMap, PerCpuHashMap},
+};
+use datapath_common::{
+    consts::{MAX_PODS, MAX_TRACKED_CONNECTIONS},
+    ConnKey, NetnsCookie, OrigDst, PodCounters, PodInfo, PortKey,
+};
+
+/// Per pod, per CPU counters, created at enrolment and removed at unenrolment.
+#[map]
+pub static POD_COUNTERS: PerCpuHashMap<NetnsCookie, PodCounters> =
+    PerCpuHashMap::pinned(MAX_PODS, 0);
+
+/// The enrolled pods and what to do for each (`PodInfo::flags`).
+#[map]
+pub static PODS: HashMap<NetnsCookie, PodInfo> = HashMap::pinned(MAX_PODS, 0);
+
+/// cgroup ids of the proxy: their sockets are never captured.
+#[map]
+pub static PROXY_CGROUPS: HashMap<u64, u32> = HashMap::pinned(64, 0);
+
+/// Ports a pod excludes from capture.
+#[map]
+pub static EXCLUDED_PORTS: HashMap<PortKey, u32> = HashMap::pinned(MAX_PODS * 8, 0);
+
+/// Original destination by the app socket's cookie (for getpeername and sock_ops).
+#[map]
+pub static ORIG_DST_BY_SOCKET: LruHashMap<u64, OrigDst> =
+    LruHashMap::pinned(MAX_TRACKED_CONNECTIONS, 0);
+
+/// Original destination by (netns, IP version, app port), for the proxy's getsockopt.
+#[map]
+pub static ORIG_DST_BY_CONN: LruHashMap<ConnKey, OrigDst> =
+    LruHashMap::pinned(MAX_TRACKED_CONNECTIONS, 0);

@@ -1,0 +1,21 @@
+//! Address helpers shared by the socket programs. Addresses are as the kernel hands them to
+//! programs: `u32` words holding network-order bytes, read on a little-endian machine.
+
+/// 127.0.0.1 as a network-order word.
+pub const LOOPBACK4: u32 = u32::from_ne_bytes([127, 0, 0, 1]);
+/// ::1 as network-order words.
+pub const LOOPBACK6: [u32; 4] = [0, 0, 0, u32::from_ne_bytes([0, 0, 0, 1])];
+/// The third word of a v4-mapped IPv6 address (::ffff:a.b.c.d).
+pub const V4_MAPPED_PREFIX: u32 = u32::from_ne_bytes([0, 0, 0xff, 0xff]);
+
+/// 127.0.0.0/8.
+#[inline(always)]
+pub fn is_loopback4(addr: u32) -> bool {
+    addr.to_ne_bytes()[0] == 127
+}
+
+/// ::ffff:a.b.c.d
+#[inline(always)]
+pub fn is_v4_mapped(addr: &[u32; 4]) -> bool {
+    addr[0] == 0 && addr[1] == 0 && addr[2] == V4_MAPPED_PREFIX
+}

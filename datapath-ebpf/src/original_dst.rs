@@ -1,0 +1,123 @@
+//! cgroup getsockopt: answers `getsockopt(SOL_IP, SO_ORIGINAL_DST)` and
+//! `getsockopt(SOL_IPV6, IP6T_SO_ORIGINAL_DST)` on a socket the proxy accepted from a captured
+//! app, exactly as netfilter would after REDIRECT, so a proxy written for iptables capture needs
+//! no change. Every other getsockopt passes through untouched.
+
+use aya_ebpf::{
+    helpers::bpf_get_netns_cookie, macros::cgroup_sockopt, programs::SockoptContext,
+    EbpfContext as _,
+};
+use core::ptr::{addr_of_mut, write_volatile};
+use datapath_common::{
+    consts::sockopt::{IP6T_SO_ORIGINAL_DST, SOL_IP, SOL_IPV6, SO_ORIGINAL_DST},
+    ConnKey, AF_INET,
+};
+
+use crate::{
+    maps::ORIG_DST_BY_CONN,
+    net::{is_v4_mapped, V4_MAPPED_PREFIX},
+};
+
+/// `struct sockaddr_in`.
+#[repr(C)]
+struct SockaddrIn {
+    family: u16,
+    port: u16,
+    addr: u32,
+    zero: [u8; 8],
+}
+
+/// `struct sockaddr_in6`.
+#[repr(C)]
+struct SockaddrIn6 {
+    family: u16,
+    port: u16,
+    flowinfo: u32,
+    addr: [u32; 4],
+    scope_id: u32,
+}
+
+#[cgroup_sockopt(getsockopt)]
+pub fn mp_getsockopt(ctx: SockoptContext) -> i32 {
+    // SAFETY: every access is to the kernel's bpf_sockopt for this call, its socket, or the
+    // option buffer after the bounds check the verifier requires.
+    unsafe { answer(&ctx) };
+    1
+}
+
+unsafe fn answer(ctx: &SockoptContext) {
+    let so = ctx.sockopt;
+    let (level, optname) = unsafe { ((*so).level, (*so).optname) };
+    let v6_request = match (level, optname) {
+        (SOL_IP, SO_ORIGINAL_DST) => false,
+        (SOL_IPV6, IP6T_SO_ORIGINAL_DST) => true,
+        _ => return,
+    };
+    let sk = unsafe { (*so).__bindgen_anon_1.sk };
+    if sk.is_null() {
+        return;
+    }
+    // The proxy's accepted socket: its peer is the app's end of the loopback hop.
+    let (family, peer_port, peer_ip6) = unsafe {
+        let s = &*sk;
+        (
+            s.family,
+            u16::from_be(s.dst_port),
+            [s.dst_ip6[0], s.dst_ip6[1], s.dst_ip6[2], s.dst_ip6[3]],
+        )
+    };
+    let v4 = family == u32::from(AF_INET) || is_v4_mapped(&peer_ip6);
+    let key = ConnKey {
+        netns: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
+        port: peer_port,
+        ip_version: if v4 { 4 } else { 6 },
+        _pad: 0,
+    };
+    let Some(orig) = (unsafe { ORIG_DST_BY_CONN.get(&key) }).copied() else {
+        return;
+    };
+    let optval = unsafe { (*so).__bindgen_anon_2.optval } as *mut u8;
+    let end = unsafe { (*so).__bindgen_anon_3.optval_end } as *mut u8;
+    let len = if !v6_request {
+        if orig.family != AF_INET {
+            return;
+        }
+        let size = core::mem::size_of::<SockaddrIn>();
+        // The verifier needs this exact shape: pointer + constant compared with optval_end.
+        if optval.wrapping_add(size) > end {
+            return;
+        }
+        let out = optval as *mut SockaddrIn;
+        unsafe {
+            (*out).family = AF_INET;
+            (*out).port = orig.port;
+            (*out).addr = orig.addr[0];
+            (*out).zero = [0; 8];
+        }
+        size
+    } else {
+        let size = core::mem::size_of::<SockaddrIn6>();
+        if optval.wrapping_add(size) > end {
+            return;
+        }
+        let addr = if orig.family == AF_INET {
+            [0, 0, V4_MAPPED_PREFIX, orig.addr[0]]
+        } else {
+            orig.addr
+        };
+        let out = optval as *mut SockaddrIn6;
+        unsafe {
+            (*out).family = datapath_common::AF_INET6;
+            (*out).port = orig.port;
+            (*out).flowinfo = 0;
+            (*out).addr = addr;
+            (*out).scope_id = 0;
+        }
+        size
+    };
+    // One context field per store (see outbound.rs).
+    unsafe {
+        write_volatile(addr_of_mut!((*so).optlen), len as i32);
+        write_volatile(addr_of_mut!((*so).retval), 0);
+    }
+}

@@ -1,0 +1,232 @@
+//! Outbound capture without netfilter. Attached once per node at the cgroup v2 root and
+//! filtered by the socket's netns cookie, so a pod is captured from the moment its netns is
+//! enrolled, whatever cgroup its containers land in.
+//!
+//! - connect4/connect6: a captured pod's TCP connect() to any destination goes to the proxy's
+//!   outbound listener on loopback instead (like istio-cni's `REDIRECT --to-ports 15001`); the
+//!   destination asked for is kept under the socket's cookie. Sockets of the proxy's cgroup are
+//!   never captured: an app cannot join another cgroup from inside its pod, whereas it can set
+//!   any socket mark with CAP_NET_ADMIN.
+//! - sock_ops: once such a connection is established, its local port is known; the original
+//!   destination is filed under (netns, IP version, port) for the proxy's getsockopt.
+//! - getpeername4/6: the app sees the destination it asked for, not the proxy.
+
+use aya_ebpf::{
+    bindings::BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB,
+    helpers::{bpf_get_current_cgroup_id, bpf_get_netns_cookie, bpf_get_socket_cookie},
+    macros::{cgroup_sock_addr, sock_ops},
+    programs::{SockAddrContext, SockOpsContext},
+    EbpfContext as _,
+};
+use core::ptr::{addr_of_mut, write_volatile};
+use datapath_common::{
+    consts::ports, direction, pod_flags, ConnKey, NetnsCookie, OrigDst, PortKey, AF_INET, AF_INET6,
+};
+
+use crate::{
+    maps::{EXCLUDED_PORTS, ORIG_DST_BY_CONN, ORIG_DST_BY_SOCKET, PODS, PROXY_CGROUPS},
+    net::{is_loopback4, is_v4_mapped, LOOPBACK4, LOOPBACK6, V4_MAPPED_PREFIX},
+};
+
+/// sock_addr verdicts.
+const ALLOW: i32 = 1;
+const REFUSE: i32 = 0;
+const IPPROTO_TCP: u32 = 6;
+
+/// The pod's netns cookie if this socket belongs to a pod whose outbound TCP is captured and
+/// the caller is not the proxy.
+#[inline(always)]
+fn captured(ctx: &SockAddrContext, port_be: u16) -> Option<NetnsCookie> {
+    // SAFETY: the context pointer is the kernel's bpf_sock_addr for this call.
+    if unsafe { (*ctx.sock_addr).protocol } != IPPROTO_TCP {
+        return None;
+    }
+    // SAFETY: helpers called with this program's own context.
+    let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    // SAFETY: map values are plain data owned by the map.
+    let pod = unsafe { PODS.get(&netns) }?;
+    if pod.flags & pod_flags::CAPTURE_OUTBOUND == 0 {
+        return None;
+    }
+    // SAFETY: no arguments.
+    let cgroup = unsafe { bpf_get_current_cgroup_id() };
+    // SAFETY: as above.
+    if unsafe { PROXY_CGROUPS.get(&cgroup) }.is_some() {
+        return None;
+    }
+    let key = PortKey {
+        netns,
+        port: u16::from_be(port_be),
+        direction: direction::OUTBOUND,
+        _pad: 0,
+    };
+    // SAFETY: as above.
+    if unsafe { EXCLUDED_PORTS.get(&key) }.is_some() {
+        return None;
+    }
+    Some(netns)
+}
+
+/// Files the original destination under the socket's cookie. A full map is a refusal, not a
+/// leak around the proxy.
+#[inline(always)]
+fn remember(ctx: &SockAddrContext, orig: &OrigDst) -> bool {
+    // SAFETY: helper called with this program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    ORIG_DST_BY_SOCKET.insert(&cookie, orig, 0).is_ok()
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn mp_connect4(ctx: SockAddrContext) -> i32 {
+    let sa = ctx.sock_addr;
+    // SAFETY: fields of the kernel's bpf_sock_addr; user_port holds a network-order u16.
+    let (ip, port) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
+    if is_loopback4(ip) || captured(&ctx, port).is_none() {
+        return ALLOW;
+    }
+    let orig = OrigDst {
+        addr: [ip, 0, 0, 0],
+        port,
+        family: AF_INET,
+    };
+    if !remember(&ctx, &orig) {
+        return REFUSE;
+    }
+    // Volatile, one field at a time: merged into one 8-byte store the verifier rejects the
+    // write ("invalid bpf_context access").
+    // SAFETY: writable fields of the context.
+    unsafe {
+        write_volatile(addr_of_mut!((*sa).user_ip4), LOOPBACK4);
+        write_volatile(
+            addr_of_mut!((*sa).user_port),
+            u32::from(ports::OUTBOUND.to_be()),
+        );
+    }
+    ALLOW
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn mp_connect6(ctx: SockAddrContext) -> i32 {
+    let sa = ctx.sock_addr;
+    // SAFETY: fields of the kernel's bpf_sock_addr, read one word at a time.
+    let (ip, port) = unsafe {
+        (
+            [
+                (*sa).user_ip6[0],
+                (*sa).user_ip6[1],
+                (*sa).user_ip6[2],
+                (*sa).user_ip6[3],
+            ],
+            (*sa).user_port as u16,
+        )
+    };
+    let mapped = is_v4_mapped(&ip);
+    if (mapped && is_loopback4(ip[3])) || ip == LOOPBACK6 || captured(&ctx, port).is_none() {
+        return ALLOW;
+    }
+    let (orig, to) = if mapped {
+        (
+            OrigDst {
+                addr: [ip[3], 0, 0, 0],
+                port,
+                family: AF_INET,
+            },
+            [0, 0, V4_MAPPED_PREFIX, LOOPBACK4],
+        )
+    } else {
+        (
+            OrigDst {
+                addr: ip,
+                port,
+                family: AF_INET6,
+            },
+            LOOPBACK6,
+        )
+    };
+    if !remember(&ctx, &orig) {
+        return REFUSE;
+    }
+    // SAFETY: writable fields of the context, 4-byte stores (see connect4).
+    unsafe {
+        write_volatile(addr_of_mut!((*sa).user_ip6[0]), to[0]);
+        write_volatile(addr_of_mut!((*sa).user_ip6[1]), to[1]);
+        write_volatile(addr_of_mut!((*sa).user_ip6[2]), to[2]);
+        write_volatile(addr_of_mut!((*sa).user_ip6[3]), to[3]);
+        write_volatile(
+            addr_of_mut!((*sa).user_port),
+            u32::from(ports::OUTBOUND.to_be()),
+        );
+    }
+    ALLOW
+}
+
+/// The original destination of a captured app socket, if this is one.
+#[inline(always)]
+fn orig_of(ctx: &SockAddrContext) -> Option<OrigDst> {
+    // SAFETY: helper called with this program's own context; map values are plain data.
+    unsafe {
+        let cookie = bpf_get_socket_cookie(ctx.as_ptr());
+        ORIG_DST_BY_SOCKET.get(&cookie).copied()
+    }
+}
+
+#[cgroup_sock_addr(getpeername4)]
+pub fn mp_getpeername4(ctx: SockAddrContext) -> i32 {
+    if let Some(orig) = orig_of(&ctx) {
+        if orig.family == AF_INET {
+            let sa = ctx.sock_addr;
+            // SAFETY: writable fields of the context, 4-byte stores.
+            unsafe {
+                write_volatile(addr_of_mut!((*sa).user_ip4), orig.addr[0]);
+                write_volatile(addr_of_mut!((*sa).user_port), u32::from(orig.port));
+            }
+        }
+    }
+    1
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn mp_getpeername6(ctx: SockAddrContext) -> i32 {
+    if let Some(orig) = orig_of(&ctx) {
+        let ip = if orig.family == AF_INET {
+            [0, 0, V4_MAPPED_PREFIX, orig.addr[0]]
+        } else {
+            orig.addr
+        };
+        let sa = ctx.sock_addr;
+        // SAFETY: writable fields of the context, 4-byte stores.
+        unsafe {
+            write_volatile(addr_of_mut!((*sa).user_ip6[0]), ip[0]);
+            write_volatile(addr_of_mut!((*sa).user_ip6[1]), ip[1]);
+            write_volatile(addr_of_mut!((*sa).user_ip6[2]), ip[2]);
+            write_volatile(addr_of_mut!((*sa).user_ip6[3]), ip[3]);
+            write_volatile(addr_of_mut!((*sa).user_port), u32::from(orig.port));
+        }
+    }
+    1
+}
+
+#[sock_ops]
+pub fn mp_sock_ops(ctx: SockOpsContext) -> u32 {
+    if ctx.op() != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB {
+        return 1;
+    }
+    // SAFETY: helpers called with this program's own context; map values are plain data.
+    let orig = unsafe {
+        let cookie = bpf_get_socket_cookie(ctx.as_ptr());
+        match ORIG_DST_BY_SOCKET.get(&cookie) {
+            Some(o) => *o,
+            None => return 1,
+        }
+    };
+    let v4 = ctx.family() == u32::from(AF_INET) || is_v4_mapped(&ctx.local_ip6());
+    let key = ConnKey {
+        // SAFETY: as above.
+        netns: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
+        port: ctx.local_port() as u16,
+        ip_version: if v4 { 4 } else { 6 },
+        _pad: 0,
+    };
+    let _ = ORIG_DST_BY_CONN.insert(&key, &orig, 0);
+    1
+}

@@ -1,0 +1,146 @@
+//! A minimal capture-side proxy for the datapath tests, written the way a proxy written for
+//! iptables REDIRECT is: listen on the outbound port inside the pod's netns, read each accepted
+//! connection's original destination with `getsockopt(SO_ORIGINAL_DST)`, then either
+//! - `echo`: answer `ORIG_DST <addr>\n` and close, or
+//! - `forward`: connect to the original destination and copy both ways.
+//!
+//! It prints `READY` once listening and one `FORWARDED <bytes up> <bytes down>` line per closed
+//! forwarded connection. Usage: `meshpath-test-proxy NETNS_PATH echo|forward [PORT]`.
+
+use std::{
+    io::{self, Write as _},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpListener, TcpStream},
+    os::fd::AsRawFd as _,
+};
+
+use anyhow::{bail, Context as _, Result};
+use datapath_common::consts::{ports, sockopt};
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let (Some(netns), Some(mode)) = (args.get(1), args.get(2)) else {
+        bail!("usage: meshpath-test-proxy NETNS_PATH echo|forward [PORT]");
+    };
+    let forward = match mode.as_str() {
+        "echo" => false,
+        "forward" => true,
+        other => bail!("unknown mode {other}"),
+    };
+    let port = args
+        .get(3)
+        .map(|p| p.parse())
+        .transpose()?
+        .unwrap_or(ports::OUTBOUND);
+    // Single-threaded here, so the whole process (and every thread it starts) enters the netns.
+    let ns = std::fs::File::open(netns).with_context(|| format!("opening {netns}"))?;
+    nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).context("setns")?;
+
+    let v4 = TcpListener::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port))?;
+    let v6 = bind_v6_only(port)?;
+    println!("READY");
+    io::stdout().flush()?;
+    for listener in [v4, v6] {
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                std::thread::spawn(move || {
+                    if let Err(e) = serve(conn, forward) {
+                        eprintln!("meshpath-test-proxy: {e:#}");
+                    }
+                });
+            }
+        });
+    }
+    loop {
+        std::thread::park();
+    }
+}
+
+fn bind_v6_only(port: u16) -> Result<TcpListener> {
+    use nix::sys::socket::{
+        bind, listen, setsockopt, socket, sockopt::Ipv6V6Only, AddressFamily, Backlog, SockFlag,
+        SockType, SockaddrIn6,
+    };
+    let fd = socket(
+        AddressFamily::Inet6,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    setsockopt(&fd, Ipv6V6Only, &true)?;
+    bind(
+        fd.as_raw_fd(),
+        &SockaddrIn6::from(SocketAddrV6::new(Ipv6Addr::LOCALHOST, port, 0, 0)),
+    )?;
+    listen(&fd, Backlog::new(128)?)?;
+    Ok(TcpListener::from(fd))
+}
+
+/// The original destination, asked exactly as under iptables: SOL_IP/SO_ORIGINAL_DST for an
+/// IPv4 socket, SOL_IPV6/IP6T_SO_ORIGINAL_DST for an IPv6 one.
+fn original_dst(conn: &TcpStream) -> io::Result<SocketAddr> {
+    let v6 = conn.local_addr()?.is_ipv6();
+    let mut buf = [0u8; 28];
+    let mut len = buf.len() as libc::socklen_t;
+    let (level, name) = if v6 {
+        (sockopt::SOL_IPV6, sockopt::IP6T_SO_ORIGINAL_DST)
+    } else {
+        (sockopt::SOL_IP, sockopt::SO_ORIGINAL_DST)
+    };
+    // SAFETY: buf and len describe a writable buffer of len bytes.
+    let rc = unsafe {
+        libc::getsockopt(
+            conn.as_raw_fd(),
+            level,
+            name,
+            buf.as_mut_ptr().cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let port = u16::from_be_bytes([buf[2], buf[3]]);
+    let family = u16::from_ne_bytes([buf[0], buf[1]]);
+    match (family as i32, len) {
+        (libc::AF_INET, 16) => Ok(SocketAddr::from((
+            Ipv4Addr::new(buf[4], buf[5], buf[6], buf[7]),
+            port,
+        ))),
+        (libc::AF_INET6, 28) => {
+            let mut a = [0u8; 16];
+            a.copy_from_slice(&buf[8..24]);
+            let ip = Ipv6Addr::from(a);
+            Ok(match ip.to_ipv4_mapped() {
+                Some(v4) => SocketAddr::from((v4, port)),
+                None => SocketAddr::from((ip, port)),
+            })
+        }
+        _ => Err(io::Error::other(format!(
+            "unexpected answer: family {family}, {len} bytes"
+        ))),
+    }
+}
+
+fn serve(mut conn: TcpStream, forward: bool) -> Result<()> {
+    let orig = original_dst(&conn).context("getsockopt(SO_ORIGINAL_DST)")?;
+    if !forward {
+        writeln!(conn, "ORIG_DST {orig}")?;
+        return Ok(());
+    }
+    let upstream = TcpStream::connect(orig).with_context(|| format!("connecting to {orig}"))?;
+    let (mut up_r, mut up_w) = (upstream.try_clone()?, upstream);
+    let (mut down_r, mut down_w) = (conn.try_clone()?, conn);
+    let up = std::thread::spawn(move || -> io::Result<u64> {
+        let n = io::copy(&mut down_r, &mut up_w)?;
+        up_w.shutdown(std::net::Shutdown::Write)?;
+        Ok(n)
+    });
+    let down = io::copy(&mut up_r, &mut down_w)?;
+    let _ = down_w.shutdown(std::net::Shutdown::Write);
+    let up = up
+        .join()
+        .map_err(|_| anyhow::anyhow!("copy thread panicked"))??;
+    println!("FORWARDED {up} {down}");
+    io::stdout().flush()?;
+    Ok(())
+}

@@ -19,6 +19,18 @@ pub mod ports {
     pub const READINESS: u16 = 15021;
 }
 
+/// Kubelet health probes: istio-cni SNATs them on the host to these link-local sources, and the
+/// pod lets them reach the app uncaptured.
+pub mod probe {
+    /// IPv4 source of kubelet probes: 169.254.7.127.
+    pub const SOURCE_V4: [u8; 4] = [169, 254, 7, 127];
+    /// IPv6 source of kubelet probes: fd16:9254:7127:1337:ffff:ffff:ffff:ffff.
+    pub const SOURCE_V6: [u8; 16] = [
+        0xfd, 0x16, 0x92, 0x54, 0x71, 0x27, 0x13, 0x37, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+        0xff,
+    ];
+}
+
 /// Socket marks istio-cni uses. meshpath does not trust marks for bypass (an app with
 /// CAP_NET_ADMIN can set them); they are named here so tests and docs can refer to them.
 pub mod marks {
@@ -49,15 +61,12 @@ pub mod programs {
     pub const SOCK_OPS: &str = "mp_sock_ops";
     /// cgroup/getsockopt: answers SO_ORIGINAL_DST / IP6T_SO_ORIGINAL_DST for captured sockets.
     pub const GETSOCKOPT: &str = "mp_getsockopt";
+    /// sk_lookup in the pod's netns: steers inbound TCP to the proxy's inbound listener (one
+    /// instance per pod, see [`globals::POD_COOKIE`]).
+    pub const SK_LOOKUP: &str = "mp_sk_lookup";
     /// Every node-wide cgroup program, in the order the loader attaches them.
-    pub const CGROUP: [&str; 6] = [
-        SOCK_OPS,
-        GETSOCKOPT,
-        GETPEERNAME4,
-        GETPEERNAME6,
-        CONNECT4,
-        CONNECT6,
-    ];
+    pub const CGROUP: [&str; 6] =
+        [SOCK_OPS, GETSOCKOPT, GETPEERNAME4, GETPEERNAME6, CONNECT4, CONNECT6];
 }
 
 /// Names of load-time constants (`aya_ebpf::Global`) in the eBPF object.
@@ -80,6 +89,10 @@ pub mod map_names {
     pub const ORIG_DST_BY_CONN: &str = "ORIG_DST_BY_CONN";
     /// Ports excluded from capture, by [`crate::PortKey`], value unused.
     pub const EXCLUDED_PORTS: &str = "EXCLUDED_PORTS";
+    /// SOCKHASH of the proxy's inbound listeners, by [`crate::PortKey`] (the pod's netns, the
+    /// listener's port, [`crate::direction::INBOUND`]). The proxy inserts its own sockets; the
+    /// kernel removes them when they close.
+    pub const INBOUND_LISTENERS: &str = "INBOUND_LISTENERS";
 }
 
 /// meshpath's bpffs layout. Every path is relative to a pin root, [`pins::DEFAULT_ROOT`] unless

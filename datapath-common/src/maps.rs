@@ -57,6 +57,10 @@ pub struct PodInfo {
 pub mod pod_flags {
     /// Capture the pod's outbound TCP to the proxy's outbound listener.
     pub const CAPTURE_OUTBOUND: u32 = 1 << 0;
+    /// Steer TCP arriving at the pod (any port but HBONE's) to the proxy's inbound listener.
+    pub const CAPTURE_INBOUND: u32 = 1 << 1;
+    /// Let kubelet probes (from [`crate::consts::probe`] addresses) reach the app uncaptured.
+    pub const PROBE_BYPASS: u32 = 1 << 2;
 }
 
 impl PodInfo {
@@ -68,21 +72,12 @@ impl PodInfo {
             end -= 1;
         }
         buf[..end].copy_from_slice(&name.as_bytes()[..end]);
-        Self {
-            ifindex,
-            flags: 0,
-            netns_inode,
-            name: buf,
-        }
+        Self { ifindex, flags: 0, netns_inode, name: buf }
     }
 
     /// The name as text (up to the first NUL).
     pub fn name(&self) -> &str {
-        let end = self
-            .name
-            .iter()
-            .position(|&b| b == 0)
-            .unwrap_or(POD_NAME_LEN);
+        let end = self.name.iter().position(|&b| b == 0).unwrap_or(POD_NAME_LEN);
         match core::str::from_utf8(&self.name[..end]) {
             Ok(s) => s,
             Err(e) => {

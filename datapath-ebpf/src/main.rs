@@ -5,11 +5,13 @@
 //! - `pod_traffic`: TC (TCX) counters on the pod's interface (one instance per pod).
 //! - `outbound`: cgroup connect4/6, getpeername4/6 and sock_ops: capture of outbound TCP to the
 //!   proxy's outbound listener, without netfilter (node-wide, filtered by netns cookie).
+//! - `inbound`: sk_lookup in each pod's netns: inbound TCP to the proxy's inbound listener.
 //! - `original_dst`: cgroup getsockopt answering SO_ORIGINAL_DST for the proxy.
 
 #![no_std]
 #![no_main]
 
+mod inbound;
 mod maps;
 mod net;
 mod original_dst;

@@ -3,7 +3,8 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{HashMap, LruHashMap, PerCpuHashMap},
+    maps::{HashMap, LruHashMap, PerCpuHashMap, SockHash},
+    Global,
 };
 use datapath_common::{
     consts::{MAX_PODS, MAX_TRACKED_CONNECTIONS},
@@ -36,3 +37,13 @@ pub static ORIG_DST_BY_SOCKET: LruHashMap<u64, OrigDst> =
 #[map]
 pub static ORIG_DST_BY_CONN: LruHashMap<ConnKey, OrigDst> =
     LruHashMap::pinned(MAX_TRACKED_CONNECTIONS, 0);
+
+/// The proxy's inbound listeners, inserted by the proxy itself.
+#[map]
+pub static INBOUND_LISTENERS: SockHash<PortKey> = SockHash::pinned(MAX_PODS * 2, 0);
+
+/// The netns cookie of the pod a per-pod program instance (TC, sk_lookup) serves; set by the
+/// loader at load time (`datapath_common::consts::globals::POD_COOKIE`). Zero in the node-wide
+/// instance.
+#[unsafe(no_mangle)]
+pub static POD_COOKIE: Global<NetnsCookie> = Global::new(0);

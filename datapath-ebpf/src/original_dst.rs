@@ -1,20 +1,27 @@
 //! cgroup getsockopt: answers `getsockopt(SOL_IP, SO_ORIGINAL_DST)` and
 //! `getsockopt(SOL_IPV6, IP6T_SO_ORIGINAL_DST)` on a socket the proxy accepted from a captured
 //! app, exactly as netfilter would after REDIRECT, so a proxy written for iptables capture needs
-//! no change. Every other getsockopt passes through untouched.
+//! no change. For inbound (sk_lookup does not rewrite addresses) the answer is the accepted
+//! socket's own local address, given only to the proxy, on sockets of a pod captured inbound.
+//! Every other getsockopt passes through untouched.
 
 use aya_ebpf::{
-    helpers::bpf_get_netns_cookie, macros::cgroup_sockopt, programs::SockoptContext,
+    helpers::{bpf_get_current_cgroup_id, bpf_get_netns_cookie},
+    macros::cgroup_sockopt,
+    programs::SockoptContext,
     EbpfContext as _,
 };
 use core::ptr::{addr_of_mut, write_volatile};
 use datapath_common::{
-    consts::sockopt::{IP6T_SO_ORIGINAL_DST, SOL_IP, SOL_IPV6, SO_ORIGINAL_DST},
-    ConnKey, AF_INET,
+    consts::{
+        ports,
+        sockopt::{IP6T_SO_ORIGINAL_DST, SOL_IP, SOL_IPV6, SO_ORIGINAL_DST},
+    },
+    pod_flags, ConnKey, NetnsCookie, OrigDst, AF_INET, AF_INET6,
 };
 
 use crate::{
-    maps::ORIG_DST_BY_CONN,
+    maps::{ORIG_DST_BY_CONN, PODS, PROXY_CGROUPS},
     net::{is_v4_mapped, V4_MAPPED_PREFIX},
 };
 
@@ -67,14 +74,21 @@ unsafe fn answer(ctx: &SockoptContext) {
         )
     };
     let v4 = family == u32::from(AF_INET) || is_v4_mapped(&peer_ip6);
-    let key = ConnKey {
-        netns: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
-        port: peer_port,
-        ip_version: if v4 { 4 } else { 6 },
-        _pad: 0,
-    };
-    let Some(orig) = (unsafe { ORIG_DST_BY_CONN.get(&key) }).copied() else {
-        return;
+    let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    // bpf_sock.src_port (the accepted socket's local port) is in host byte order. Accepted on
+    // the outbound listener: an outbound capture; on any other port: an inbound one.
+    let local_port = unsafe { (*sk).src_port } as u16;
+    let orig = if local_port == ports::OUTBOUND {
+        let key = ConnKey { netns, port: peer_port, ip_version: if v4 { 4 } else { 6 }, _pad: 0 };
+        match unsafe { ORIG_DST_BY_CONN.get(&key) } {
+            Some(o) => *o,
+            None => return,
+        }
+    } else {
+        match unsafe { inbound_orig(sk, netns) } {
+            Some(o) => o,
+            None => return,
+        }
     };
     let optval = unsafe { (*so).__bindgen_anon_2.optval } as *mut u8;
     let end = unsafe { (*so).__bindgen_anon_3.optval_end } as *mut u8;
@@ -100,14 +114,11 @@ unsafe fn answer(ctx: &SockoptContext) {
         if optval.wrapping_add(size) > end {
             return;
         }
-        let addr = if orig.family == AF_INET {
-            [0, 0, V4_MAPPED_PREFIX, orig.addr[0]]
-        } else {
-            orig.addr
-        };
+        let addr =
+            if orig.family == AF_INET { [0, 0, V4_MAPPED_PREFIX, orig.addr[0]] } else { orig.addr };
         let out = optval as *mut SockaddrIn6;
         unsafe {
-            (*out).family = datapath_common::AF_INET6;
+            (*out).family = AF_INET6;
             (*out).port = orig.port;
             (*out).flowinfo = 0;
             (*out).addr = addr;
@@ -120,4 +131,28 @@ unsafe fn answer(ctx: &SockoptContext) {
         write_volatile(addr_of_mut!((*so).optlen), len as i32);
         write_volatile(addr_of_mut!((*so).retval), 0);
     }
+}
+
+/// For a socket the proxy accepted in a pod captured inbound: its own local address.
+unsafe fn inbound_orig(
+    sk: *mut aya_ebpf::bindings::bpf_sock,
+    netns: NetnsCookie,
+) -> Option<OrigDst> {
+    let pod = unsafe { PODS.get(&netns) }?;
+    if pod.flags & pod_flags::CAPTURE_INBOUND == 0 {
+        return None;
+    }
+    if unsafe { PROXY_CGROUPS.get(&bpf_get_current_cgroup_id()) }.is_none() {
+        return None;
+    }
+    let s = unsafe { &*sk };
+    let port = s.src_port as u16;
+    let ip6 = [s.src_ip6[0], s.src_ip6[1], s.src_ip6[2], s.src_ip6[3]];
+    Some(if s.family == u32::from(AF_INET) {
+        OrigDst { addr: [s.src_ip4, 0, 0, 0], port: port.to_be(), family: AF_INET }
+    } else if is_v4_mapped(&ip6) {
+        OrigDst { addr: [ip6[3], 0, 0, 0], port: port.to_be(), family: AF_INET }
+    } else {
+        OrigDst { addr: ip6, port: port.to_be(), family: AF_INET6 }
+    })
 }

@@ -54,12 +54,8 @@ fn captured(ctx: &SockAddrContext, port_be: u16) -> Option<NetnsCookie> {
     if unsafe { PROXY_CGROUPS.get(&cgroup) }.is_some() {
         return None;
     }
-    let key = PortKey {
-        netns,
-        port: u16::from_be(port_be),
-        direction: direction::OUTBOUND,
-        _pad: 0,
-    };
+    let key =
+        PortKey { netns, port: u16::from_be(port_be), direction: direction::OUTBOUND, _pad: 0 };
     // SAFETY: as above.
     if unsafe { EXCLUDED_PORTS.get(&key) }.is_some() {
         return None;
@@ -84,11 +80,7 @@ pub fn mp_connect4(ctx: SockAddrContext) -> i32 {
     if is_loopback4(ip) || captured(&ctx, port).is_none() {
         return ALLOW;
     }
-    let orig = OrigDst {
-        addr: [ip, 0, 0, 0],
-        port,
-        family: AF_INET,
-    };
+    let orig = OrigDst { addr: [ip, 0, 0, 0], port, family: AF_INET };
     if !remember(&ctx, &orig) {
         return REFUSE;
     }
@@ -97,10 +89,7 @@ pub fn mp_connect4(ctx: SockAddrContext) -> i32 {
     // SAFETY: writable fields of the context.
     unsafe {
         write_volatile(addr_of_mut!((*sa).user_ip4), LOOPBACK4);
-        write_volatile(
-            addr_of_mut!((*sa).user_port),
-            u32::from(ports::OUTBOUND.to_be()),
-        );
+        write_volatile(addr_of_mut!((*sa).user_port), u32::from(ports::OUTBOUND.to_be()));
     }
     ALLOW
 }
@@ -111,12 +100,7 @@ pub fn mp_connect6(ctx: SockAddrContext) -> i32 {
     // SAFETY: fields of the kernel's bpf_sock_addr, read one word at a time.
     let (ip, port) = unsafe {
         (
-            [
-                (*sa).user_ip6[0],
-                (*sa).user_ip6[1],
-                (*sa).user_ip6[2],
-                (*sa).user_ip6[3],
-            ],
+            [(*sa).user_ip6[0], (*sa).user_ip6[1], (*sa).user_ip6[2], (*sa).user_ip6[3]],
             (*sa).user_port as u16,
         )
     };
@@ -126,22 +110,11 @@ pub fn mp_connect6(ctx: SockAddrContext) -> i32 {
     }
     let (orig, to) = if mapped {
         (
-            OrigDst {
-                addr: [ip[3], 0, 0, 0],
-                port,
-                family: AF_INET,
-            },
+            OrigDst { addr: [ip[3], 0, 0, 0], port, family: AF_INET },
             [0, 0, V4_MAPPED_PREFIX, LOOPBACK4],
         )
     } else {
-        (
-            OrigDst {
-                addr: ip,
-                port,
-                family: AF_INET6,
-            },
-            LOOPBACK6,
-        )
+        (OrigDst { addr: ip, port, family: AF_INET6 }, LOOPBACK6)
     };
     if !remember(&ctx, &orig) {
         return REFUSE;
@@ -152,10 +125,7 @@ pub fn mp_connect6(ctx: SockAddrContext) -> i32 {
         write_volatile(addr_of_mut!((*sa).user_ip6[1]), to[1]);
         write_volatile(addr_of_mut!((*sa).user_ip6[2]), to[2]);
         write_volatile(addr_of_mut!((*sa).user_ip6[3]), to[3]);
-        write_volatile(
-            addr_of_mut!((*sa).user_port),
-            u32::from(ports::OUTBOUND.to_be()),
-        );
+        write_volatile(addr_of_mut!((*sa).user_port), u32::from(ports::OUTBOUND.to_be()));
     }
     ALLOW
 }
@@ -188,11 +158,8 @@ pub fn mp_getpeername4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername6)]
 pub fn mp_getpeername6(ctx: SockAddrContext) -> i32 {
     if let Some(orig) = orig_of(&ctx) {
-        let ip = if orig.family == AF_INET {
-            [0, 0, V4_MAPPED_PREFIX, orig.addr[0]]
-        } else {
-            orig.addr
-        };
+        let ip =
+            if orig.family == AF_INET { [0, 0, V4_MAPPED_PREFIX, orig.addr[0]] } else { orig.addr };
         let sa = ctx.sock_addr;
         // SAFETY: writable fields of the context, 4-byte stores.
         unsafe {

@@ -6,15 +6,9 @@
 //! the peer's netns, so pod B's ingress would be counted against pod A (seen on this kernel).
 //! The loader therefore loads these two tiny programs once per pod with [`POD_COOKIE`] set.
 
-use aya_ebpf::{bindings::TC_ACT_UNSPEC, macros::classifier, programs::TcContext, Global};
-use datapath_common::NetnsCookie;
+use aya_ebpf::{bindings::TC_ACT_UNSPEC, macros::classifier, programs::TcContext};
 
-use crate::maps::POD_COUNTERS;
-
-/// The netns cookie of the pod this program instance serves; set by the loader at load time
-/// (`datapath_common::consts::globals::POD_COOKIE`).
-#[unsafe(no_mangle)]
-static POD_COOKIE: Global<NetnsCookie> = Global::new(0);
+use crate::maps::{POD_COOKIE, POD_COUNTERS};
 
 /// TCX verdict "continue with the next program on this hook" (TCX_NEXT == TC_ACT_UNSPEC). We only
 /// observe, so we never end the chain: a CNI's own TC programs keep running after ours.

@@ -10,10 +10,10 @@ use std::{
 };
 
 use aya::{
-    maps::{HashMap, Map, MapData, MapError, PerCpuHashMap},
+    maps::{HashMap, Map, MapData, MapError, PerCpuHashMap, SockHash},
     programs::{
         links::{CgroupAttachMode, FdLink},
-        CgroupSockopt, Program, ProgramError, SchedClassifier,
+        CgroupSockopt, Program, ProgramError,
     },
     Ebpf, EbpfLoader,
 };
@@ -22,6 +22,7 @@ use datapath_common::{
     NetnsCookie, PodCounters, PodInfo, PortKey,
 };
 use nix::fcntl::{Flock, FlockArg};
+use std::os::fd::AsRawFd;
 use tracing::{debug, info};
 
 use crate::{Error, Result};
@@ -54,10 +55,7 @@ impl Datapath {
             File::open(root).map_err(|e| Error::io(format!("opening {}", root.display()), e))?;
         let lock = Flock::lock(dir, FlockArg::LockExclusive)
             .map_err(|(_, e)| Error::io(format!("locking {}", root.display()), e.into()))?;
-        let dp = Self {
-            root: root.to_owned(),
-            _lock: lock,
-        };
+        let dp = Self { root: root.to_owned(), _lock: lock };
         if !dp.maps_pinned() {
             // Parsing the object creates and pins every map it declares `pinned`.
             dp.load_object(0)?;
@@ -82,9 +80,7 @@ impl Datapath {
     }
 
     fn maps_pinned(&self) -> bool {
-        [map_names::POD_COUNTERS, map_names::PODS]
-            .iter()
-            .all(|m| self.map_pin(m).exists())
+        [map_names::POD_COUNTERS, map_names::PODS].iter().all(|m| self.map_pin(m).exists())
     }
 
     /// Parses the embedded object for one pod: maps declared `pinned` are reused from the pin
@@ -97,21 +93,30 @@ impl Datapath {
             .map_err(|e| Error::bpf("loading the embedded eBPF object", e))
     }
 
-    /// Loads the named TC programs into the kernel for the pod with `pod_cookie`. The returned
-    /// object owns them; attach them and take their links before dropping it.
-    pub fn load_pod_programs(&self, pod_cookie: NetnsCookie, names: &[&str]) -> Result<Ebpf> {
-        let mut ebpf = self.load_object(pod_cookie)?;
-        for &name in names {
-            let prog: &mut SchedClassifier = ebpf
-                .program_mut(name)
-                .ok_or_else(|| {
-                    Error::bpf(name, io::Error::other("program missing from the object"))
-                })?
-                .try_into()
-                .map_err(|e| Error::bpf(format!("program {name}"), e))?;
-            prog.load().map_err(|e| verifier_error(name, e))?;
-        }
-        Ok(ebpf)
+    /// Parses the object for the pod with `pod_cookie` (its per-pod programs read it). The
+    /// caller loads and attaches the programs it needs, and takes their links.
+    pub fn load_pod_object(&self, pod_cookie: NetnsCookie) -> Result<Ebpf> {
+        self.load_object(pod_cookie)
+    }
+
+    /// Inserts the proxy's inbound listener for the pod with `cookie`. The kernel removes it
+    /// when the socket closes; until another is inserted, the pod's inbound TCP is refused.
+    pub fn register_inbound_listener(
+        &self,
+        cookie: NetnsCookie,
+        listener: &impl AsRawFd,
+    ) -> Result<()> {
+        self.inbound_listeners()?
+            .insert(inbound_listener_key(cookie), listener.as_raw_fd(), 0)
+            .map_err(|e| {
+                Error::bpf(format!("registering the inbound listener of netns cookie {cookie}"), e)
+            })
+    }
+
+    /// The proxy's inbound listeners.
+    pub fn inbound_listeners(&self) -> Result<SockHash<MapData, PortKey>> {
+        SockHash::try_from(self.map(map_names::INBOUND_LISTENERS)?)
+            .map_err(|e| Error::bpf(format!("map {}", map_names::INBOUND_LISTENERS), e))
     }
 
     /// Attaches the node-wide capture programs at the cgroup v2 root, once: their pinned links
@@ -161,15 +166,9 @@ impl Datapath {
                     link_cgroup_sockopt(p, &cgroup, &pin).map_err(|e| Error::io(what(), e))?;
                     continue;
                 }
-                _ => {
-                    return Err(Error::bpf(
-                        name,
-                        io::Error::other("unexpected program type"),
-                    ))
-                }
+                _ => return Err(Error::bpf(name, io::Error::other("unexpected program type"))),
             };
-            link.pin(&pin)
-                .map_err(|e| Error::bpf(format!("pinning {}", pin.display()), e))?;
+            link.pin(&pin).map_err(|e| Error::bpf(format!("pinning {}", pin.display()), e))?;
         }
         info!(cgroup = %cgroup_root.display(), "capture programs attached");
         Ok(())
@@ -192,10 +191,7 @@ impl Datapath {
     /// Forgets a proxy cgroup.
     pub fn unregister_proxy_cgroup(&self, cgroup: &Path) -> Result<()> {
         let id = cgroup_id(cgroup)?;
-        match self
-            .hash_map::<u64, u32>(map_names::PROXY_CGROUPS)?
-            .remove(&id)
-        {
+        match self.hash_map::<u64, u32>(map_names::PROXY_CGROUPS)?.remove(&id) {
             Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
             Err(e) => Err(Error::bpf("unregistering the proxy cgroup", e)),
         }
@@ -225,7 +221,18 @@ impl Datapath {
     }
 }
 
-fn load(res: Result<(), ProgramError>, name: &str) -> Result<()> {
+/// The SOCKHASH key of a pod's inbound listener.
+pub fn inbound_listener_key(cookie: NetnsCookie) -> PortKey {
+    PortKey {
+        netns: cookie,
+        port: datapath_common::consts::ports::INBOUND_PLAINTEXT,
+        direction: datapath_common::direction::INBOUND,
+        _pad: 0,
+    }
+}
+
+/// A program load result, with a rejection turned into [`Error::Verifier`].
+pub(crate) fn load(res: Result<(), ProgramError>, name: &str) -> Result<()> {
     res.map_err(|e| verifier_error(name, e))
 }
 
@@ -246,10 +253,7 @@ pub fn cgroup2_root() -> Result<PathBuf> {
                 .flatten()
         })
         .ok_or_else(|| {
-            Error::io(
-                "finding the cgroup v2 mount",
-                io::Error::other("cgroup2 is not mounted"),
-            )
+            Error::io("finding the cgroup v2 mount", io::Error::other("cgroup2 is not mounted"))
         })
 }
 
@@ -317,12 +321,7 @@ fn link_cgroup_sockopt(prog: &CgroupSockopt, cgroup: &File, pin: &Path) -> io::R
     };
     // SAFETY: as above; `path` outlives the call.
     let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_PIN,
-            &raw const attr,
-            std::mem::size_of::<ObjPin>(),
-        )
+        libc::syscall(libc::SYS_bpf, BPF_OBJ_PIN, &raw const attr, std::mem::size_of::<ObjPin>())
     };
     if rc < 0 {
         return Err(io::Error::last_os_error());
@@ -333,21 +332,14 @@ fn link_cgroup_sockopt(prog: &CgroupSockopt, cgroup: &File, pin: &Path) -> io::R
 /// Turns a load failure into one sentence plus a file with the verifier's log.
 fn verifier_error(program: &str, e: ProgramError) -> Error {
     match e {
-        ProgramError::LoadError {
-            io_error,
-            verifier_log,
-        } => {
+        ProgramError::LoadError { io_error, verifier_log } => {
             let log = PathBuf::from(VERIFIER_LOG_DIR).join(format!("verifier-{program}.log"));
             let written = fs::create_dir_all(VERIFIER_LOG_DIR)
                 .and_then(|()| fs::write(&log, verifier_log.to_string()));
             if let Err(w) = written {
                 debug!(error = %w, "could not write the verifier log");
             }
-            Error::Verifier {
-                program: program.to_owned(),
-                cause: io_error,
-                log,
-            }
+            Error::Verifier { program: program.to_owned(), cause: io_error, log }
         }
         other => Error::bpf(format!("loading program {program}"), other),
     }

@@ -25,11 +25,7 @@ pub enum Error {
         "the kernel rejected eBPF program {program}: {cause}; the verifier's log is in {}",
         log.display()
     )]
-    Verifier {
-        program: String,
-        cause: io::Error,
-        log: PathBuf,
-    },
+    Verifier { program: String, cause: io::Error, log: PathBuf },
 
     #[error("{what}: {source}")]
     Bpf {
@@ -52,17 +48,11 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     /// Wraps an aya (or other library) error with what was being done.
     pub fn bpf(what: impl Into<String>, e: impl std::error::Error + Send + Sync + 'static) -> Self {
-        Self::Bpf {
-            what: what.into(),
-            source: Box::new(e),
-        }
+        Self::Bpf { what: what.into(), source: Box::new(e) }
     }
 
     /// Wraps an I/O error with what was being done.
     pub fn io(what: impl Into<String>, source: io::Error) -> Self {
-        Self::Io {
-            what: what.into(),
-            source,
-        }
+        Self::Io { what: what.into(), source }
     }
 }

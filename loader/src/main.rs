@@ -4,7 +4,7 @@ use std::{path::PathBuf, process::ExitCode};
 
 use anyhow::{Context as _, Result};
 use clap::{Args, Parser, Subcommand};
-use datapath_common::consts::pins;
+use datapath_common::{consts::pins, pod_flags};
 use meshpath_loader::{
     datapath::Datapath,
     netns::Netns,
@@ -44,6 +44,15 @@ enum Cmd {
         /// A destination port outbound capture leaves alone (repeatable).
         #[arg(long = "exclude-outbound-port", value_name = "PORT")]
         exclude_outbound_ports: Vec<u16>,
+        /// Capture TCP arriving at the pod to the proxy (port 15006 in the pod; 15008 untouched).
+        #[arg(long)]
+        capture_inbound: bool,
+        /// A pod port inbound capture leaves alone (repeatable).
+        #[arg(long = "exclude-inbound-port", value_name = "PORT")]
+        exclude_inbound_ports: Vec<u16>,
+        /// Capture kubelet probes too (by default they reach the app directly, as in Istio).
+        #[arg(long)]
+        no_probe_bypass: bool,
     },
     /// Register (or, with --remove, forget) the proxy's cgroup: its sockets are never captured.
     ProxyCgroup {
@@ -122,6 +131,9 @@ fn run(cli: Cli) -> Result<()> {
             name,
             capture_outbound,
             exclude_outbound_ports,
+            capture_inbound,
+            exclude_inbound_ports,
+            no_probe_bypass,
         } => {
             let ns = Netns::open(netns)?;
             let opts = EnrolOptions {
@@ -129,6 +141,9 @@ fn run(cli: Cli) -> Result<()> {
                 name: name.clone(),
                 capture_outbound: *capture_outbound,
                 exclude_outbound_ports: exclude_outbound_ports.clone(),
+                capture_inbound: *capture_inbound,
+                exclude_inbound_ports: exclude_inbound_ports.clone(),
+                probe_bypass: !*no_probe_bypass,
             };
             let cookie = pods::enrol(&dp()?, &ns, &opts)?;
             println!(
@@ -195,14 +210,8 @@ fn run(cli: Cli) -> Result<()> {
                 println!("netns inode:  {}", p.info.netns_inode);
                 println!("ifindex:      {}", p.info.ifindex);
                 println!("pins:         {}", p.pins.join(", "));
-                println!(
-                    "ingress:      {} packets, {} bytes",
-                    c.ingress_packets, c.ingress_bytes
-                );
-                println!(
-                    "egress:       {} packets, {} bytes",
-                    c.egress_packets, c.egress_bytes
-                );
+                println!("ingress:      {} packets, {} bytes", c.ingress_packets, c.ingress_bytes);
+                println!("egress:       {} packets, {} bytes", c.egress_packets, c.egress_bytes);
             }
         }
     }
@@ -215,7 +224,9 @@ fn to_json(p: &PodStatus) -> serde_json::Value {
         "cookie": p.cookie,
         "name": p.info.name(),
         "ifindex": p.info.ifindex,
-        "capture_outbound": p.info.flags & datapath_common::pod_flags::CAPTURE_OUTBOUND != 0,
+        "capture_outbound": p.info.flags & pod_flags::CAPTURE_OUTBOUND != 0,
+        "capture_inbound": p.info.flags & pod_flags::CAPTURE_INBOUND != 0,
+        "probe_bypass": p.info.flags & pod_flags::PROBE_BYPASS != 0,
         "netns_inode": p.info.netns_inode,
         "pins": p.pins,
         "counters": {

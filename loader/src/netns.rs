@@ -32,10 +32,7 @@ impl Netns {
     /// Opens `path` (e.g. `/var/run/netns/NAME` or `/proc/PID/ns/net`) and checks that it is a
     /// network namespace.
     pub fn open(path: &Path) -> Result<Self> {
-        let not_netns = |reason: String| Error::NotANetns {
-            path: path.to_owned(),
-            reason,
-        };
+        let not_netns = |reason: String| Error::NotANetns { path: path.to_owned(), reason };
         let file = File::open(path).map_err(|e| not_netns(e.to_string()))?;
         let fs = nix::sys::statfs::fstatfs(file.as_fd()).map_err(|e| not_netns(e.to_string()))?;
         if fs.filesystem_type() != nix::sys::statfs::NSFS_MAGIC {
@@ -50,12 +47,7 @@ impl Netns {
             return Err(not_netns("a namespace of another type".into()));
         }
         let inode = file.metadata().map_err(|e| not_netns(e.to_string()))?.ino();
-        let mut ns = Self {
-            file,
-            path: path.to_owned(),
-            inode,
-            cookie: 0,
-        };
+        let mut ns = Self { file, path: path.to_owned(), inode, cookie: 0 };
         ns.cookie = ns.run(read_cookie)??;
         Ok(ns)
     }
@@ -95,21 +87,9 @@ impl Netns {
 
 /// Reads the cookie of the calling thread's network namespace.
 pub fn read_cookie() -> Result<u64> {
-    let sock = socket(
-        AddressFamily::Inet,
-        SockType::Datagram,
-        SockFlag::SOCK_CLOEXEC,
-        None,
-    )
-    .or_else(|_| {
-        socket(
-            AddressFamily::Unix,
-            SockType::Datagram,
-            SockFlag::SOCK_CLOEXEC,
-            None,
-        )
-    })
-    .map_err(|e| Error::io("creating a socket to read the netns cookie", e.into()))?;
+    let sock = socket(AddressFamily::Inet, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None)
+        .or_else(|_| socket(AddressFamily::Unix, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None))
+        .map_err(|e| Error::io("creating a socket to read the netns cookie", e.into()))?;
     let mut cookie: u64 = 0;
     let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
     // SAFETY: the out-pointer and length describe a valid u64.

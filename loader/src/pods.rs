@@ -6,7 +6,7 @@ use std::{fs, io, path::PathBuf};
 
 use aya::{
     maps::{MapError, PerCpuValues},
-    programs::{links::FdLink, SchedClassifier, TcAttachType},
+    programs::{links::FdLink, SchedClassifier, SkLookup, TcAttachType},
     util::nr_cpus,
 };
 use datapath_common::{
@@ -14,7 +14,11 @@ use datapath_common::{
 };
 use tracing::{info, warn};
 
-use crate::{datapath::Datapath, netns::Netns, Error, Result};
+use crate::{
+    datapath::{inbound_listener_key, load, Datapath},
+    netns::Netns,
+    Error, Result,
+};
 
 /// Pin file names of a pod's links, inside its pod directory.
 pub mod link_pins {
@@ -22,6 +26,8 @@ pub mod link_pins {
     pub const TC_INGRESS: &str = "tc_ingress";
     /// The TCX egress link on the pod's interface.
     pub const TC_EGRESS: &str = "tc_egress";
+    /// The sk_lookup link on the pod's netns.
+    pub const SK_LOOKUP: &str = "sk_lookup";
 }
 
 /// How to enrol a pod.
@@ -35,6 +41,12 @@ pub struct EnrolOptions {
     pub capture_outbound: bool,
     /// Destination ports the pod's outbound capture leaves alone.
     pub exclude_outbound_ports: Vec<u16>,
+    /// Steer TCP arriving at the pod to the proxy's inbound listener.
+    pub capture_inbound: bool,
+    /// Pod ports inbound capture leaves alone.
+    pub exclude_inbound_ports: Vec<u16>,
+    /// Let kubelet probes (169.254.7.127, fd16:9254:7127:1337:ffff:ffff:ffff:ffff) through.
+    pub probe_bypass: bool,
 }
 
 impl Default for EnrolOptions {
@@ -44,6 +56,9 @@ impl Default for EnrolOptions {
             name: None,
             capture_outbound: false,
             exclude_outbound_ports: Vec::new(),
+            capture_inbound: false,
+            exclude_inbound_ports: Vec::new(),
+            probe_bypass: true,
         }
     }
 }
@@ -66,18 +81,11 @@ pub struct PodStatus {
 /// error, none of it is left behind.
 pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsCookie> {
     let cookie = netns.cookie();
-    let pod = opts
-        .name
-        .clone()
-        .unwrap_or_else(|| netns.path().display().to_string());
+    let pod = opts.name.clone().unwrap_or_else(|| netns.path().display().to_string());
     if is_enrolled(dp, cookie)? {
         return Err(Error::AlreadyEnrolled { pod, cookie });
     }
-    let mut undo = Undo {
-        dp,
-        cookie,
-        armed: true,
-    };
+    let mut undo = Undo { dp, cookie, armed: true };
 
     let ncpus = nr_cpus().map_err(|(what, e)| Error::io(what, e))?;
     let zeros = PerCpuValues::try_from(vec![PodCounters::default(); ncpus])
@@ -88,16 +96,13 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
 
     let dir = dp.pod_dir(cookie);
     fs::create_dir(&dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-    let ifindex = netns.run(|| attach_tc(dp, cookie, &dir, &pod, &opts.iface))??;
+    let ifindex = netns.run(|| attach_pod_programs(dp, cookie, &dir, &pod, opts))??;
 
     let mut excluded = dp.excluded_ports()?;
-    for &port in &opts.exclude_outbound_ports {
-        let key = PortKey {
-            netns: cookie,
-            port,
-            direction: direction::OUTBOUND,
-            _pad: 0,
-        };
+    let outbound = opts.exclude_outbound_ports.iter().map(|&p| (p, direction::OUTBOUND));
+    let inbound = opts.exclude_inbound_ports.iter().map(|&p| (p, direction::INBOUND));
+    for (port, direction) in outbound.chain(inbound) {
+        let key = PortKey { netns: cookie, port, direction, _pad: 0 };
         excluded
             .insert(key, 1, 0)
             .map_err(|e| Error::bpf(format!("pod {pod}: excluding port {port}"), e))?;
@@ -105,8 +110,14 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
 
     // Last: the PODS entry is what turns capture on for the pod.
     let mut info = PodInfo::new(ifindex, netns.inode(), &pod);
-    if opts.capture_outbound {
-        info.flags |= pod_flags::CAPTURE_OUTBOUND;
+    for (on, flag) in [
+        (opts.capture_outbound, pod_flags::CAPTURE_OUTBOUND),
+        (opts.capture_inbound, pod_flags::CAPTURE_INBOUND),
+        (opts.probe_bypass, pod_flags::PROBE_BYPASS),
+    ] {
+        if on {
+            info.flags |= flag;
+        }
     }
     dp.pods()?
         .insert(cookie, info, 0)
@@ -116,48 +127,51 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
     Ok(cookie)
 }
 
-/// Loads the pod's instance of both TC programs, attaches them to `iface` in the calling
-/// thread's netns and pins the links in `dir`. Returns the interface index.
-fn attach_tc(
+/// Loads the pod's instances of its programs (TC counters; sk_lookup when inbound is
+/// captured), attaches them in the calling thread's netns (the pod's) and pins the links in
+/// `dir`. Returns the interface index.
+fn attach_pod_programs(
     dp: &Datapath,
     cookie: NetnsCookie,
     dir: &std::path::Path,
     pod: &str,
-    iface: &str,
+    opts: &EnrolOptions,
 ) -> Result<u32> {
-    let ifindex = nix::net::if_::if_nametoindex(iface).map_err(|_| Error::NoSuchInterface {
-        pod: pod.to_owned(),
-        iface: iface.to_owned(),
-    })?;
-    let tc = [
-        (
-            programs::TC_POD_INGRESS,
-            TcAttachType::Ingress,
-            link_pins::TC_INGRESS,
-        ),
-        (
-            programs::TC_POD_EGRESS,
-            TcAttachType::Egress,
-            link_pins::TC_EGRESS,
-        ),
-    ];
-    let mut ebpf = dp.load_pod_programs(cookie, &tc.map(|(p, _, _)| p))?;
-    for (program, attach_type, pin) in tc {
+    let iface = opts.iface.as_str();
+    let ifindex = nix::net::if_::if_nametoindex(iface)
+        .map_err(|_| Error::NoSuchInterface { pod: pod.to_owned(), iface: iface.to_owned() })?;
+    let mut ebpf = dp.load_pod_object(cookie)?;
+    for (program, attach_type, pin) in [
+        (programs::TC_POD_INGRESS, TcAttachType::Ingress, link_pins::TC_INGRESS),
+        (programs::TC_POD_EGRESS, TcAttachType::Egress, link_pins::TC_EGRESS),
+    ] {
         let prog: &mut SchedClassifier = ebpf
             .program_mut(program)
             .and_then(|p| p.try_into().ok())
             .ok_or_else(|| Error::bpf(program, io::Error::other("not a TC program")))?;
+        load(prog.load(), program)?;
         let what = || format!("pod {pod}: attaching {program} to {iface}");
-        let id = prog
-            .attach(iface, attach_type)
-            .map_err(|e| Error::bpf(what(), e))?;
+        let id = prog.attach(iface, attach_type).map_err(|e| Error::bpf(what(), e))?;
         let link: FdLink = prog
             .take_link(id)
             .map_err(|e| Error::bpf(what(), e))?
             .try_into()
             .map_err(|e| Error::bpf(what(), e))?;
-        link.pin(dir.join(pin))
-            .map_err(|e| Error::bpf(format!("pod {pod}: pinning {pin}"), e))?;
+        link.pin(dir.join(pin)).map_err(|e| Error::bpf(format!("pod {pod}: pinning {pin}"), e))?;
+    }
+    if opts.capture_inbound {
+        let name = programs::SK_LOOKUP;
+        let prog: &mut SkLookup = ebpf
+            .program_mut(name)
+            .and_then(|p| p.try_into().ok())
+            .ok_or_else(|| Error::bpf(name, io::Error::other("not an sk_lookup program")))?;
+        load(prog.load(), name)?;
+        let what = || format!("pod {pod}: attaching {name} to its netns");
+        let netns = fs::File::open("/proc/thread-self/ns/net").map_err(|e| Error::io(what(), e))?;
+        let id = prog.attach(&netns).map_err(|e| Error::bpf(what(), e))?;
+        let link = FdLink::from(prog.take_link(id).map_err(|e| Error::bpf(what(), e))?);
+        let pin = link_pins::SK_LOOKUP;
+        link.pin(dir.join(pin)).map_err(|e| Error::bpf(format!("pod {pod}: pinning {pin}"), e))?;
     }
     Ok(ifindex)
 }
@@ -166,9 +180,7 @@ fn attach_tc(
 /// pod's netns still exists.
 pub fn unenrol(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
     if !is_enrolled(dp, cookie)? {
-        return Err(Error::NotEnrolled {
-            pod: format!("with netns cookie {cookie}"),
-        });
+        return Err(Error::NotEnrolled { pod: format!("with netns cookie {cookie}") });
     }
     remove_all(dp, cookie)?;
     info!(cookie, "pod unenrolled");
@@ -204,21 +216,17 @@ fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
     // PODS first: capture stops before anything it relies on goes.
     let mut results = vec![dp.pods()?.remove(&cookie)];
     let mut excluded = dp.excluded_ports()?;
-    let keys: Vec<PortKey> = excluded
-        .keys()
-        .flatten()
-        .filter(|k| k.netns == cookie)
-        .collect();
+    let keys: Vec<PortKey> = excluded.keys().flatten().filter(|k| k.netns == cookie).collect();
     results.extend(keys.iter().map(|k| excluded.remove(k)));
     results.push(dp.counters()?.remove(&cookie));
+    results.push(dp.inbound_listeners()?.remove(&inbound_listener_key(cookie)));
     for res in results {
         match res {
             Ok(()) | Err(MapError::KeyNotFound) => {}
+            // SOCKHASH deletes report a missing key as the raw ENOENT.
+            Err(MapError::SyscallError(e)) if e.io_error.kind() == io::ErrorKind::NotFound => {}
             Err(e) => {
-                return Err(Error::bpf(
-                    format!("removing map entries of cookie {cookie}"),
-                    e,
-                ))
+                return Err(Error::bpf(format!("removing map entries of cookie {cookie}"), e))
             }
         }
     }
@@ -259,9 +267,7 @@ pub fn show(dp: &Datapath, cookie: NetnsCookie) -> Result<PodStatus> {
     let info = match dp.pods()?.get(&cookie, 0) {
         Ok(info) => info,
         Err(MapError::KeyNotFound) => {
-            return Err(Error::NotEnrolled {
-                pod: format!("with netns cookie {cookie}"),
-            })
+            return Err(Error::NotEnrolled { pod: format!("with netns cookie {cookie}") })
         }
         Err(e) => return Err(Error::bpf("reading PODS", e)),
     };
@@ -270,28 +276,17 @@ pub fn show(dp: &Datapath, cookie: NetnsCookie) -> Result<PodStatus> {
 
 fn status_of(dp: &Datapath, cookie: NetnsCookie, info: PodInfo) -> Result<PodStatus> {
     let counters = match dp.counters()?.get(&cookie, 0) {
-        Ok(per_cpu) => per_cpu
-            .iter()
-            .fold(PodCounters::default(), |a, c| a.saturating_add(*c)),
+        Ok(per_cpu) => per_cpu.iter().fold(PodCounters::default(), |a, c| a.saturating_add(*c)),
         Err(MapError::KeyNotFound) => PodCounters::default(),
         Err(e) => return Err(Error::bpf("reading POD_COUNTERS", e)),
     };
     let pins = pin_names(dp.pod_dir(cookie));
-    Ok(PodStatus {
-        cookie,
-        info,
-        counters,
-        pins,
-    })
+    Ok(PodStatus { cookie, info, counters, pins })
 }
 
 fn pin_names(dir: PathBuf) -> Vec<String> {
     let mut names: Vec<String> = fs::read_dir(dir)
-        .map(|rd| {
-            rd.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
+        .map(|rd| rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
         .unwrap_or_default();
     names.sort();
     names

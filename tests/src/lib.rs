@@ -19,29 +19,20 @@ use meshpath_loader::{datapath::Datapath, netns::Netns};
 pub fn require_root() {
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
-    assert_eq!(
-        euid, 0,
-        "meshpath's end-to-end tests must run as root (they load eBPF programs)"
-    );
+    assert_eq!(euid, 0, "meshpath's end-to-end tests must run as root (they load eBPF programs)");
 }
 
 /// A name no other test (in this or another process) is using: `prefix` + pid + counter.
 /// Kept short: interface names are limited to 15 bytes.
 pub fn unique(prefix: &str) -> String {
     static N: AtomicU32 = AtomicU32::new(0);
-    format!(
-        "{prefix}{}x{}",
-        std::process::id() % 100_000,
-        N.fetch_add(1, Ordering::Relaxed)
-    )
+    format!("{prefix}{}x{}", std::process::id() % 100_000, N.fetch_add(1, Ordering::Relaxed))
 }
 
 /// Runs a command, failing with its stderr if it does not succeed.
 pub fn sh(program: &str, args: &[&str]) -> Result<Output> {
-    let out = Command::new(program)
-        .args(args)
-        .output()
-        .with_context(|| format!("running {program}"))?;
+    let out =
+        Command::new(program).args(args).output().with_context(|| format!("running {program}"))?;
     if !out.status.success() {
         bail!(
             "`{program} {}` failed: {}",
@@ -90,9 +81,7 @@ impl NetnsGuard {
 impl Drop for NetnsGuard {
     fn drop(&mut self) {
         // Deleting the netns also deletes the veth ends inside it.
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .output();
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
     }
 }
 
@@ -140,14 +129,7 @@ impl PodPair {
             ns.ip(&["addr", "add", &format!("{ip6}/64"), "dev", "eth0", "nodad"])?;
             ns.ip(&["link", "set", "eth0", "up"])?;
         }
-        Ok(Self {
-            a,
-            b,
-            a_ip,
-            b_ip,
-            a_ip6,
-            b_ip6,
-        })
+        Ok(Self { a, b, a_ip, b_ip, a_ip6, b_ip6 })
     }
 }
 
@@ -160,9 +142,7 @@ pub struct PinRoot {
 
 impl PinRoot {
     pub fn new() -> Self {
-        Self {
-            path: Path::new("/sys/fs/bpf").join(unique("meshpath-test-")),
-        }
+        Self { path: Path::new("/sys/fs/bpf").join(unique("meshpath-test-")) }
     }
 
     pub fn path(&self) -> &Path {
@@ -182,11 +162,7 @@ impl PinRoot {
         for dir in std::fs::read_dir(pods).into_iter().flatten().flatten() {
             out.push(dir.path());
             out.extend(
-                std::fs::read_dir(dir.path())
-                    .into_iter()
-                    .flatten()
-                    .flatten()
-                    .map(|e| e.path()),
+                std::fs::read_dir(dir.path()).into_iter().flatten().flatten().map(|e| e.path()),
             );
         }
         out
@@ -207,16 +183,26 @@ impl Drop for PinRoot {
 
 /// The `meshpath-loader` binary of this build (`MESHPATH_LOADER` overrides).
 pub fn loader_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("MESHPATH_LOADER") {
-        return PathBuf::from(p);
+    match std::env::var_os("MESHPATH_LOADER") {
+        Some(p) => PathBuf::from(p),
+        None => sibling_bin("meshpath-loader"),
     }
-    // tests/ → workspace root → target/<profile>/ (the test binary lives in target/<profile>/deps).
+}
+
+/// A binary of this build: test binaries live in target/<profile>/deps, binaries one up.
+pub fn sibling_bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>");
-    profile_dir.join("meshpath-loader")
+    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>");
+    profile_dir.join(name)
+}
+
+/// Reads one line (5 s at most) from a connection, without the newline.
+pub fn read_line(conn: &TcpStream) -> String {
+    use std::io::BufRead as _;
+    conn.set_read_timeout(Some(std::time::Duration::from_secs(5))).expect("timeout");
+    let mut line = String::new();
+    std::io::BufReader::new(conn).read_line(&mut line).expect("read a line from the proxy");
+    line.trim_end().to_owned()
 }
 
 /// Runs `meshpath-loader --pin-root ROOT ARGS…` as a separate process.
@@ -268,9 +254,7 @@ pub fn transfer(pods: &PodPair, port: u16, bytes: usize) -> Result<u64> {
     let addr = SocketAddrV4::new(pods.b_ip, port);
     let sink = tcp_sink(&b, addr)?;
     tcp_send(&a, addr, bytes)?;
-    let got = sink
-        .join()
-        .map_err(|_| anyhow::anyhow!("sink panicked"))??;
+    let got = sink.join().map_err(|_| anyhow::anyhow!("sink panicked"))??;
     Ok(got)
 }
 
@@ -314,8 +298,15 @@ pub struct TestProxy {
 }
 
 impl TestProxy {
-    /// Starts the proxy (`mode` is `echo` or `forward`) and waits until it listens.
-    pub fn start(bin: &Path, netns: &Path, cgroup: &CgroupGuard, mode: &str) -> Result<Self> {
+    /// Starts the proxy (`mode` is `echo` or `forward`) and waits until it listens. With a pin
+    /// root it also serves inbound capture (registering its listener there).
+    pub fn start(
+        bin: &Path,
+        netns: &Path,
+        cgroup: &CgroupGuard,
+        mode: &str,
+        pin_root: Option<&Path>,
+    ) -> Result<Self> {
         use std::os::fd::AsRawFd as _;
         use std::{io::BufRead as _, os::unix::process::CommandExt as _};
         // Opened before fork: between fork and exec only write(2) runs (no allocation).
@@ -325,9 +316,7 @@ impl TestProxy {
             .context("opening cgroup.procs")?;
         let procs_fd = procs.as_raw_fd();
         let mut cmd = Command::new(bin);
-        cmd.arg(netns)
-            .arg(mode)
-            .stdout(std::process::Stdio::piped());
+        cmd.arg(netns).arg(mode).args(pin_root).stdout(std::process::Stdio::piped());
         // SAFETY: the closure only calls write(2) on an fd that stays open until spawn returns;
         // "0" moves the writing process (the child) into the cgroup before it execs.
         unsafe {
@@ -345,10 +334,7 @@ impl TestProxy {
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let sink = lines.clone();
         std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stdout)
-                .lines()
-                .map_while(Result::ok)
-            {
+            for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
                 if line == "READY" {
                     let _ = ready_tx.send(());
                 }
@@ -377,5 +363,141 @@ impl TestProxy {
 impl Drop for TestProxy {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+pub use mesh::Mesh;
+
+mod mesh {
+    use std::{
+        io::{self, Read as _, Write as _},
+        net::{IpAddr, SocketAddr, TcpListener, TcpStream},
+        thread::JoinHandle,
+        time::Duration,
+    };
+
+    use meshpath_loader::{
+        datapath::Datapath,
+        pods::{self, EnrolOptions},
+    };
+
+    use super::{require_root, sibling_bin, CgroupGuard, NetnsGuard, PinRoot, PodPair, TestProxy};
+
+    /// Two pods, pod a enrolled with outbound capture, a proxy cgroup registered. Field order is
+    /// drop order: the proxy dies before its cgroup is removed, the pods before the pins.
+    pub struct Mesh {
+        pub proxy: Option<TestProxy>,
+        pub cgroup: CgroupGuard,
+        pub pods: PodPair,
+        pub root: PinRoot,
+    }
+
+    impl Mesh {
+        pub fn new(opts: EnrolOptions) -> Self {
+            require_root();
+            let (root, pods, cgroup) = (
+                PinRoot::new(),
+                PodPair::new().expect("pods"),
+                CgroupGuard::new().expect("cgroup"),
+            );
+            let dp = root.datapath().expect("datapath");
+            dp.register_proxy_cgroup(cgroup.path()).expect("register proxy cgroup");
+            pods::enrol(&dp, &pods.a.open().expect("netns a"), &opts).expect("enrol a");
+            Self { proxy: None, cgroup, pods, root }
+        }
+
+        pub fn capturing() -> Self {
+            Self::new(EnrolOptions { capture_outbound: true, ..EnrolOptions::default() })
+        }
+
+        pub fn with_proxy(mut self, mode: &str) -> Self {
+            self.start_proxy(mode);
+            self
+        }
+
+        pub fn start_proxy(&mut self, mode: &str) {
+            let proxy = TestProxy::start(
+                &sibling_bin("meshpath-test-proxy"),
+                &self.pods.a.path(),
+                &self.cgroup,
+                mode,
+                Some(self.root.path()),
+            )
+            .expect("test proxy");
+            self.proxy = Some(proxy);
+        }
+
+        pub fn datapath(&self) -> Datapath {
+            self.root.datapath().expect("datapath")
+        }
+
+        /// Connects from inside pod a (the app), optionally with a socket mark set first.
+        pub fn connect_from_a(&self, to: SocketAddr, mark: Option<u32>) -> io::Result<TcpStream> {
+            connect(&self.pods.a, to, mark, None)
+        }
+
+        /// Connects from inside pod b, optionally from a given source address.
+        pub fn connect_from_b(&self, to: SocketAddr, src: Option<IpAddr>) -> io::Result<TcpStream> {
+            connect(&self.pods.b, to, None, src)
+        }
+
+        /// Pod a's address.
+        pub fn a(&self, v6: bool, port: u16) -> SocketAddr {
+            let ip: IpAddr = if v6 { self.pods.a_ip6.into() } else { self.pods.a_ip.into() };
+            SocketAddr::new(ip, port)
+        }
+
+        /// Pod b's address.
+        pub fn b(&self, v6: bool, port: u16) -> SocketAddr {
+            let ip: IpAddr = if v6 { self.pods.b_ip6.into() } else { self.pods.b_ip.into() };
+            SocketAddr::new(ip, port)
+        }
+
+        /// An echo server in pod b on `addr` for one connection; returns the client's address.
+        pub fn echo_server_in_b(&self, addr: SocketAddr) -> JoinHandle<io::Result<SocketAddr>> {
+            echo_server(&self.pods.b, addr)
+        }
+
+        /// An echo server in pod a (the app) on `addr` for one connection.
+        pub fn echo_server_in_a(&self, addr: SocketAddr) -> JoinHandle<io::Result<SocketAddr>> {
+            echo_server(&self.pods.a, addr)
+        }
+    }
+
+    fn connect(
+        from: &NetnsGuard,
+        to: SocketAddr,
+        mark: Option<u32>,
+        src: Option<IpAddr>,
+    ) -> io::Result<TcpStream> {
+        let ns = from.open().expect("netns");
+        ns.run(|| {
+            let domain = if to.is_ipv4() { socket2::Domain::IPV4 } else { socket2::Domain::IPV6 };
+            let sock = socket2::Socket::new(domain, socket2::Type::STREAM, None)?;
+            if let Some(m) = mark {
+                sock.set_mark(m)?;
+            }
+            if let Some(ip) = src {
+                sock.bind(&SocketAddr::new(ip, 0).into())?;
+            }
+            sock.connect_timeout(&to.into(), Duration::from_secs(5))?;
+            Ok(TcpStream::from(sock))
+        })
+        .expect("enter netns")
+    }
+
+    fn echo_server(ns: &NetnsGuard, addr: SocketAddr) -> JoinHandle<io::Result<SocketAddr>> {
+        let listener = ns.open().expect("netns").run(|| TcpListener::bind(addr)).expect("netns");
+        let listener = listener.expect("bind");
+        std::thread::spawn(move || {
+            let (mut conn, peer) = listener.accept()?;
+            let mut buf = [0u8; 65536];
+            loop {
+                match conn.read(&mut buf)? {
+                    0 => return Ok(peer),
+                    n => conn.write_all(&buf[..n])?,
+                }
+            }
+        })
     }
 }

@@ -5,143 +5,21 @@
 //! IPv4 and IPv6, real kernel, real namespaces, real TCP, real iperf3.
 
 use std::{
-    io::{BufRead as _, BufReader, Read as _, Write as _},
-    net::{IpAddr, SocketAddr, TcpListener, TcpStream},
+    io::{Read as _, Write as _},
+    net::{IpAddr, TcpListener},
     process::Command,
     time::Duration,
 };
 
 use datapath_common::consts::marks;
-use meshpath_loader::{
-    datapath::Datapath,
-    pods::{self, EnrolOptions},
-};
-use meshpath_tests::{require_root, CgroupGuard, PinRoot, PodPair, TestProxy};
-
-const TEST_PROXY: &str = env!("CARGO_BIN_EXE_meshpath-test-proxy");
-
-/// Two pods, pod a enrolled with outbound capture, a proxy cgroup registered. Field order is
-/// drop order: the proxy dies before its cgroup is removed, the pods before the pins.
-struct Mesh {
-    proxy: Option<TestProxy>,
-    cgroup: CgroupGuard,
-    pods: PodPair,
-    root: PinRoot,
-}
-
-impl Mesh {
-    fn new(opts: EnrolOptions) -> Self {
-        require_root();
-        let (root, pods, cgroup) = (
-            PinRoot::new(),
-            PodPair::new().expect("pods"),
-            CgroupGuard::new().expect("cgroup"),
-        );
-        let dp = root.datapath().expect("datapath");
-        dp.register_proxy_cgroup(cgroup.path())
-            .expect("register proxy cgroup");
-        pods::enrol(&dp, &pods.a.open().expect("netns a"), &opts).expect("enrol a");
-        Self {
-            proxy: None,
-            cgroup,
-            pods,
-            root,
-        }
-    }
-
-    fn capturing() -> Self {
-        Self::new(EnrolOptions {
-            capture_outbound: true,
-            ..EnrolOptions::default()
-        })
-    }
-
-    fn with_proxy(mut self, mode: &str) -> Self {
-        self.start_proxy(mode);
-        self
-    }
-
-    fn start_proxy(&mut self, mode: &str) {
-        let proxy = TestProxy::start(TEST_PROXY.as_ref(), &self.pods.a.path(), &self.cgroup, mode)
-            .expect("test proxy");
-        self.proxy = Some(proxy);
-    }
-
-    fn datapath(&self) -> Datapath {
-        self.root.datapath().expect("datapath")
-    }
-
-    /// Connects from inside pod a (the app), optionally with a socket mark set first.
-    fn connect_from_a(&self, to: SocketAddr, mark: Option<u32>) -> std::io::Result<TcpStream> {
-        let ns = self.pods.a.open().expect("netns a");
-        ns.run(|| {
-            let domain = if to.is_ipv4() {
-                socket2::Domain::IPV4
-            } else {
-                socket2::Domain::IPV6
-            };
-            let sock = socket2::Socket::new(domain, socket2::Type::STREAM, None)?;
-            if let Some(m) = mark {
-                sock.set_mark(m)?;
-            }
-            sock.connect_timeout(&to.into(), Duration::from_secs(5))?;
-            Ok(TcpStream::from(sock))
-        })
-        .expect("enter netns a")
-    }
-
-    fn b(&self, v6: bool, port: u16) -> SocketAddr {
-        let ip: IpAddr = if v6 {
-            self.pods.b_ip6.into()
-        } else {
-            self.pods.b_ip.into()
-        };
-        SocketAddr::new(ip, port)
-    }
-
-    /// A listener in pod b on `addr` that accepts one connection and echoes back what it reads.
-    fn echo_server_in_b(
-        &self,
-        addr: SocketAddr,
-    ) -> std::thread::JoinHandle<std::io::Result<SocketAddr>> {
-        let listener = self
-            .pods
-            .b
-            .open()
-            .expect("netns b")
-            .run(|| TcpListener::bind(addr))
-            .expect("netns")
-            .expect("bind");
-        std::thread::spawn(move || {
-            let (mut conn, peer) = listener.accept()?;
-            let mut buf = [0u8; 65536];
-            loop {
-                match conn.read(&mut buf)? {
-                    0 => return Ok(peer),
-                    n => conn.write_all(&buf[..n])?,
-                }
-            }
-        })
-    }
-}
-
-fn read_line(conn: &TcpStream) -> String {
-    conn.set_read_timeout(Some(Duration::from_secs(5)))
-        .expect("timeout");
-    let mut line = String::new();
-    BufReader::new(conn)
-        .read_line(&mut line)
-        .expect("read a line from the proxy");
-    line.trim_end().to_owned()
-}
+use meshpath_loader::pods::{self, EnrolOptions};
+use meshpath_tests::{read_line, Mesh};
 
 fn proxy_reports_the_original_destination(v6: bool) {
     let mesh = Mesh::capturing().with_proxy("echo");
     // Nothing listens on pod b's port 8080: only capture can answer.
     let dst = mesh.b(v6, 8080);
-    let conn = mesh
-        .connect_from_a(dst, None)
-        .expect("connect through capture");
+    let conn = mesh.connect_from_a(dst, None).expect("connect through capture");
     assert_eq!(read_line(&conn), format!("ORIG_DST {dst}"));
 }
 
@@ -193,11 +71,7 @@ fn forwarded_round_trip(v6: bool) {
     // The server saw the proxy's upstream connection, made from pod a's own address: the
     // proxy's socket was not captured again (it would have looped back to the proxy).
     let peer = server.join().expect("server").expect("server io");
-    let a_ip: IpAddr = if v6 {
-        mesh.pods.a_ip6.into()
-    } else {
-        mesh.pods.a_ip.into()
-    };
+    let a_ip: IpAddr = if v6 { mesh.pods.a_ip6.into() } else { mesh.pods.a_ip.into() };
     assert_eq!(peer.ip(), a_ip);
     let proxy = mesh.proxy.as_ref().expect("proxy");
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
@@ -207,9 +81,7 @@ fn forwarded_round_trip(v6: bool) {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert!(
-        proxy
-            .lines()
-            .contains(&format!("FORWARDED {} {}", payload.len(), payload.len())),
+        proxy.lines().contains(&format!("FORWARDED {} {}", payload.len(), payload.len())),
         "proxy did not carry the bytes: {:?}",
         proxy.lines()
     );
@@ -231,14 +103,8 @@ fn an_app_that_sets_the_proxy_socket_mark_is_still_captured() {
     // istio-cni lets sockets marked 0x539 through; any app with CAP_NET_ADMIN can set it.
     for v6 in [false, true] {
         let dst = mesh.b(v6, 8083);
-        let conn = mesh
-            .connect_from_a(dst, Some(marks::PROXY_SOCKET))
-            .expect("connect with mark");
-        assert_eq!(
-            read_line(&conn),
-            format!("ORIG_DST {dst}"),
-            "mark escaped capture (v6={v6})"
-        );
+        let conn = mesh.connect_from_a(dst, Some(marks::PROXY_SOCKET)).expect("connect with mark");
+        assert_eq!(read_line(&conn), format!("ORIG_DST {dst}"), "mark escaped capture (v6={v6})");
     }
 }
 
@@ -257,14 +123,9 @@ fn outbound_connections_are_refused_when_the_proxy_is_not_running() {
             .expect("netns")
             .expect("bind");
         listener.set_nonblocking(true).expect("nonblocking");
-        let err = mesh
-            .connect_from_a(dst, None)
-            .expect_err("connected without a proxy");
+        let err = mesh.connect_from_a(dst, None).expect_err("connected without a proxy");
         assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
-        assert!(
-            listener.accept().is_err(),
-            "the connection leaked around the proxy (v6={v6})"
-        );
+        assert!(listener.accept().is_err(), "the connection leaked around the proxy (v6={v6})");
     }
 }
 
@@ -274,15 +135,10 @@ fn service_resumes_when_the_proxy_comes_back() {
     let dst = mesh.b(false, 8085);
     assert!(mesh.connect_from_a(dst, None).is_err());
     mesh.start_proxy("echo");
-    let conn = mesh
-        .connect_from_a(dst, None)
-        .expect("connect after the proxy started");
+    let conn = mesh.connect_from_a(dst, None).expect("connect after the proxy started");
     assert_eq!(read_line(&conn), format!("ORIG_DST {dst}"));
     mesh.proxy.as_mut().expect("proxy").stop();
-    assert!(
-        mesh.connect_from_a(dst, None).is_err(),
-        "connected after the proxy stopped"
-    );
+    assert!(mesh.connect_from_a(dst, None).is_err(), "connected after the proxy stopped");
 }
 
 #[test]
@@ -295,9 +151,8 @@ fn excluded_outbound_ports_bypass_the_proxy() {
     // No proxy runs: an excluded port connects directly, any other port is refused.
     for v6 in [false, true] {
         let server = mesh.echo_server_in_b(mesh.b(v6, 9090));
-        let conn = mesh
-            .connect_from_a(mesh.b(v6, 9090), None)
-            .expect("excluded port connects directly");
+        let conn =
+            mesh.connect_from_a(mesh.b(v6, 9090), None).expect("excluded port connects directly");
         drop(conn);
         server.join().expect("server").expect("server io");
         assert!(mesh.connect_from_a(mesh.b(v6, 9091), None).is_err());
@@ -319,19 +174,13 @@ fn pods_enrolled_without_capture_connect_directly() {
 fn unenrolled_pods_are_no_longer_captured() {
     let mesh = Mesh::capturing();
     let dst = mesh.b(false, 8087);
-    assert!(
-        mesh.connect_from_a(dst, None).is_err(),
-        "captured pod without proxy connected"
-    );
+    assert!(mesh.connect_from_a(dst, None).is_err(), "captured pod without proxy connected");
     let dp = mesh.datapath();
     let cookie = mesh.pods.a.open().expect("netns").cookie();
     pods::unenrol(&dp, cookie).expect("unenrol");
     drop(dp);
     let server = mesh.echo_server_in_b(dst);
-    drop(
-        mesh.connect_from_a(dst, None)
-            .expect("direct after unenrol"),
-    );
+    drop(mesh.connect_from_a(dst, None).expect("direct after unenrol"));
     server.join().expect("server").expect("server io");
 }
 
@@ -353,15 +202,9 @@ fn iperf3_runs_to_completion_through_the_capture() {
         .expect("iperf3 -c");
     let _ = server.kill();
     let _ = server.wait();
-    assert!(
-        client.status.success(),
-        "iperf3 failed: {}",
-        String::from_utf8_lossy(&client.stdout)
-    );
+    assert!(client.status.success(), "iperf3 failed: {}", String::from_utf8_lossy(&client.stdout));
     let report: serde_json::Value = serde_json::from_slice(&client.stdout).expect("iperf3 -J");
-    let received = report["end"]["sum_received"]["bytes"]
-        .as_u64()
-        .expect("bytes received");
+    let received = report["end"]["sum_received"]["bytes"].as_u64().expect("bytes received");
     assert!(received >= 20 * 1024 * 1024, "received {received}");
     // Both iperf3 connections (control and data) went through the proxy.
     let forwarded = mesh
@@ -382,11 +225,8 @@ fn no_netfilter_rule_exists_in_the_pod_or_node_while_capture_works() {
     let conn = mesh.connect_from_a(dst, None).expect("captured connect");
     assert_eq!(read_line(&conn), format!("ORIG_DST {dst}"));
     let nsenter = |ns: &str, args: &[&str]| {
-        let out = Command::new("nsenter")
-            .arg(format!("--net={ns}"))
-            .args(args)
-            .output()
-            .expect(args[0]);
+        let out =
+            Command::new("nsenter").arg(format!("--net={ns}")).args(args).output().expect(args[0]);
         assert!(
             out.status.success(),
             "{} failed: {}",
@@ -407,9 +247,7 @@ fn no_netfilter_rule_exists_in_the_pod_or_node_while_capture_works() {
     for ns in [&mesh.pods.a, &mesh.pods.b] {
         let rules = dump(&ns.path().display().to_string());
         assert!(
-            !rules
-                .lines()
-                .any(|l| l.starts_with("-A") || l.trim_start().starts_with("chain")),
+            !rules.lines().any(|l| l.starts_with("-A") || l.trim_start().starts_with("chain")),
             "rules in {}:\n{rules}",
             ns.name()
         );
@@ -417,12 +255,7 @@ fn no_netfilter_rule_exists_in_the_pod_or_node_while_capture_works() {
     // The node (the machine's root netns may carry other software's rules): none of ours.
     // /proc/self/ns/net as nsenter opens it: nsenter's own, i.e. this test's node netns.
     let node = dump("/proc/self/ns/net");
-    for needle in [
-        "REDIRECT", "TPROXY", "tproxy", "redirect", "15001", "15006", "0x539",
-    ] {
-        assert!(
-            !node.contains(needle),
-            "node netns has a capture rule ({needle}):\n{node}"
-        );
+    for needle in ["REDIRECT", "TPROXY", "tproxy", "redirect", "15001", "15006", "0x539"] {
+        assert!(!node.contains(needle), "node netns has a capture rule ({needle}):\n{node}");
     }
 }

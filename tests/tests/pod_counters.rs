@@ -17,10 +17,7 @@ const MAX_HEADER_BYTES: u64 = 14 + 60 + 60;
 /// payload: at least the payload, at most the payload plus one maximal header per buffer.
 fn assert_carries(what: &str, packets: u64, bytes: u64, payload: u64) {
     assert!(packets > 0, "{what}: no buffers counted");
-    assert!(
-        bytes >= payload,
-        "{what}: {bytes} bytes counted < {payload} bytes of payload sent"
-    );
+    assert!(bytes >= payload, "{what}: {bytes} bytes counted < {payload} bytes of payload sent");
     let overhead = bytes - payload;
     assert!(
         overhead <= packets * MAX_HEADER_BYTES,
@@ -30,25 +27,15 @@ fn assert_carries(what: &str, packets: u64, bytes: u64, payload: u64) {
 
 fn enrol_both(root: &PinRoot, pods: &PodPair) -> (u64, u64) {
     let dp = root.datapath().expect("datapath");
-    let a = pods::enrol(
-        &dp,
-        &pods.a.open().expect("netns a"),
-        &EnrolOptions::default(),
-    )
-    .expect("enrol a");
-    let b = pods::enrol(
-        &dp,
-        &pods.b.open().expect("netns b"),
-        &EnrolOptions::default(),
-    )
-    .expect("enrol b");
+    let a = pods::enrol(&dp, &pods.a.open().expect("netns a"), &EnrolOptions::default())
+        .expect("enrol a");
+    let b = pods::enrol(&dp, &pods.b.open().expect("netns b"), &EnrolOptions::default())
+        .expect("enrol b");
     (a, b)
 }
 
 fn counters(root: &PinRoot, cookie: u64) -> PodCounters {
-    pods::show(&root.datapath().expect("datapath"), cookie)
-        .expect("show")
-        .counters
+    pods::show(&root.datapath().expect("datapath"), cookie).expect("show").counters
 }
 
 #[test]
@@ -63,12 +50,7 @@ fn tcp_payload_between_enrolled_pods_is_counted_on_both_pods() {
 
     let (ca, cb) = (counters(&root, a), counters(&root, b));
     assert_carries("pod a egress", ca.egress_packets, ca.egress_bytes, payload);
-    assert_carries(
-        "pod b ingress",
-        cb.ingress_packets,
-        cb.ingress_bytes,
-        payload,
-    );
+    assert_carries("pod b ingress", cb.ingress_packets, cb.ingress_bytes, payload);
     // The reverse direction carried only ACKs and the handshake: far less than the payload.
     assert!(
         ca.ingress_bytes < payload / 10,
@@ -88,34 +70,15 @@ fn counters_keep_counting_after_the_loader_process_exits() {
     let (root, pods) = (PinRoot::new(), PodPair::new().expect("pods"));
     for ns in [&pods.a, &pods.b] {
         let out = loader(&root, &["enrol", "--netns", &ns.path().to_string_lossy()]);
-        assert!(
-            out.status.success(),
-            "enrol failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert!(out.status.success(), "enrol failed: {}", String::from_utf8_lossy(&out.stderr));
     }
     // No loader process is running now: only the pins keep the programs attached.
     let show = || -> PodCounters {
-        let out = loader(
-            &root,
-            &[
-                "show",
-                "--json",
-                "--netns",
-                &pods.a.path().to_string_lossy(),
-            ],
-        );
-        assert!(
-            out.status.success(),
-            "show failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let out = loader(&root, &["show", "--json", "--netns", &pods.a.path().to_string_lossy()]);
+        assert!(out.status.success(), "show failed: {}", String::from_utf8_lossy(&out.stderr));
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("show --json output");
         let c = &v["counters"];
-        let n = |k: &str| {
-            c[k].as_u64()
-                .unwrap_or_else(|| panic!("counters.{k} missing in {v}"))
-        };
+        let n = |k: &str| c[k].as_u64().unwrap_or_else(|| panic!("counters.{k} missing in {v}"));
         PodCounters {
             ingress_packets: n("ingress_packets"),
             ingress_bytes: n("ingress_bytes"),
@@ -154,11 +117,7 @@ fn attached_programs(pods: &PodPair) -> Vec<String> {
             let mut names = Vec::new();
             for dir in [TcAttachType::Ingress, TcAttachType::Egress] {
                 let (_, progs) = SchedClassifier::query_tcx("eth0", dir).expect("query tcx");
-                names.extend(
-                    progs
-                        .iter()
-                        .map(|p| p.name_as_str().unwrap_or("?").to_owned()),
-                );
+                names.extend(progs.iter().map(|p| p.name_as_str().unwrap_or("?").to_owned()));
             }
             names
         })
@@ -171,36 +130,16 @@ fn unenrol_leaves_no_pin_link_or_map_entry() {
     let (root, pods) = (PinRoot::new(), PodPair::new().expect("pods"));
     let (a, _b) = enrol_both(&root, &pods);
     transfer(&pods, 7004, 100_000).expect("transfer");
-    assert_eq!(
-        attached_programs(&pods),
-        [programs::TC_POD_INGRESS, programs::TC_POD_EGRESS]
-    );
+    assert_eq!(attached_programs(&pods), [programs::TC_POD_INGRESS, programs::TC_POD_EGRESS]);
 
     let dp = root.datapath().expect("datapath");
     pods::unenrol(&dp, a).expect("unenrol");
 
     assert!(!dp.pod_dir(a).exists(), "pod directory still pinned");
-    assert_eq!(
-        root.pod_pins().len(),
-        3,
-        "only pod b's directory and two links may remain"
-    );
-    assert!(
-        dp.pods().expect("PODS").keys().flatten().all(|k| k != a),
-        "PODS entry left"
-    );
-    assert!(
-        dp.counters()
-            .expect("COUNTERS")
-            .keys()
-            .flatten()
-            .all(|k| k != a),
-        "counters left"
-    );
-    assert!(
-        attached_programs(&pods).is_empty(),
-        "TCX links still attached to eth0"
-    );
+    assert_eq!(root.pod_pins().len(), 3, "only pod b's directory and two links may remain");
+    assert!(dp.pods().expect("PODS").keys().flatten().all(|k| k != a), "PODS entry left");
+    assert!(dp.counters().expect("COUNTERS").keys().flatten().all(|k| k != a), "counters left");
+    assert!(attached_programs(&pods).is_empty(), "TCX links still attached to eth0");
     assert!(matches!(pods::show(&dp, a), Err(Error::NotEnrolled { .. })));
 }
 
@@ -209,12 +148,7 @@ fn enrolling_a_path_that_is_not_a_netns_fails_and_changes_nothing() {
     require_root();
     let root = PinRoot::new();
     let pins_before = root.pod_pins();
-    for path in [
-        "/etc/hostname",
-        "/proc/self/ns/pid",
-        "/nonexistent/netns",
-        "/var/run",
-    ] {
+    for path in ["/etc/hostname", "/proc/self/ns/pid", "/nonexistent/netns", "/var/run"] {
         let out = loader(&root, &["enrol", "--netns", path]);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "enrolling {path} succeeded");
@@ -222,16 +156,10 @@ fn enrolling_a_path_that_is_not_a_netns_fails_and_changes_nothing() {
             stderr.contains(&format!("{path} is not a network namespace")),
             "unclear error for {path}: {stderr}"
         );
-        assert_eq!(
-            stderr.lines().count(),
-            1,
-            "error for {path} is not one line: {stderr}"
-        );
+        assert_eq!(stderr.lines().count(), 1, "error for {path} is not one line: {stderr}");
     }
     assert_eq!(root.pod_pins(), pins_before);
-    assert!(pods::list(&root.datapath().expect("datapath"))
-        .expect("list")
-        .is_empty());
+    assert!(pods::list(&root.datapath().expect("datapath")).expect("list").is_empty());
 }
 
 #[test]
@@ -241,16 +169,8 @@ fn enrolling_the_same_netns_twice_fails_and_changes_nothing() {
     let (a, _b) = enrol_both(&root, &pods);
     let pins_before = root.pod_pins();
 
-    let out = loader(
-        &root,
-        &[
-            "enrol",
-            "--netns",
-            &pods.a.path().to_string_lossy(),
-            "--name",
-            "web-0",
-        ],
-    );
+    let out =
+        loader(&root, &["enrol", "--netns", &pods.a.path().to_string_lossy(), "--name", "web-0"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "second enrolment succeeded");
     assert!(
@@ -259,10 +179,7 @@ fn enrolling_the_same_netns_twice_fails_and_changes_nothing() {
     );
 
     assert_eq!(root.pod_pins(), pins_before);
-    assert_eq!(
-        attached_programs(&pods),
-        [programs::TC_POD_INGRESS, programs::TC_POD_EGRESS]
-    );
+    assert_eq!(attached_programs(&pods), [programs::TC_POD_INGRESS, programs::TC_POD_EGRESS]);
     let listed = pods::list(&root.datapath().expect("datapath")).expect("list");
     assert_eq!(listed.len(), 2);
     assert!(listed.iter().any(|p| p.cookie == a));
@@ -278,6 +195,9 @@ fn failed_enrolment_rolls_back_everything_it_made() {
         name: Some("ns/web".into()),
         capture_outbound: true,
         exclude_outbound_ports: vec![9090],
+        capture_inbound: true,
+        exclude_inbound_ports: vec![22],
+        probe_bypass: true,
     };
 
     let err = pods::enrol(&dp, &pods.a.open().expect("netns"), &opts)
@@ -287,15 +207,8 @@ fn failed_enrolment_rolls_back_everything_it_made() {
         matches!(&err, Error::NoSuchInterface { pod, iface } if pod == "ns/web" && iface == "nosuch0"),
         "{err}"
     );
-    assert!(
-        root.pod_pins().is_empty(),
-        "left pins: {:?}",
-        root.pod_pins()
-    );
+    assert!(root.pod_pins().is_empty(), "left pins: {:?}", root.pod_pins());
     assert_eq!(dp.counters().expect("COUNTERS").keys().count(), 0);
     assert_eq!(dp.pods().expect("PODS").keys().count(), 0);
-    assert_eq!(
-        dp.excluded_ports().expect("EXCLUDED_PORTS").keys().count(),
-        0
-    );
+    assert_eq!(dp.excluded_ports().expect("EXCLUDED_PORTS").keys().count(), 0);
 }

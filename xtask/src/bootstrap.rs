@@ -56,14 +56,11 @@ pub fn ensure(needs: Needs) -> Result<Option<PathBuf>> {
 }
 
 fn ensure_nightly_rust_src() -> Result<()> {
-    let installed = output(
-        "rustup",
-        &["component", "list", "--installed", "--toolchain", NIGHTLY],
-    )
-    .context(
-        "the nightly Rust toolchain is missing; it must be preinstalled on this machine \
+    let installed = output("rustup", &["component", "list", "--installed", "--toolchain", NIGHTLY])
+        .context(
+            "the nightly Rust toolchain is missing; it must be preinstalled on this machine \
              (rustup cannot fetch another one here)",
-    )?;
+        )?;
     if installed.lines().any(|l| l.starts_with("rust-src")) {
         return Ok(());
     }
@@ -99,12 +96,10 @@ fn nightly_libllvm() -> Result<PathBuf> {
         .collect();
     // Prefer the versioned soname (libLLVM.so.22.1-…), which is what the linker records.
     candidates.sort_by_key(|p| !p.to_string_lossy().contains("libLLVM.so."));
-    candidates.into_iter().next().with_context(|| {
-        format!(
-            "the nightly ships no libLLVM shared object in {}",
-            lib.display()
-        )
-    })
+    candidates
+        .into_iter()
+        .next()
+        .with_context(|| format!("the nightly ships no libLLVM shared object in {}", lib.display()))
 }
 
 fn bpf_linker_works(bin: &Path) -> bool {
@@ -128,13 +123,9 @@ fn ensure_bpf_linker() -> Result<PathBuf> {
     // bpf-linker's build links against lib/libLLVM.so; the binary then loads the library by its
     // soname (the file's own name) through an rpath to lib/. Both names must point at the
     // nightly's current library (a nightly update changes it).
-    let soname = libllvm
-        .file_name()
-        .context("libLLVM path has no file name")?;
+    let soname = libllvm.file_name().context("libLLVM path has no file name")?;
     let links = [lib_dir.join("libLLVM.so"), lib_dir.join(soname)];
-    let links_ok = links
-        .iter()
-        .all(|l| fs::read_link(l).is_ok_and(|t| t == libllvm));
+    let links_ok = links.iter().all(|l| fs::read_link(l).is_ok_and(|t| t == libllvm));
     if links_ok && bpf_linker_works(&bin) {
         return Ok(bin_dir);
     }
@@ -155,19 +146,8 @@ fn ensure_bpf_linker() -> Result<PathBuf> {
         libllvm.display()
     );
     run(Command::new("cargo")
-        .args([
-            "install",
-            "--locked",
-            "bpf-linker",
-            "--version",
-            BPF_LINKER_VERSION,
-        ])
-        .args([
-            "--no-default-features",
-            "--features",
-            BPF_LINKER_LLVM_FEATURE,
-            "--force",
-        ])
+        .args(["install", "--locked", "bpf-linker", "--version", BPF_LINKER_VERSION])
+        .args(["--no-default-features", "--features", BPF_LINKER_LLVM_FEATURE, "--force"])
         .arg("--root")
         .arg(&root)
         .env("LLVM_PREFIX", &llvm_prefix)
@@ -209,10 +189,7 @@ fn ensure_debian_packages() -> Result<()> {
             missing.join(" ")
         );
     }
-    println!(
-        "bootstrap: installing Debian packages {}",
-        missing.join(" ")
-    );
+    println!("bootstrap: installing Debian packages {}", missing.join(" "));
     let install = || {
         Command::new("apt-get")
             .args(["install", "-y", "-qq", "--no-install-recommends"])
@@ -226,10 +203,8 @@ fn ensure_debian_packages() -> Result<()> {
         return Ok(());
     }
     // A fresh machine has empty package lists: update once, then try again.
-    run(Command::new("apt-get")
-        .args(["update", "-qq"])
-        .stdout(Stdio::null()))
-    .context("apt-get update failed")?;
+    run(Command::new("apt-get").args(["update", "-qq"]).stdout(Stdio::null()))
+        .context("apt-get update failed")?;
     if !install() {
         bail!(
             "apt-get could not install {}; run `apt-get install {}` to see why",
@@ -272,9 +247,7 @@ fn output(program: &str, args: &[&str]) -> Result<String> {
 }
 
 pub fn run(cmd: &mut Command) -> Result<()> {
-    let status = cmd
-        .status()
-        .with_context(|| format!("could not start {cmd:?}"))?;
+    let status = cmd.status().with_context(|| format!("could not start {cmd:?}"))?;
     if !status.success() {
         bail!("{cmd:?} failed with {status}");
     }

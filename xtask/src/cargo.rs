@@ -12,10 +12,7 @@ use anyhow::{bail, Context as _, Result};
 
 /// The workspace root (xtask lives one level below it).
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_default()
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
 }
 
 /// A cargo command run from the workspace root with `extra_path` first on PATH.
@@ -39,23 +36,15 @@ fn cargo(extra_path: Option<&Path>) -> Result<Command> {
 fn run_cargo(mut cmd: Command) -> Result<()> {
     let what = format!(
         "cargo {}",
-        cmd.get_args()
-            .map(|a| a.to_string_lossy())
-            .collect::<Vec<_>>()
-            .join(" ")
+        cmd.get_args().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" ")
     );
-    let mut child = cmd
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("starting {what}"))?;
+    let mut child =
+        cmd.stderr(Stdio::piped()).spawn().with_context(|| format!("starting {what}"))?;
     let stderr = child.stderr.take().context("cargo stderr")?;
     let mut ebpf_lines = Vec::new();
     for line in BufReader::new(stderr).lines() {
         let line = line.unwrap_or_default();
-        match line
-            .split_once("meshpath-loader@")
-            .and_then(|(_, rest)| rest.split_once(": "))
-        {
+        match line.split_once("meshpath-loader@").and_then(|(_, rest)| rest.split_once(": ")) {
             Some((_, msg)) if line.starts_with("warning: ") => ebpf_lines.push(msg.to_owned()),
             _ => eprintln!("{line}"),
         }
@@ -89,9 +78,7 @@ pub fn build(extra_path: Option<&Path>, release: bool) -> Result<PathBuf> {
         cmd.arg("--release");
     }
     run_cargo(cmd)?;
-    Ok(workspace_root()
-        .join("target")
-        .join(if release { "release" } else { "debug" }))
+    Ok(workspace_root().join("target").join(if release { "release" } else { "debug" }))
 }
 
 /// rustfmt check, clippy with warnings as errors, then every test.
@@ -117,10 +104,7 @@ pub fn test(extra_path: Option<&Path>, filter: Option<&str>) -> Result<()> {
     }
     // Tee the harness output and add up its `test result:` lines, so the run ends with one
     // total (the last harness line is otherwise some crate's empty doc-test run).
-    let mut child = test
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("starting cargo test")?;
+    let mut child = test.stdout(Stdio::piped()).spawn().context("starting cargo test")?;
     let stdout = child.stdout.take().context("cargo test stdout")?;
     let (mut passed, mut failed) = (0u64, 0u64);
     for line in BufReader::new(stdout).lines() {
@@ -163,13 +147,7 @@ mod tests {
     fn harness_totals_are_read_from_ok_and_failed_lines() {
         let ok = "ok. 6 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.81s";
         let bad = "FAILED. 4 passed; 2 failed; 0 ignored; 0 measured; 0 filtered out";
-        assert_eq!(
-            (count_before(ok, " passed"), count_before(ok, " failed")),
-            (6, 0)
-        );
-        assert_eq!(
-            (count_before(bad, " passed"), count_before(bad, " failed")),
-            (4, 2)
-        );
+        assert_eq!((count_before(ok, " passed"), count_before(ok, " failed")), (6, 0));
+        assert_eq!((count_before(bad, " passed"), count_before(bad, " failed")), (4, 2));
     }
 }

@@ -80,10 +80,8 @@ impl Drop for Node {
 }
 
 fn sh(program: &str, args: &[&str]) -> Result<()> {
-    let out = Command::new(program)
-        .args(args)
-        .output()
-        .with_context(|| format!("running {program}"))?;
+    let out =
+        Command::new(program).args(args).output().with_context(|| format!("running {program}"))?;
     if !out.status.success() {
         bail!(
             "`{program} {}` failed: {}",
@@ -119,20 +117,11 @@ pub fn run(bin_dir: &Path) -> Result<()> {
         enrolled: Vec::new(),
     };
 
-    println!(
-        "demo: creating node namespace {} with bridge {BRIDGE}",
-        node.ns("node")
-    );
+    println!("demo: creating node namespace {} with bridge {BRIDGE}", node.ns("node"));
     node.add_netns("node")?;
     let node_ns = node.ns("node");
-    sh(
-        "ip",
-        &["-n", &node_ns, "link", "add", BRIDGE, "type", "bridge"],
-    )?;
-    sh(
-        "ip",
-        &["-n", &node_ns, "addr", "add", NODE_IP, "dev", BRIDGE],
-    )?;
+    sh("ip", &["-n", &node_ns, "link", "add", BRIDGE, "type", "bridge"])?;
+    sh("ip", &["-n", &node_ns, "addr", "add", NODE_IP, "dev", BRIDGE])?;
     sh("ip", &["-n", &node_ns, "link", "set", BRIDGE, "up"])?;
 
     for (i, (pod, ip)) in PODS.iter().enumerate() {
@@ -148,24 +137,8 @@ pub fn run(bin_dir: &Path) -> Result<()> {
                 "netns", &pod_ns,
             ],
         )?;
-        sh(
-            "ip",
-            &[
-                "-n", &node_ns, "link", "set", &host_if, "master", BRIDGE, "up",
-            ],
-        )?;
-        sh(
-            "ip",
-            &[
-                "-n",
-                &pod_ns,
-                "addr",
-                "add",
-                &format!("{ip}/24"),
-                "dev",
-                "eth0",
-            ],
-        )?;
+        sh("ip", &["-n", &node_ns, "link", "set", &host_if, "master", BRIDGE, "up"])?;
+        sh("ip", &["-n", &pod_ns, "addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
         sh("ip", &["-n", &pod_ns, "link", "set", "eth0", "up"])?;
     }
 
@@ -174,13 +147,7 @@ pub fn run(bin_dir: &Path) -> Result<()> {
         let path = node.netns_path(pod);
         print!(
             "demo: {}",
-            node.loader(&[
-                "enrol",
-                "--netns",
-                &path,
-                "--name",
-                &format!("default/{pod}")
-            ])?
+            node.loader(&["enrol", "--netns", &path, "--name", &format!("default/{pod}")])?
         );
         node.enrolled.push(path);
     }
@@ -204,15 +171,9 @@ pub fn run(bin_dir: &Path) -> Result<()> {
     let _ = server.wait();
     check()?;
     if !client.status.success() {
-        bail!(
-            "iperf3 failed: {}",
-            String::from_utf8_lossy(&client.stderr).trim()
-        );
+        bail!("iperf3 failed: {}", String::from_utf8_lossy(&client.stderr).trim());
     }
-    for line in String::from_utf8_lossy(&client.stdout)
-        .lines()
-        .filter(|l| l.contains("receiver"))
-    {
+    for line in String::from_utf8_lossy(&client.stdout).lines().filter(|l| l.contains("receiver")) {
         println!("demo: iperf3: {}", line.trim());
     }
 

@@ -50,17 +50,11 @@ fn run(cli: Cli) -> Result<()> {
     use bootstrap::Needs;
     match cli.command {
         Cmd::Setup => {
-            bootstrap::ensure(Needs {
-                ebpf_toolchain: true,
-                runtime: true,
-            })?;
+            bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: true })?;
             println!("setup: everything meshpath needs is installed");
         }
         Cmd::Build { release } => {
-            let path = bootstrap::ensure(Needs {
-                ebpf_toolchain: true,
-                runtime: false,
-            })?;
+            let path = bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: false })?;
             cargo::build(path.as_deref(), release)?;
         }
         Cmd::Test { filter } => {
@@ -69,10 +63,7 @@ fn run(cli: Cli) -> Result<()> {
                     "the tests load eBPF programs and create network namespaces: run them as root"
                 );
             }
-            let path = bootstrap::ensure(Needs {
-                ebpf_toolchain: true,
-                runtime: true,
-            })?;
+            let path = bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: true })?;
             cargo::test(path.as_deref(), filter.as_deref())?;
         }
         Cmd::Demo => {
@@ -81,10 +72,7 @@ fn run(cli: Cli) -> Result<()> {
                     "the demo loads eBPF programs and creates network namespaces: run it as root"
                 );
             }
-            let path = bootstrap::ensure(Needs {
-                ebpf_toolchain: true,
-                runtime: true,
-            })?;
+            let path = bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: true })?;
             let bin_dir = cargo::build(path.as_deref(), false)?;
             demo::run(&bin_dir)?;
         }

@@ -4,8 +4,13 @@
 //! - `echo`: answer `ORIG_DST <addr>\n` and close, or
 //! - `forward`: connect to the original destination and copy both ways.
 //!
+//! Given a pin root it also listens on the inbound port (`[::]:15006`, dual-stack) and inserts
+//! that listener into the datapath's INBOUND_LISTENERS map for the pod, as a real proxy must;
+//! inbound connections are answered or forwarded the same way (echo: `INBOUND <orig dst> FROM
+//! <peer>`).
+//!
 //! It prints `READY` once listening and one `FORWARDED <bytes up> <bytes down>` line per closed
-//! forwarded connection. Usage: `meshpath-test-proxy NETNS_PATH echo|forward [PORT]`.
+//! forwarded connection. Usage: `meshpath-test-proxy NETNS_PATH echo|forward [PIN_ROOT]`.
 
 use std::{
     io::{self, Write as _},
@@ -19,31 +24,36 @@ use datapath_common::consts::{ports, sockopt};
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let (Some(netns), Some(mode)) = (args.get(1), args.get(2)) else {
-        bail!("usage: meshpath-test-proxy NETNS_PATH echo|forward [PORT]");
+        bail!("usage: meshpath-test-proxy NETNS_PATH echo|forward [PIN_ROOT]");
     };
     let forward = match mode.as_str() {
         "echo" => false,
         "forward" => true,
         other => bail!("unknown mode {other}"),
     };
-    let port = args
-        .get(3)
-        .map(|p| p.parse())
-        .transpose()?
-        .unwrap_or(ports::OUTBOUND);
+    let pin_root = args.get(3);
+    let cookie = meshpath_loader::netns::Netns::open(netns.as_ref())?.cookie();
     // Single-threaded here, so the whole process (and every thread it starts) enters the netns.
     let ns = std::fs::File::open(netns).with_context(|| format!("opening {netns}"))?;
     nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).context("setns")?;
 
-    let v4 = TcpListener::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port))?;
-    let v6 = bind_v6_only(port)?;
+    let mut listeners = vec![
+        (TcpListener::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, ports::OUTBOUND))?, false),
+        (bind_v6_only(ports::OUTBOUND)?, false),
+    ];
+    if let Some(root) = pin_root {
+        let inbound = TcpListener::bind((Ipv6Addr::UNSPECIFIED, ports::INBOUND_PLAINTEXT))?;
+        let dp = meshpath_loader::datapath::Datapath::open_or_load(root.as_ref())?;
+        dp.register_inbound_listener(cookie, &inbound)?;
+        listeners.push((inbound, true));
+    }
     println!("READY");
     io::stdout().flush()?;
-    for listener in [v4, v6] {
+    for (listener, inbound) in listeners {
         std::thread::spawn(move || {
             for conn in listener.incoming().flatten() {
                 std::thread::spawn(move || {
-                    if let Err(e) = serve(conn, forward) {
+                    if let Err(e) = serve(conn, forward, inbound) {
                         eprintln!("meshpath-test-proxy: {e:#}");
                     }
                 });
@@ -60,17 +70,9 @@ fn bind_v6_only(port: u16) -> Result<TcpListener> {
         bind, listen, setsockopt, socket, sockopt::Ipv6V6Only, AddressFamily, Backlog, SockFlag,
         SockType, SockaddrIn6,
     };
-    let fd = socket(
-        AddressFamily::Inet6,
-        SockType::Stream,
-        SockFlag::SOCK_CLOEXEC,
-        None,
-    )?;
+    let fd = socket(AddressFamily::Inet6, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
     setsockopt(&fd, Ipv6V6Only, &true)?;
-    bind(
-        fd.as_raw_fd(),
-        &SockaddrIn6::from(SocketAddrV6::new(Ipv6Addr::LOCALHOST, port, 0, 0)),
-    )?;
+    bind(fd.as_raw_fd(), &SockaddrIn6::from(SocketAddrV6::new(Ipv6Addr::LOCALHOST, port, 0, 0)))?;
     listen(&fd, Backlog::new(128)?)?;
     Ok(TcpListener::from(fd))
 }
@@ -88,13 +90,7 @@ fn original_dst(conn: &TcpStream) -> io::Result<SocketAddr> {
     };
     // SAFETY: buf and len describe a writable buffer of len bytes.
     let rc = unsafe {
-        libc::getsockopt(
-            conn.as_raw_fd(),
-            level,
-            name,
-            buf.as_mut_ptr().cast(),
-            &mut len,
-        )
+        libc::getsockopt(conn.as_raw_fd(), level, name, buf.as_mut_ptr().cast(), &mut len)
     };
     if rc != 0 {
         return Err(io::Error::last_os_error());
@@ -102,10 +98,9 @@ fn original_dst(conn: &TcpStream) -> io::Result<SocketAddr> {
     let port = u16::from_be_bytes([buf[2], buf[3]]);
     let family = u16::from_ne_bytes([buf[0], buf[1]]);
     match (family as i32, len) {
-        (libc::AF_INET, 16) => Ok(SocketAddr::from((
-            Ipv4Addr::new(buf[4], buf[5], buf[6], buf[7]),
-            port,
-        ))),
+        (libc::AF_INET, 16) => {
+            Ok(SocketAddr::from((Ipv4Addr::new(buf[4], buf[5], buf[6], buf[7]), port)))
+        }
         (libc::AF_INET6, 28) => {
             let mut a = [0u8; 16];
             a.copy_from_slice(&buf[8..24]);
@@ -115,16 +110,31 @@ fn original_dst(conn: &TcpStream) -> io::Result<SocketAddr> {
                 None => SocketAddr::from((ip, port)),
             })
         }
-        _ => Err(io::Error::other(format!(
-            "unexpected answer: family {family}, {len} bytes"
-        ))),
+        _ => Err(io::Error::other(format!("unexpected answer: family {family}, {len} bytes"))),
     }
 }
 
-fn serve(mut conn: TcpStream, forward: bool) -> Result<()> {
+fn canonical(a: SocketAddr) -> SocketAddr {
+    match a {
+        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+            Some(v4) => SocketAddr::from((v4, v6.port())),
+            None => a,
+        },
+        v4 => v4,
+    }
+}
+
+fn serve(mut conn: TcpStream, forward: bool, inbound: bool) -> Result<()> {
     let orig = original_dst(&conn).context("getsockopt(SO_ORIGINAL_DST)")?;
     if !forward {
-        writeln!(conn, "ORIG_DST {orig}")?;
+        if inbound {
+            // The same answer two ways: SO_ORIGINAL_DST and the socket's own address.
+            let local = canonical(conn.local_addr()?);
+            anyhow::ensure!(local == orig, "getsockname {local} != SO_ORIGINAL_DST {orig}");
+            writeln!(conn, "INBOUND {orig} FROM {}", canonical(conn.peer_addr()?))?;
+        } else {
+            writeln!(conn, "ORIG_DST {orig}")?;
+        }
         return Ok(());
     }
     let upstream = TcpStream::connect(orig).with_context(|| format!("connecting to {orig}"))?;
@@ -137,9 +147,7 @@ fn serve(mut conn: TcpStream, forward: bool) -> Result<()> {
     });
     let down = io::copy(&mut up_r, &mut down_w)?;
     let _ = down_w.shutdown(std::net::Shutdown::Write);
-    let up = up
-        .join()
-        .map_err(|_| anyhow::anyhow!("copy thread panicked"))??;
+    let up = up.join().map_err(|_| anyhow::anyhow!("copy thread panicked"))??;
     println!("FORWARDED {up} {down}");
     io::stdout().flush()?;
     Ok(())

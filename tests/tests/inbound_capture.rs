@@ -1,0 +1,181 @@
+//! Inbound capture without netfilter: TCP arriving at an enrolled pod, on any port, reaches the
+//! proxy's inbound listener (15006) with the original destination (SO_ORIGINAL_DST and
+//! getsockname agree) and the real client address; HBONE (15008), kubelet probes and excluded
+//! ports reach their sockets directly; without the proxy the pod refuses, it never delivers
+//! around the proxy. IPv4 and IPv6, real kernel, real namespaces, real TCP.
+
+use std::net::{IpAddr, Ipv6Addr, SocketAddr, TcpListener};
+
+use datapath_common::consts::{ports, probe};
+use meshpath_loader::pods::EnrolOptions;
+use meshpath_tests::{read_line, Mesh};
+
+fn inbound(opts: EnrolOptions) -> Mesh {
+    Mesh::new(EnrolOptions { capture_inbound: true, ..opts })
+}
+
+fn reaches_the_proxy_with_destination_and_client(v6: bool) {
+    let mesh = inbound(EnrolOptions::default()).with_proxy("echo");
+    // Nothing listens on pod a's port 8080: only capture can answer.
+    let dst = mesh.a(v6, 8080);
+    let conn = mesh.connect_from_b(dst, None).expect("connect to pod a");
+    let client = conn.local_addr().expect("local addr");
+    assert_eq!(read_line(&conn), format!("INBOUND {dst} FROM {client}"));
+}
+
+#[test]
+fn inbound_tcp_to_any_port_reaches_the_proxy_with_destination_and_client_v4() {
+    reaches_the_proxy_with_destination_and_client(false);
+}
+
+#[test]
+fn inbound_tcp_to_any_port_reaches_the_proxy_with_destination_and_client_v6() {
+    reaches_the_proxy_with_destination_and_client(true);
+}
+
+#[test]
+fn hbone_port_is_not_steered() {
+    let mesh = inbound(EnrolOptions::default()).with_proxy("echo");
+    for v6 in [false, true] {
+        let hbone = mesh.a(v6, ports::HBONE);
+        let server = mesh.echo_server_in_a(hbone);
+        drop(mesh.connect_from_b(hbone, None).expect("connect to 15008"));
+        let client = server.join().expect("server").expect("accept on 15008");
+        assert_eq!(client.ip(), mesh.b(v6, 0).ip(), "15008 was not reached directly (v6={v6})");
+    }
+}
+
+#[test]
+fn inbound_connections_are_refused_when_the_proxy_is_not_running() {
+    let mesh = inbound(EnrolOptions::default());
+    for v6 in [false, true] {
+        let dst = mesh.a(v6, 8081);
+        // The app listens: delivery around the proxy would reach it.
+        let app = mesh
+            .pods
+            .a
+            .open()
+            .expect("netns a")
+            .run(|| TcpListener::bind(dst))
+            .expect("netns")
+            .expect("bind");
+        app.set_nonblocking(true).expect("nonblocking");
+        let err = mesh.connect_from_b(dst, None).expect_err("connected without a proxy");
+        assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
+        assert!(app.accept().is_err(), "inbound leaked around the proxy (v6={v6})");
+    }
+}
+
+#[test]
+fn inbound_service_resumes_when_the_proxy_comes_back() {
+    let mut mesh = inbound(EnrolOptions::default());
+    let dst = mesh.a(false, 8082);
+    assert!(mesh.connect_from_b(dst, None).is_err());
+    mesh.start_proxy("echo");
+    let conn = mesh.connect_from_b(dst, None).expect("connect after the proxy started");
+    assert!(read_line(&conn).starts_with(&format!("INBOUND {dst}")));
+    mesh.proxy.as_mut().expect("proxy").stop();
+    assert!(mesh.connect_from_b(dst, None).is_err(), "connected after the proxy stopped");
+}
+
+/// Gives pod b the kubelet probe source address and pod a a route back to it.
+fn add_probe_source(mesh: &Mesh, v6: bool) -> IpAddr {
+    let (ip, plen): (IpAddr, u8) = if v6 {
+        (Ipv6Addr::from(probe::SOURCE_V6).into(), 128)
+    } else {
+        (IpAddr::from(probe::SOURCE_V4), 32)
+    };
+    let mut add = vec!["addr", "add"];
+    let cidr = format!("{ip}/{plen}");
+    add.extend([cidr.as_str(), "dev", "eth0"]);
+    if v6 {
+        add.push("nodad");
+    }
+    mesh.pods.b.ip(&add).expect("probe address on pod b");
+    mesh.pods
+        .a
+        .ip(&["route", "add", &ip.to_string(), "dev", "eth0"])
+        .expect("route to probe source");
+    ip
+}
+
+#[test]
+fn kubelet_probes_reach_the_app_uncaptured() {
+    let mesh = inbound(EnrolOptions::default()).with_proxy("echo");
+    for v6 in [false, true] {
+        let probe_ip = add_probe_source(&mesh, v6);
+        let dst = mesh.a(v6, 8083);
+        let app = mesh.echo_server_in_a(dst);
+        drop(mesh.connect_from_b(dst, Some(probe_ip)).expect("probe connects"));
+        let client = app.join().expect("app").expect("app accepted the probe");
+        assert_eq!(client.ip(), probe_ip);
+    }
+}
+
+#[test]
+fn kubelet_probes_are_captured_when_bypass_is_off() {
+    let mesh =
+        inbound(EnrolOptions { probe_bypass: false, ..EnrolOptions::default() }).with_proxy("echo");
+    let probe_ip = add_probe_source(&mesh, false);
+    let dst = mesh.a(false, 8084);
+    let conn = mesh.connect_from_b(dst, Some(probe_ip)).expect("probe connects");
+    assert!(read_line(&conn).starts_with(&format!("INBOUND {dst} FROM {probe_ip}:")));
+}
+
+#[test]
+fn excluded_inbound_ports_reach_the_app_directly() {
+    let mesh =
+        inbound(EnrolOptions { exclude_inbound_ports: vec![2222], ..EnrolOptions::default() });
+    // No proxy: only the excluded port can connect.
+    for v6 in [false, true] {
+        let app = mesh.echo_server_in_a(mesh.a(v6, 2222));
+        drop(mesh.connect_from_b(mesh.a(v6, 2222), None).expect("excluded port connects"));
+        app.join().expect("app").expect("app accepted");
+        assert!(mesh.connect_from_b(mesh.a(v6, 2223), None).is_err());
+    }
+}
+
+#[test]
+fn traffic_inside_the_pod_is_not_steered() {
+    let mesh = inbound(EnrolOptions::default());
+    // No proxy runs: the app reaching itself on its pod address must still work.
+    let dst: SocketAddr = mesh.a(false, 8085);
+    let app = mesh.echo_server_in_a(dst);
+    drop(mesh.connect_from_a(dst, None).expect("in-pod connect"));
+    app.join().expect("app").expect("app accepted");
+}
+
+#[test]
+fn outbound_capture_still_works_with_inbound_capture_on() {
+    let mesh = Mesh::new(EnrolOptions {
+        capture_inbound: true,
+        capture_outbound: true,
+        ..EnrolOptions::default()
+    })
+    .with_proxy("echo");
+    // The app→proxy hop (to 127.0.0.1:15001 / [::1]:15001) must not be steered to 15006.
+    for v6 in [false, true] {
+        let dst = mesh.b(v6, 8086);
+        let conn = mesh.connect_from_a(dst, None).expect("outbound connect");
+        assert_eq!(read_line(&conn), format!("ORIG_DST {dst}"));
+    }
+}
+
+#[test]
+fn forwarding_proxy_delivers_inbound_to_the_app() {
+    let mesh = inbound(EnrolOptions::default()).with_proxy("forward");
+    for v6 in [false, true] {
+        let dst = mesh.a(v6, 8087);
+        let app = mesh.echo_server_in_a(dst);
+        let mut conn = mesh.connect_from_b(dst, None).expect("connect");
+        use std::io::{Read as _, Write as _};
+        conn.write_all(b"hello through the proxy").expect("send");
+        conn.shutdown(std::net::Shutdown::Write).expect("shutdown");
+        let mut back = String::new();
+        conn.read_to_string(&mut back).expect("echo");
+        assert_eq!(back, "hello through the proxy");
+        // The proxy connected to the app from inside the pod (source: the pod's own address).
+        let via = app.join().expect("app").expect("app io");
+        assert_eq!(via.ip(), dst.ip(), "the app was not reached through the proxy (v6={v6})");
+    }
+}

@@ -11,6 +11,8 @@ pub mod ports {
     pub const HBONE: u16 = 15008;
     /// DNS capture listener inside each pod's netns.
     pub const DNS: u16 = 15053;
+    /// The port DNS clients send to, which DNS capture steers to [`DNS`].
+    pub const DNS_UPSTREAM: u16 = 53;
     /// Node proxy admin endpoint (localhost only).
     pub const ADMIN: u16 = 15000;
     /// Prometheus `/metrics`.
@@ -64,9 +66,28 @@ pub mod programs {
     /// sk_lookup in the pod's netns: steers inbound TCP to the proxy's inbound listener (one
     /// instance per pod, see [`globals::POD_COOKIE`]).
     pub const SK_LOOKUP: &str = "mp_sk_lookup";
-    /// Every node-wide cgroup program, in the order the loader attaches them.
-    pub const CGROUP: [&str; 6] =
-        [SOCK_OPS, GETSOCKOPT, GETPEERNAME4, GETPEERNAME6, CONNECT4, CONNECT6];
+    /// cgroup/sendmsg4: DNS datagrams to the proxy's DNS listener.
+    pub const SENDMSG4: &str = "mp_sendmsg4";
+    /// cgroup/sendmsg6.
+    pub const SENDMSG6: &str = "mp_sendmsg6";
+    /// cgroup/recvmsg4: DNS replies shown as coming from the server queried.
+    pub const RECVMSG4: &str = "mp_recvmsg4";
+    /// cgroup/recvmsg6.
+    pub const RECVMSG6: &str = "mp_recvmsg6";
+    /// Every node-wide cgroup program, in the order the loader attaches them: the ones that
+    /// start capturing (connect, sendmsg) last, once everything they rely on is in place.
+    pub const CGROUP: [&str; 10] = [
+        SOCK_OPS,
+        GETSOCKOPT,
+        GETPEERNAME4,
+        GETPEERNAME6,
+        RECVMSG4,
+        RECVMSG6,
+        CONNECT4,
+        CONNECT6,
+        SENDMSG4,
+        SENDMSG6,
+    ];
 }
 
 /// Names of load-time constants (`aya_ebpf::Global`) in the eBPF object.

@@ -61,6 +61,8 @@ pub mod pod_flags {
     pub const CAPTURE_INBOUND: u32 = 1 << 1;
     /// Let kubelet probes (from [`crate::consts::probe`] addresses) reach the app uncaptured.
     pub const PROBE_BYPASS: u32 = 1 << 2;
+    /// Send the pod's DNS (UDP and TCP to port 53) to the proxy's DNS listener.
+    pub const CAPTURE_DNS: u32 = 1 << 3;
 }
 
 impl PodInfo {

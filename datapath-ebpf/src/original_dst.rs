@@ -78,7 +78,7 @@ unsafe fn answer(ctx: &SockoptContext) {
     // bpf_sock.src_port (the accepted socket's local port) is in host byte order. Accepted on
     // the outbound listener: an outbound capture; on any other port: an inbound one.
     let local_port = unsafe { (*sk).src_port } as u16;
-    let orig = if local_port == ports::OUTBOUND {
+    let orig = if local_port == ports::OUTBOUND || local_port == ports::DNS {
         let key = ConnKey { netns, port: peer_port, ip_version: if v4 { 4 } else { 6 }, _pad: 0 };
         match unsafe { ORIG_DST_BY_CONN.get(&key) } {
             Some(o) => *o,

@@ -3,16 +3,19 @@
 //! enrolled, whatever cgroup its containers land in.
 //!
 //! - connect4/connect6: a captured pod's TCP connect() to any destination goes to the proxy's
-//!   outbound listener on loopback instead (like istio-cni's `REDIRECT --to-ports 15001`); the
+//!   outbound listener on loopback instead (like istio-cni's `REDIRECT --to-ports 15001`); TCP
+//!   and connected UDP to port 53 go to the DNS listener (15053) when DNS is captured. The
 //!   destination asked for is kept under the socket's cookie. Sockets of the proxy's cgroup are
 //!   never captured: an app cannot join another cgroup from inside its pod, whereas it can set
 //!   any socket mark with CAP_NET_ADMIN.
 //! - sock_ops: once such a connection is established, its local port is known; the original
 //!   destination is filed under (netns, IP version, port) for the proxy's getsockopt.
 //! - getpeername4/6: the app sees the destination it asked for, not the proxy.
+//!
+//! DNS over unconnected UDP (sendmsg/recvmsg) is in `dns.rs`; it shares [`steer4`]/[`steer6`].
 
 use aya_ebpf::{
-    bindings::BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB,
+    bindings::{bpf_sock_addr, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB},
     helpers::{bpf_get_current_cgroup_id, bpf_get_netns_cookie, bpf_get_socket_cookie},
     macros::{cgroup_sock_addr, sock_ops},
     programs::{SockAddrContext, SockOpsContext},
@@ -20,7 +23,7 @@ use aya_ebpf::{
 };
 use core::ptr::{addr_of_mut, write_volatile};
 use datapath_common::{
-    consts::ports, direction, pod_flags, ConnKey, NetnsCookie, OrigDst, PortKey, AF_INET, AF_INET6,
+    consts::ports, direction, pod_flags, ConnKey, OrigDst, PortKey, AF_INET, AF_INET6,
 };
 
 use crate::{
@@ -29,23 +32,26 @@ use crate::{
 };
 
 /// sock_addr verdicts.
-const ALLOW: i32 = 1;
+pub const ALLOW: i32 = 1;
 const REFUSE: i32 = 0;
 const IPPROTO_TCP: u32 = 6;
+const IPPROTO_UDP: u32 = 17;
 
-/// The pod's netns cookie if this socket belongs to a pod whose outbound TCP is captured and
-/// the caller is not the proxy.
+/// The proxy port this socket's traffic to `port_be` must go to, if any: DNS (TCP or UDP to
+/// port 53) when the pod's DNS is captured, else the outbound listener for TCP when its outbound
+/// is captured and the port is not excluded. None for the proxy's own sockets.
 #[inline(always)]
-fn captured(ctx: &SockAddrContext, port_be: u16) -> Option<NetnsCookie> {
+fn target(ctx: &SockAddrContext, port_be: u16) -> Option<u16> {
     // SAFETY: the context pointer is the kernel's bpf_sock_addr for this call.
-    if unsafe { (*ctx.sock_addr).protocol } != IPPROTO_TCP {
+    let protocol = unsafe { (*ctx.sock_addr).protocol };
+    if protocol != IPPROTO_TCP && protocol != IPPROTO_UDP {
         return None;
     }
     // SAFETY: helpers called with this program's own context.
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     // SAFETY: map values are plain data owned by the map.
     let pod = unsafe { PODS.get(&netns) }?;
-    if pod.flags & pod_flags::CAPTURE_OUTBOUND == 0 {
+    if pod.flags & (pod_flags::CAPTURE_OUTBOUND | pod_flags::CAPTURE_DNS) == 0 {
         return None;
     }
     // SAFETY: no arguments.
@@ -54,13 +60,19 @@ fn captured(ctx: &SockAddrContext, port_be: u16) -> Option<NetnsCookie> {
     if unsafe { PROXY_CGROUPS.get(&cgroup) }.is_some() {
         return None;
     }
-    let key =
-        PortKey { netns, port: u16::from_be(port_be), direction: direction::OUTBOUND, _pad: 0 };
+    let port = u16::from_be(port_be);
+    if port == ports::DNS_UPSTREAM && pod.flags & pod_flags::CAPTURE_DNS != 0 {
+        return Some(ports::DNS);
+    }
+    if protocol != IPPROTO_TCP || pod.flags & pod_flags::CAPTURE_OUTBOUND == 0 {
+        return None;
+    }
+    let key = PortKey { netns, port, direction: direction::OUTBOUND, _pad: 0 };
     // SAFETY: as above.
     if unsafe { EXCLUDED_PORTS.get(&key) }.is_some() {
         return None;
     }
-    Some(netns)
+    Some(ports::OUTBOUND)
 }
 
 /// Files the original destination under the socket's cookie. A full map is a refusal, not a
@@ -72,16 +84,19 @@ fn remember(ctx: &SockAddrContext, orig: &OrigDst) -> bool {
     ORIG_DST_BY_SOCKET.insert(&cookie, orig, 0).is_ok()
 }
 
-#[cgroup_sock_addr(connect4)]
-pub fn mp_connect4(ctx: SockAddrContext) -> i32 {
+/// Rewrites an IPv4 destination (connect4, sendmsg4) to the proxy on 127.0.0.1 if captured.
+#[inline(always)]
+pub fn steer4(ctx: &SockAddrContext) -> i32 {
     let sa = ctx.sock_addr;
     // SAFETY: fields of the kernel's bpf_sock_addr; user_port holds a network-order u16.
     let (ip, port) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
-    if is_loopback4(ip) || captured(&ctx, port).is_none() {
+    if is_loopback4(ip) {
         return ALLOW;
     }
-    let orig = OrigDst { addr: [ip, 0, 0, 0], port, family: AF_INET };
-    if !remember(&ctx, &orig) {
+    let Some(to) = target(ctx, port) else {
+        return ALLOW;
+    };
+    if !remember(ctx, &OrigDst { addr: [ip, 0, 0, 0], port, family: AF_INET }) {
         return REFUSE;
     }
     // Volatile, one field at a time: merged into one 8-byte store the verifier rejects the
@@ -89,13 +104,14 @@ pub fn mp_connect4(ctx: SockAddrContext) -> i32 {
     // SAFETY: writable fields of the context.
     unsafe {
         write_volatile(addr_of_mut!((*sa).user_ip4), LOOPBACK4);
-        write_volatile(addr_of_mut!((*sa).user_port), u32::from(ports::OUTBOUND.to_be()));
+        write_volatile(addr_of_mut!((*sa).user_port), u32::from(to.to_be()));
     }
     ALLOW
 }
 
-#[cgroup_sock_addr(connect6)]
-pub fn mp_connect6(ctx: SockAddrContext) -> i32 {
+/// Rewrites an IPv6 (or v4-mapped) destination to the proxy on ::1 (::ffff:127.0.0.1).
+#[inline(always)]
+pub fn steer6(ctx: &SockAddrContext) -> i32 {
     let sa = ctx.sock_addr;
     // SAFETY: fields of the kernel's bpf_sock_addr, read one word at a time.
     let (ip, port) = unsafe {
@@ -105,10 +121,13 @@ pub fn mp_connect6(ctx: SockAddrContext) -> i32 {
         )
     };
     let mapped = is_v4_mapped(&ip);
-    if (mapped && is_loopback4(ip[3])) || ip == LOOPBACK6 || captured(&ctx, port).is_none() {
+    if (mapped && is_loopback4(ip[3])) || ip == LOOPBACK6 {
         return ALLOW;
     }
-    let (orig, to) = if mapped {
+    let Some(to) = target(ctx, port) else {
+        return ALLOW;
+    };
+    let (orig, lo) = if mapped {
         (
             OrigDst { addr: [ip[3], 0, 0, 0], port, family: AF_INET },
             [0, 0, V4_MAPPED_PREFIX, LOOPBACK4],
@@ -116,23 +135,42 @@ pub fn mp_connect6(ctx: SockAddrContext) -> i32 {
     } else {
         (OrigDst { addr: ip, port, family: AF_INET6 }, LOOPBACK6)
     };
-    if !remember(&ctx, &orig) {
+    if !remember(ctx, &orig) {
         return REFUSE;
     }
-    // SAFETY: writable fields of the context, 4-byte stores (see connect4).
+    // SAFETY: writable fields of the context (see steer4).
     unsafe {
-        write_volatile(addr_of_mut!((*sa).user_ip6[0]), to[0]);
-        write_volatile(addr_of_mut!((*sa).user_ip6[1]), to[1]);
-        write_volatile(addr_of_mut!((*sa).user_ip6[2]), to[2]);
-        write_volatile(addr_of_mut!((*sa).user_ip6[3]), to[3]);
-        write_volatile(addr_of_mut!((*sa).user_port), u32::from(ports::OUTBOUND.to_be()));
+        write_ip6(sa, lo);
+        write_volatile(addr_of_mut!((*sa).user_port), u32::from(to.to_be()));
     }
     ALLOW
 }
 
+/// Writes `user_ip6` with 4-byte stores.
+#[inline(always)]
+pub unsafe fn write_ip6(sa: *mut bpf_sock_addr, ip: [u32; 4]) {
+    // SAFETY: the caller passes its context; each store is one 4-byte field word.
+    unsafe {
+        write_volatile(addr_of_mut!((*sa).user_ip6[0]), ip[0]);
+        write_volatile(addr_of_mut!((*sa).user_ip6[1]), ip[1]);
+        write_volatile(addr_of_mut!((*sa).user_ip6[2]), ip[2]);
+        write_volatile(addr_of_mut!((*sa).user_ip6[3]), ip[3]);
+    }
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn mp_connect4(ctx: SockAddrContext) -> i32 {
+    steer4(&ctx)
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn mp_connect6(ctx: SockAddrContext) -> i32 {
+    steer6(&ctx)
+}
+
 /// The original destination of a captured app socket, if this is one.
 #[inline(always)]
-fn orig_of(ctx: &SockAddrContext) -> Option<OrigDst> {
+pub fn orig_of(ctx: &SockAddrContext) -> Option<OrigDst> {
     // SAFETY: helper called with this program's own context; map values are plain data.
     unsafe {
         let cookie = bpf_get_socket_cookie(ctx.as_ptr());
@@ -140,17 +178,36 @@ fn orig_of(ctx: &SockAddrContext) -> Option<OrigDst> {
     }
 }
 
+/// Puts `orig` into an IPv4 context's user address (getpeername4, recvmsg4).
+#[inline(always)]
+pub fn show4(ctx: &SockAddrContext, orig: &OrigDst) {
+    if orig.family == AF_INET {
+        let sa = ctx.sock_addr;
+        // SAFETY: writable fields of the context, 4-byte stores.
+        unsafe {
+            write_volatile(addr_of_mut!((*sa).user_ip4), orig.addr[0]);
+            write_volatile(addr_of_mut!((*sa).user_port), u32::from(orig.port));
+        }
+    }
+}
+
+/// Puts `orig` into an IPv6 context's user address, v4-mapped for an IPv4 destination.
+#[inline(always)]
+pub fn show6(ctx: &SockAddrContext, orig: &OrigDst) {
+    let ip =
+        if orig.family == AF_INET { [0, 0, V4_MAPPED_PREFIX, orig.addr[0]] } else { orig.addr };
+    let sa = ctx.sock_addr;
+    // SAFETY: writable fields of the context, 4-byte stores.
+    unsafe {
+        write_ip6(sa, ip);
+        write_volatile(addr_of_mut!((*sa).user_port), u32::from(orig.port));
+    }
+}
+
 #[cgroup_sock_addr(getpeername4)]
 pub fn mp_getpeername4(ctx: SockAddrContext) -> i32 {
     if let Some(orig) = orig_of(&ctx) {
-        if orig.family == AF_INET {
-            let sa = ctx.sock_addr;
-            // SAFETY: writable fields of the context, 4-byte stores.
-            unsafe {
-                write_volatile(addr_of_mut!((*sa).user_ip4), orig.addr[0]);
-                write_volatile(addr_of_mut!((*sa).user_port), u32::from(orig.port));
-            }
-        }
+        show4(&ctx, &orig);
     }
     1
 }
@@ -158,17 +215,7 @@ pub fn mp_getpeername4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername6)]
 pub fn mp_getpeername6(ctx: SockAddrContext) -> i32 {
     if let Some(orig) = orig_of(&ctx) {
-        let ip =
-            if orig.family == AF_INET { [0, 0, V4_MAPPED_PREFIX, orig.addr[0]] } else { orig.addr };
-        let sa = ctx.sock_addr;
-        // SAFETY: writable fields of the context, 4-byte stores.
-        unsafe {
-            write_volatile(addr_of_mut!((*sa).user_ip6[0]), ip[0]);
-            write_volatile(addr_of_mut!((*sa).user_ip6[1]), ip[1]);
-            write_volatile(addr_of_mut!((*sa).user_ip6[2]), ip[2]);
-            write_volatile(addr_of_mut!((*sa).user_ip6[3]), ip[3]);
-            write_volatile(addr_of_mut!((*sa).user_port), u32::from(orig.port));
-        }
+        show6(&ctx, &orig);
     }
     1
 }

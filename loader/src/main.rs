@@ -53,6 +53,9 @@ enum Cmd {
         /// Capture kubelet probes too (by default they reach the app directly, as in Istio).
         #[arg(long)]
         no_probe_bypass: bool,
+        /// Capture DNS (UDP and TCP to port 53) to the proxy (port 15053 in the pod).
+        #[arg(long)]
+        capture_dns: bool,
     },
     /// Register (or, with --remove, forget) the proxy's cgroup: its sockets are never captured.
     ProxyCgroup {
@@ -134,6 +137,7 @@ fn run(cli: Cli) -> Result<()> {
             capture_inbound,
             exclude_inbound_ports,
             no_probe_bypass,
+            capture_dns,
         } => {
             let ns = Netns::open(netns)?;
             let opts = EnrolOptions {
@@ -144,6 +148,7 @@ fn run(cli: Cli) -> Result<()> {
                 capture_inbound: *capture_inbound,
                 exclude_inbound_ports: exclude_inbound_ports.clone(),
                 probe_bypass: !*no_probe_bypass,
+                capture_dns: *capture_dns,
             };
             let cookie = pods::enrol(&dp()?, &ns, &opts)?;
             println!(
@@ -227,6 +232,7 @@ fn to_json(p: &PodStatus) -> serde_json::Value {
         "capture_outbound": p.info.flags & pod_flags::CAPTURE_OUTBOUND != 0,
         "capture_inbound": p.info.flags & pod_flags::CAPTURE_INBOUND != 0,
         "probe_bypass": p.info.flags & pod_flags::PROBE_BYPASS != 0,
+        "capture_dns": p.info.flags & pod_flags::CAPTURE_DNS != 0,
         "netns_inode": p.info.netns_inode,
         "pins": p.pins,
         "counters": {

@@ -47,6 +47,8 @@ pub struct EnrolOptions {
     pub exclude_inbound_ports: Vec<u16>,
     /// Let kubelet probes (169.254.7.127, fd16:9254:7127:1337:ffff:ffff:ffff:ffff) through.
     pub probe_bypass: bool,
+    /// Send the pod's DNS (UDP and TCP to port 53) to the proxy's DNS listener (15053).
+    pub capture_dns: bool,
 }
 
 impl Default for EnrolOptions {
@@ -59,6 +61,7 @@ impl Default for EnrolOptions {
             capture_inbound: false,
             exclude_inbound_ports: Vec::new(),
             probe_bypass: true,
+            capture_dns: false,
         }
     }
 }
@@ -114,6 +117,7 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
         (opts.capture_outbound, pod_flags::CAPTURE_OUTBOUND),
         (opts.capture_inbound, pod_flags::CAPTURE_INBOUND),
         (opts.probe_bypass, pod_flags::PROBE_BYPASS),
+        (opts.capture_dns, pod_flags::CAPTURE_DNS),
     ] {
         if on {
             info.flags |= flag;

@@ -353,6 +353,20 @@ impl TestProxy {
         self.lines.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
+    /// Waits up to `timeout` for a line starting with `prefix`; whether one came.
+    pub fn wait_for_line(&self, prefix: &str, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if self.lines().iter().any(|l| l.starts_with(prefix)) {
+                return true;
+            }
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
     /// Stops the proxy now.
     pub fn stop(&mut self) {
         let _ = self.child.kill();

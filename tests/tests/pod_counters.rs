@@ -198,6 +198,7 @@ fn failed_enrolment_rolls_back_everything_it_made() {
         capture_inbound: true,
         exclude_inbound_ports: vec![22],
         probe_bypass: true,
+        capture_dns: true,
     };
 
     let err = pods::enrol(&dp, &pods.a.open().expect("netns"), &opts)

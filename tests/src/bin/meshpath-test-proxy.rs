@@ -4,6 +4,9 @@
 //! - `echo`: answer `ORIG_DST <addr>\n` and close, or
 //! - `forward`: connect to the original destination and copy both ways.
 //!
+//! It also answers DNS on 15053: every UDP datagram with `ANSWER <datagram>`, TCP like any
+//! outbound connection.
+//!
 //! Given a pin root it also listens on the inbound port (`[::]:15006`, dual-stack) and inserts
 //! that listener into the datapath's INBOUND_LISTENERS map for the pod, as a real proxy must;
 //! inbound connections are answered or forwarded the same way (echo: `INBOUND <orig dst> FROM
@@ -14,7 +17,10 @@
 
 use std::{
     io::{self, Write as _},
-    net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpListener, TcpStream},
+    net::{
+        Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpListener, TcpStream,
+        UdpSocket,
+    },
     os::fd::AsRawFd as _,
 };
 
@@ -40,7 +46,34 @@ fn main() -> Result<()> {
     let mut listeners = vec![
         (TcpListener::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, ports::OUTBOUND))?, false),
         (bind_v6_only(ports::OUTBOUND)?, false),
+        // DNS over TCP is answered like any outbound connection.
+        (TcpListener::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, ports::DNS))?, false),
+        (bind_v6_only(ports::DNS)?, false),
     ];
+    // DNS over UDP: every datagram is answered with `ANSWER <datagram>`.
+    let v6_udp = {
+        use nix::sys::socket::{
+            bind, setsockopt, socket, sockopt::Ipv6V6Only, AddressFamily, SockFlag, SockType,
+            SockaddrIn6,
+        };
+        let fd = socket(AddressFamily::Inet6, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None)?;
+        setsockopt(&fd, Ipv6V6Only, &true)?;
+        bind(
+            fd.as_raw_fd(),
+            &SockaddrIn6::from(SocketAddrV6::new(Ipv6Addr::LOCALHOST, ports::DNS, 0, 0)),
+        )?;
+        UdpSocket::from(fd)
+    };
+    for udp in [UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, ports::DNS))?, v6_udp] {
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 1500];
+            while let Ok((n, from)) = udp.recv_from(&mut buf) {
+                let mut reply = b"ANSWER ".to_vec();
+                reply.extend_from_slice(&buf[..n]);
+                let _ = udp.send_to(&reply, from);
+            }
+        });
+    }
     if let Some(root) = pin_root {
         let inbound = TcpListener::bind((Ipv6Addr::UNSPECIFIED, ports::INBOUND_PLAINTEXT))?;
         let dp = meshpath_loader::datapath::Datapath::open_or_load(root.as_ref())?;

@@ -13,7 +13,7 @@ use aya::{
     maps::{HashMap, Map, MapData, MapError, PerCpuHashMap, SockHash},
     programs::{
         links::{CgroupAttachMode, FdLink},
-        CgroupSockopt, Program, ProgramError,
+        Program, ProgramError,
     },
     Ebpf, EbpfLoader,
 };
@@ -163,7 +163,8 @@ impl Datapath {
                 }
                 Program::CgroupSockopt(p) => {
                     load(p.load(), name)?;
-                    link_cgroup_sockopt(p, &cgroup, &pin).map_err(|e| Error::io(what(), e))?;
+                    crate::sys::link_cgroup_getsockopt(p, &cgroup, &pin)
+                        .map_err(|e| Error::io(what(), e))?;
                     continue;
                 }
                 _ => return Err(Error::bpf(name, io::Error::other("unexpected program type"))),
@@ -263,70 +264,6 @@ pub fn cgroup_id(cgroup: &Path) -> Result<u64> {
     let meta = fs::metadata(cgroup)
         .map_err(|e| Error::io(format!("reading cgroup {}", cgroup.display()), e))?;
     Ok(meta.ino())
-}
-
-/// aya 0.14 cannot turn a cgroup sockopt link into an `FdLink` to pin it, so this one link is
-/// created and pinned with the two bpf(2) commands directly.
-fn link_cgroup_sockopt(prog: &CgroupSockopt, cgroup: &File, pin: &Path) -> io::Result<()> {
-    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
-    const BPF_OBJ_PIN: libc::c_long = 6;
-    const BPF_LINK_CREATE: libc::c_long = 28;
-    const BPF_CGROUP_GETSOCKOPT: u32 = 21;
-    #[repr(C)]
-    struct LinkCreate {
-        prog_fd: u32,
-        target_fd: u32,
-        attach_type: u32,
-        flags: u32,
-        rest: [u64; 8],
-    }
-    #[repr(C)]
-    struct ObjPin {
-        pathname: u64,
-        bpf_fd: u32,
-        file_flags: u32,
-        path_fd: i32,
-        pad: [u32; 7],
-    }
-    let prog_fd = std::os::fd::AsFd::as_fd(prog.fd().map_err(io::Error::other)?).as_raw_fd();
-    let attr = LinkCreate {
-        prog_fd: prog_fd as u32,
-        target_fd: cgroup.as_raw_fd() as u32,
-        attach_type: BPF_CGROUP_GETSOCKOPT,
-        flags: 0,
-        rest: [0; 8],
-    };
-    // SAFETY: bpf(2) with a zero-padded attr of the documented layout and its size.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_LINK_CREATE,
-            &raw const attr,
-            std::mem::size_of::<LinkCreate>(),
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: the kernel just returned this descriptor to us.
-    let link = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    let path =
-        std::ffi::CString::new(pin.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
-    let attr = ObjPin {
-        pathname: path.as_ptr() as u64,
-        bpf_fd: link.as_raw_fd() as u32,
-        file_flags: 0,
-        path_fd: 0,
-        pad: [0; 7],
-    };
-    // SAFETY: as above; `path` outlives the call.
-    let rc = unsafe {
-        libc::syscall(libc::SYS_bpf, BPF_OBJ_PIN, &raw const attr, std::mem::size_of::<ObjPin>())
-    };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// Turns a load failure into one sentence plus a file with the verifier's log.

@@ -3,8 +3,10 @@
 //! thin CLI over this; the end-to-end tests drive the same functions.
 
 pub mod datapath;
+pub mod doctor;
 pub mod error;
 pub mod netns;
 pub mod pods;
+mod sys;
 
 pub use error::{Error, Result};

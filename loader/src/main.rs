@@ -56,6 +56,9 @@ enum Cmd {
         /// Capture DNS (UDP and TCP to port 53) to the proxy (port 15053 in the pod).
         #[arg(long)]
         capture_dns: bool,
+        /// Skip the per-pod TC packet/byte counters (their TCX attachment is the slow part).
+        #[arg(long)]
+        no_counters: bool,
     },
     /// Register (or, with --remove, forget) the proxy's cgroup: its sockets are never captured.
     ProxyCgroup {
@@ -65,6 +68,10 @@ enum Cmd {
         #[arg(long)]
         remove: bool,
     },
+    /// Remove pods whose network namespace is gone and half-done enrolments; keep the rest.
+    Reconcile,
+    /// Check the kernel features the datapath needs, one line each.
+    Doctor,
     /// Remove a pod from the datapath.
     Unenrol(PodRef),
     /// List enrolled pods with their counters.
@@ -138,6 +145,7 @@ fn run(cli: Cli) -> Result<()> {
             exclude_inbound_ports,
             no_probe_bypass,
             capture_dns,
+            no_counters,
         } => {
             let ns = Netns::open(netns)?;
             let opts = EnrolOptions {
@@ -149,6 +157,7 @@ fn run(cli: Cli) -> Result<()> {
                 exclude_inbound_ports: exclude_inbound_ports.clone(),
                 probe_bypass: !*no_probe_bypass,
                 capture_dns: *capture_dns,
+                counters: !*no_counters,
             };
             let cookie = pods::enrol(&dp()?, &ns, &opts)?;
             println!(
@@ -165,6 +174,28 @@ fn run(cli: Cli) -> Result<()> {
                 let id = dp.register_proxy_cgroup(cgroup)?;
                 println!("registered proxy cgroup {} (id {id})", cgroup.display());
             }
+        }
+        Cmd::Reconcile => {
+            let r = pods::reconcile(&dp()?)?;
+            println!(
+                "kept {} pods, removed {} whose netns is gone {:?}, removed {} half-done enrolments {:?}",
+                r.kept.len(),
+                r.vanished.len(),
+                r.vanished,
+                r.partial.len(),
+                r.partial
+            );
+        }
+        Cmd::Doctor => {
+            let checks = meshpath_loader::doctor::run();
+            let missing = checks.iter().filter(|c| c.fix.is_some()).count();
+            for c in &checks {
+                match &c.fix {
+                    None => println!("ok       {}", c.what),
+                    Some(fix) => println!("MISSING  {}: {fix}", c.what),
+                }
+            }
+            anyhow::ensure!(missing == 0, "{missing} of {} checks failed", checks.len());
         }
         Cmd::Unenrol(pod) => {
             let cookie = pod.cookie()?;

@@ -49,6 +49,8 @@ pub struct EnrolOptions {
     pub probe_bypass: bool,
     /// Send the pod's DNS (UDP and TCP to port 53) to the proxy's DNS listener (15053).
     pub capture_dns: bool,
+    /// Count the pod's packets and bytes with TC programs on its interface.
+    pub counters: bool,
 }
 
 impl Default for EnrolOptions {
@@ -62,6 +64,7 @@ impl Default for EnrolOptions {
             exclude_inbound_ports: Vec::new(),
             probe_bypass: true,
             capture_dns: false,
+            counters: true,
         }
     }
 }
@@ -145,10 +148,34 @@ fn attach_pod_programs(
     let ifindex = nix::net::if_::if_nametoindex(iface)
         .map_err(|_| Error::NoSuchInterface { pod: pod.to_owned(), iface: iface.to_owned() })?;
     let mut ebpf = dp.load_pod_object(cookie)?;
-    for (program, attach_type, pin) in [
-        (programs::TC_POD_INGRESS, TcAttachType::Ingress, link_pins::TC_INGRESS),
-        (programs::TC_POD_EGRESS, TcAttachType::Egress, link_pins::TC_EGRESS),
-    ] {
+    // Every pod gets its sk_lookup link, also with inbound capture off (the program then passes
+    // everything): the kernel detaches a netns link when the netns dies, which is how
+    // `reconcile` tells a vanished pod from a live one without scanning /proc.
+    let name = programs::SK_LOOKUP;
+    let prog: &mut SkLookup = ebpf
+        .program_mut(name)
+        .and_then(|p| p.try_into().ok())
+        .ok_or_else(|| Error::bpf(name, io::Error::other("not an sk_lookup program")))?;
+    load(prog.load(), name)?;
+    let what = || format!("pod {pod}: attaching {name} to its netns");
+    let netns = fs::File::open("/proc/thread-self/ns/net").map_err(|e| Error::io(what(), e))?;
+    let id = prog.attach(&netns).map_err(|e| Error::bpf(what(), e))?;
+    let link = FdLink::from(prog.take_link(id).map_err(|e| Error::bpf(what(), e))?);
+    let pin = link_pins::SK_LOOKUP;
+    link.pin(dir.join(pin)).map_err(|e| Error::bpf(format!("pod {pod}: pinning {pin}"), e))?;
+
+    // TCX attachment costs the kernel an RCU grace period per link (~12 ms here): counters are
+    // optional.
+    let tc = if opts.counters {
+        [
+            (programs::TC_POD_INGRESS, TcAttachType::Ingress, link_pins::TC_INGRESS),
+            (programs::TC_POD_EGRESS, TcAttachType::Egress, link_pins::TC_EGRESS),
+        ]
+        .as_slice()
+    } else {
+        &[]
+    };
+    for &(program, attach_type, pin) in tc {
         let prog: &mut SchedClassifier = ebpf
             .program_mut(program)
             .and_then(|p| p.try_into().ok())
@@ -161,20 +188,6 @@ fn attach_pod_programs(
             .map_err(|e| Error::bpf(what(), e))?
             .try_into()
             .map_err(|e| Error::bpf(what(), e))?;
-        link.pin(dir.join(pin)).map_err(|e| Error::bpf(format!("pod {pod}: pinning {pin}"), e))?;
-    }
-    if opts.capture_inbound {
-        let name = programs::SK_LOOKUP;
-        let prog: &mut SkLookup = ebpf
-            .program_mut(name)
-            .and_then(|p| p.try_into().ok())
-            .ok_or_else(|| Error::bpf(name, io::Error::other("not an sk_lookup program")))?;
-        load(prog.load(), name)?;
-        let what = || format!("pod {pod}: attaching {name} to its netns");
-        let netns = fs::File::open("/proc/thread-self/ns/net").map_err(|e| Error::io(what(), e))?;
-        let id = prog.attach(&netns).map_err(|e| Error::bpf(what(), e))?;
-        let link = FdLink::from(prog.take_link(id).map_err(|e| Error::bpf(what(), e))?);
-        let pin = link_pins::SK_LOOKUP;
         link.pin(dir.join(pin)).map_err(|e| Error::bpf(format!("pod {pod}: pinning {pin}"), e))?;
     }
     Ok(ifindex)
@@ -250,6 +263,63 @@ impl Drop for Undo<'_> {
             if let Err(e) = remove_all(self.dp, self.cookie) {
                 warn!(cookie = self.cookie, error = %e, "could not undo a failed enrolment");
             }
+        }
+    }
+}
+
+/// What [`reconcile`] found.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ReconcileReport {
+    /// Pods whose netns is alive: left as they are.
+    pub kept: Vec<NetnsCookie>,
+    /// Pods removed because their netns is gone.
+    pub vanished: Vec<NetnsCookie>,
+    /// Half-done enrolments (a pod directory with no `PODS` record) removed.
+    pub partial: Vec<NetnsCookie>,
+}
+
+/// Brings the datapath in line with the kernel: removes every pod whose network namespace is
+/// gone (deleted without an unenrol, or the pod vanished mid-enrolment) and every half-done
+/// enrolment a killed loader left. Live pods are not touched, so running traffic is not either.
+pub fn reconcile(dp: &Datapath) -> Result<ReconcileReport> {
+    let mut report = ReconcileReport::default();
+    let recorded: Vec<NetnsCookie> =
+        dp.pods()?.keys().collect::<Result<_, _>>().map_err(|e| Error::bpf("reading PODS", e))?;
+    for &cookie in &recorded {
+        if netns_alive(dp, cookie) {
+            report.kept.push(cookie);
+        } else {
+            remove_all(dp, cookie)?;
+            info!(cookie, "reclaimed a pod whose network namespace is gone");
+            report.vanished.push(cookie);
+        }
+    }
+    let pods_dir = dp.root().join(datapath_common::consts::pins::PODS_DIR);
+    let entries = fs::read_dir(&pods_dir)
+        .map_err(|e| Error::io(format!("reading {}", pods_dir.display()), e))?;
+    for entry in entries.flatten() {
+        let Some(cookie) = entry.file_name().to_str().and_then(|n| n.parse::<NetnsCookie>().ok())
+        else {
+            continue;
+        };
+        if !recorded.contains(&cookie) {
+            remove_all(dp, cookie)?;
+            info!(cookie, "removed a half-done enrolment");
+            report.partial.push(cookie);
+        }
+    }
+    Ok(report)
+}
+
+/// Whether the pod's netns still exists: its pinned sk_lookup link is still attached (the
+/// kernel detaches netns links, target inode 0, when the netns is destroyed).
+fn netns_alive(dp: &Datapath, cookie: NetnsCookie) -> bool {
+    let pin = dp.pod_dir(cookie).join(link_pins::SK_LOOKUP);
+    match crate::sys::pinned_link_target(&pin) {
+        Ok(inode) => inode != 0,
+        Err(e) => {
+            warn!(cookie, error = %e, "pod has no readable netns link; treating its netns as gone");
+            false
         }
     }
 }

@@ -78,6 +78,13 @@ impl NetnsGuard {
     }
 }
 
+impl NetnsGuard {
+    /// Deletes the namespace now, as a runtime does when a pod goes (no unenrol).
+    pub fn delete(&self) -> Result<()> {
+        sh("ip", &["netns", "del", &self.name]).map(drop)
+    }
+}
+
 impl Drop for NetnsGuard {
     fn drop(&mut self) {
         // Deleting the netns also deletes the veth ends inside it.

@@ -205,7 +205,7 @@ fn iperf3_runs_to_completion_through_the_capture() {
     assert!(received > 10 * 1024 * 1024, "only {received} bytes received in 2 s");
     let proxy = mesh.proxy.as_ref().expect("proxy");
     assert!(
-        proxy.wait_for_line("FORWARDED", Duration::from_secs(5)),
+        proxy.wait_for_line("ACCEPTED", Duration::from_secs(5)),
         "no connection went through the proxy"
     );
 }

@@ -136,7 +136,13 @@ fn unenrol_leaves_no_pin_link_or_map_entry() {
     pods::unenrol(&dp, a).expect("unenrol");
 
     assert!(!dp.pod_dir(a).exists(), "pod directory still pinned");
-    assert_eq!(root.pod_pins().len(), 3, "only pod b's directory and two links may remain");
+    let b_dir = dp.pod_dir(_b);
+    let mut left = root.pod_pins();
+    left.sort();
+    let expected: Vec<_> =
+        [b_dir.clone(), b_dir.join("sk_lookup"), b_dir.join("tc_egress"), b_dir.join("tc_ingress")]
+            .into();
+    assert_eq!(left, expected, "only pod b's directory and links may remain");
     assert!(dp.pods().expect("PODS").keys().flatten().all(|k| k != a), "PODS entry left");
     assert!(dp.counters().expect("COUNTERS").keys().flatten().all(|k| k != a), "counters left");
     assert!(attached_programs(&pods).is_empty(), "TCX links still attached to eth0");
@@ -199,6 +205,7 @@ fn failed_enrolment_rolls_back_everything_it_made() {
         exclude_inbound_ports: vec![22],
         probe_bypass: true,
         capture_dns: true,
+        counters: true,
     };
 
     let err = pods::enrol(&dp, &pods.a.open().expect("netns"), &opts)

@@ -12,7 +12,7 @@
 //! inbound connections are answered or forwarded the same way (echo: `INBOUND <orig dst> FROM
 //! <peer>`).
 //!
-//! It prints `READY` once listening and one `FORWARDED <bytes up> <bytes down>` line per closed
+//! It prints `READY` once listening, `ACCEPTED <orig dst>` per connection, and one `FORWARDED <bytes up> <bytes down>` line per closed
 //! forwarded connection. Usage: `meshpath-test-proxy NETNS_PATH echo|forward [PIN_ROOT]`.
 
 use std::{
@@ -159,6 +159,8 @@ fn canonical(a: SocketAddr) -> SocketAddr {
 
 fn serve(mut conn: TcpStream, forward: bool, inbound: bool) -> Result<()> {
     let orig = original_dst(&conn).context("getsockopt(SO_ORIGINAL_DST)")?;
+    println!("ACCEPTED {orig}");
+    io::stdout().flush()?;
     if !forward {
         if inbound {
             // The same answer two ways: SO_ORIGINAL_DST and the socket's own address.

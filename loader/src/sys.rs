@@ -1,0 +1,85 @@
+//! The few bpf(2) commands meshpath needs that aya 0.14 does not expose: creating and pinning a
+//! cgroup getsockopt link (aya cannot turn that link into a pinnable `FdLink`), and reading the
+//! target of a pinned link (aya's `LinkInfo` hides it), which tells whether the pod it served
+//! still exists.
+
+use std::{
+    ffi::CString,
+    fs::File,
+    io,
+    os::fd::{AsFd as _, AsRawFd as _, FromRawFd as _, OwnedFd},
+    path::Path,
+};
+
+use aya::programs::CgroupSockopt;
+
+const BPF_OBJ_PIN: libc::c_long = 6;
+const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+const BPF_LINK_CREATE: libc::c_long = 28;
+/// `enum bpf_attach_type`: BPF_CGROUP_GETSOCKOPT.
+const BPF_CGROUP_GETSOCKOPT: u32 = 21;
+
+/// Size of `union bpf_attr` we pass: large enough for every command used here, zero-padded.
+#[repr(C, align(8))]
+struct Attr([u32; 32]);
+
+fn bpf(cmd: libc::c_long, attr: &Attr) -> io::Result<i64> {
+    // SAFETY: `attr` is a zero-padded bpf_attr of the size we pass; the kernel reads (and for
+    // GET_INFO writes through a pointer we set) only within it.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *const Attr, size_of::<Attr>()) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(rc)
+}
+
+fn path_cstring(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_encoded_bytes()).map_err(io::Error::other)
+}
+
+/// Attaches a loaded cgroup getsockopt program to `cgroup` with a bpf link pinned at `pin`.
+pub fn link_cgroup_getsockopt(prog: &CgroupSockopt, cgroup: &File, pin: &Path) -> io::Result<()> {
+    let prog_fd = prog.fd().map_err(io::Error::other)?.as_fd().as_raw_fd();
+    let mut attr = Attr([0; 32]);
+    // link_create: prog_fd, target_fd, attach_type, flags.
+    attr.0[0] = prog_fd as u32;
+    attr.0[1] = cgroup.as_raw_fd() as u32;
+    attr.0[2] = BPF_CGROUP_GETSOCKOPT;
+    let fd = bpf(BPF_LINK_CREATE, &attr)?;
+    // SAFETY: the kernel just returned this descriptor to us.
+    let link = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let path = path_cstring(pin)?;
+    let mut attr = Attr([0; 32]);
+    // obj_pin: pathname (u64), bpf_fd.
+    let ptr = path.as_ptr() as u64;
+    attr.0[0] = ptr as u32;
+    attr.0[1] = (ptr >> 32) as u32;
+    attr.0[2] = link.as_raw_fd() as u32;
+    bpf(BPF_OBJ_PIN, &attr)?;
+    Ok(())
+}
+
+/// The target of the bpf link pinned at `pin`: the interface index of a TCX link, the netns
+/// inode of a netns link. `Some(0)` once the kernel detached it because its target went away.
+pub fn pinned_link_target(pin: &Path) -> io::Result<u32> {
+    let path = path_cstring(pin)?;
+    let mut attr = Attr([0; 32]);
+    let ptr = path.as_ptr() as u64;
+    attr.0[0] = ptr as u32;
+    attr.0[1] = (ptr >> 32) as u32;
+    let fd = bpf(BPF_OBJ_GET, &attr)?;
+    // SAFETY: the kernel just returned this descriptor to us.
+    let link = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    // struct bpf_link_info: type, id, prog_id, then (8-aligned, at byte 16) a union whose first
+    // u32 is tcx.ifindex or netns.netns_ino.
+    let mut info = [0u32; 32];
+    let mut attr = Attr([0; 32]);
+    let info_ptr = info.as_mut_ptr() as u64;
+    attr.0[0] = link.as_raw_fd() as u32;
+    attr.0[1] = size_of_val(&info) as u32;
+    attr.0[2] = info_ptr as u32;
+    attr.0[3] = (info_ptr >> 32) as u32;
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &attr)?;
+    Ok(info[4])
+}

@@ -1,0 +1,147 @@
+//! Pod lifecycle around the datapath: pods whose netns vanished are reclaimed, a killed loader's
+//! half-done work is cleaned up, enrol/unenrol at volume leaves nothing behind, and capture never
+//! depends on a loader process being alive.
+
+use std::{
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use meshpath_loader::pods::{self, EnrolOptions};
+use meshpath_tests::{loader, loader_bin, require_root, Mesh, PinRoot, PodPair};
+
+fn full_capture() -> EnrolOptions {
+    EnrolOptions {
+        capture_outbound: true,
+        capture_inbound: true,
+        capture_dns: true,
+        exclude_outbound_ports: vec![9090],
+        exclude_inbound_ports: vec![2222],
+        ..EnrolOptions::default()
+    }
+}
+
+#[test]
+fn a_netns_deleted_without_unenrol_is_reclaimed_by_reconcile() {
+    require_root();
+    let (root, pods) = (PinRoot::new(), PodPair::new().expect("pods"));
+    let dp = root.datapath().expect("datapath");
+    let a = pods::enrol(&dp, &pods.a.open().expect("netns a"), &full_capture()).expect("enrol a");
+    let b = pods::enrol(&dp, &pods.b.open().expect("netns b"), &full_capture()).expect("enrol b");
+
+    pods.a.delete().expect("delete netns a");
+    // The kernel tears a netns down asynchronously: reconcile until it notices (bounded).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut vanished = Vec::new();
+    while vanished.is_empty() && Instant::now() < deadline {
+        vanished.extend(pods::reconcile(&dp).expect("reconcile").vanished);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    assert_eq!(vanished, [a]);
+    assert!(!dp.pod_dir(a).exists());
+    assert!(dp.excluded_ports().expect("map").keys().flatten().all(|k| k.netns != a));
+    let left: Vec<u64> = pods::list(&dp).expect("list").iter().map(|p| p.cookie).collect();
+    assert_eq!(left, [b], "the live pod must be kept");
+}
+
+#[test]
+fn reconcile_removes_a_half_done_enrolment_and_keeps_live_pods() {
+    require_root();
+    let (root, pods) = (PinRoot::new(), PodPair::new().expect("pods"));
+    let dp = root.datapath().expect("datapath");
+    let a = pods::enrol(&dp, &pods.a.open().expect("netns a"), &full_capture()).expect("enrol a");
+    // What a loader killed between creating the pod directory and recording the pod leaves.
+    let orphan = dp.pod_dir(999_999_999);
+    std::fs::create_dir(&orphan).expect("orphan dir");
+
+    let report = pods::reconcile(&dp).expect("reconcile");
+
+    assert_eq!(report.partial, [999_999_999]);
+    assert_eq!(report.kept, [a]);
+    assert!(report.vanished.is_empty());
+    assert!(!orphan.exists());
+}
+
+#[test]
+fn a_thousand_enrol_unenrol_cycles_leave_no_map_entry_and_no_pin() {
+    require_root();
+    let (root, pods) = (PinRoot::new(), PodPair::new().expect("pods"));
+    let dp = root.datapath().expect("datapath");
+    let ns = pods.a.open().expect("netns a");
+    // Counters off: their TCX attachment costs an RCU grace period each and is covered by
+    // pod_counters.rs; everything capture needs is exercised every cycle.
+    let opts = EnrolOptions { counters: false, ..full_capture() };
+    for i in 0..1000 {
+        let cookie = pods::enrol(&dp, &ns, &opts).unwrap_or_else(|e| panic!("enrol #{i}: {e}"));
+        pods::unenrol(&dp, cookie).unwrap_or_else(|e| panic!("unenrol #{i}: {e}"));
+    }
+    assert!(root.pod_pins().is_empty(), "pins left: {:?}", root.pod_pins());
+    assert_eq!(dp.pods().expect("PODS").keys().count(), 0);
+    assert_eq!(dp.counters().expect("COUNTERS").keys().count(), 0);
+    assert_eq!(dp.excluded_ports().expect("EXCLUDED_PORTS").keys().count(), 0);
+    assert_eq!(dp.inbound_listeners().expect("INBOUND_LISTENERS").keys().count(), 0);
+}
+
+#[test]
+fn capture_carries_on_while_loader_processes_are_killed_and_restarted() {
+    let mut mesh = Mesh::new(EnrolOptions { capture_outbound: true, ..EnrolOptions::default() });
+    mesh.start_proxy("forward");
+    let b_ip = mesh.pods.b_ip.to_string();
+    let mut server = Command::new("nsenter")
+        .arg(format!("--net={}", mesh.pods.b.path().display()))
+        .args(["iperf3", "-s", "-1", "-B", &b_ip, "-p", "5298"])
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("iperf3 -s");
+    std::thread::sleep(Duration::from_millis(300));
+    let client = Command::new("nsenter")
+        .arg(format!("--net={}", mesh.pods.a.path().display()))
+        .args(["iperf3", "-c", &b_ip, "-p", "5298", "-t", "4", "-i", "0.5", "-J"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("iperf3 -c");
+
+    // Meanwhile: loader processes enrol and remove pod b, some killed with SIGKILL mid-way.
+    let b = mesh.pods.b.path().display().to_string();
+    let started = Instant::now();
+    let mut kills = 0;
+    while started.elapsed() < Duration::from_secs(3) {
+        let mut enrol = Command::new(loader_bin())
+            .arg("--pin-root")
+            .arg(mesh.root.path())
+            .args(["enrol", "--netns", &b, "--no-counters"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("loader");
+        std::thread::sleep(Duration::from_millis(kills % 7));
+        if enrol.try_wait().expect("wait").is_none() {
+            kills += 1;
+        }
+        let _ = enrol.kill();
+        let _ = enrol.wait();
+        // The restarted loader cleans up whatever the killed one left, then carries on.
+        let out = loader(&mesh.root, &["reconcile"]);
+        assert!(out.status.success(), "reconcile: {}", String::from_utf8_lossy(&out.stderr));
+        let _ = loader(&mesh.root, &["unenrol", "--netns", &b]);
+    }
+
+    let out = client.wait_with_output().expect("iperf3 -c");
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(
+        out.status.success(),
+        "iperf3 failed (reset?): {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("iperf3 -J");
+    let intervals = report["intervals"].as_array().expect("intervals");
+    assert!(intervals.len() >= 7, "{} intervals", intervals.len());
+    for (i, iv) in intervals.iter().enumerate() {
+        let bytes = iv["sum"]["bytes"].as_u64().unwrap_or(0);
+        assert!(bytes > 0, "interval {i} (0.5 s) carried nothing: a stall");
+    }
+    assert!(mesh.proxy.as_ref().expect("proxy").wait_for_line("ACCEPTED", Duration::from_secs(5)));
+    eprintln!("killed {kills} loader processes mid-flight");
+}

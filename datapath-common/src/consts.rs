@@ -63,9 +63,13 @@ pub mod programs {
     pub const SOCK_OPS: &str = "mp_sock_ops";
     /// cgroup/getsockopt: answers SO_ORIGINAL_DST / IP6T_SO_ORIGINAL_DST for captured sockets.
     pub const GETSOCKOPT: &str = "mp_getsockopt";
-    /// sk_lookup in the pod's netns: steers inbound TCP to the proxy's inbound listener (one
-    /// instance per pod, see [`globals::POD_COOKIE`]).
+    /// sk_lookup in the pod's netns: steers inbound TCP to the proxy's inbound listener. Loaded
+    /// once per node and linked into each pod's netns; it finds the pod by the destination
+    /// address in `POD_IPS`.
     pub const SK_LOOKUP: &str = "mp_sk_lookup";
+    /// sk_lookup that passes everything: linked into pods without inbound capture, where the
+    /// link only marks the netns as alive (the kernel detaches it when the netns dies).
+    pub const SK_LOOKUP_PASS: &str = "mp_sk_lookup_pass";
     /// cgroup/sendmsg4: DNS datagrams to the proxy's DNS listener.
     pub const SENDMSG4: &str = "mp_sendmsg4";
     /// cgroup/sendmsg6.
@@ -110,6 +114,8 @@ pub mod map_names {
     pub const ORIG_DST_BY_CONN: &str = "ORIG_DST_BY_CONN";
     /// Ports excluded from capture, by [`crate::PortKey`], value unused.
     pub const EXCLUDED_PORTS: &str = "EXCLUDED_PORTS";
+    /// The pods' IP addresses: [`crate::PodIpKey`] → netns cookie.
+    pub const POD_IPS: &str = "POD_IPS";
     /// SOCKHASH of the proxy's inbound listeners, by [`crate::PortKey`] (the pod's netns, the
     /// listener's port, [`crate::direction::INBOUND`]). The proxy inserts its own sockets; the
     /// kernel removes them when they close.
@@ -125,6 +131,8 @@ pub mod pins {
     pub const MAPS_DIR: &str = "maps";
     /// Node-wide links (cgroup programs attached at the cgroup v2 root).
     pub const NODE_LINKS_DIR: &str = "node";
+    /// Programs loaded once per node and linked into each pod (sk_lookup).
+    pub const PROGRAMS_DIR: &str = "programs";
     /// One directory per enrolled pod, named by its netns cookie in decimal, holding its links
     /// (which hold the pod's program instances).
     pub const PODS_DIR: &str = "pods";

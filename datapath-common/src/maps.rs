@@ -124,6 +124,22 @@ pub struct ConnKey {
     pub _pad: u32,
 }
 
+/// One of a pod's IP addresses, as the kernel hands them to programs (network-order words), an
+/// IPv4 address v4-mapped (`::ffff:a.b.c.d`), so both families share one map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct PodIpKey {
+    /// The 16 bytes of the (v4-mapped) IPv6 address.
+    pub addr: [u32; 4],
+}
+
+impl PodIpKey {
+    /// The key of an IPv4 address given as a network-order word.
+    pub const fn v4(addr: u32) -> Self {
+        Self { addr: [0, 0, u32::from_ne_bytes([0, 0, 0xff, 0xff]), addr] }
+    }
+}
+
 /// A port a pod excludes from capture in one direction.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -152,6 +168,7 @@ mod user {
     unsafe impl aya::Pod for super::OrigDst {}
     unsafe impl aya::Pod for super::ConnKey {}
     unsafe impl aya::Pod for super::PortKey {}
+    unsafe impl aya::Pod for super::PodIpKey {}
     // SAFETY: both types are #[repr(C)], made only of integers and byte arrays, with no padding
     // (u32+u32+u64+[u8;64] and 4×u64), so every bit pattern is valid.
     unsafe impl aya::Pod for super::PodCounters {}

@@ -1,8 +1,10 @@
-//! Inbound capture without netfilter: an sk_lookup program attached to each pod's netns (one
-//! instance per pod, [`POD_COOKIE`]) steers TCP that arrives at the pod, for any port, to the
-//! proxy's inbound plaintext listener, like istio-cni's `REDIRECT --to-ports 15006`. Addresses
-//! are not rewritten: the accepted socket's local address is the original destination and its
-//! peer the real client.
+//! Inbound capture without netfilter: an sk_lookup program, loaded once per node and linked into
+//! each pod's netns, steers TCP that arrives at the pod, for any port, to the proxy's inbound
+//! plaintext listener, like istio-cni's `REDIRECT --to-ports 15006`. sk_lookup has no netns
+//! cookie helper, so the program finds the pod by the destination address (`POD_IPS`); since it
+//! runs only in enrolled pods, an address it does not know is refused, never let through.
+//! Addresses are not rewritten: the accepted socket's local address is the original destination
+//! and its peer the real client.
 //!
 //! Left alone: HBONE (15008) and the inbound listener's own port; traffic that stays inside the
 //! pod (loopback addresses, or a source address equal to the destination, which is what the
@@ -14,14 +16,15 @@
 //! Fail closed: a pod whose inbound listener is missing (the proxy is not running) gets no
 //! socket: SK_DROP makes the TCP lookup fail, and the kernel answers the SYN with a reset.
 
-use aya_ebpf::{macros::sk_lookup, programs::SkLookupContext};
+use aya_ebpf::{bindings::bpf_sk_lookup, macros::sk_lookup, programs::SkLookupContext};
+use core::ptr::{addr_of, read_volatile};
 use datapath_common::{
     consts::{ports, probe},
-    direction, pod_flags, PortKey, AF_INET,
+    direction, pod_flags, PodIpKey, PortKey, AF_INET,
 };
 
 use crate::{
-    maps::{EXCLUDED_PORTS, INBOUND_LISTENERS, PODS, POD_COOKIE},
+    maps::{EXCLUDED_PORTS, INBOUND_LISTENERS, PODS, POD_IPS},
     net::{is_loopback4, is_v4_mapped, LOOPBACK6},
 };
 
@@ -31,40 +34,85 @@ const IPPROTO_TCP: u32 = 6;
 /// `lo` has ifindex 1 in every network namespace.
 const LOOPBACK_IFINDEX: u32 = 1;
 
+/// The fields of one lookup, read once, each with its own load from the context. Reading them
+/// where needed let the compiler share one `ctx + offset` pointer between the IPv4 and IPv6
+/// branches, which the verifier rejects ("dereference of modified ctx ptr").
+struct Lookup {
+    family: u32,
+    protocol: u32,
+    local_port: u16,
+    ifindex: u32,
+    local: PodIpKey,
+    remote: PodIpKey,
+}
+
+impl Lookup {
+    #[inline(always)]
+    fn read(l: *const bpf_sk_lookup) -> Self {
+        // Straight-line, one volatile load per field at a constant offset, both families read:
+        // any branch or shared helper here let LLVM compute `ctx + variable`.
+        // SAFETY: every field of the kernel's bpf_sk_lookup is readable for any family.
+        unsafe {
+            let family = read_volatile(addr_of!((*l).family));
+            let protocol = read_volatile(addr_of!((*l).protocol));
+            let local_port = read_volatile(addr_of!((*l).local_port));
+            let ifindex = read_volatile(addr_of!((*l).ingress_ifindex));
+            let local4 = read_volatile(addr_of!((*l).local_ip4));
+            let remote4 = read_volatile(addr_of!((*l).remote_ip4));
+            let local6 = [
+                read_volatile(addr_of!((*l).local_ip6[0])),
+                read_volatile(addr_of!((*l).local_ip6[1])),
+                read_volatile(addr_of!((*l).local_ip6[2])),
+                read_volatile(addr_of!((*l).local_ip6[3])),
+            ];
+            let remote6 = [
+                read_volatile(addr_of!((*l).remote_ip6[0])),
+                read_volatile(addr_of!((*l).remote_ip6[1])),
+                read_volatile(addr_of!((*l).remote_ip6[2])),
+                read_volatile(addr_of!((*l).remote_ip6[3])),
+            ];
+            let v4 = family == u32::from(AF_INET);
+            Self {
+                family,
+                protocol,
+                local_port: local_port as u16,
+                ifindex,
+                local: if v4 { PodIpKey::v4(local4) } else { PodIpKey { addr: local6 } },
+                remote: if v4 { PodIpKey::v4(remote4) } else { PodIpKey { addr: remote6 } },
+            }
+        }
+    }
+
+    /// Loopback destination, or source == destination (a local connection).
+    #[inline(always)]
+    fn stays_in_pod(&self) -> bool {
+        let a = &self.local.addr;
+        self.local == self.remote || a == &LOOPBACK6 || (is_v4_mapped(a) && is_loopback4(a[3]))
+    }
+}
+
 #[sk_lookup]
 pub fn mp_sk_lookup(ctx: SkLookupContext) -> u32 {
-    let l = ctx.lookup;
-    // SAFETY: fields of the kernel's bpf_sk_lookup for this lookup.
-    let (protocol, family, local_port, ifindex) =
-        unsafe { ((*l).protocol, (*l).family, (*l).local_port, (*l).ingress_ifindex) };
-    // SAFETY: reads of the same context.
-    if protocol != IPPROTO_TCP || ifindex == LOOPBACK_IFINDEX || unsafe { stays_in_pod(l, family) }
-    {
+    let l = Lookup::read(ctx.lookup);
+    if l.protocol != IPPROTO_TCP || l.ifindex == LOOPBACK_IFINDEX || l.stays_in_pod() {
         return SK_PASS;
     }
-    let port = local_port as u16;
+    let port = l.local_port;
     if port == ports::HBONE || port == ports::INBOUND_PLAINTEXT {
         return SK_PASS;
     }
-    let netns = POD_COOKIE.load();
     // SAFETY: map values are plain data owned by the map.
+    let Some(&netns) = (unsafe { POD_IPS.get(&l.local) }) else {
+        return SK_DROP;
+    };
+    // SAFETY: as above.
     let Some(pod) = (unsafe { PODS.get(&netns) }) else {
-        return SK_PASS;
+        return SK_DROP;
     };
     if pod.flags & pod_flags::CAPTURE_INBOUND == 0 {
         return SK_PASS;
     }
-    // SAFETY: fields of the kernel's bpf_sk_lookup, read one word at a time.
-    let from_probe = unsafe {
-        if family == u32::from(AF_INET) {
-            (*l).remote_ip4 == u32::from_ne_bytes(probe::SOURCE_V4)
-        } else {
-            let r =
-                [(*l).remote_ip6[0], (*l).remote_ip6[1], (*l).remote_ip6[2], (*l).remote_ip6[3]];
-            r == probe_v6()
-        }
-    };
-    if from_probe && pod.flags & pod_flags::PROBE_BYPASS != 0 {
+    if pod.flags & pod_flags::PROBE_BYPASS != 0 && l.remote == probe_source(l.family) {
         return SK_PASS;
     }
     let excluded = PortKey { netns, port, direction: direction::INBOUND, _pad: 0 };
@@ -80,32 +128,25 @@ pub fn mp_sk_lookup(ctx: SkLookupContext) -> u32 {
     }
 }
 
-/// Loopback destination, or source == destination (a local connection).
-#[inline(always)]
-unsafe fn stays_in_pod(l: *mut aya_ebpf::bindings::bpf_sk_lookup, family: u32) -> bool {
-    // SAFETY: fields of the kernel's bpf_sk_lookup, read one word at a time.
-    unsafe {
-        if family == u32::from(AF_INET) {
-            is_loopback4((*l).local_ip4) || (*l).local_ip4 == (*l).remote_ip4
-        } else {
-            let local =
-                [(*l).local_ip6[0], (*l).local_ip6[1], (*l).local_ip6[2], (*l).local_ip6[3]];
-            let remote =
-                [(*l).remote_ip6[0], (*l).remote_ip6[1], (*l).remote_ip6[2], (*l).remote_ip6[3]];
-            local == LOOPBACK6
-                || local == remote
-                || (is_v4_mapped(&local) && is_loopback4(local[3]))
-        }
-    }
+/// Linked into pods without inbound capture: changes nothing; the link marks the netns alive.
+#[sk_lookup]
+pub fn mp_sk_lookup_pass(_ctx: SkLookupContext) -> u32 {
+    SK_PASS
 }
 
+/// Kubelet's probe source for this family, as a [`PodIpKey`].
 #[inline(always)]
-fn probe_v6() -> [u32; 4] {
+fn probe_source(family: u32) -> PodIpKey {
+    if family == u32::from(AF_INET) {
+        return PodIpKey::v4(u32::from_ne_bytes(probe::SOURCE_V4));
+    }
     let b = probe::SOURCE_V6;
-    [
-        u32::from_ne_bytes([b[0], b[1], b[2], b[3]]),
-        u32::from_ne_bytes([b[4], b[5], b[6], b[7]]),
-        u32::from_ne_bytes([b[8], b[9], b[10], b[11]]),
-        u32::from_ne_bytes([b[12], b[13], b[14], b[15]]),
-    ]
+    PodIpKey {
+        addr: [
+            u32::from_ne_bytes([b[0], b[1], b[2], b[3]]),
+            u32::from_ne_bytes([b[4], b[5], b[6], b[7]]),
+            u32::from_ne_bytes([b[8], b[9], b[10], b[11]]),
+            u32::from_ne_bytes([b[12], b[13], b[14], b[15]]),
+        ],
+    }
 }

@@ -8,7 +8,7 @@ use aya_ebpf::{
 };
 use datapath_common::{
     consts::{MAX_PODS, MAX_TRACKED_CONNECTIONS},
-    ConnKey, NetnsCookie, OrigDst, PodCounters, PodInfo, PortKey,
+    ConnKey, NetnsCookie, OrigDst, PodCounters, PodInfo, PodIpKey, PortKey,
 };
 
 /// Per pod, per CPU counters, created at enrolment and removed at unenrolment.
@@ -38,11 +38,15 @@ pub static ORIG_DST_BY_SOCKET: LruHashMap<u64, OrigDst> =
 pub static ORIG_DST_BY_CONN: LruHashMap<ConnKey, OrigDst> =
     LruHashMap::pinned(MAX_TRACKED_CONNECTIONS, 0);
 
+/// The pods' addresses: how the node-wide sk_lookup program tells which pod a lookup is for.
+#[map]
+pub static POD_IPS: HashMap<PodIpKey, NetnsCookie> = HashMap::pinned(MAX_PODS * 4, 0);
+
 /// The proxy's inbound listeners, inserted by the proxy itself.
 #[map]
 pub static INBOUND_LISTENERS: SockHash<PortKey> = SockHash::pinned(MAX_PODS * 2, 0);
 
-/// The netns cookie of the pod a per-pod program instance (TC, sk_lookup) serves; set by the
+/// The netns cookie of the pod a per-pod program instance (TC counters) serves; set by the
 /// loader at load time (`datapath_common::consts::globals::POD_COOKIE`). Zero in the node-wide
 /// instance.
 #[unsafe(no_mangle)]

@@ -13,13 +13,13 @@ use aya::{
     maps::{HashMap, Map, MapData, MapError, PerCpuHashMap, SockHash},
     programs::{
         links::{CgroupAttachMode, FdLink},
-        Program, ProgramError,
+        Program, ProgramError, SkLookup,
     },
     Ebpf, EbpfLoader,
 };
 use datapath_common::{
     consts::{globals, map_names, pins, programs},
-    NetnsCookie, PodCounters, PodInfo, PortKey,
+    NetnsCookie, PodCounters, PodInfo, PodIpKey, PortKey,
 };
 use nix::fcntl::{Flock, FlockArg};
 use std::os::fd::AsRawFd;
@@ -47,7 +47,7 @@ impl Datapath {
     /// loader on the node. Mounts bpffs on its parent when missing.
     pub fn open_or_load(root: &Path) -> Result<Self> {
         ensure_bpffs(root)?;
-        for dir in [pins::MAPS_DIR, pins::PODS_DIR, pins::NODE_LINKS_DIR] {
+        for dir in [pins::MAPS_DIR, pins::PODS_DIR, pins::NODE_LINKS_DIR, pins::PROGRAMS_DIR] {
             fs::create_dir_all(root.join(dir))
                 .map_err(|e| Error::io(format!("creating {}", root.join(dir).display()), e))?;
         }
@@ -62,6 +62,7 @@ impl Datapath {
             info!(root = %dp.root.display(), "datapath maps created and pinned");
         }
         dp.attach_node_programs()?;
+        dp.pin_shared_programs()?;
         Ok(dp)
     }
 
@@ -87,6 +88,9 @@ impl Datapath {
     /// root (created and pinned there if absent); load-time constants are set for `pod_cookie`.
     fn load_object(&self, pod_cookie: NetnsCookie) -> Result<Ebpf> {
         EbpfLoader::new()
+            // No CO-RE relocations in our programs: skip parsing the kernel's BTF (megabytes of
+            // it), which was most of an enrolment's cost.
+            .btf(None)
             .default_map_pin_directory(self.root.join(pins::MAPS_DIR))
             .override_global(globals::POD_COOKIE, &pod_cookie, true)
             .load(EBPF_OBJECT)
@@ -173,6 +177,41 @@ impl Datapath {
         }
         info!(cgroup = %cgroup_root.display(), "capture programs attached");
         Ok(())
+    }
+
+    /// Loads and pins, once, the programs every pod links to (sk_lookup): enrolment then only
+    /// creates a link, with no object parsing or verification per pod.
+    fn pin_shared_programs(&self) -> Result<()> {
+        let names = [programs::SK_LOOKUP, programs::SK_LOOKUP_PASS];
+        let dir = self.root.join(pins::PROGRAMS_DIR);
+        if names.iter().all(|n| dir.join(n).exists()) {
+            return Ok(());
+        }
+        let mut ebpf = self.load_object(0)?;
+        for name in names {
+            let pin = dir.join(name);
+            if pin.exists() {
+                continue;
+            }
+            let prog: &mut SkLookup = ebpf
+                .program_mut(name)
+                .and_then(|p| p.try_into().ok())
+                .ok_or_else(|| Error::bpf(name, io::Error::other("not an sk_lookup program")))?;
+            load(prog.load(), name)?;
+            prog.pin(&pin).map_err(|e| Error::bpf(format!("pinning {}", pin.display()), e))?;
+        }
+        Ok(())
+    }
+
+    /// A shared program, opened from its pin.
+    pub fn sk_lookup_program(&self, name: &str) -> Result<SkLookup> {
+        SkLookup::from_pin(self.root.join(pins::PROGRAMS_DIR).join(name))
+            .map_err(|e| Error::bpf(format!("opening pinned program {name}"), e))
+    }
+
+    /// The pods' addresses.
+    pub fn pod_ips(&self) -> Result<HashMap<MapData, PodIpKey, NetnsCookie>> {
+        self.hash_map(map_names::POD_IPS)
     }
 
     fn hash_map<K: aya::Pod, V: aya::Pod>(&self, name: &str) -> Result<HashMap<MapData, K, V>> {

@@ -12,6 +12,9 @@ pub enum Error {
     #[error("pod {pod} (netns cookie {cookie}) is already enrolled; unenrol it first")]
     AlreadyEnrolled { pod: String, cookie: u64 },
 
+    #[error("pod {pod}: address {ip} already belongs to the pod with netns cookie {other}")]
+    AddressInUse { pod: String, ip: std::net::IpAddr, other: u64 },
+
     #[error("pod {pod} is not enrolled")]
     NotEnrolled { pod: String },
 

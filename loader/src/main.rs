@@ -59,6 +59,9 @@ enum Cmd {
         /// Skip the per-pod TC packet/byte counters (their TCX attachment is the slow part).
         #[arg(long)]
         no_counters: bool,
+        /// The pod's IP address (repeatable; default: the addresses in its netns).
+        #[arg(long = "pod-ip", value_name = "IP")]
+        pod_ips: Vec<std::net::IpAddr>,
     },
     /// Register (or, with --remove, forget) the proxy's cgroup: its sockets are never captured.
     ProxyCgroup {
@@ -146,6 +149,7 @@ fn run(cli: Cli) -> Result<()> {
             no_probe_bypass,
             capture_dns,
             no_counters,
+            pod_ips,
         } => {
             let ns = Netns::open(netns)?;
             let opts = EnrolOptions {
@@ -158,6 +162,7 @@ fn run(cli: Cli) -> Result<()> {
                 probe_bypass: !*no_probe_bypass,
                 capture_dns: *capture_dns,
                 counters: !*no_counters,
+                pod_ips: pod_ips.clone(),
             };
             let cookie = pods::enrol(&dp()?, &ns, &opts)?;
             println!(

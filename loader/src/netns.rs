@@ -52,6 +52,11 @@ impl Netns {
         Ok(ns)
     }
 
+    /// The open namespace file (what netns-scoped links attach to).
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
     /// The path this namespace was opened from.
     pub fn path(&self) -> &Path {
         &self.path

@@ -2,15 +2,19 @@
 //! is enrolled. State lives only in bpffs (the `PODS` map and one pin directory per pod), so any
 //! loader process, including one started after a crash, sees the same truth.
 
-use std::{fs, io, path::PathBuf};
+use std::{
+    fs, io,
+    net::IpAddr,
+    path::{Path, PathBuf},
+};
 
 use aya::{
     maps::{MapError, PerCpuValues},
-    programs::{links::FdLink, SchedClassifier, SkLookup, TcAttachType},
+    programs::{links::FdLink, SchedClassifier, TcAttachType},
     util::nr_cpus,
 };
 use datapath_common::{
-    consts::programs, direction, pod_flags, NetnsCookie, PodCounters, PodInfo, PortKey,
+    consts::programs, direction, pod_flags, NetnsCookie, PodCounters, PodInfo, PodIpKey, PortKey,
 };
 use tracing::{info, warn};
 
@@ -51,6 +55,8 @@ pub struct EnrolOptions {
     pub capture_dns: bool,
     /// Count the pod's packets and bytes with TC programs on its interface.
     pub counters: bool,
+    /// The pod's addresses (from the CNI result); empty: read them from its netns.
+    pub pod_ips: Vec<IpAddr>,
 }
 
 impl Default for EnrolOptions {
@@ -65,6 +71,7 @@ impl Default for EnrolOptions {
             probe_bypass: true,
             capture_dns: false,
             counters: true,
+            pod_ips: Vec::new(),
         }
     }
 }
@@ -82,14 +89,23 @@ pub struct PodStatus {
     pub pins: Vec<String>,
 }
 
-/// Enrols the pod whose netns is `netns`: creates its counters, attaches the TC programs to its
-/// interface and pins the links, then records it in `PODS`. Either all of it happens or, on
-/// error, none of it is left behind.
+/// Enrols the pod whose netns is `netns`: records its addresses, links the node's sk_lookup
+/// program into its netns, attaches the TC counters to its interface (when asked), then records
+/// it in `PODS`, which turns capture on. Either all of it happens or, on error, none of it is
+/// left behind.
 pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsCookie> {
     let cookie = netns.cookie();
     let pod = opts.name.clone().unwrap_or_else(|| netns.path().display().to_string());
     if is_enrolled(dp, cookie)? {
         return Err(Error::AlreadyEnrolled { pod, cookie });
+    }
+    let ips =
+        if opts.pod_ips.is_empty() { netns.run(pod_addresses)?? } else { opts.pod_ips.clone() };
+    let mut pod_ips = dp.pod_ips()?;
+    for &ip in &ips {
+        if let Ok(other) = pod_ips.get(&ip_key(ip), 0) {
+            return Err(Error::AddressInUse { pod, ip, other });
+        }
     }
     let mut undo = Undo { dp, cookie, armed: true };
 
@@ -99,11 +115,11 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
     dp.counters()?
         .insert(cookie, zeros, 0)
         .map_err(|e| Error::bpf(format!("pod {pod}: creating counters"), e))?;
-
-    let dir = dp.pod_dir(cookie);
-    fs::create_dir(&dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-    let ifindex = netns.run(|| attach_pod_programs(dp, cookie, &dir, &pod, opts))??;
-
+    for &ip in &ips {
+        pod_ips
+            .insert(ip_key(ip), cookie, 0)
+            .map_err(|e| Error::bpf(format!("pod {pod}: recording address {ip}"), e))?;
+    }
     let mut excluded = dp.excluded_ports()?;
     let outbound = opts.exclude_outbound_ports.iter().map(|&p| (p, direction::OUTBOUND));
     let inbound = opts.exclude_inbound_ports.iter().map(|&p| (p, direction::INBOUND));
@@ -113,6 +129,15 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
             .insert(key, 1, 0)
             .map_err(|e| Error::bpf(format!("pod {pod}: excluding port {port}"), e))?;
     }
+
+    let dir = dp.pod_dir(cookie);
+    fs::create_dir(&dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    link_sk_lookup(dp, netns, &dir, &pod, opts.capture_inbound)?;
+    let ifindex = if opts.counters {
+        netns.run(|| attach_tc(dp, cookie, &dir, &pod, &opts.iface))??
+    } else {
+        0
+    };
 
     // Last: the PODS entry is what turns capture on for the pod.
     let mut info = PodInfo::new(ifindex, netns.inode(), &pod);
@@ -130,52 +155,83 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
         .insert(cookie, info, 0)
         .map_err(|e| Error::bpf(format!("pod {pod}: recording enrolment"), e))?;
     undo.armed = false;
-    info!(%pod, cookie, ifindex, iface = %opts.iface, "pod enrolled");
+    info!(%pod, cookie, ?ips, "pod enrolled");
     Ok(cookie)
 }
 
-/// Loads the pod's instances of its programs (TC counters; sk_lookup when inbound is
-/// captured), attaches them in the calling thread's netns (the pod's) and pins the links in
-/// `dir`. Returns the interface index.
-fn attach_pod_programs(
+/// The calling thread's netns addresses a pod is reached at: every address but loopback and
+/// IPv6 link-local ones.
+fn pod_addresses() -> Result<Vec<IpAddr>> {
+    let addrs = nix::ifaddrs::getifaddrs()
+        .map_err(|e| Error::io("listing the pod's addresses", e.into()))?;
+    let mut ips: Vec<IpAddr> = addrs
+        .filter_map(|a| {
+            let sa = a.address?;
+            if let Some(v4) = sa.as_sockaddr_in() {
+                return Some(IpAddr::V4(v4.ip()));
+            }
+            sa.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip()))
+        })
+        .filter(|ip| match ip {
+            IpAddr::V4(v4) => !v4.is_loopback(),
+            IpAddr::V6(v6) => !v6.is_loopback() && !v6.is_unicast_link_local(),
+        })
+        .collect();
+    ips.sort();
+    ips.dedup();
+    Ok(ips)
+}
+
+/// The `POD_IPS` key of an address (IPv4 v4-mapped).
+pub fn ip_key(ip: IpAddr) -> PodIpKey {
+    let v6 = match ip {
+        IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+        IpAddr::V6(v6) => v6,
+    };
+    let o = v6.octets();
+    let word = |i: usize| u32::from_ne_bytes([o[i], o[i + 1], o[i + 2], o[i + 3]]);
+    PodIpKey { addr: [word(0), word(4), word(8), word(12)] }
+}
+
+/// Links the node's sk_lookup program into the pod's netns and pins the link. Every pod gets
+/// one: with inbound capture the steering program, else one that passes everything. The kernel
+/// detaches a netns link when the netns dies, which is how `reconcile` tells a vanished pod from
+/// a live one without scanning /proc.
+fn link_sk_lookup(
     dp: &Datapath,
-    cookie: NetnsCookie,
-    dir: &std::path::Path,
+    netns: &Netns,
+    dir: &Path,
     pod: &str,
-    opts: &EnrolOptions,
-) -> Result<u32> {
-    let iface = opts.iface.as_str();
-    let ifindex = nix::net::if_::if_nametoindex(iface)
-        .map_err(|_| Error::NoSuchInterface { pod: pod.to_owned(), iface: iface.to_owned() })?;
-    let mut ebpf = dp.load_pod_object(cookie)?;
-    // Every pod gets its sk_lookup link, also with inbound capture off (the program then passes
-    // everything): the kernel detaches a netns link when the netns dies, which is how
-    // `reconcile` tells a vanished pod from a live one without scanning /proc.
-    let name = programs::SK_LOOKUP;
-    let prog: &mut SkLookup = ebpf
-        .program_mut(name)
-        .and_then(|p| p.try_into().ok())
-        .ok_or_else(|| Error::bpf(name, io::Error::other("not an sk_lookup program")))?;
-    load(prog.load(), name)?;
-    let what = || format!("pod {pod}: attaching {name} to its netns");
-    let netns = fs::File::open("/proc/thread-self/ns/net").map_err(|e| Error::io(what(), e))?;
-    let id = prog.attach(&netns).map_err(|e| Error::bpf(what(), e))?;
+    inbound: bool,
+) -> Result<()> {
+    let name = if inbound { programs::SK_LOOKUP } else { programs::SK_LOOKUP_PASS };
+    let mut prog = dp.sk_lookup_program(name)?;
+    let what = || format!("pod {pod}: linking {name} into its netns");
+    let id = prog.attach(netns.file()).map_err(|e| Error::bpf(what(), e))?;
     let link = FdLink::from(prog.take_link(id).map_err(|e| Error::bpf(what(), e))?);
     let pin = link_pins::SK_LOOKUP;
     link.pin(dir.join(pin)).map_err(|e| Error::bpf(format!("pod {pod}: pinning {pin}"), e))?;
+    Ok(())
+}
 
-    // TCX attachment costs the kernel an RCU grace period per link (~12 ms here): counters are
-    // optional.
-    let tc = if opts.counters {
-        [
-            (programs::TC_POD_INGRESS, TcAttachType::Ingress, link_pins::TC_INGRESS),
-            (programs::TC_POD_EGRESS, TcAttachType::Egress, link_pins::TC_EGRESS),
-        ]
-        .as_slice()
-    } else {
-        &[]
-    };
-    for &(program, attach_type, pin) in tc {
+/// Loads the pod's instance of the TC counters (they key on a load-time constant), attaches
+/// them to `iface` in the calling thread's netns (the pod's) and pins the links in `dir`.
+/// Returns the interface index. TCX attachment costs the kernel an RCU grace period per link
+/// (~12 ms here): counters are optional.
+fn attach_tc(
+    dp: &Datapath,
+    cookie: NetnsCookie,
+    dir: &Path,
+    pod: &str,
+    iface: &str,
+) -> Result<u32> {
+    let ifindex = nix::net::if_::if_nametoindex(iface)
+        .map_err(|_| Error::NoSuchInterface { pod: pod.to_owned(), iface: iface.to_owned() })?;
+    let mut ebpf = dp.load_pod_object(cookie)?;
+    for (program, attach_type, pin) in [
+        (programs::TC_POD_INGRESS, TcAttachType::Ingress, link_pins::TC_INGRESS),
+        (programs::TC_POD_EGRESS, TcAttachType::Egress, link_pins::TC_EGRESS),
+    ] {
         let prog: &mut SchedClassifier = ebpf
             .program_mut(program)
             .and_then(|p| p.try_into().ok())
@@ -236,6 +292,10 @@ fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
     let keys: Vec<PortKey> = excluded.keys().flatten().filter(|k| k.netns == cookie).collect();
     results.extend(keys.iter().map(|k| excluded.remove(k)));
     results.push(dp.counters()?.remove(&cookie));
+    let mut pod_ips = dp.pod_ips()?;
+    let ips: Vec<PodIpKey> =
+        pod_ips.iter().flatten().filter(|(_, c)| *c == cookie).map(|(k, _)| k).collect();
+    results.extend(ips.iter().map(|k| pod_ips.remove(k)));
     results.push(dp.inbound_listeners()?.remove(&inbound_listener_key(cookie)));
     for res in results {
         match res {

@@ -196,11 +196,25 @@ pub fn loader_bin() -> PathBuf {
     }
 }
 
-/// A binary of this build: test binaries live in target/<profile>/deps, binaries one up.
+/// A binary of this build, in target/<profile>/ (test binaries run from its deps/).
 pub fn sibling_bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
-    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>");
-    profile_dir.join(name)
+    let mut dir = exe.parent().expect("the executable's directory").to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    dir.join(name)
+}
+
+/// A child process killed (and reaped) on drop, so a failing test or bench leaves none behind.
+#[derive(Debug)]
+pub struct ChildGuard(pub std::process::Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// Reads one line (5 s at most) from a connection, without the newline.
@@ -313,6 +327,7 @@ impl TestProxy {
         cgroup: &CgroupGuard,
         mode: &str,
         pin_root: Option<&Path>,
+        envs: &[(&str, &str)],
     ) -> Result<Self> {
         use std::os::fd::AsRawFd as _;
         use std::{io::BufRead as _, os::unix::process::CommandExt as _};
@@ -323,7 +338,8 @@ impl TestProxy {
             .context("opening cgroup.procs")?;
         let procs_fd = procs.as_raw_fd();
         let mut cmd = Command::new(bin);
-        cmd.arg(netns).arg(mode).args(pin_root).stdout(std::process::Stdio::piped());
+        cmd.arg(netns).arg(mode).args(pin_root).envs(envs.iter().copied());
+        cmd.stdout(std::process::Stdio::piped());
         // SAFETY: the closure only calls write(2) on an fd that stays open until spawn returns;
         // "0" moves the writing process (the child) into the cgroup before it execs.
         unsafe {
@@ -443,6 +459,7 @@ mod mesh {
                 &self.cgroup,
                 mode,
                 Some(self.root.path()),
+                &[],
             )
             .expect("test proxy");
             self.proxy = Some(proxy);

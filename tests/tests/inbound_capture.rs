@@ -179,3 +179,24 @@ fn forwarding_proxy_delivers_inbound_to_the_app() {
         assert_eq!(via.ip(), dst.ip(), "the app was not reached through the proxy (v6={v6})");
     }
 }
+
+#[test]
+fn pods_enrolled_without_inbound_capture_receive_inbound_directly() {
+    let mesh = Mesh::new(EnrolOptions { capture_outbound: true, ..EnrolOptions::default() });
+    for v6 in [false, true] {
+        let dst = mesh.a(v6, 8088);
+        let app = mesh.echo_server_in_a(dst);
+        drop(mesh.connect_from_b(dst, None).expect("direct inbound"));
+        app.join().expect("app").expect("app accepted");
+    }
+}
+
+#[test]
+fn inbound_to_an_address_the_datapath_does_not_know_is_refused() {
+    let mesh = inbound(EnrolOptions::default()).with_proxy("echo");
+    // An address added after enrolment: the pod's owner never told the datapath about it.
+    mesh.pods.a.ip(&["addr", "add", "10.199.0.77/24", "dev", "eth0"]).expect("extra address");
+    let dst: SocketAddr = "10.199.0.77:8089".parse().expect("addr");
+    let err = mesh.connect_from_b(dst, None).expect_err("unknown address accepted");
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
+}

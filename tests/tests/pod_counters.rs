@@ -206,6 +206,7 @@ fn failed_enrolment_rolls_back_everything_it_made() {
         probe_bypass: true,
         capture_dns: true,
         counters: true,
+        pod_ips: Vec::new(),
     };
 
     let err = pods::enrol(&dp, &pods.a.open().expect("netns"), &opts)
@@ -219,4 +220,18 @@ fn failed_enrolment_rolls_back_everything_it_made() {
     assert_eq!(dp.counters().expect("COUNTERS").keys().count(), 0);
     assert_eq!(dp.pods().expect("PODS").keys().count(), 0);
     assert_eq!(dp.excluded_ports().expect("EXCLUDED_PORTS").keys().count(), 0);
+}
+
+#[test]
+fn enrolling_a_pod_with_another_pods_address_fails_and_changes_nothing() {
+    require_root();
+    let (root, pods) = (PinRoot::new(), PodPair::new().expect("pods"));
+    let dp = root.datapath().expect("datapath");
+    let a = pods::enrol(&dp, &pods.a.open().expect("netns a"), &EnrolOptions::default())
+        .expect("enrol a");
+    let clash = EnrolOptions { pod_ips: vec![pods.a_ip.into()], ..EnrolOptions::default() };
+    let err =
+        pods::enrol(&dp, &pods.b.open().expect("netns b"), &clash).expect_err("enrolled a clash");
+    assert!(matches!(&err, Error::AddressInUse { other, .. } if *other == a), "{err}");
+    assert_eq!(pods::list(&dp).expect("list").len(), 1);
 }

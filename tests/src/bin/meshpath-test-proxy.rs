@@ -131,7 +131,8 @@ fn original_dst(conn: &TcpStream) -> io::Result<SocketAddr> {
     let port = u16::from_be_bytes([buf[2], buf[3]]);
     let family = u16::from_ne_bytes([buf[0], buf[1]]);
     match (family as i32, len) {
-        (libc::AF_INET, 16) => {
+        // netfilter writes a sockaddr_in but leaves the length as passed: go by the family.
+        (libc::AF_INET, 16..) => {
             Ok(SocketAddr::from((Ipv4Addr::new(buf[4], buf[5], buf[6], buf[7]), port)))
         }
         (libc::AF_INET6, 28) => {
@@ -147,6 +148,22 @@ fn original_dst(conn: &TcpStream) -> io::Result<SocketAddr> {
     }
 }
 
+/// Connects to the original destination. Under iptables capture the proxy's sockets must carry
+/// istio's mark to escape the REDIRECT rules: `MESHPATH_TEST_PROXY_MARK=0x539` sets it (the
+/// benchmark's iptables scenario). meshpath capture needs no mark: the proxy's cgroup bypasses.
+fn connect_upstream(to: SocketAddr) -> io::Result<TcpStream> {
+    let domain = if to.is_ipv4() { socket2::Domain::IPV4 } else { socket2::Domain::IPV6 };
+    let sock = socket2::Socket::new(domain, socket2::Type::STREAM, None)?;
+    if let Ok(mark) = std::env::var("MESHPATH_TEST_PROXY_MARK") {
+        let mark =
+            u32::from_str_radix(mark.trim_start_matches("0x"), 16).map_err(io::Error::other)?;
+        sock.set_mark(mark)?;
+    }
+    sock.set_nodelay(true)?;
+    sock.connect(&to.into())?;
+    Ok(sock.into())
+}
+
 fn canonical(a: SocketAddr) -> SocketAddr {
     match a {
         SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
@@ -159,6 +176,7 @@ fn canonical(a: SocketAddr) -> SocketAddr {
 
 fn serve(mut conn: TcpStream, forward: bool, inbound: bool) -> Result<()> {
     let orig = original_dst(&conn).context("getsockopt(SO_ORIGINAL_DST)")?;
+    conn.set_nodelay(true)?;
     println!("ACCEPTED {orig}");
     io::stdout().flush()?;
     if !forward {
@@ -172,7 +190,7 @@ fn serve(mut conn: TcpStream, forward: bool, inbound: bool) -> Result<()> {
         }
         return Ok(());
     }
-    let upstream = TcpStream::connect(orig).with_context(|| format!("connecting to {orig}"))?;
+    let upstream = connect_upstream(orig).with_context(|| format!("connecting to {orig}"))?;
     let (mut up_r, mut up_w) = (upstream.try_clone()?, upstream);
     let (mut down_r, mut down_w) = (conn.try_clone()?, conn);
     let up = std::thread::spawn(move || -> io::Result<u64> {

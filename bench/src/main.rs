@@ -1,0 +1,335 @@
+//! `meshpath-bench capture`: the capture benchmark. Runs the peers side by side in one run, on
+//! fresh pod namespaces each, with the same minimal forwarding proxy:
+//! - `direct`: no capture, no proxy;
+//! - `iptables`: istio-cni's in-pod rule set (REDIRECT variant), proxy marks its sockets 0x539;
+//! - `ebpf`: meshpath capture (the proxy's cgroup bypasses);
+//! - `ebpf_sockmap`: reported as not measured (the sockops/sk_msg shortcut is not built).
+//!
+//! Writes `results/capture.json` and prints a markdown table. Not a test: no assertion on speed.
+
+mod istio_rules;
+mod stats;
+
+use std::{
+    io::Write as _,
+    net::SocketAddr,
+    path::PathBuf,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context as _, Result};
+use clap::{Parser, Subcommand};
+use meshpath_loader::pods::{self, EnrolOptions};
+use meshpath_tests::{
+    sibling_bin, CgroupGuard, ChildGuard, NetnsGuard, PinRoot, PodPair, TestProxy,
+};
+use serde_json::{json, Value};
+
+#[derive(Parser)]
+#[command(name = "meshpath-bench")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// meshpath capture vs istio-cni's iptables rules vs direct.
+    Capture {
+        /// Where to write the JSON results.
+        #[arg(long, default_value = "results/capture.json")]
+        out: PathBuf,
+        /// Seconds per throughput and connection-rate run.
+        #[arg(long, default_value_t = 5.0)]
+        secs: f64,
+        /// Largest pod count for the set-up timing.
+        #[arg(long, default_value_t = 1000)]
+        pods: usize,
+    },
+}
+
+const RR_PORT: u16 = 7000;
+const IPERF_PORT: u16 = 5201;
+
+fn main() -> std::process::ExitCode {
+    let res = match Cli::parse().command {
+        Cmd::Capture { out, secs, pods } => capture(&out, secs, pods),
+    };
+    match res {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("meshpath-bench: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn machine() -> Value {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
+        })
+        .unwrap_or_default();
+    let kernel = Command::new("uname")
+        .arg("-r")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default();
+    let nproc = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    json!({ "cpu": cpu, "cpus": nproc, "kernel": kernel })
+}
+
+/// What a scenario puts in place; dropped at the end of the scenario.
+enum Setup {
+    Direct,
+    Iptables { _proxy: TestProxy, _cgroup: CgroupGuard },
+    Ebpf { _proxy: TestProxy, _cgroup: CgroupGuard, _root: PinRoot },
+}
+
+fn iptables_restore(ns: &str, v6: bool, rules: &str) -> Result<()> {
+    let tool = if v6 { "ip6tables-restore" } else { "iptables-restore" };
+    let mut child = Command::new("nsenter")
+        .arg(format!("--net={ns}"))
+        .arg(tool)
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("running {tool}"))?;
+    child.stdin.take().context("stdin")?.write_all(rules.as_bytes())?;
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        bail!("{tool} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}
+
+/// istio-cni's per-pod set-up: both rule sets.
+fn istio_setup(ns: &str) -> Result<()> {
+    iptables_restore(ns, false, istio_rules::RULES_V4)?;
+    iptables_restore(ns, true, &istio_rules::rules_v6())
+}
+
+fn setup(name: &str, pods: &PodPair) -> Result<Setup> {
+    let proxy_bin = sibling_bin("meshpath-test-proxy");
+    let a = pods.a.path();
+    Ok(match name {
+        "direct" => Setup::Direct,
+        "iptables" => {
+            istio_setup(&a.display().to_string())?;
+            // istio-cni's reply routing for marked connections.
+            pods.a.ip(&[
+                "rule",
+                "add",
+                "fwmark",
+                "0x111/0xfff",
+                "pref",
+                "32764",
+                "lookup",
+                "100",
+            ])?;
+            pods.a.ip(&["route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", "100"])?;
+            let cgroup = CgroupGuard::new()?;
+            let proxy = TestProxy::start(
+                &proxy_bin,
+                &a,
+                &cgroup,
+                "forward",
+                None,
+                &[("MESHPATH_TEST_PROXY_MARK", "0x539")],
+            )?;
+            Setup::Iptables { _proxy: proxy, _cgroup: cgroup }
+        }
+        "ebpf" => {
+            let root = PinRoot::new();
+            let cgroup = CgroupGuard::new()?;
+            {
+                let dp = root.datapath()?;
+                dp.register_proxy_cgroup(cgroup.path())?;
+                pods::enrol(&dp, &pods.a.open()?, &capture_opts(false))?;
+            }
+            let proxy =
+                TestProxy::start(&proxy_bin, &a, &cgroup, "forward", Some(root.path()), &[])?;
+            Setup::Ebpf { _proxy: proxy, _cgroup: cgroup, _root: root }
+        }
+        other => bail!("unknown scenario {other}"),
+    })
+}
+
+/// The same capture istio-cni sets up: outbound, inbound, DNS.
+fn capture_opts(counters: bool) -> EnrolOptions {
+    EnrolOptions {
+        capture_outbound: true,
+        capture_inbound: true,
+        capture_dns: true,
+        counters,
+        ..EnrolOptions::default()
+    }
+}
+
+fn traffic(name: &str, secs: f64) -> Result<Value> {
+    let pods = PodPair::new()?;
+    let (a, b) = (pods.a.open()?, pods.b.open()?);
+    let rr_addr = SocketAddr::new(pods.b_ip.into(), RR_PORT);
+    stats::start_rr_server(&b, rr_addr)?;
+    let b_ip = pods.b_ip.to_string();
+    let _iperf_server = ChildGuard(
+        Command::new("nsenter")
+            .arg(format!("--net={}", pods.b.path().display()))
+            .args(["iperf3", "-s", "-B", &b_ip, "-p", &IPERF_PORT.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("iperf3 -s")?,
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let _setup = setup(name, &pods)?;
+
+    let iperf = Command::new("nsenter")
+        .arg(format!("--net={}", pods.a.path().display()))
+        .args([
+            "iperf3",
+            "-c",
+            &b_ip,
+            "-p",
+            &IPERF_PORT.to_string(),
+            "-t",
+            &format!("{secs}"),
+            "-J",
+        ])
+        .output()
+        .context("iperf3 -c")?;
+    let report: Value = serde_json::from_slice(&iperf.stdout).context("iperf3 -J output")?;
+    let gbps =
+        report["end"]["sum_received"]["bits_per_second"].as_f64().context("iperf3 result")? / 1e9;
+    let cps = stats::conn_per_s(&a, rr_addr, secs)?;
+    let (p50, p99) = stats::rr_latency(&a, rr_addr, 2_000, 20_000)?;
+    eprintln!(
+        "bench: {name}: {gbps:.2} Gbit/s, {cps:.0} conn/s, rr p50 {p50:.1} us p99 {p99:.1} us"
+    );
+    Ok(json!({ "throughput_gbps": gbps, "conn_per_s": cps, "rr_p50_us": p50, "rr_p99_us": p99 }))
+}
+
+/// Per-pod capture set-up cost for 1, 100 and `max` pods: istio-cni's iptables-restore (v4 and
+/// v6, one process each, as istio-cni runs them) vs meshpath enrolment (in the agent's process).
+fn setup_cost(max: usize) -> Result<(Value, Value, Value)> {
+    let sizes: Vec<usize> = [1, 100, max].into_iter().filter(|&n| n <= max).collect();
+    eprintln!("bench: creating {max} pod namespaces");
+    let namespaces: Vec<NetnsGuard> =
+        (0..max).map(|_| NetnsGuard::new("mpbn")).collect::<Result<_>>()?;
+    let (mut ipt, mut ebpf, mut ebpf_counters) = (json!({}), json!({}), json!({}));
+    for &n in &sizes {
+        let start = Instant::now();
+        for ns in &namespaces[..n] {
+            istio_setup(&ns.path().display().to_string())?;
+        }
+        let ms = start.elapsed().as_secs_f64() * 1e3 / n as f64;
+        ipt[n.to_string()] = json!(ms);
+
+        let root = PinRoot::new();
+        let dp = root.datapath()?;
+        let opened: Vec<_> = namespaces[..n].iter().map(|ns| ns.open()).collect::<Result<_>>()?;
+        let mut cookies = Vec::with_capacity(n);
+        let start = Instant::now();
+        for ns in &opened {
+            cookies.push(pods::enrol(&dp, ns, &capture_opts(false))?);
+        }
+        let enrol_ms = start.elapsed().as_secs_f64() * 1e3 / n as f64;
+        let start = Instant::now();
+        for &c in &cookies {
+            pods::unenrol(&dp, c)?;
+        }
+        let unenrol_ms = start.elapsed().as_secs_f64() * 1e3 / n as f64;
+        ebpf[n.to_string()] = json!({ "enrol": enrol_ms, "unenrol": unenrol_ms });
+        eprintln!("bench: {n} pods: iptables-restore {ms:.2} ms/pod, enrol {enrol_ms:.2} ms/pod, unenrol {unenrol_ms:.2} ms/pod");
+    }
+    // With the TC counters (TCX attachment: an RCU grace period per link), on pods with an eth0.
+    for &n in sizes.iter().filter(|&&n| n <= 100) {
+        let pairs: Vec<PodPair> = (0..n).map(|_| PodPair::new()).collect::<Result<_>>()?;
+        let root = PinRoot::new();
+        let dp = root.datapath()?;
+        let opened: Vec<_> = pairs.iter().map(|p| p.a.open()).collect::<Result<_>>()?;
+        let start = Instant::now();
+        for ns in &opened {
+            pods::enrol(&dp, ns, &capture_opts(true))?;
+        }
+        ebpf_counters[n.to_string()] = json!(start.elapsed().as_secs_f64() * 1e3 / n as f64);
+    }
+    Ok((ipt, ebpf, ebpf_counters))
+}
+
+fn capture(out: &PathBuf, secs: f64, max_pods: usize) -> Result<()> {
+    meshpath_tests::require_root();
+    let mut scenarios = json!({});
+    for name in ["direct", "iptables", "ebpf"] {
+        scenarios[name] = traffic(name, secs)?;
+    }
+    let (ipt, ebpf, ebpf_counters) = setup_cost(max_pods)?;
+    scenarios["iptables"]["enrol_ms_per_pod"] = ipt;
+    scenarios["ebpf"]["enrol_ms_per_pod"] = json!(ebpf.as_object().map(|o| o
+        .iter()
+        .map(|(k, v)| (k.clone(), v["enrol"].clone()))
+        .collect::<serde_json::Map<_, _>>()));
+    scenarios["ebpf"]["unenrol_ms_per_pod"] = json!(ebpf.as_object().map(|o| o
+        .iter()
+        .map(|(k, v)| (k.clone(), v["unenrol"].clone()))
+        .collect::<serde_json::Map<_, _>>()));
+    scenarios["ebpf"]["enrol_with_tc_counters_ms_per_pod"] = ebpf_counters;
+    scenarios["ebpf_sockmap"] = json!({
+        "measured": false,
+        "why": "the sockops + sk_msg (SOCKHASH) shortcut for the app-proxy hop is not built yet",
+    });
+    let result = json!({ "machine": machine(), "scenarios": scenarios });
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(out, serde_json::to_string_pretty(&result)? + "\n")?;
+    print_table(&result);
+    eprintln!("bench: wrote {}", out.display());
+    Ok(())
+}
+
+fn print_table(r: &Value) {
+    let s = &r["scenarios"];
+    let f = |v: &Value| v.as_f64().map_or("n/a".to_owned(), |x| format!("{x:.2}"));
+    println!("| scenario | throughput Gbit/s | conn/s | RR p50 µs | RR p99 µs | set-up ms/pod (1 / 100 / N) |");
+    println!("|---|---|---|---|---|---|");
+    for name in ["direct", "iptables", "ebpf", "ebpf_sockmap"] {
+        let x = &s[name];
+        let e = &x["enrol_ms_per_pod"];
+        let setup = e
+            .as_object()
+            .map_or("n/a".to_owned(), |o| o.values().map(f).collect::<Vec<_>>().join(" / "));
+        println!(
+            "| {name} | {} | {} | {} | {} | {setup} |",
+            f(&x["throughput_gbps"]),
+            f(&x["conn_per_s"]).trim_end_matches(".00"),
+            f(&x["rr_p50_us"]),
+            f(&x["rr_p99_us"])
+        );
+    }
+    let ratio = |k: &str| {
+        let (e, i) = (s["ebpf"][k].as_f64(), s["iptables"][k].as_f64());
+        e.zip(i).map_or("n/a".to_owned(), |(e, i)| format!("{:.2}", e / i))
+    };
+    println!();
+    println!(
+        "ebpf / iptables: conn/s {}, throughput {}, p50 {}, p99 {}",
+        ratio("conn_per_s"),
+        ratio("throughput_gbps"),
+        ratio("rr_p50_us"),
+        ratio("rr_p99_us")
+    );
+    if let (Some(e), Some(i)) =
+        (s["ebpf"]["enrol_ms_per_pod"].as_object(), s["iptables"]["enrol_ms_per_pod"].as_object())
+    {
+        let parts: Vec<String> = e
+            .iter()
+            .filter_map(|(n, v)| Some(format!("{n} pods {:.3}", v.as_f64()? / i.get(n)?.as_f64()?)))
+            .collect();
+        println!("ebpf / iptables set-up per pod: {}", parts.join(", "));
+    }
+}

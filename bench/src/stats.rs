@@ -1,0 +1,94 @@
+//! Load generators and their statistics: short-connection rate and request/response latency,
+//! each run from one thread inside the client pod's netns.
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpListener, TcpStream},
+    time::{Duration, Instant},
+};
+
+use anyhow::Result;
+use meshpath_loader::netns::Netns;
+
+/// Size of one request and one response.
+pub const MESSAGE: usize = 64;
+
+/// A server in `ns` at `addr`: for each connection, answers every MESSAGE-byte request with a
+/// MESSAGE-byte response until the client closes. Runs until the process ends.
+pub fn start_rr_server(ns: &Netns, addr: SocketAddr) -> Result<()> {
+    let listener = ns.run(|| TcpListener::bind(addr))??;
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut conn = conn;
+                let _ = conn.set_nodelay(true);
+                let mut buf = [0u8; MESSAGE];
+                while conn.read_exact(&mut buf).is_ok() {
+                    if conn.write_all(&buf).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    Ok(())
+}
+
+/// Connections per second: connect, one request/response, close; for `secs` seconds.
+pub fn conn_per_s(ns: &Netns, to: SocketAddr, secs: f64) -> Result<f64> {
+    ns.run(|| -> Result<f64> {
+        let start = Instant::now();
+        let mut n = 0u64;
+        let mut buf = [0u8; MESSAGE];
+        while start.elapsed().as_secs_f64() < secs {
+            let mut c = TcpStream::connect(to)?;
+            c.set_nodelay(true)?;
+            c.write_all(&[7u8; MESSAGE])?;
+            c.read_exact(&mut buf)?;
+            n += 1;
+        }
+        Ok(n as f64 / start.elapsed().as_secs_f64())
+    })?
+}
+
+/// Request/response latency on one connection: `count` round trips after `warmup`; returns
+/// (p50, p99) in microseconds.
+pub fn rr_latency(ns: &Netns, to: SocketAddr, warmup: usize, count: usize) -> Result<(f64, f64)> {
+    ns.run(|| -> Result<(f64, f64)> {
+        let mut c = TcpStream::connect(to)?;
+        c.set_nodelay(true)?;
+        let mut buf = [0u8; MESSAGE];
+        let mut samples = Vec::with_capacity(count);
+        for i in 0..warmup + count {
+            let t = Instant::now();
+            c.write_all(&[1u8; MESSAGE])?;
+            c.read_exact(&mut buf)?;
+            if i >= warmup {
+                samples.push(t.elapsed());
+            }
+        }
+        Ok((percentile_us(&mut samples, 0.50), percentile_us(&mut samples, 0.99)))
+    })?
+}
+
+/// The `q` quantile of `samples` in microseconds (nearest rank).
+pub fn percentile_us(samples: &mut [Duration], q: f64) -> f64 {
+    if samples.is_empty() {
+        return f64::NAN;
+    }
+    samples.sort_unstable();
+    let rank = ((q * samples.len() as f64).ceil() as usize).clamp(1, samples.len());
+    samples[rank - 1].as_secs_f64() * 1e6
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_use_the_nearest_rank() {
+        let mut s: Vec<Duration> = (1..=100).map(Duration::from_micros).collect();
+        assert_eq!(percentile_us(&mut s, 0.50), 50.0);
+        assert_eq!(percentile_us(&mut s, 0.99), 99.0);
+    }
+}

@@ -46,6 +46,9 @@ enum Cmd {
         /// Largest pod count for the set-up timing.
         #[arg(long, default_value_t = 1000)]
         pods: usize,
+        /// Rounds of the traffic scenarios (each metric: the median over rounds).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
     },
 }
 
@@ -54,7 +57,7 @@ const IPERF_PORT: u16 = 5201;
 
 fn main() -> std::process::ExitCode {
     let res = match Cli::parse().command {
-        Cmd::Capture { out, secs, pods } => capture(&out, secs, pods),
+        Cmd::Capture { out, secs, pods, rounds } => capture(&out, secs, pods, rounds),
     };
     match res {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -216,14 +219,16 @@ fn traffic(name: &str, secs: f64) -> Result<Value> {
 /// Per-pod capture set-up cost for 1, 100 and `max` pods: istio-cni's iptables-restore (v4 and
 /// v6, one process each, as istio-cni runs them) vs meshpath enrolment (in the agent's process).
 fn setup_cost(max: usize) -> Result<(Value, Value, Value)> {
-    let sizes: Vec<usize> = [1, 100, max].into_iter().filter(|&n| n <= max).collect();
-    eprintln!("bench: creating {max} pod namespaces");
-    let namespaces: Vec<NetnsGuard> =
-        (0..max).map(|_| NetnsGuard::new("mpbn")).collect::<Result<_>>()?;
+    let mut sizes: Vec<usize> = [1, 100, max].into_iter().filter(|&n| n <= max).collect();
+    sizes.dedup();
     let (mut ipt, mut ebpf, mut ebpf_counters) = (json!({}), json!({}), json!({}));
     for &n in &sizes {
+        // Fresh namespaces for each size, as pods are when they are set up.
+        eprintln!("bench: creating {n} pod namespaces");
+        let namespaces: Vec<NetnsGuard> =
+            (0..n).map(|_| NetnsGuard::new("mpbn")).collect::<Result<_>>()?;
         let start = Instant::now();
-        for ns in &namespaces[..n] {
+        for ns in &namespaces {
             istio_setup(&ns.path().display().to_string())?;
         }
         let ms = start.elapsed().as_secs_f64() * 1e3 / n as f64;
@@ -231,20 +236,25 @@ fn setup_cost(max: usize) -> Result<(Value, Value, Value)> {
 
         let root = PinRoot::new();
         let dp = root.datapath()?;
-        let opened: Vec<_> = namespaces[..n].iter().map(|ns| ns.open()).collect::<Result<_>>()?;
+        let opened: Vec<_> = namespaces.iter().map(|ns| ns.open()).collect::<Result<_>>()?;
         let mut cookies = Vec::with_capacity(n);
+        let mut per_pod = Vec::with_capacity(n);
         let start = Instant::now();
         for ns in &opened {
+            let t = Instant::now();
             cookies.push(pods::enrol(&dp, ns, &capture_opts(false))?);
+            per_pod.push(t.elapsed());
         }
         let enrol_ms = start.elapsed().as_secs_f64() * 1e3 / n as f64;
+        let median_ms = stats::percentile_us(&mut per_pod, 0.5) / 1e3;
         let start = Instant::now();
         for &c in &cookies {
             pods::unenrol(&dp, c)?;
         }
         let unenrol_ms = start.elapsed().as_secs_f64() * 1e3 / n as f64;
-        ebpf[n.to_string()] = json!({ "enrol": enrol_ms, "unenrol": unenrol_ms });
-        eprintln!("bench: {n} pods: iptables-restore {ms:.2} ms/pod, enrol {enrol_ms:.2} ms/pod, unenrol {unenrol_ms:.2} ms/pod");
+        ebpf[n.to_string()] =
+            json!({ "enrol": enrol_ms, "enrol_median": median_ms, "unenrol": unenrol_ms });
+        eprintln!("bench: {n} pods: iptables-restore {ms:.2} ms/pod, enrol {enrol_ms:.2} ms/pod (median {median_ms:.2}), unenrol {unenrol_ms:.2} ms/pod");
     }
     // With the TC counters (TCX attachment: an RCU grace period per link), on pods with an eth0.
     for &n in sizes.iter().filter(|&&n| n <= 100) {
@@ -253,25 +263,49 @@ fn setup_cost(max: usize) -> Result<(Value, Value, Value)> {
         let dp = root.datapath()?;
         let opened: Vec<_> = pairs.iter().map(|p| p.a.open()).collect::<Result<_>>()?;
         let start = Instant::now();
-        for ns in &opened {
-            pods::enrol(&dp, ns, &capture_opts(true))?;
+        for (i, ns) in opened.iter().enumerate() {
+            // Every pair's pod a has 10.199.0.1: give each its own address for the datapath.
+            let ip = std::net::Ipv4Addr::new(10, 250, (i / 250) as u8, (i % 250) as u8 + 1);
+            let opts = EnrolOptions { pod_ips: vec![ip.into()], ..capture_opts(true) };
+            pods::enrol(&dp, ns, &opts)?;
         }
         ebpf_counters[n.to_string()] = json!(start.elapsed().as_secs_f64() * 1e3 / n as f64);
     }
     Ok((ipt, ebpf, ebpf_counters))
 }
 
-fn capture(out: &PathBuf, secs: f64, max_pods: usize) -> Result<()> {
+fn capture(out: &PathBuf, secs: f64, max_pods: usize, rounds: usize) -> Result<()> {
     meshpath_tests::require_root();
+    // Rounds interleave the scenarios, so machine noise spreads over all of them; each metric
+    // is the median over rounds.
+    let names = ["direct", "iptables", "ebpf"];
+    let mut runs: Vec<Vec<Value>> = vec![Vec::new(); names.len()];
+    for round in 0..rounds {
+        eprintln!("bench: round {}/{rounds}", round + 1);
+        for (i, name) in names.iter().enumerate() {
+            runs[i].push(traffic(name, secs)?);
+        }
+    }
     let mut scenarios = json!({});
-    for name in ["direct", "iptables", "ebpf"] {
-        scenarios[name] = traffic(name, secs)?;
+    for (i, name) in names.iter().enumerate() {
+        let mut m = serde_json::Map::new();
+        for key in ["throughput_gbps", "conn_per_s", "rr_p50_us", "rr_p99_us"] {
+            let mut v: Vec<f64> = runs[i].iter().filter_map(|r| r[key].as_f64()).collect();
+            v.sort_by(f64::total_cmp);
+            m.insert(key.into(), json!(v.get(v.len() / 2)));
+        }
+        m.insert("rounds".into(), Value::Array(runs[i].clone()));
+        scenarios[*name] = Value::Object(m);
     }
     let (ipt, ebpf, ebpf_counters) = setup_cost(max_pods)?;
     scenarios["iptables"]["enrol_ms_per_pod"] = ipt;
     scenarios["ebpf"]["enrol_ms_per_pod"] = json!(ebpf.as_object().map(|o| o
         .iter()
         .map(|(k, v)| (k.clone(), v["enrol"].clone()))
+        .collect::<serde_json::Map<_, _>>()));
+    scenarios["ebpf"]["enrol_median_ms"] = json!(ebpf.as_object().map(|o| o
+        .iter()
+        .map(|(k, v)| (k.clone(), v["enrol_median"].clone()))
         .collect::<serde_json::Map<_, _>>()));
     scenarios["ebpf"]["unenrol_ms_per_pod"] = json!(ebpf.as_object().map(|o| o
         .iter()
@@ -306,7 +340,7 @@ fn print_table(r: &Value) {
         println!(
             "| {name} | {} | {} | {} | {} | {setup} |",
             f(&x["throughput_gbps"]),
-            f(&x["conn_per_s"]).trim_end_matches(".00"),
+            x["conn_per_s"].as_f64().map_or("n/a".to_owned(), |c| format!("{c:.0}")),
             f(&x["rr_p50_us"]),
             f(&x["rr_p99_us"])
         );

@@ -114,6 +114,8 @@ pub mod map_names {
     pub const ORIG_DST_BY_CONN: &str = "ORIG_DST_BY_CONN";
     /// Ports excluded from capture, by [`crate::PortKey`], value unused.
     pub const EXCLUDED_PORTS: &str = "EXCLUDED_PORTS";
+    /// Longest-prefix exclusions: `Key<CidrKey>` → [`crate::cidr_action`].
+    pub const EXCLUDED_CIDRS: &str = "EXCLUDED_CIDRS";
     /// The pods' IP addresses: [`crate::PodIpKey`] → netns cookie.
     pub const POD_IPS: &str = "POD_IPS";
     /// SOCKHASH of the proxy's inbound listeners, by [`crate::PortKey`] (the pod's netns, the

@@ -154,6 +154,42 @@ pub struct PortKey {
     pub _pad: u32,
 }
 
+/// The data of an `EXCLUDED_CIDRS` longest-prefix key: the pod, the direction, then the address
+/// (IPv4 v4-mapped, network-order words). A rule's prefix length always covers the pod and the
+/// direction ([`CIDR_FIXED_BITS`]) and then the rule's own prefix of the address.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CidrKey {
+    /// The pod's netns cookie, native byte order (matched in full).
+    pub netns: [u8; 8],
+    /// [`direction::OUTBOUND`] (destination address) or [`direction::INBOUND`] (client
+    /// address), native byte order, zero-padded.
+    pub direction: [u8; 4],
+    /// The address, IPv4 v4-mapped.
+    pub addr: [u32; 4],
+}
+
+/// Bits of a [`CidrKey`] before the address: netns and direction.
+pub const CIDR_FIXED_BITS: u32 = 96;
+/// Bits of a full [`CidrKey`] (what a lookup uses).
+pub const CIDR_KEY_BITS: u32 = CIDR_FIXED_BITS + 128;
+
+impl CidrKey {
+    /// The key for `addr` (v4-mapped words) of pod `netns` in `direction`.
+    pub const fn new(netns: NetnsCookie, direction: u16, addr: [u32; 4]) -> Self {
+        let d = (direction as u32).to_ne_bytes();
+        Self { netns: netns.to_ne_bytes(), direction: d, addr }
+    }
+}
+
+/// Values of `EXCLUDED_CIDRS`: the longest matching prefix decides.
+pub mod cidr_action {
+    /// Leave traffic to (outbound) or from (inbound) this prefix alone.
+    pub const EXCLUDE: u32 = 1;
+    /// Capture it after all (carves a hole in a wider excluded prefix).
+    pub const CAPTURE: u32 = 2;
+}
+
 /// Directions for [`PortKey::direction`].
 pub mod direction {
     /// Traffic the pod's apps start.
@@ -169,6 +205,7 @@ mod user {
     unsafe impl aya::Pod for super::ConnKey {}
     unsafe impl aya::Pod for super::PortKey {}
     unsafe impl aya::Pod for super::PodIpKey {}
+    unsafe impl aya::Pod for super::CidrKey {}
     // SAFETY: both types are #[repr(C)], made only of integers and byte arrays, with no padding
     // (u32+u32+u64+[u8;64] and 4×u64), so every bit pattern is valid.
     unsafe impl aya::Pod for super::PodCounters {}

@@ -25,7 +25,7 @@ use datapath_common::{
 
 use crate::{
     maps::{EXCLUDED_PORTS, INBOUND_LISTENERS, PODS, POD_IPS},
-    net::{is_loopback4, is_v4_mapped, LOOPBACK6},
+    net::{cidr_excluded, is_loopback4, is_v4_mapped, LOOPBACK6},
 };
 
 const SK_PASS: u32 = 1;
@@ -118,6 +118,9 @@ pub fn mp_sk_lookup(ctx: SkLookupContext) -> u32 {
     let excluded = PortKey { netns, port, direction: direction::INBOUND, _pad: 0 };
     // SAFETY: as above.
     if unsafe { EXCLUDED_PORTS.get(&excluded) }.is_some() {
+        return SK_PASS;
+    }
+    if cidr_excluded(netns, direction::INBOUND, l.remote.addr) {
         return SK_PASS;
     }
     let listener =

@@ -3,12 +3,12 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{HashMap, LruHashMap, PerCpuHashMap, SockHash},
+    maps::{HashMap, LpmTrie, LruHashMap, PerCpuHashMap, SockHash},
     Global,
 };
 use datapath_common::{
     consts::{MAX_PODS, MAX_TRACKED_CONNECTIONS},
-    ConnKey, NetnsCookie, OrigDst, PodCounters, PodInfo, PodIpKey, PortKey,
+    CidrKey, ConnKey, NetnsCookie, OrigDst, PodCounters, PodInfo, PodIpKey, PortKey,
 };
 
 /// Per pod, per CPU counters, created at enrolment and removed at unenrolment.
@@ -37,6 +37,10 @@ pub static ORIG_DST_BY_SOCKET: LruHashMap<u64, OrigDst> =
 #[map]
 pub static ORIG_DST_BY_CONN: LruHashMap<ConnKey, OrigDst> =
     LruHashMap::pinned(MAX_TRACKED_CONNECTIONS, 0);
+
+/// Longest-prefix exclusions per pod and direction.
+#[map]
+pub static EXCLUDED_CIDRS: LpmTrie<CidrKey, u32> = LpmTrie::pinned(MAX_PODS * 8, 0);
 
 /// The pods' addresses: how the node-wide sk_lookup program tells which pod a lookup is for.
 #[map]

@@ -1,12 +1,24 @@
 //! Address helpers shared by the socket programs. Addresses are as the kernel hands them to
 //! programs: `u32` words holding network-order bytes, read on a little-endian machine.
 
+use aya_ebpf::maps::lpm_trie::Key;
+use datapath_common::{cidr_action, CidrKey, NetnsCookie, CIDR_KEY_BITS};
+
+use crate::maps::EXCLUDED_CIDRS;
+
 /// 127.0.0.1 as a network-order word.
 pub const LOOPBACK4: u32 = u32::from_ne_bytes([127, 0, 0, 1]);
 /// ::1 as network-order words.
 pub const LOOPBACK6: [u32; 4] = [0, 0, 0, u32::from_ne_bytes([0, 0, 0, 1])];
 /// The third word of a v4-mapped IPv6 address (::ffff:a.b.c.d).
 pub const V4_MAPPED_PREFIX: u32 = u32::from_ne_bytes([0, 0, 0xff, 0xff]);
+
+/// Whether the longest prefix matching `addr` for this pod and direction says "exclude".
+#[inline(always)]
+pub fn cidr_excluded(netns: NetnsCookie, direction: u16, addr: [u32; 4]) -> bool {
+    let key = Key::new(CIDR_KEY_BITS, CidrKey::new(netns, direction, addr));
+    matches!(EXCLUDED_CIDRS.get(&key), Some(&cidr_action::EXCLUDE))
+}
 
 /// 127.0.0.0/8.
 #[inline(always)]

@@ -23,12 +23,12 @@ use aya_ebpf::{
 };
 use core::ptr::{addr_of_mut, write_volatile};
 use datapath_common::{
-    consts::ports, direction, pod_flags, ConnKey, OrigDst, PortKey, AF_INET, AF_INET6,
+    consts::ports, direction, pod_flags, ConnKey, OrigDst, PodIpKey, PortKey, AF_INET, AF_INET6,
 };
 
 use crate::{
-    maps::{EXCLUDED_PORTS, ORIG_DST_BY_CONN, ORIG_DST_BY_SOCKET, PODS, PROXY_CGROUPS},
-    net::{is_loopback4, is_v4_mapped, LOOPBACK4, LOOPBACK6, V4_MAPPED_PREFIX},
+    maps::{EXCLUDED_PORTS, ORIG_DST_BY_CONN, ORIG_DST_BY_SOCKET, PODS, POD_IPS, PROXY_CGROUPS},
+    net::{cidr_excluded, is_loopback4, is_v4_mapped, LOOPBACK4, LOOPBACK6, V4_MAPPED_PREFIX},
 };
 
 /// sock_addr verdicts.
@@ -41,7 +41,7 @@ const IPPROTO_UDP: u32 = 17;
 /// port 53) when the pod's DNS is captured, else the outbound listener for TCP when its outbound
 /// is captured and the port is not excluded. None for the proxy's own sockets.
 #[inline(always)]
-fn target(ctx: &SockAddrContext, port_be: u16) -> Option<u16> {
+fn target(ctx: &SockAddrContext, addr: [u32; 4], port_be: u16) -> Option<u16> {
     // SAFETY: the context pointer is the kernel's bpf_sock_addr for this call.
     let protocol = unsafe { (*ctx.sock_addr).protocol };
     if protocol != IPPROTO_TCP && protocol != IPPROTO_UDP {
@@ -72,6 +72,14 @@ fn target(ctx: &SockAddrContext, port_be: u16) -> Option<u16> {
     if unsafe { EXCLUDED_PORTS.get(&key) }.is_some() {
         return None;
     }
+    // The pod talking to its own address stays in the pod (istio-cni: "via lo → ACCEPT").
+    // SAFETY: as above.
+    if unsafe { POD_IPS.get(&PodIpKey { addr }) } == Some(&netns) {
+        return None;
+    }
+    if cidr_excluded(netns, direction::OUTBOUND, addr) {
+        return None;
+    }
     Some(ports::OUTBOUND)
 }
 
@@ -93,7 +101,7 @@ pub fn steer4(ctx: &SockAddrContext) -> i32 {
     if is_loopback4(ip) {
         return ALLOW;
     }
-    let Some(to) = target(ctx, port) else {
+    let Some(to) = target(ctx, PodIpKey::v4(ip).addr, port) else {
         return ALLOW;
     };
     if !remember(ctx, &OrigDst { addr: [ip, 0, 0, 0], port, family: AF_INET }) {
@@ -124,7 +132,7 @@ pub fn steer6(ctx: &SockAddrContext) -> i32 {
     if (mapped && is_loopback4(ip[3])) || ip == LOOPBACK6 {
         return ALLOW;
     }
-    let Some(to) = target(ctx, port) else {
+    let Some(to) = target(ctx, ip, port) else {
         return ALLOW;
     };
     let (orig, lo) = if mapped {

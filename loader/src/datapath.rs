@@ -10,7 +10,7 @@ use std::{
 };
 
 use aya::{
-    maps::{HashMap, Map, MapData, MapError, PerCpuHashMap, SockHash},
+    maps::{HashMap, LpmTrie, Map, MapData, MapError, PerCpuHashMap, SockHash},
     programs::{
         links::{CgroupAttachMode, FdLink},
         Program, ProgramError, SkLookup,
@@ -19,7 +19,7 @@ use aya::{
 };
 use datapath_common::{
     consts::{globals, map_names, pins, programs},
-    NetnsCookie, PodCounters, PodInfo, PodIpKey, PortKey,
+    CidrKey, NetnsCookie, PodCounters, PodInfo, PodIpKey, PortKey,
 };
 use nix::fcntl::{Flock, FlockArg};
 use std::os::fd::AsRawFd;
@@ -207,6 +207,12 @@ impl Datapath {
     pub fn sk_lookup_program(&self, name: &str) -> Result<SkLookup> {
         SkLookup::from_pin(self.root.join(pins::PROGRAMS_DIR).join(name))
             .map_err(|e| Error::bpf(format!("opening pinned program {name}"), e))
+    }
+
+    /// Longest-prefix exclusions.
+    pub fn excluded_cidrs(&self) -> Result<LpmTrie<MapData, CidrKey, u32>> {
+        LpmTrie::try_from(self.map(map_names::EXCLUDED_CIDRS)?)
+            .map_err(|e| Error::bpf(format!("map {}", map_names::EXCLUDED_CIDRS), e))
     }
 
     /// The pods' addresses.

@@ -1,6 +1,8 @@
 //! `meshpath-loader`: the node agent's command line.
 
-use std::{path::PathBuf, process::ExitCode};
+use std::{net::IpAddr, path::PathBuf, process::ExitCode};
+
+use ipnet::IpNet;
 
 use anyhow::{Context as _, Result};
 use clap::{Args, Parser, Subcommand};
@@ -28,41 +30,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Enrol a pod by its network namespace.
-    Enrol {
-        /// The pod's netns: /var/run/netns/NAME or /proc/PID/ns/net.
-        #[arg(long)]
-        netns: PathBuf,
-        /// The pod's interface inside its netns.
-        #[arg(long, default_value = "eth0")]
-        iface: String,
-        /// A name to show for the pod (default: the netns path).
-        #[arg(long)]
-        name: Option<String>,
-        /// Capture the pod's outbound TCP to the proxy (port 15001 in the pod).
-        #[arg(long)]
-        capture_outbound: bool,
-        /// A destination port outbound capture leaves alone (repeatable).
-        #[arg(long = "exclude-outbound-port", value_name = "PORT")]
-        exclude_outbound_ports: Vec<u16>,
-        /// Capture TCP arriving at the pod to the proxy (port 15006 in the pod; 15008 untouched).
-        #[arg(long)]
-        capture_inbound: bool,
-        /// A pod port inbound capture leaves alone (repeatable).
-        #[arg(long = "exclude-inbound-port", value_name = "PORT")]
-        exclude_inbound_ports: Vec<u16>,
-        /// Capture kubelet probes too (by default they reach the app directly, as in Istio).
-        #[arg(long)]
-        no_probe_bypass: bool,
-        /// Capture DNS (UDP and TCP to port 53) to the proxy (port 15053 in the pod).
-        #[arg(long)]
-        capture_dns: bool,
-        /// Skip the per-pod TC packet/byte counters (their TCX attachment is the slow part).
-        #[arg(long)]
-        no_counters: bool,
-        /// The pod's IP address (repeatable; default: the addresses in its netns).
-        #[arg(long = "pod-ip", value_name = "IP")]
-        pod_ips: Vec<std::net::IpAddr>,
-    },
+    Enrol(EnrolArgs),
     /// Register (or, with --remove, forget) the proxy's cgroup: its sockets are never captured.
     ProxyCgroup {
         /// The proxy's cgroup v2 directory.
@@ -91,6 +59,73 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// `enrol`'s arguments: the pod and its capture configuration.
+#[derive(Args)]
+struct EnrolArgs {
+    /// The pod's netns: /var/run/netns/NAME or /proc/PID/ns/net.
+    #[arg(long)]
+    netns: PathBuf,
+    /// The pod's interface inside its netns (for the TC counters).
+    #[arg(long, default_value = "eth0")]
+    iface: String,
+    /// A name to show for the pod (default: the netns path).
+    #[arg(long)]
+    name: Option<String>,
+    /// The pod's IP address (repeatable; default: the addresses in its netns).
+    #[arg(long = "pod-ip", value_name = "IP")]
+    pod_ips: Vec<IpAddr>,
+    /// Capture the pod's outbound TCP to the proxy (port 15001 in the pod).
+    #[arg(long)]
+    capture_outbound: bool,
+    /// Capture TCP arriving at the pod to the proxy (port 15006 in the pod; 15008 untouched).
+    #[arg(long)]
+    capture_inbound: bool,
+    /// Capture DNS (UDP and TCP to port 53) to the proxy (port 15053 in the pod).
+    #[arg(long)]
+    capture_dns: bool,
+    /// A destination port outbound capture leaves alone (repeatable).
+    #[arg(long = "exclude-outbound-port", value_name = "PORT")]
+    exclude_outbound_ports: Vec<u16>,
+    /// A pod port inbound capture leaves alone (repeatable).
+    #[arg(long = "exclude-inbound-port", value_name = "PORT")]
+    exclude_inbound_ports: Vec<u16>,
+    /// A destination prefix outbound capture leaves alone (repeatable; longest prefix wins).
+    #[arg(long = "exclude-outbound-cidr", value_name = "CIDR")]
+    exclude_outbound_cidrs: Vec<IpNet>,
+    /// A destination prefix captured after all, inside a wider excluded one (repeatable).
+    #[arg(long = "capture-outbound-cidr", value_name = "CIDR")]
+    capture_outbound_cidrs: Vec<IpNet>,
+    /// A client prefix inbound capture leaves alone (repeatable).
+    #[arg(long = "exclude-inbound-cidr", value_name = "CIDR")]
+    exclude_inbound_cidrs: Vec<IpNet>,
+    /// Capture kubelet probes too (by default they reach the app directly, as in Istio).
+    #[arg(long)]
+    no_probe_bypass: bool,
+    /// Skip the per-pod TC packet/byte counters (their TCX attachment is the slow part).
+    #[arg(long)]
+    no_counters: bool,
+}
+
+impl EnrolArgs {
+    fn options(&self) -> EnrolOptions {
+        EnrolOptions {
+            iface: self.iface.clone(),
+            name: self.name.clone(),
+            pod_ips: self.pod_ips.clone(),
+            capture_outbound: self.capture_outbound,
+            capture_inbound: self.capture_inbound,
+            capture_dns: self.capture_dns,
+            exclude_outbound_ports: self.exclude_outbound_ports.clone(),
+            exclude_inbound_ports: self.exclude_inbound_ports.clone(),
+            exclude_outbound_cidrs: self.exclude_outbound_cidrs.clone(),
+            capture_outbound_cidrs: self.capture_outbound_cidrs.clone(),
+            exclude_inbound_cidrs: self.exclude_inbound_cidrs.clone(),
+            probe_bypass: !self.no_probe_bypass,
+            counters: !self.no_counters,
+        }
+    }
 }
 
 /// A pod, by its netns path or, when the netns is gone, by the cookie `list` shows.
@@ -138,37 +173,11 @@ fn run(cli: Cli) -> Result<()> {
             .with_context(|| format!("opening the datapath at {}", cli.pin_root.display()))
     };
     match &cli.command {
-        Cmd::Enrol {
-            netns,
-            iface,
-            name,
-            capture_outbound,
-            exclude_outbound_ports,
-            capture_inbound,
-            exclude_inbound_ports,
-            no_probe_bypass,
-            capture_dns,
-            no_counters,
-            pod_ips,
-        } => {
-            let ns = Netns::open(netns)?;
-            let opts = EnrolOptions {
-                iface: iface.clone(),
-                name: name.clone(),
-                capture_outbound: *capture_outbound,
-                exclude_outbound_ports: exclude_outbound_ports.clone(),
-                capture_inbound: *capture_inbound,
-                exclude_inbound_ports: exclude_inbound_ports.clone(),
-                probe_bypass: !*no_probe_bypass,
-                capture_dns: *capture_dns,
-                counters: !*no_counters,
-                pod_ips: pod_ips.clone(),
-            };
-            let cookie = pods::enrol(&dp()?, &ns, &opts)?;
-            println!(
-                "enrolled {} (netns cookie {cookie})",
-                name.as_deref().unwrap_or(&netns.display().to_string())
-            );
+        Cmd::Enrol(args) => {
+            let ns = Netns::open(&args.netns)?;
+            let cookie = pods::enrol(&dp()?, &ns, &args.options())?;
+            let name = args.name.clone().unwrap_or_else(|| args.netns.display().to_string());
+            println!("enrolled {name} (netns cookie {cookie})");
         }
         Cmd::ProxyCgroup { cgroup, remove } => {
             let dp = dp()?;

@@ -9,13 +9,15 @@ use std::{
 };
 
 use aya::{
-    maps::{MapError, PerCpuValues},
+    maps::{lpm_trie::Key, MapError, PerCpuValues},
     programs::{links::FdLink, SchedClassifier, TcAttachType},
     util::nr_cpus,
 };
 use datapath_common::{
-    consts::programs, direction, pod_flags, NetnsCookie, PodCounters, PodInfo, PodIpKey, PortKey,
+    cidr_action, consts::programs, direction, pod_flags, CidrKey, NetnsCookie, PodCounters,
+    PodInfo, PodIpKey, PortKey, CIDR_FIXED_BITS,
 };
+use ipnet::IpNet;
 use tracing::{info, warn};
 
 use crate::{
@@ -57,6 +59,12 @@ pub struct EnrolOptions {
     pub counters: bool,
     /// The pod's addresses (from the CNI result); empty: read them from its netns.
     pub pod_ips: Vec<IpAddr>,
+    /// Destination prefixes outbound capture leaves alone (longest prefix wins).
+    pub exclude_outbound_cidrs: Vec<IpNet>,
+    /// Destination prefixes captured after all, inside a wider excluded one.
+    pub capture_outbound_cidrs: Vec<IpNet>,
+    /// Client prefixes inbound capture leaves alone.
+    pub exclude_inbound_cidrs: Vec<IpNet>,
 }
 
 impl Default for EnrolOptions {
@@ -72,6 +80,9 @@ impl Default for EnrolOptions {
             capture_dns: false,
             counters: true,
             pod_ips: Vec::new(),
+            exclude_outbound_cidrs: Vec::new(),
+            capture_outbound_cidrs: Vec::new(),
+            exclude_inbound_cidrs: Vec::new(),
         }
     }
 }
@@ -128,6 +139,20 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
         excluded
             .insert(key, 1, 0)
             .map_err(|e| Error::bpf(format!("pod {pod}: excluding port {port}"), e))?;
+    }
+
+    let mut cidrs = dp.excluded_cidrs()?;
+    let rules = [
+        (&opts.exclude_outbound_cidrs, direction::OUTBOUND, cidr_action::EXCLUDE),
+        (&opts.capture_outbound_cidrs, direction::OUTBOUND, cidr_action::CAPTURE),
+        (&opts.exclude_inbound_cidrs, direction::INBOUND, cidr_action::EXCLUDE),
+    ];
+    for (nets, direction, action) in rules {
+        for net in nets {
+            cidrs
+                .insert(&cidr_key(cookie, direction, *net), action, 0)
+                .map_err(|e| Error::bpf(format!("pod {pod}: prefix {net}"), e))?;
+        }
     }
 
     let dir = dp.pod_dir(cookie);
@@ -191,6 +216,16 @@ pub fn ip_key(ip: IpAddr) -> PodIpKey {
     let o = v6.octets();
     let word = |i: usize| u32::from_ne_bytes([o[i], o[i + 1], o[i + 2], o[i + 3]]);
     PodIpKey { addr: [word(0), word(4), word(8), word(12)] }
+}
+
+/// The `EXCLUDED_CIDRS` key of a prefix rule.
+pub fn cidr_key(cookie: NetnsCookie, direction: u16, net: IpNet) -> Key<CidrKey> {
+    let net = net.trunc();
+    let (addr, bits) = match net {
+        IpNet::V4(v4) => (IpAddr::V4(v4.addr()), 96 + u32::from(v4.prefix_len())),
+        IpNet::V6(v6) => (IpAddr::V6(v6.addr()), u32::from(v6.prefix_len())),
+    };
+    Key::new(CIDR_FIXED_BITS + bits, CidrKey::new(cookie, direction, ip_key(addr).addr))
 }
 
 /// Links the node's sk_lookup program into the pod's netns and pins the link. Every pod gets
@@ -292,6 +327,11 @@ fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
     let keys: Vec<PortKey> = excluded.keys().flatten().filter(|k| k.netns == cookie).collect();
     results.extend(keys.iter().map(|k| excluded.remove(k)));
     results.push(dp.counters()?.remove(&cookie));
+    let mut cidrs = dp.excluded_cidrs()?;
+    let mine = cookie.to_ne_bytes();
+    let keys: Vec<Key<CidrKey>> =
+        cidrs.keys().flatten().filter(|k| k.data().netns == mine).collect();
+    results.extend(keys.iter().map(|k| cidrs.remove(k)));
     let mut pod_ips = dp.pod_ips()?;
     let ips: Vec<PodIpKey> =
         pod_ips.iter().flatten().filter(|(_, c)| *c == cookie).map(|(k, _)| k).collect();

@@ -200,3 +200,16 @@ fn inbound_to_an_address_the_datapath_does_not_know_is_refused() {
     let err = mesh.connect_from_b(dst, None).expect_err("unknown address accepted");
     assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
 }
+
+#[test]
+fn excluded_inbound_client_cidrs_reach_the_app_directly() {
+    let mesh = inbound(EnrolOptions {
+        exclude_inbound_cidrs: vec!["10.199.0.2/32".parse().expect("cidr")],
+        ..EnrolOptions::default()
+    });
+    // No proxy: pod b (10.199.0.2) is excluded and reaches the app; over IPv6 it is not.
+    let app = mesh.echo_server_in_a(mesh.a(false, 8092));
+    drop(mesh.connect_from_b(mesh.a(false, 8092), None).expect("excluded client connects"));
+    app.join().expect("app").expect("app accepted");
+    assert!(mesh.connect_from_b(mesh.a(true, 8093), None).is_err());
+}

@@ -251,3 +251,56 @@ fn no_netfilter_rule_exists_in_the_pod_or_node_while_capture_works() {
         assert!(!node.contains(needle), "node netns has a capture rule ({needle}):\n{node}");
     }
 }
+
+#[test]
+fn excluded_outbound_cidrs_bypass_the_proxy_by_longest_prefix() {
+    let mesh = Mesh::new(EnrolOptions {
+        capture_outbound: true,
+        // 10.199.0.0/24 and fd00:199::/64 excluded, but pod b's own /32 and /128 captured again.
+        exclude_outbound_cidrs: vec![
+            "10.199.0.0/24".parse().expect("cidr"),
+            "fd00:199::/64".parse().expect("cidr"),
+        ],
+        capture_outbound_cidrs: vec![
+            "10.199.0.2/32".parse().expect("cidr"),
+            "fd00:199::2/128".parse().expect("cidr"),
+        ],
+        ..EnrolOptions::default()
+    });
+    // No proxy runs: captured connections are refused, excluded ones connect directly.
+    for v6 in [false, true] {
+        let other: IpAddr =
+            if v6 { "fd00:199::3".parse().expect("ip") } else { "10.199.0.3".parse().expect("ip") };
+        let plen = if v6 { "128" } else { "32" };
+        mesh.pods
+            .b
+            .ip(&["addr", "add", &format!("{other}/{plen}"), "dev", "eth0", "nodad"]
+                [..if v6 { 6 } else { 5 }])
+            .expect("second address on pod b");
+        let excluded = std::net::SocketAddr::new(other, 8090);
+        let server = mesh.echo_server_in_b(excluded);
+        drop(mesh.connect_from_a(excluded, None).expect("excluded prefix connects directly"));
+        server.join().expect("server").expect("server io");
+        assert!(
+            mesh.connect_from_a(mesh.b(v6, 8090), None).is_err(),
+            "the longer captured prefix must win (v6={v6})"
+        );
+    }
+}
+
+#[test]
+fn a_pod_reaching_its_own_address_is_not_captured() {
+    let mesh = Mesh::capturing();
+    // No proxy runs: only an uncaptured connection can succeed.
+    let own = std::net::SocketAddr::new(mesh.pods.a_ip.into(), 8091);
+    let listener = mesh
+        .pods
+        .a
+        .open()
+        .expect("netns")
+        .run(|| TcpListener::bind(own))
+        .expect("netns")
+        .expect("bind");
+    drop(mesh.connect_from_a(own, None).expect("connect to own address"));
+    listener.accept().expect("the pod's own listener got it");
+}

@@ -206,7 +206,7 @@ fn failed_enrolment_rolls_back_everything_it_made() {
         probe_bypass: true,
         capture_dns: true,
         counters: true,
-        pod_ips: Vec::new(),
+        ..EnrolOptions::default()
     };
 
     let err = pods::enrol(&dp, &pods.a.open().expect("netns"), &opts)

@@ -67,6 +67,8 @@ pub mod programs {
     /// once per node and linked into each pod's netns; it finds the pod by the destination
     /// address in `POD_IPS`.
     pub const SK_LOOKUP: &str = "mp_sk_lookup";
+    /// sk_msg on `LOCAL_SOCKS`: hands a message straight to the other end's receive queue.
+    pub const SK_MSG: &str = "mp_sk_msg";
     /// sk_lookup that passes everything: linked into pods without inbound capture, where the
     /// link only marks the netns as alive (the kernel detaches it when the netns dies).
     pub const SK_LOOKUP_PASS: &str = "mp_sk_lookup_pass";
@@ -114,6 +116,10 @@ pub mod map_names {
     pub const ORIG_DST_BY_CONN: &str = "ORIG_DST_BY_CONN";
     /// Ports excluded from capture, by [`crate::PortKey`], value unused.
     pub const EXCLUDED_PORTS: &str = "EXCLUDED_PORTS";
+    /// SOCKHASH of both ends of captured app↔proxy connections, by [`crate::SockKey`].
+    pub const LOCAL_SOCKS: &str = "LOCAL_SOCKS";
+    /// Node-wide switches (one `u32` of [`crate::node_flags`]).
+    pub const NODE_CONFIG: &str = "NODE_CONFIG";
     /// Longest-prefix exclusions: `Key<CidrKey>` → [`crate::cidr_action`].
     pub const EXCLUDED_CIDRS: &str = "EXCLUDED_CIDRS";
     /// The pods' IP addresses: [`crate::PodIpKey`] → netns cookie.

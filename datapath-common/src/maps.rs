@@ -190,6 +190,43 @@ pub mod cidr_action {
     pub const CAPTURE: u32 = 2;
 }
 
+/// A local TCP connection's end, for the app↔proxy shortcut (`LOCAL_SOCKS`): the netns, both
+/// addresses (IPv4 v4-mapped, network-order words) and both ports (host order). The peer of an
+/// end is the same key with local and remote swapped.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockKey {
+    /// The netns cookie.
+    pub netns: NetnsCookie,
+    /// Local address.
+    pub local: [u32; 4],
+    /// Remote address.
+    pub remote: [u32; 4],
+    /// Local port, host order.
+    pub local_port: u32,
+    /// Remote port, host order.
+    pub remote_port: u32,
+}
+
+impl SockKey {
+    /// The key of the other end of the same connection.
+    pub const fn peer(&self) -> Self {
+        Self {
+            netns: self.netns,
+            local: self.remote,
+            remote: self.local,
+            local_port: self.remote_port,
+            remote_port: self.local_port,
+        }
+    }
+}
+
+/// Bits of `NODE_CONFIG[0]`.
+pub mod node_flags {
+    /// Shortcut the app↔proxy hop with sockops + sk_msg (`LOCAL_SOCKS`).
+    pub const ACCELERATE: u32 = 1 << 0;
+}
+
 /// Directions for [`PortKey::direction`].
 pub mod direction {
     /// Traffic the pod's apps start.
@@ -206,6 +243,7 @@ mod user {
     unsafe impl aya::Pod for super::PortKey {}
     unsafe impl aya::Pod for super::PodIpKey {}
     unsafe impl aya::Pod for super::CidrKey {}
+    unsafe impl aya::Pod for super::SockKey {}
     // SAFETY: both types are #[repr(C)], made only of integers and byte arrays, with no padding
     // (u32+u32+u64+[u8;64] and 4×u64), so every bit pattern is valid.
     unsafe impl aya::Pod for super::PodCounters {}
@@ -236,5 +274,7 @@ mod tests {
         assert_eq!(core::mem::size_of::<OrigDst>(), 20);
         assert_eq!(core::mem::size_of::<ConnKey>(), 16);
         assert_eq!(core::mem::size_of::<PortKey>(), 16);
+        assert_eq!(core::mem::size_of::<SockKey>(), 48);
+        assert_eq!(core::mem::size_of::<CidrKey>(), 28);
     }
 }

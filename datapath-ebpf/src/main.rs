@@ -5,6 +5,7 @@
 //! - `pod_traffic`: TC (TCX) counters on the pod's interface (one instance per pod).
 //! - `outbound`: cgroup connect4/6, getpeername4/6 and sock_ops: capture of outbound TCP to the
 //!   proxy's outbound listener, without netfilter (node-wide, filtered by netns cookie).
+//! - `accelerate`: sockops + sk_msg shortcut for the local app↔proxy hop (off unless turned on).
 //! - `dns`: cgroup sendmsg4/6 and recvmsg4/6: DNS over UDP to the proxy's DNS listener.
 //! - `inbound`: sk_lookup in each pod's netns: inbound TCP to the proxy's inbound listener.
 //! - `original_dst`: cgroup getsockopt answering SO_ORIGINAL_DST for the proxy.
@@ -12,6 +13,7 @@
 #![no_std]
 #![no_main]
 
+mod accelerate;
 mod dns;
 mod inbound;
 mod maps;

@@ -3,12 +3,12 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{HashMap, LpmTrie, LruHashMap, PerCpuHashMap, SockHash},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuHashMap, SockHash},
     Global,
 };
 use datapath_common::{
     consts::{MAX_PODS, MAX_TRACKED_CONNECTIONS},
-    CidrKey, ConnKey, NetnsCookie, OrigDst, PodCounters, PodInfo, PodIpKey, PortKey,
+    CidrKey, ConnKey, NetnsCookie, OrigDst, PodCounters, PodInfo, PodIpKey, PortKey, SockKey,
 };
 
 /// Per pod, per CPU counters, created at enrolment and removed at unenrolment.
@@ -37,6 +37,14 @@ pub static ORIG_DST_BY_SOCKET: LruHashMap<u64, OrigDst> =
 #[map]
 pub static ORIG_DST_BY_CONN: LruHashMap<ConnKey, OrigDst> =
     LruHashMap::pinned(MAX_TRACKED_CONNECTIONS, 0);
+
+/// Both ends of captured app↔proxy connections, when acceleration is on.
+#[map]
+pub static LOCAL_SOCKS: SockHash<SockKey> = SockHash::pinned(MAX_TRACKED_CONNECTIONS, 0);
+
+/// Node-wide switches: `NODE_CONFIG[0]` holds `node_flags`.
+#[map]
+pub static NODE_CONFIG: Array<u32> = Array::pinned(1, 0);
 
 /// Longest-prefix exclusions per pod and direction.
 #[map]

@@ -15,7 +15,9 @@
 //! DNS over unconnected UDP (sendmsg/recvmsg) is in `dns.rs`; it shares [`steer4`]/[`steer6`].
 
 use aya_ebpf::{
-    bindings::{bpf_sock_addr, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB},
+    bindings::{
+        bpf_sock_addr, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB,
+    },
     helpers::{bpf_get_current_cgroup_id, bpf_get_netns_cookie, bpf_get_socket_cookie},
     macros::{cgroup_sock_addr, sock_ops},
     programs::{SockAddrContext, SockOpsContext},
@@ -27,6 +29,7 @@ use datapath_common::{
 };
 
 use crate::{
+    accelerate,
     maps::{EXCLUDED_PORTS, ORIG_DST_BY_CONN, ORIG_DST_BY_SOCKET, PODS, POD_IPS, PROXY_CGROUPS},
     net::{cidr_excluded, is_loopback4, is_v4_mapped, LOOPBACK4, LOOPBACK6, V4_MAPPED_PREFIX},
 };
@@ -230,7 +233,20 @@ pub fn mp_getpeername6(ctx: SockAddrContext) -> i32 {
 
 #[sock_ops]
 pub fn mp_sock_ops(ctx: SockOpsContext) -> u32 {
-    if ctx.op() != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB {
+    let op = ctx.op();
+    if op == BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB {
+        // The proxy's end of an app↔proxy connection: accepted on the outbound listener in an
+        // enrolled pod.
+        if ctx.local_port() == u32::from(ports::OUTBOUND) && accelerate::enabled() {
+            // SAFETY: helper called with this program's own context; map values are plain data.
+            let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+            if unsafe { PODS.get(&netns) }.is_some() {
+                accelerate::add(&ctx, netns);
+            }
+        }
+        return 1;
+    }
+    if op != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB {
         return 1;
     }
     // SAFETY: helpers called with this program's own context; map values are plain data.
@@ -250,5 +266,12 @@ pub fn mp_sock_ops(ctx: SockOpsContext) -> u32 {
         _pad: 0,
     };
     let _ = ORIG_DST_BY_CONN.insert(&key, &orig, 0);
+    // The app's end of a connection to the outbound listener (not DNS, not excluded: those are
+    // not in ORIG_DST_BY_SOCKET or go elsewhere).
+    if accelerate::enabled()
+        && u32::from(u16::from_be((ctx.remote_port() >> 16) as u16)) == u32::from(ports::OUTBOUND)
+    {
+        accelerate::add(&ctx, key.netns);
+    }
     1
 }

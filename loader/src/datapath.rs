@@ -10,16 +10,16 @@ use std::{
 };
 
 use aya::{
-    maps::{HashMap, LpmTrie, Map, MapData, MapError, PerCpuHashMap, SockHash},
+    maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, PerCpuHashMap, SockHash},
     programs::{
         links::{CgroupAttachMode, FdLink},
-        Program, ProgramError, SkLookup,
+        Program, ProgramError, SkLookup, SkMsg,
     },
     Ebpf, EbpfLoader,
 };
 use datapath_common::{
     consts::{globals, map_names, pins, programs},
-    CidrKey, NetnsCookie, PodCounters, PodInfo, PodIpKey, PortKey,
+    node_flags, CidrKey, NetnsCookie, PodCounters, PodInfo, PodIpKey, PortKey,
 };
 use nix::fcntl::{Flock, FlockArg};
 use std::os::fd::AsRawFd;
@@ -182,7 +182,7 @@ impl Datapath {
     /// Loads and pins, once, the programs every pod links to (sk_lookup): enrolment then only
     /// creates a link, with no object parsing or verification per pod.
     fn pin_shared_programs(&self) -> Result<()> {
-        let names = [programs::SK_LOOKUP, programs::SK_LOOKUP_PASS];
+        let names = [programs::SK_LOOKUP, programs::SK_LOOKUP_PASS, programs::SK_MSG];
         let dir = self.root.join(pins::PROGRAMS_DIR);
         if names.iter().all(|n| dir.join(n).exists()) {
             return Ok(());
@@ -193,14 +193,65 @@ impl Datapath {
             if pin.exists() {
                 continue;
             }
-            let prog: &mut SkLookup = ebpf
-                .program_mut(name)
-                .and_then(|p| p.try_into().ok())
-                .ok_or_else(|| Error::bpf(name, io::Error::other("not an sk_lookup program")))?;
-            load(prog.load(), name)?;
-            prog.pin(&pin).map_err(|e| Error::bpf(format!("pinning {}", pin.display()), e))?;
+            let prog = ebpf.program_mut(name).ok_or_else(|| {
+                Error::bpf(name, io::Error::other("program missing from the object"))
+            })?;
+            let pinned = match prog {
+                Program::SkLookup(p) => load(p.load(), name).map(|()| p.pin(&pin)),
+                Program::SkMsg(p) => load(p.load(), name).map(|()| p.pin(&pin)),
+                _ => return Err(Error::bpf(name, io::Error::other("unexpected program type"))),
+            }?;
+            pinned.map_err(|e| Error::bpf(format!("pinning {}", pin.display()), e))?;
         }
         Ok(())
+    }
+
+    /// Turns the app↔proxy shortcut (sockops + sk_msg on `LOCAL_SOCKS`) on or off for the node.
+    /// On: the sk_msg program is attached to the map first, then the flag lets sock_ops add
+    /// connections; off: the reverse. Connections already paired keep the shortcut until they
+    /// close.
+    pub fn set_acceleration(&self, on: bool) -> Result<()> {
+        use std::os::fd::{AsFd as _, AsRawFd as _};
+        let mut config: Array<MapData, u32> = Array::try_from(self.map(map_names::NODE_CONFIG)?)
+            .map_err(|e| Error::bpf("map NODE_CONFIG", e))?;
+        let flags = config.get(&0, 0).map_err(|e| Error::bpf("reading NODE_CONFIG", e))?;
+        let socks = MapData::from_pin(self.map_pin(map_names::LOCAL_SOCKS))
+            .map_err(|e| Error::bpf("opening LOCAL_SOCKS", e))?;
+        let prog = SkMsg::from_pin(self.root.join(pins::PROGRAMS_DIR).join(programs::SK_MSG))
+            .map_err(|e| Error::bpf("opening the sk_msg program", e))?;
+        let prog_fd =
+            prog.fd().map_err(|e| Error::bpf("sk_msg program fd", e))?.as_fd().as_raw_fd();
+        let map_fd = socks.fd().as_fd().as_raw_fd();
+        let was_on = flags & node_flags::ACCELERATE != 0;
+        if on && !was_on {
+            crate::sys::sk_msg_on_map(prog_fd, map_fd, true)
+                .map_err(|e| Error::io("attaching sk_msg to LOCAL_SOCKS", e))?;
+            config
+                .set(0, flags | node_flags::ACCELERATE, 0)
+                .map_err(|e| Error::bpf("writing NODE_CONFIG", e))?;
+        } else if !on && was_on {
+            config
+                .set(0, flags & !node_flags::ACCELERATE, 0)
+                .map_err(|e| Error::bpf("writing NODE_CONFIG", e))?;
+            crate::sys::sk_msg_on_map(prog_fd, map_fd, false)
+                .map_err(|e| Error::io("detaching sk_msg from LOCAL_SOCKS", e))?;
+        }
+        info!(on, "app-proxy shortcut");
+        Ok(())
+    }
+
+    /// Both ends of the connections the shortcut currently pairs.
+    pub fn local_socks(&self) -> Result<SockHash<MapData, datapath_common::SockKey>> {
+        SockHash::try_from(self.map(map_names::LOCAL_SOCKS)?)
+            .map_err(|e| Error::bpf(format!("map {}", map_names::LOCAL_SOCKS), e))
+    }
+
+    /// Whether the app↔proxy shortcut is on.
+    pub fn acceleration(&self) -> Result<bool> {
+        let config: Array<MapData, u32> = Array::try_from(self.map(map_names::NODE_CONFIG)?)
+            .map_err(|e| Error::bpf("map NODE_CONFIG", e))?;
+        let flags = config.get(&0, 0).map_err(|e| Error::bpf("reading NODE_CONFIG", e))?;
+        Ok(flags & node_flags::ACCELERATE != 0)
     }
 
     /// A shared program, opened from its pin.

@@ -7,6 +7,6 @@ pub mod doctor;
 pub mod error;
 pub mod netns;
 pub mod pods;
-mod sys;
+pub(crate) mod sys;
 
 pub use error::{Error, Result};

@@ -39,6 +39,11 @@ enum Cmd {
         #[arg(long)]
         remove: bool,
     },
+    /// Turn the same-node app↔proxy shortcut (sockops + sk_msg) on or off for the node.
+    Accelerate {
+        #[arg(value_parser = ["on", "off"])]
+        state: String,
+    },
     /// Remove pods whose network namespace is gone and half-done enrolments; keep the rest.
     Reconcile,
     /// Check the kernel features the datapath needs, one line each.
@@ -188,6 +193,10 @@ fn run(cli: Cli) -> Result<()> {
                 let id = dp.register_proxy_cgroup(cgroup)?;
                 println!("registered proxy cgroup {} (id {id})", cgroup.display());
             }
+        }
+        Cmd::Accelerate { state } => {
+            dp()?.set_acceleration(state == "on")?;
+            println!("app-proxy shortcut {state}");
         }
         Cmd::Reconcile => {
             let r = pods::reconcile(&dp()?)?;

@@ -60,6 +60,23 @@ pub fn link_cgroup_getsockopt(prog: &CgroupSockopt, cgroup: &File, pin: &Path) -
     Ok(())
 }
 
+/// `enum bpf_attach_type`: BPF_SK_MSG_VERDICT.
+const BPF_SK_MSG_VERDICT: u32 = 7;
+const BPF_PROG_ATTACH: libc::c_long = 8;
+const BPF_PROG_DETACH: libc::c_long = 9;
+
+/// Attaches (or, with `attach == false`, detaches) an sk_msg program to a sockmap. aya 0.14
+/// only offers an attachment that is undone when its handle drops; this one belongs to the
+/// (pinned) map and outlives the loader.
+pub fn sk_msg_on_map(prog_fd: i32, map_fd: i32, attach: bool) -> io::Result<()> {
+    let mut attr = Attr([0; 32]);
+    // prog_attach/detach: target_fd, attach_bpf_fd, attach_type.
+    attr.0[0] = map_fd as u32;
+    attr.0[1] = prog_fd as u32;
+    attr.0[2] = BPF_SK_MSG_VERDICT;
+    bpf(if attach { BPF_PROG_ATTACH } else { BPF_PROG_DETACH }, &attr).map(drop)
+}
+
 /// The target of the bpf link pinned at `pin`: the interface index of a TCX link, the netns
 /// inode of a netns link. `Some(0)` once the kernel detached it because its target went away.
 pub fn pinned_link_target(pin: &Path) -> io::Result<u32> {

@@ -1,0 +1,94 @@
+//! The same-node app↔proxy shortcut (sockops + sk_msg): with it on, captured traffic still
+//! arrives through the proxy, both ends of the hop are paired in LOCAL_SOCKS, capture still
+//! fails closed, and turning it off stops pairing new connections.
+//!
+//! Not covered because it fails on this kernel (6.18), which is why the shortcut is off by
+//! default: at the end of a stream, a blocking `recv` on a paired socket can return EAGAIN
+//! instead of the remaining bytes and then EOF (seen every run with a 300 KB echo round trip
+//! followed by shutdown; docs/datapath.md).
+
+use std::{
+    io::{Read as _, Write as _},
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use meshpath_loader::pods::EnrolOptions;
+use meshpath_tests::{read_line, ChildGuard, Mesh};
+
+fn accelerated() -> Mesh {
+    let mesh = Mesh::new(EnrolOptions { capture_outbound: true, ..EnrolOptions::default() });
+    mesh.datapath().set_acceleration(true).expect("turn the shortcut on");
+    mesh
+}
+
+fn paired(mesh: &Mesh) -> usize {
+    mesh.datapath().local_socks().expect("LOCAL_SOCKS").keys().flatten().count()
+}
+
+/// Bulk data through the shortcut, both ends paired while the connection is open.
+#[test]
+fn both_ends_of_the_hop_are_paired_while_a_connection_is_open() {
+    let mut mesh = accelerated();
+    mesh.start_proxy("forward");
+    let dst = mesh.b(false, 8100);
+    let _server = mesh.echo_server_in_b(dst);
+    let mut conn = mesh.connect_from_a(dst, None).expect("connect");
+    conn.write_all(&[9u8; 1000]).expect("send");
+    let mut back = [0u8; 1000];
+    conn.read_exact(&mut back).expect("echo through the shortcut");
+    assert_eq!(back, [9u8; 1000]);
+    assert!(paired(&mesh) >= 2, "{} sockets paired", paired(&mesh));
+}
+
+#[test]
+fn the_original_destination_is_still_reported_with_the_shortcut_on() {
+    let mut mesh = accelerated();
+    mesh.start_proxy("echo");
+    let dst = mesh.b(false, 8101);
+    let conn = mesh.connect_from_a(dst, None).expect("connect");
+    assert_eq!(read_line(&conn), format!("ORIG_DST {dst}"));
+}
+
+#[test]
+fn capture_still_fails_closed_with_the_shortcut_on() {
+    let mesh = accelerated();
+    assert!(mesh.connect_from_a(mesh.b(false, 8102), None).is_err());
+}
+
+#[test]
+fn iperf3_runs_to_completion_through_the_shortcut() {
+    let mut mesh = accelerated();
+    mesh.start_proxy("forward");
+    let b_ip = mesh.pods.b_ip.to_string();
+    let _server = ChildGuard(
+        Command::new("nsenter")
+            .arg(format!("--net={}", mesh.pods.b.path().display()))
+            .args(["iperf3", "-s", "-1", "-B", &b_ip, "-p", "5297"])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("iperf3 -s"),
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let out = Command::new("nsenter")
+        .arg(format!("--net={}", mesh.pods.a.path().display()))
+        .args(["iperf3", "-c", &b_ip, "-p", "5297", "-t", "2", "-J"])
+        .output()
+        .expect("iperf3 -c");
+    assert!(out.status.success(), "iperf3 failed: {}", String::from_utf8_lossy(&out.stdout));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("iperf3 -J");
+    let received = report["end"]["sum_received"]["bytes"].as_u64().expect("bytes received");
+    assert!(received > 10 * 1024 * 1024, "only {received} bytes received in 2 s");
+}
+
+#[test]
+fn turning_the_shortcut_off_stops_pairing_new_connections() {
+    let mut mesh = accelerated();
+    mesh.start_proxy("echo");
+    mesh.datapath().set_acceleration(false).expect("off");
+    assert!(!mesh.datapath().acceleration().expect("flag"));
+    let dst = mesh.b(false, 8103);
+    let conn = mesh.connect_from_a(dst, None).expect("connect");
+    assert_eq!(read_line(&conn), format!("ORIG_DST {dst}"));
+    assert_eq!(paired(&mesh), 0);
+}

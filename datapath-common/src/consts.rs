@@ -118,6 +118,8 @@ pub mod map_names {
     pub const EXCLUDED_PORTS: &str = "EXCLUDED_PORTS";
     /// SOCKHASH of both ends of captured app↔proxy connections, by [`crate::SockKey`].
     pub const LOCAL_SOCKS: &str = "LOCAL_SOCKS";
+    /// The node's netns cookie (one `u64`; 0: probe source rewriting off).
+    pub const NODE_NETNS: &str = "NODE_NETNS";
     /// Node-wide switches (one `u32` of [`crate::node_flags`]).
     pub const NODE_CONFIG: &str = "NODE_CONFIG";
     /// Longest-prefix exclusions: `Key<CidrKey>` → [`crate::cidr_action`].

@@ -8,6 +8,7 @@
 //! - `accelerate`: sockops + sk_msg shortcut for the local app↔proxy hop (off unless turned on).
 //! - `dns`: cgroup sendmsg4/6 and recvmsg4/6: DNS over UDP to the proxy's DNS listener.
 //! - `inbound`: sk_lookup in each pod's netns: inbound TCP to the proxy's inbound listener.
+//! - `probes`: node side of the kubelet probe contract (probe source address, no SNAT).
 //! - `original_dst`: cgroup getsockopt answering SO_ORIGINAL_DST for the proxy.
 
 #![no_std]
@@ -21,6 +22,7 @@ mod net;
 mod original_dst;
 mod outbound;
 mod pod_traffic;
+mod probes;
 
 #[cfg(not(test))]
 #[panic_handler]

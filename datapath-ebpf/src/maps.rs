@@ -42,6 +42,10 @@ pub static ORIG_DST_BY_CONN: LruHashMap<ConnKey, OrigDst> =
 #[map]
 pub static LOCAL_SOCKS: SockHash<SockKey> = SockHash::pinned(MAX_TRACKED_CONNECTIONS, 0);
 
+/// The node's netns cookie: host processes there connecting to a pod get the probe source.
+#[map]
+pub static NODE_NETNS: Array<u64> = Array::pinned(1, 0);
+
 /// Node-wide switches: `NODE_CONFIG[0]` holds `node_flags`.
 #[map]
 pub static NODE_CONFIG: Array<u32> = Array::pinned(1, 0);

@@ -32,6 +32,7 @@ use crate::{
     accelerate,
     maps::{EXCLUDED_PORTS, ORIG_DST_BY_CONN, ORIG_DST_BY_SOCKET, PODS, POD_IPS, PROXY_CGROUPS},
     net::{cidr_excluded, is_loopback4, is_v4_mapped, LOOPBACK4, LOOPBACK6, V4_MAPPED_PREFIX},
+    probes,
 };
 
 /// sock_addr verdicts.
@@ -171,11 +172,18 @@ pub unsafe fn write_ip6(sa: *mut bpf_sock_addr, ip: [u32; 4]) {
 
 #[cgroup_sock_addr(connect4)]
 pub fn mp_connect4(ctx: SockAddrContext) -> i32 {
+    // SAFETY: a field of the kernel's bpf_sock_addr.
+    probes::source4(&ctx, unsafe { (*ctx.sock_addr).user_ip4 });
     steer4(&ctx)
 }
 
 #[cgroup_sock_addr(connect6)]
 pub fn mp_connect6(ctx: SockAddrContext) -> i32 {
+    let sa = ctx.sock_addr;
+    // SAFETY: fields of the kernel's bpf_sock_addr, one word at a time.
+    let dst =
+        unsafe { [(*sa).user_ip6[0], (*sa).user_ip6[1], (*sa).user_ip6[2], (*sa).user_ip6[3]] };
+    probes::source6(&ctx, dst);
     steer6(&ctx)
 }
 

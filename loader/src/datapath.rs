@@ -18,14 +18,14 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use datapath_common::{
-    consts::{globals, map_names, pins, programs},
+    consts::{globals, map_names, pins, probe, programs},
     node_flags, CidrKey, NetnsCookie, PodCounters, PodInfo, PodIpKey, PortKey,
 };
 use nix::fcntl::{Flock, FlockArg};
 use std::os::fd::AsRawFd;
 use tracing::{debug, info};
 
-use crate::{Error, Result};
+use crate::{netns::Netns, Error, Result};
 
 /// The compiled eBPF object, built by build.rs with aya-build.
 static EBPF_OBJECT: &[u8] =
@@ -244,6 +244,56 @@ impl Datapath {
     pub fn local_socks(&self) -> Result<SockHash<MapData, datapath_common::SockKey>> {
         SockHash::try_from(self.map(map_names::LOCAL_SOCKS)?)
             .map_err(|e| Error::bpf(format!("map {}", map_names::LOCAL_SOCKS), e))
+    }
+
+    /// Makes connections from processes of `node`'s netns (kubelet) to enrolled pods whose
+    /// probes bypass capture leave from Istio's probe source addresses, which this adds to `lo`
+    /// there (replacing istio-cni's host SNAT rule); `None` turns it off (the addresses stay).
+    pub fn set_probe_source(&self, node: Option<&Netns>) -> Result<()> {
+        let mut map: Array<MapData, u64> = Array::try_from(self.map(map_names::NODE_NETNS)?)
+            .map_err(|e| Error::bpf("map NODE_NETNS", e))?;
+        let Some(node) = node else {
+            return map.set(0, 0, 0).map_err(|e| Error::bpf("writing NODE_NETNS", e));
+        };
+        let v4 = std::net::Ipv4Addr::from(probe::SOURCE_V4);
+        let v6 = std::net::Ipv6Addr::from(probe::SOURCE_V6);
+        // iproute2, run inside the node's netns (a child forked from a thread that entered it
+        // runs there): `replace` makes this idempotent.
+        node.run(|| -> Result<()> {
+            for args in [
+                vec![
+                    "addr".to_owned(),
+                    "replace".into(),
+                    format!("{v4}/32"),
+                    "dev".into(),
+                    "lo".into(),
+                ],
+                vec![
+                    "-6".to_owned(),
+                    "addr".into(),
+                    "replace".into(),
+                    format!("{v6}/128"),
+                    "dev".into(),
+                    "lo".into(),
+                    "nodad".into(),
+                ],
+            ] {
+                let out = std::process::Command::new("ip")
+                    .args(&args)
+                    .output()
+                    .map_err(|e| Error::io("running ip (iproute2)", e))?;
+                if !out.status.success() {
+                    return Err(Error::io(
+                        format!("ip {}", args.join(" ")),
+                        io::Error::other(String::from_utf8_lossy(&out.stderr).trim().to_owned()),
+                    ));
+                }
+            }
+            Ok(())
+        })??;
+        map.set(0, node.cookie(), 0).map_err(|e| Error::bpf("writing NODE_NETNS", e))?;
+        info!(node = %node.path().display(), "kubelet probes leave from the probe source addresses");
+        Ok(())
     }
 
     /// Whether the app↔proxy shortcut is on.

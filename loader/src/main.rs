@@ -44,6 +44,16 @@ enum Cmd {
         #[arg(value_parser = ["on", "off"])]
         state: String,
     },
+    /// Make host processes (kubelet) probing enrolled pods leave from Istio's probe source
+    /// addresses (169.254.7.127, fd16:9254:7127:1337:ffff:ffff:ffff:ffff).
+    ProbeSource {
+        /// The node's netns (default: this process's).
+        #[arg(long, default_value = "/proc/self/ns/net")]
+        node_netns: PathBuf,
+        /// Turn it off.
+        #[arg(long)]
+        off: bool,
+    },
     /// Remove pods whose network namespace is gone and half-done enrolments; keep the rest.
     Reconcile,
     /// Check the kernel features the datapath needs, one line each.
@@ -197,6 +207,19 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Accelerate { state } => {
             dp()?.set_acceleration(state == "on")?;
             println!("app-proxy shortcut {state}");
+        }
+        Cmd::ProbeSource { node_netns, off } => {
+            let dp = dp()?;
+            if *off {
+                dp.set_probe_source(None)?;
+                println!("probe source addresses off");
+            } else {
+                dp.set_probe_source(Some(&Netns::open(node_netns)?))?;
+                println!(
+                    "kubelet probes from {} leave from the probe source addresses",
+                    node_netns.display()
+                );
+            }
         }
         Cmd::Reconcile => {
             let r = pods::reconcile(&dp()?)?;

@@ -53,6 +53,7 @@ enum Cmd {
 }
 
 const RR_PORT: u16 = 7000;
+const ONESHOT_PORT: u16 = 7001;
 const IPERF_PORT: u16 = 5201;
 
 fn main() -> std::process::ExitCode {
@@ -179,6 +180,8 @@ fn traffic(name: &str, secs: f64) -> Result<Value> {
     let (a, b) = (pods.a.open()?, pods.b.open()?);
     let rr_addr = SocketAddr::new(pods.b_ip.into(), RR_PORT);
     stats::start_rr_server(&b, rr_addr)?;
+    let oneshot_addr = SocketAddr::new(pods.b_ip.into(), ONESHOT_PORT);
+    stats::start_oneshot_server(&b, oneshot_addr)?;
     let b_ip = pods.b_ip.to_string();
     let _iperf_server = ChildGuard(
         Command::new("nsenter")
@@ -192,29 +195,53 @@ fn traffic(name: &str, secs: f64) -> Result<Value> {
     std::thread::sleep(Duration::from_millis(300));
     let _setup = setup(name, &pods)?;
 
+    // A metric that fails is recorded as an error, not the end of the whole run.
+    let mut out = serde_json::Map::new();
+    let mut record = |key: &str, v: Result<f64>| {
+        let value = match v {
+            Ok(x) => json!(x),
+            Err(e) => {
+                eprintln!("bench: {name}: {key} failed: {e:#}");
+                json!(null)
+            }
+        };
+        out.insert(key.to_owned(), value);
+    };
+    record("throughput_gbps", iperf3_gbps(&pods, &b_ip, secs));
+    record("conn_per_s", stats::conn_per_s(&a, oneshot_addr, secs));
+    match stats::rr_latency(&a, rr_addr, 2_000, 20_000) {
+        Ok((p50, p99)) => {
+            record("rr_p50_us", Ok(p50));
+            record("rr_p99_us", Ok(p99));
+        }
+        Err(e) => {
+            record("rr_p50_us", Err(anyhow::anyhow!("{e:#}")));
+            record("rr_p99_us", Err(e));
+        }
+    }
+    let f = |k: &str| out[k].as_f64().map_or("failed".to_owned(), |x| format!("{x:.1}"));
+    eprintln!(
+        "bench: {name}: {} Gbit/s, {} conn/s, rr p50 {} us p99 {} us",
+        f("throughput_gbps"),
+        f("conn_per_s"),
+        f("rr_p50_us"),
+        f("rr_p99_us")
+    );
+    Ok(Value::Object(out))
+}
+
+/// iperf3 single-stream throughput from pod a to pod b, Gbit/s (receiver side).
+fn iperf3_gbps(pods: &PodPair, b_ip: &str, secs: f64) -> Result<f64> {
     let iperf = Command::new("nsenter")
         .arg(format!("--net={}", pods.a.path().display()))
-        .args([
-            "iperf3",
-            "-c",
-            &b_ip,
-            "-p",
-            &IPERF_PORT.to_string(),
-            "-t",
-            &format!("{secs}"),
-            "-J",
-        ])
+        .args(["iperf3", "-c", b_ip, "-p", &IPERF_PORT.to_string(), "-t", &format!("{secs}"), "-J"])
         .output()
         .context("iperf3 -c")?;
     let report: Value = serde_json::from_slice(&iperf.stdout).context("iperf3 -J output")?;
-    let gbps =
-        report["end"]["sum_received"]["bits_per_second"].as_f64().context("iperf3 result")? / 1e9;
-    let cps = stats::conn_per_s(&a, rr_addr, secs)?;
-    let (p50, p99) = stats::rr_latency(&a, rr_addr, 2_000, 20_000)?;
-    eprintln!(
-        "bench: {name}: {gbps:.2} Gbit/s, {cps:.0} conn/s, rr p50 {p50:.1} us p99 {p99:.1} us"
-    );
-    Ok(json!({ "throughput_gbps": gbps, "conn_per_s": cps, "rr_p50_us": p50, "rr_p99_us": p99 }))
+    if let Some(err) = report["error"].as_str() {
+        bail!("iperf3: {err}");
+    }
+    Ok(report["end"]["sum_received"]["bits_per_second"].as_f64().context("iperf3 result")? / 1e9)
 }
 
 /// Per-pod capture set-up cost for 1, 100 and `max` pods: istio-cni's iptables-restore (v4 and

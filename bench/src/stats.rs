@@ -34,7 +34,25 @@ pub fn start_rr_server(ns: &Netns, addr: SocketAddr) -> Result<()> {
     Ok(())
 }
 
-/// Connections per second: connect, one request/response, close; for `secs` seconds.
+/// A server in `ns` at `addr` for the connection rate: for each connection, one request, one
+/// response, then it closes first, so TIME_WAIT stays on the server and the client's ephemeral
+/// ports are not used up by a long run.
+pub fn start_oneshot_server(ns: &Netns, addr: SocketAddr) -> Result<()> {
+    let listener = ns.run(|| TcpListener::bind(addr))??;
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let mut conn = conn;
+            let mut buf = [0u8; MESSAGE];
+            if conn.read_exact(&mut buf).is_ok() {
+                let _ = conn.write_all(&buf);
+            }
+        }
+    });
+    Ok(())
+}
+
+/// Connections per second: connect, one request/response, wait for the server to close, close;
+/// for `secs` seconds.
 pub fn conn_per_s(ns: &Netns, to: SocketAddr, secs: f64) -> Result<f64> {
     ns.run(|| -> Result<f64> {
         let start = Instant::now();
@@ -45,6 +63,9 @@ pub fn conn_per_s(ns: &Netns, to: SocketAddr, secs: f64) -> Result<f64> {
             c.set_nodelay(true)?;
             c.write_all(&[7u8; MESSAGE])?;
             c.read_exact(&mut buf)?;
+            // The server closes first.
+            let mut rest = [0u8; 1];
+            let _ = c.read(&mut rest)?;
             n += 1;
         }
         Ok(n as f64 / start.elapsed().as_secs_f64())

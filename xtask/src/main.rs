@@ -34,6 +34,15 @@ enum Cmd {
     },
     /// Run a local node: pods in network namespaces, enrolled, with real traffic.
     Demo,
+    /// Run a benchmark (not a test; prints a table, writes results/NAME.json).
+    Bench {
+        /// Which: `capture` (meshpath capture vs istio-cni's iptables rules vs direct).
+        #[arg(value_parser = ["capture"])]
+        which: String,
+        /// Passed to `meshpath-bench capture` (e.g. --secs 3 --pods 100 --rounds 1).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -65,6 +74,21 @@ fn run(cli: Cli) -> Result<()> {
             }
             let path = bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: true })?;
             cargo::test(path.as_deref(), filter.as_deref())?;
+        }
+        Cmd::Bench { which, args } => {
+            if !bootstrap::is_root() {
+                bail!("the benchmarks load eBPF programs and create network namespaces: run them as root");
+            }
+            let path = bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: true })?;
+            let bin_dir = cargo::build(path.as_deref(), true)?;
+            let out = cargo::workspace_root().join("results").join(format!("{which}.json"));
+            bootstrap::run(
+                std::process::Command::new(bin_dir.join("meshpath-bench"))
+                    .arg(&which)
+                    .arg("--out")
+                    .arg(out)
+                    .args(args),
+            )?;
         }
         Cmd::Demo => {
             if !bootstrap::is_root() {

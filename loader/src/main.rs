@@ -292,6 +292,22 @@ fn run(cli: Cli) -> Result<()> {
                 println!("netns inode:  {}", p.info.netns_inode);
                 println!("ifindex:      {}", p.info.ifindex);
                 println!("pins:         {}", p.pins.join(", "));
+                let flag = |f: u32| if p.info.flags & f != 0 { "on" } else { "off" };
+                println!(
+                    "capture:      outbound {}, inbound {}, dns {}, probe bypass {}",
+                    flag(pod_flags::CAPTURE_OUTBOUND),
+                    flag(pod_flags::CAPTURE_INBOUND),
+                    flag(pod_flags::CAPTURE_DNS),
+                    flag(pod_flags::PROBE_BYPASS)
+                );
+                let ips: Vec<String> = p.ips.iter().map(ToString::to_string).collect();
+                println!("addresses:    {}", ips.join(", "));
+                for (port, dir) in &p.excluded_ports {
+                    println!("excluded:     {dir} port {port}");
+                }
+                for (net, dir, action) in &p.cidr_rules {
+                    println!("prefix rule:  {dir} {net} {action}");
+                }
                 println!("ingress:      {} packets, {} bytes", c.ingress_packets, c.ingress_bytes);
                 println!("egress:       {} packets, {} bytes", c.egress_packets, c.egress_bytes);
             }
@@ -312,6 +328,9 @@ fn to_json(p: &PodStatus) -> serde_json::Value {
         "capture_dns": p.info.flags & pod_flags::CAPTURE_DNS != 0,
         "netns_inode": p.info.netns_inode,
         "pins": p.pins,
+        "addresses": p.ips,
+        "excluded_ports": p.excluded_ports.iter().map(|(port, dir)| serde_json::json!({"port": port, "direction": dir})).collect::<Vec<_>>(),
+        "prefix_rules": p.cidr_rules.iter().map(|(net, dir, action)| serde_json::json!({"prefix": net.to_string(), "direction": dir, "action": action})).collect::<Vec<_>>(),
         "counters": {
             "ingress_packets": c.ingress_packets,
             "ingress_bytes": c.ingress_bytes,

@@ -98,6 +98,12 @@ pub struct PodStatus {
     pub counters: PodCounters,
     /// The pin files present in the pod's directory.
     pub pins: Vec<String>,
+    /// The pod's addresses the datapath knows.
+    pub ips: Vec<IpAddr>,
+    /// Excluded ports: (port, "outbound" | "inbound").
+    pub excluded_ports: Vec<(u16, &'static str)>,
+    /// Prefix rules: (prefix, "outbound" | "inbound", "exclude" | "capture").
+    pub cidr_rules: Vec<(IpNet, &'static str, &'static str)>,
 }
 
 /// Enrols the pod whose netns is `netns`: records its addresses, links the node's sk_lookup
@@ -455,7 +461,53 @@ fn status_of(dp: &Datapath, cookie: NetnsCookie, info: PodInfo) -> Result<PodSta
         Err(e) => return Err(Error::bpf("reading POD_COUNTERS", e)),
     };
     let pins = pin_names(dp.pod_dir(cookie));
-    Ok(PodStatus { cookie, info, counters, pins })
+    let mut ips: Vec<IpAddr> = dp
+        .pod_ips()?
+        .iter()
+        .flatten()
+        .filter(|(_, c)| *c == cookie)
+        .map(|(k, _)| key_ip(k))
+        .collect();
+    ips.sort();
+    let dir_name = |d: u16| if d == direction::INBOUND { "inbound" } else { "outbound" };
+    let mut excluded_ports: Vec<(u16, &'static str)> = dp
+        .excluded_ports()?
+        .keys()
+        .flatten()
+        .filter(|k| k.netns == cookie)
+        .map(|k| (k.port, dir_name(k.direction)))
+        .collect();
+    excluded_ports.sort();
+    let mine = cookie.to_ne_bytes();
+    let mut cidr_rules = Vec::new();
+    for (key, action) in dp.excluded_cidrs()?.iter().flatten() {
+        let data = key.data();
+        if data.netns != mine {
+            continue;
+        }
+        let ip = key_ip(PodIpKey { addr: data.addr });
+        let bits = key.prefix_len().saturating_sub(CIDR_FIXED_BITS);
+        let net = match ip {
+            IpAddr::V4(v4) => IpNet::new(v4.into(), bits.saturating_sub(96) as u8),
+            IpAddr::V6(v6) => IpNet::new(v6.into(), bits as u8),
+        };
+        let Ok(net) = net else { continue };
+        let direction = dir_name(u32::from_ne_bytes(data.direction) as u16);
+        let action = if action == cidr_action::CAPTURE { "capture" } else { "exclude" };
+        cidr_rules.push((net, direction, action));
+    }
+    cidr_rules.sort();
+    Ok(PodStatus { cookie, info, counters, pins, ips, excluded_ports, cidr_rules })
+}
+
+/// The address a `POD_IPS` key stands for (v4-mapped back to IPv4).
+pub fn key_ip(key: PodIpKey) -> IpAddr {
+    let mut o = [0u8; 16];
+    for (i, w) in key.addr.iter().enumerate() {
+        o[i * 4..i * 4 + 4].copy_from_slice(&w.to_ne_bytes());
+    }
+    let v6 = std::net::Ipv6Addr::from(o);
+    v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4)
 }
 
 fn pin_names(dir: PathBuf) -> Vec<String> {
@@ -464,4 +516,30 @@ fn pin_names(dir: PathBuf) -> Vec<String> {
         .unwrap_or_default();
     names.sort();
     names
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pod_ip_keys_round_trip_and_map_ipv4() {
+        for ip in ["10.1.2.3", "fd00::1", "2001:db8::7"] {
+            let ip: IpAddr = ip.parse().expect("ip");
+            assert_eq!(key_ip(ip_key(ip)), ip);
+        }
+        let k = ip_key("10.1.2.3".parse().expect("ip"));
+        assert_eq!(k, PodIpKey::v4(u32::from_ne_bytes([10, 1, 2, 3])));
+    }
+
+    #[test]
+    fn cidr_keys_cover_pod_direction_and_prefix() {
+        let v4 = cidr_key(7, direction::OUTBOUND, "10.1.0.0/16".parse().expect("net"));
+        assert_eq!(v4.prefix_len(), CIDR_FIXED_BITS + 96 + 16);
+        let v6 = cidr_key(7, direction::INBOUND, "fd00::/8".parse().expect("net"));
+        assert_eq!(v6.prefix_len(), CIDR_FIXED_BITS + 8);
+        // Host bits are cleared so the trie holds one entry per prefix.
+        let host = cidr_key(7, direction::OUTBOUND, "10.1.2.3/16".parse().expect("net"));
+        assert_eq!(host.data(), v4.data());
+    }
 }

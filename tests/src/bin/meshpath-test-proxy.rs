@@ -12,20 +12,23 @@
 //! inbound connections are answered or forwarded the same way (echo: `INBOUND <orig dst> FROM
 //! <peer>`).
 //!
-//! It prints `READY` once listening, `ACCEPTED <orig dst>` per connection, and one `FORWARDED <bytes up> <bytes down>` line per closed
-//! forwarded connection. Usage: `meshpath-test-proxy NETNS_PATH echo|forward [PIN_ROOT]`.
+//! It prints `READY` once listening, `ACCEPTED <orig dst>` per connection, and one
+//! `FORWARDED <bytes up> <bytes down>` line per closed forwarded connection. Event-driven
+//! (tokio), like the proxies it stands in for, so the benchmark measures capture, not threads.
+//! Usage: `meshpath-test-proxy NETNS_PATH echo|forward [PIN_ROOT]`.
 
 use std::{
     io::{self, Write as _},
-    net::{
-        Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpListener, TcpStream,
-        UdpSocket,
-    },
-    os::fd::AsRawFd as _,
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6},
+    os::fd::AsRawFd,
 };
 
 use anyhow::{bail, Context as _, Result};
 use datapath_common::consts::{ports, sockopt};
+use tokio::{
+    io::AsyncWriteExt as _,
+    net::{TcpListener, TcpSocket, TcpStream, UdpSocket},
+};
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
@@ -37,82 +40,87 @@ fn main() -> Result<()> {
         "forward" => true,
         other => bail!("unknown mode {other}"),
     };
-    let pin_root = args.get(3);
+    let pin_root = args.get(3).cloned();
     let cookie = meshpath_loader::netns::Netns::open(netns.as_ref())?.cookie();
-    // Single-threaded here, so the whole process (and every thread it starts) enters the netns.
+    // Before any thread exists, so the whole process (and the runtime's threads) enters it.
     let ns = std::fs::File::open(netns).with_context(|| format!("opening {netns}"))?;
     nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).context("setns")?;
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?
+        .block_on(run(forward, pin_root, cookie))
+}
 
+async fn run(forward: bool, pin_root: Option<String>, cookie: u64) -> Result<()> {
+    let v4 = |port| SocketAddr::from(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port));
     let mut listeners = vec![
-        (TcpListener::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, ports::OUTBOUND))?, false),
-        (bind_v6_only(ports::OUTBOUND)?, false),
+        (TcpListener::bind(v4(ports::OUTBOUND)).await?, false),
+        (v6_only_listener(ports::OUTBOUND)?, false),
         // DNS over TCP is answered like any outbound connection.
-        (TcpListener::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, ports::DNS))?, false),
-        (bind_v6_only(ports::DNS)?, false),
+        (TcpListener::bind(v4(ports::DNS)).await?, false),
+        (v6_only_listener(ports::DNS)?, false),
     ];
-    // DNS over UDP: every datagram is answered with `ANSWER <datagram>`.
-    let v6_udp = {
-        use nix::sys::socket::{
-            bind, setsockopt, socket, sockopt::Ipv6V6Only, AddressFamily, SockFlag, SockType,
-            SockaddrIn6,
-        };
-        let fd = socket(AddressFamily::Inet6, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None)?;
-        setsockopt(&fd, Ipv6V6Only, &true)?;
-        bind(
-            fd.as_raw_fd(),
-            &SockaddrIn6::from(SocketAddrV6::new(Ipv6Addr::LOCALHOST, ports::DNS, 0, 0)),
-        )?;
-        UdpSocket::from(fd)
-    };
-    for udp in [UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, ports::DNS))?, v6_udp] {
-        std::thread::spawn(move || {
-            let mut buf = [0u8; 1500];
-            while let Ok((n, from)) = udp.recv_from(&mut buf) {
-                let mut reply = b"ANSWER ".to_vec();
-                reply.extend_from_slice(&buf[..n]);
-                let _ = udp.send_to(&reply, from);
-            }
-        });
-    }
     if let Some(root) = pin_root {
-        let inbound = TcpListener::bind((Ipv6Addr::UNSPECIFIED, ports::INBOUND_PLAINTEXT))?;
+        let inbound = TcpListener::bind((Ipv6Addr::UNSPECIFIED, ports::INBOUND_PLAINTEXT)).await?;
         let dp = meshpath_loader::datapath::Datapath::open_or_load(root.as_ref())?;
         dp.register_inbound_listener(cookie, &inbound)?;
         listeners.push((inbound, true));
     }
-    println!("READY");
-    io::stdout().flush()?;
+    // DNS over UDP: every datagram is answered with `ANSWER <datagram>`.
+    for udp in [UdpSocket::bind(v4(ports::DNS)).await?, v6_only_udp(ports::DNS)?] {
+        tokio::spawn(async move {
+            let mut buf = [0u8; 1500];
+            while let Ok((n, from)) = udp.recv_from(&mut buf).await {
+                let mut reply = b"ANSWER ".to_vec();
+                reply.extend_from_slice(&buf[..n]);
+                let _ = udp.send_to(&reply, from).await;
+            }
+        });
+    }
+    say("READY")?;
     for (listener, inbound) in listeners {
-        std::thread::spawn(move || {
-            for conn in listener.incoming().flatten() {
-                std::thread::spawn(move || {
-                    if let Err(e) = serve(conn, forward, inbound) {
+        tokio::spawn(async move {
+            while let Ok((conn, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    if let Err(e) = serve(conn, forward, inbound).await {
                         eprintln!("meshpath-test-proxy: {e:#}");
                     }
                 });
             }
         });
     }
-    loop {
-        std::thread::park();
-    }
+    std::future::pending().await
 }
 
-fn bind_v6_only(port: u16) -> Result<TcpListener> {
-    use nix::sys::socket::{
-        bind, listen, setsockopt, socket, sockopt::Ipv6V6Only, AddressFamily, Backlog, SockFlag,
-        SockType, SockaddrIn6,
-    };
-    let fd = socket(AddressFamily::Inet6, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
-    setsockopt(&fd, Ipv6V6Only, &true)?;
-    bind(fd.as_raw_fd(), &SockaddrIn6::from(SocketAddrV6::new(Ipv6Addr::LOCALHOST, port, 0, 0)))?;
-    listen(&fd, Backlog::new(128)?)?;
-    Ok(TcpListener::from(fd))
+fn say(line: &str) -> io::Result<()> {
+    let mut out = io::stdout().lock();
+    writeln!(out, "{line}")?;
+    out.flush()
+}
+
+fn v6_only_socket(ty: socket2::Type, port: u16) -> io::Result<socket2::Socket> {
+    let sock = socket2::Socket::new(socket2::Domain::IPV6, ty, None)?;
+    sock.set_only_v6(true)?;
+    sock.set_reuse_address(true)?;
+    sock.set_nonblocking(true)?;
+    sock.bind(&SocketAddr::from(SocketAddrV6::new(Ipv6Addr::LOCALHOST, port, 0, 0)).into())?;
+    Ok(sock)
+}
+
+fn v6_only_listener(port: u16) -> io::Result<TcpListener> {
+    let sock = v6_only_socket(socket2::Type::STREAM, port)?;
+    sock.listen(1024)?;
+    TcpListener::from_std(sock.into())
+}
+
+fn v6_only_udp(port: u16) -> io::Result<UdpSocket> {
+    UdpSocket::from_std(v6_only_socket(socket2::Type::DGRAM, port)?.into())
 }
 
 /// The original destination, asked exactly as under iptables: SOL_IP/SO_ORIGINAL_DST for an
 /// IPv4 socket, SOL_IPV6/IP6T_SO_ORIGINAL_DST for an IPv6 one.
-fn original_dst(conn: &TcpStream) -> io::Result<SocketAddr> {
+fn original_dst(conn: &(impl AsRawFd + LocalAddr)) -> io::Result<SocketAddr> {
     let v6 = conn.local_addr()?.is_ipv6();
     let mut buf = [0u8; 28];
     let mut len = buf.len() as libc::socklen_t;
@@ -148,10 +156,21 @@ fn original_dst(conn: &TcpStream) -> io::Result<SocketAddr> {
     }
 }
 
+/// What `original_dst` needs of a socket besides its fd.
+trait LocalAddr {
+    fn local_addr(&self) -> io::Result<SocketAddr>;
+}
+
+impl LocalAddr for TcpStream {
+    fn local_addr(&self) -> io::Result<SocketAddr> {
+        TcpStream::local_addr(self)
+    }
+}
+
 /// Connects to the original destination. Under iptables capture the proxy's sockets must carry
 /// istio's mark to escape the REDIRECT rules: `MESHPATH_TEST_PROXY_MARK=0x539` sets it (the
 /// benchmark's iptables scenario). meshpath capture needs no mark: the proxy's cgroup bypasses.
-fn connect_upstream(to: SocketAddr) -> io::Result<TcpStream> {
+async fn connect_upstream(to: SocketAddr) -> io::Result<TcpStream> {
     let domain = if to.is_ipv4() { socket2::Domain::IPV4 } else { socket2::Domain::IPV6 };
     let sock = socket2::Socket::new(domain, socket2::Type::STREAM, None)?;
     if let Ok(mark) = std::env::var("MESHPATH_TEST_PROXY_MARK") {
@@ -159,9 +178,10 @@ fn connect_upstream(to: SocketAddr) -> io::Result<TcpStream> {
             u32::from_str_radix(mark.trim_start_matches("0x"), 16).map_err(io::Error::other)?;
         sock.set_mark(mark)?;
     }
-    sock.set_nodelay(true)?;
-    sock.connect(&to.into())?;
-    Ok(sock.into())
+    sock.set_nonblocking(true)?;
+    let stream = TcpSocket::from_std_stream(sock.into()).connect(to).await?;
+    stream.set_nodelay(true)?;
+    Ok(stream)
 }
 
 fn canonical(a: SocketAddr) -> SocketAddr {
@@ -174,34 +194,25 @@ fn canonical(a: SocketAddr) -> SocketAddr {
     }
 }
 
-fn serve(mut conn: TcpStream, forward: bool, inbound: bool) -> Result<()> {
+async fn serve(mut conn: TcpStream, forward: bool, inbound: bool) -> Result<()> {
     let orig = original_dst(&conn).context("getsockopt(SO_ORIGINAL_DST)")?;
     conn.set_nodelay(true)?;
-    println!("ACCEPTED {orig}");
-    io::stdout().flush()?;
+    say(&format!("ACCEPTED {orig}"))?;
     if !forward {
-        if inbound {
+        let line = if inbound {
             // The same answer two ways: SO_ORIGINAL_DST and the socket's own address.
             let local = canonical(conn.local_addr()?);
             anyhow::ensure!(local == orig, "getsockname {local} != SO_ORIGINAL_DST {orig}");
-            writeln!(conn, "INBOUND {orig} FROM {}", canonical(conn.peer_addr()?))?;
+            format!("INBOUND {orig} FROM {}\n", canonical(conn.peer_addr()?))
         } else {
-            writeln!(conn, "ORIG_DST {orig}")?;
-        }
+            format!("ORIG_DST {orig}\n")
+        };
+        conn.write_all(line.as_bytes()).await?;
         return Ok(());
     }
-    let upstream = connect_upstream(orig).with_context(|| format!("connecting to {orig}"))?;
-    let (mut up_r, mut up_w) = (upstream.try_clone()?, upstream);
-    let (mut down_r, mut down_w) = (conn.try_clone()?, conn);
-    let up = std::thread::spawn(move || -> io::Result<u64> {
-        let n = io::copy(&mut down_r, &mut up_w)?;
-        up_w.shutdown(std::net::Shutdown::Write)?;
-        Ok(n)
-    });
-    let down = io::copy(&mut up_r, &mut down_w)?;
-    let _ = down_w.shutdown(std::net::Shutdown::Write);
-    let up = up.join().map_err(|_| anyhow::anyhow!("copy thread panicked"))??;
-    println!("FORWARDED {up} {down}");
-    io::stdout().flush()?;
+    let mut upstream =
+        connect_upstream(orig).await.with_context(|| format!("connecting to {orig}"))?;
+    let (up, down) = tokio::io::copy_bidirectional(&mut conn, &mut upstream).await?;
+    say(&format!("FORWARDED {up} {down}"))?;
     Ok(())
 }

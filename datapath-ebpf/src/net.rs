@@ -20,6 +20,33 @@ pub fn cidr_excluded(netns: NetnsCookie, direction: u16, addr: [u32; 4]) -> bool
     matches!(EXCLUDED_CIDRS.get(&key), Some(&cidr_action::EXCLUDE))
 }
 
+/// `struct sockaddr_in` (addresses in network byte order).
+#[repr(C)]
+pub struct SockaddrIn {
+    pub family: u16,
+    pub port: u16,
+    pub addr: [u8; 4],
+    pub zero: [u8; 8],
+}
+
+/// `struct sockaddr_in6`.
+#[repr(C)]
+pub struct SockaddrIn6 {
+    pub family: u16,
+    pub port: u16,
+    pub flowinfo: u32,
+    pub addr: [u8; 16],
+    pub scope_id: u32,
+}
+
+/// The 16 bytes of an address given as four network-order words.
+#[inline(always)]
+pub fn words_to_bytes(w: [u32; 4]) -> [u8; 16] {
+    let (a, b, c, d) =
+        (w[0].to_ne_bytes(), w[1].to_ne_bytes(), w[2].to_ne_bytes(), w[3].to_ne_bytes());
+    [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3], d[0], d[1], d[2], d[3]]
+}
+
 /// 127.0.0.0/8.
 #[inline(always)]
 pub fn is_loopback4(addr: u32) -> bool {

@@ -22,27 +22,8 @@ use datapath_common::{
 
 use crate::{
     maps::{ORIG_DST_BY_CONN, PODS, PROXY_CGROUPS},
-    net::{is_v4_mapped, V4_MAPPED_PREFIX},
+    net::{is_v4_mapped, words_to_bytes, SockaddrIn, SockaddrIn6, V4_MAPPED_PREFIX},
 };
-
-/// `struct sockaddr_in`.
-#[repr(C)]
-struct SockaddrIn {
-    family: u16,
-    port: u16,
-    addr: u32,
-    zero: [u8; 8],
-}
-
-/// `struct sockaddr_in6`.
-#[repr(C)]
-struct SockaddrIn6 {
-    family: u16,
-    port: u16,
-    flowinfo: u32,
-    addr: [u32; 4],
-    scope_id: u32,
-}
 
 #[cgroup_sockopt(getsockopt)]
 pub fn mp_getsockopt(ctx: SockoptContext) -> i32 {
@@ -105,7 +86,7 @@ unsafe fn answer(ctx: &SockoptContext) {
         unsafe {
             (*out).family = AF_INET;
             (*out).port = orig.port;
-            (*out).addr = orig.addr[0];
+            (*out).addr = orig.addr[0].to_ne_bytes();
             (*out).zero = [0; 8];
         }
         size
@@ -121,7 +102,7 @@ unsafe fn answer(ctx: &SockoptContext) {
             (*out).family = AF_INET6;
             (*out).port = orig.port;
             (*out).flowinfo = 0;
-            (*out).addr = addr;
+            (*out).addr = words_to_bytes(addr);
             (*out).scope_id = 0;
         }
         size

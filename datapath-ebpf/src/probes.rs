@@ -16,27 +16,10 @@ use datapath_common::{consts::probe, pod_flags, PodIpKey, AF_INET, AF_INET6};
 
 use crate::{
     maps::{NODE_NETNS, PODS, POD_IPS},
-    net::is_v4_mapped,
+    net::{is_v4_mapped, SockaddrIn, SockaddrIn6},
 };
 
 const IPPROTO_TCP: u32 = 6;
-
-#[repr(C)]
-struct SockaddrIn {
-    family: u16,
-    port: u16,
-    addr: [u8; 4],
-    zero: [u8; 8],
-}
-
-#[repr(C)]
-struct SockaddrIn6 {
-    family: u16,
-    port: u16,
-    flowinfo: u32,
-    addr: [u8; 16],
-    scope_id: u32,
-}
 
 /// Whether this connect is a node process (kubelet) probing an enrolled pod with probe bypass.
 #[inline(always)]

@@ -144,27 +144,22 @@ impl Datapath {
             let prog = ebpf.program_mut(name).ok_or_else(|| {
                 Error::bpf(name, io::Error::other("program missing from the object"))
             })?;
+            // aya's program types share no attach trait: the same steps for each.
+            macro_rules! attach_at_cgroup {
+                ($p:expr) => {{
+                    load($p.load(), name)?;
+                    let id = $p
+                        .attach(&cgroup, CgroupAttachMode::Single)
+                        .map_err(|e| Error::bpf(what(), e))?;
+                    $p.take_link(id)
+                        .map_err(|e| Error::bpf(what(), e))?
+                        .try_into()
+                        .map_err(|e| Error::bpf(what(), e))?
+                }};
+            }
             let link: FdLink = match prog {
-                Program::CgroupSockAddr(p) => {
-                    load(p.load(), name)?;
-                    let id = p
-                        .attach(&cgroup, CgroupAttachMode::Single)
-                        .map_err(|e| Error::bpf(what(), e))?;
-                    p.take_link(id)
-                        .map_err(|e| Error::bpf(what(), e))?
-                        .try_into()
-                        .map_err(|e| Error::bpf(what(), e))?
-                }
-                Program::SockOps(p) => {
-                    load(p.load(), name)?;
-                    let id = p
-                        .attach(&cgroup, CgroupAttachMode::Single)
-                        .map_err(|e| Error::bpf(what(), e))?;
-                    p.take_link(id)
-                        .map_err(|e| Error::bpf(what(), e))?
-                        .try_into()
-                        .map_err(|e| Error::bpf(what(), e))?
-                }
+                Program::CgroupSockAddr(p) => attach_at_cgroup!(p),
+                Program::SockOps(p) => attach_at_cgroup!(p),
                 Program::CgroupSockopt(p) => {
                     load(p.load(), name)?;
                     crate::sys::link_cgroup_getsockopt(p, &cgroup, &pin)

@@ -1,1 +1,101 @@
-fn main() {}
+//! `meshpath-proxy`: the HBONE node proxy. Serves the pods given with `--pod UID=NETNS`
+//! (until the agent hands pods over ZDS): their outbound captured traffic (15001) and their
+//! HBONE listener (15008), with workload certificates minted from a local CA.
+
+use std::{io::Write as _, path::PathBuf, process::ExitCode, sync::Arc, time::Duration};
+
+use anyhow::{Context as _, Result};
+use clap::Parser;
+use meshpath_loader::netns::Netns;
+use meshpath_proxy::{
+    config::WorkloadStore,
+    identity::LocalCa,
+    inbound::{self, Pod, Shared},
+    outbound,
+};
+
+#[derive(Parser)]
+#[command(name = "meshpath-proxy", version, about = "meshpath's HBONE node proxy")]
+struct Cli {
+    /// Workloads (ztunnel's local configuration format, YAML).
+    #[arg(long)]
+    workloads: PathBuf,
+    /// CA certificate (PEM) workload certificates are minted from; also the trust root.
+    #[arg(long)]
+    ca_cert: PathBuf,
+    /// CA key (PKCS#8 PEM, RSA or ECDSA).
+    #[arg(long)]
+    ca_key: PathBuf,
+    /// A pod to serve: its workload uid and its netns path (repeatable).
+    #[arg(long = "pod", value_name = "UID=NETNS")]
+    pods: Vec<String>,
+    /// Lifetime of minted workload certificates, in hours.
+    #[arg(long, default_value_t = 24)]
+    cert_hours: u64,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("meshpath-proxy: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let store = WorkloadStore::load(&cli.workloads)?;
+    let read = |p: &PathBuf| {
+        std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+    };
+    let ca = LocalCa::from_pem(&read(&cli.ca_cert)?, &read(&cli.ca_key)?)?;
+    let roots = vec![ca.cert_der.clone()];
+    let shared = Arc::new(Shared { store, ca, roots });
+    let mut pods = Vec::new();
+    for spec in &cli.pods {
+        let (uid, path) =
+            spec.split_once('=').with_context(|| format!("--pod {spec}: expected UID=NETNS"))?;
+        let workload = shared
+            .store
+            .by_uid(uid)
+            .with_context(|| {
+                format!("--pod {spec}: no workload with uid {uid} in {}", cli.workloads.display())
+            })?
+            .clone();
+        let identity = workload.identity();
+        let cert = shared.ca.issue(&identity, Duration::from_secs(cli.cert_hours * 3600))?;
+        let netns = Netns::open(path.as_ref())?;
+        pods.push(Arc::new(Pod {
+            uid: uid.to_owned(),
+            netns,
+            workload,
+            identity,
+            cert,
+            proxy: shared.clone(),
+        }));
+    }
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?.block_on(
+        async {
+            for pod in &pods {
+                outbound::start(pod.clone())?;
+                inbound::start(pod.clone())?;
+                tracing::info!(pod = %pod.uid, identity = %pod.identity, "serving");
+            }
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "READY")?;
+            out.flush()?;
+            drop(out);
+            tokio::signal::ctrl_c().await?;
+            Ok(())
+        },
+    )
+}

@@ -371,6 +371,45 @@ impl TestProxy {
         Ok(proxy)
     }
 
+    /// Starts `cmd` in `cgroup` and waits for its `READY` line (any program that prints one).
+    pub fn spawn(mut cmd: Command, cgroup: &CgroupGuard) -> Result<Self> {
+        use std::{io::BufRead as _, os::fd::AsRawFd as _, os::unix::process::CommandExt as _};
+        let procs = std::fs::OpenOptions::new()
+            .write(true)
+            .open(cgroup.path().join("cgroup.procs"))
+            .context("opening cgroup.procs")?;
+        let procs_fd = procs.as_raw_fd();
+        cmd.stdout(std::process::Stdio::piped());
+        // SAFETY: only write(2) between fork and exec, on an fd open until spawn returns.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::write(procs_fd, b"0".as_ptr().cast(), 1) != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().context("starting the proxy")?;
+        drop(procs);
+        let stdout = child.stdout.take().context("proxy stdout")?;
+        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+                if line == "READY" {
+                    let _ = ready_tx.send(());
+                }
+                sink.lock().unwrap_or_else(|p| p.into_inner()).push(line);
+            }
+        });
+        let proxy = Self { child, lines };
+        ready_rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .context("the proxy did not become ready")?;
+        Ok(proxy)
+    }
+
     /// Lines printed so far.
     pub fn lines(&self) -> Vec<String> {
         self.lines.lock().unwrap_or_else(|p| p.into_inner()).clone()

@@ -1,0 +1,157 @@
+//! SPIFFE identities (`spiffe://TD/ns/NS/sa/SA`) and the local CA that mints short-lived
+//! workload certificates for them.
+
+use std::{fmt, time::Duration};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    KeyPair, KeyUsagePurpose, SanType,
+};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+
+/// Errors of this module.
+#[derive(Debug, thiserror::Error)]
+pub enum IdentityError {
+    #[error("not a SPIFFE identity of the form spiffe://TD/ns/NS/sa/SA: {0}")]
+    Malformed(String),
+    #[error("certificate generation: {0}")]
+    Rcgen(#[from] rcgen::Error),
+}
+
+/// A workload identity.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Identity {
+    pub trust_domain: String,
+    pub namespace: String,
+    pub service_account: String,
+}
+
+impl Identity {
+    pub fn new(td: &str, ns: &str, sa: &str) -> Self {
+        Self { trust_domain: td.into(), namespace: ns.into(), service_account: sa.into() }
+    }
+
+    /// Parses `spiffe://TD/ns/NS/sa/SA`.
+    pub fn parse(uri: &str) -> Result<Self, IdentityError> {
+        let bad = || IdentityError::Malformed(uri.to_owned());
+        let rest = uri.strip_prefix("spiffe://").ok_or_else(bad)?;
+        let parts: Vec<&str> = rest.split('/').collect();
+        match parts.as_slice() {
+            [td, "ns", ns, "sa", sa] if !td.is_empty() && !ns.is_empty() && !sa.is_empty() => {
+                Ok(Self::new(td, ns, sa))
+            }
+            _ => Err(bad()),
+        }
+    }
+}
+
+impl fmt::Display for Identity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "spiffe://{}/ns/{}/sa/{}",
+            self.trust_domain, self.namespace, self.service_account
+        )
+    }
+}
+
+/// A workload certificate and its key.
+#[derive(Debug)]
+pub struct WorkloadCert {
+    /// Leaf first, then the CA.
+    pub chain: Vec<CertificateDer<'static>>,
+    pub key: PrivateKeyDer<'static>,
+    /// When it stops being valid.
+    pub not_after: time::OffsetDateTime,
+}
+
+/// A CA certificate and key, from which workload certificates are minted.
+pub struct LocalCa {
+    cert: rcgen::Certificate,
+    key: KeyPair,
+    /// The CA certificate as given (what peers trust).
+    pub cert_der: CertificateDer<'static>,
+}
+
+impl fmt::Debug for LocalCa {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalCa").finish_non_exhaustive()
+    }
+}
+
+impl LocalCa {
+    /// A new self-signed CA (ECDSA P-256), for tests and the demo.
+    pub fn generate(name: &str) -> Result<Self, IdentityError> {
+        let mut params = CertificateParams::default();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::OrganizationName, name);
+        params.distinguished_name = dn;
+        let key = KeyPair::generate()?;
+        let cert = params.self_signed(&key)?;
+        let cert_der = cert.der().clone();
+        Ok(Self { cert, key, cert_der })
+    }
+
+    /// A CA from its PEM certificate and PKCS#8 PEM key (RSA or ECDSA).
+    pub fn from_pem(cert_pem: &str, key_pem: &str) -> Result<Self, IdentityError> {
+        let key = KeyPair::from_pem(key_pem)?;
+        let params = CertificateParams::from_ca_cert_pem(cert_pem)?;
+        let cert_der = rustls::pki_types::pem::PemObject::from_pem_slice(cert_pem.as_bytes())
+            .map_err(|e| IdentityError::Malformed(format!("CA certificate PEM: {e}")))?;
+        // Re-signing the same subject and key yields an issuer that verifies as the original.
+        let cert = params.self_signed(&key)?;
+        Ok(Self { cert, key, cert_der })
+    }
+
+    /// The CA as PEM (certificate, key), to write for other processes.
+    pub fn to_pem(&self) -> (String, String) {
+        (self.cert.pem(), self.key.serialize_pem())
+    }
+
+    /// Mints a certificate for `id`, valid from a minute ago for `validity`.
+    pub fn issue(&self, id: &Identity, validity: Duration) -> Result<WorkloadCert, IdentityError> {
+        let mut params = CertificateParams::default();
+        let uri = rcgen::Ia5String::try_from(id.to_string())?;
+        params.subject_alt_names = vec![SanType::URI(uri)];
+        params.extended_key_usages =
+            vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        let now = time::OffsetDateTime::now_utc();
+        params.not_before = now - time::Duration::minutes(1);
+        params.not_after = now + validity;
+        let not_after = params.not_after;
+        let key = KeyPair::generate()?;
+        let cert = params.signed_by(&key, &self.cert, &self.key)?;
+        Ok(WorkloadCert {
+            chain: vec![cert.der().clone(), self.cert_der.clone()],
+            key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+            not_after,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spiffe_identities_round_trip() {
+        let id = Identity::new("cluster.local", "default", "web");
+        assert_eq!(id.to_string(), "spiffe://cluster.local/ns/default/sa/web");
+        assert_eq!(Identity::parse(&id.to_string()).expect("parse"), id);
+    }
+
+    #[test]
+    fn malformed_identities_are_refused() {
+        for bad in [
+            "spiffe://td/ns/default",
+            "https://td/ns/a/sa/b",
+            "spiffe:///ns/a/sa/b",
+            "spiffe://td/ns/a/sa/b/c",
+        ] {
+            assert!(Identity::parse(bad).is_err(), "{bad} accepted");
+        }
+    }
+}

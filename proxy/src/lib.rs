@@ -1,0 +1,16 @@
+//! meshpath's HBONE node proxy, as a library: identities and certificates (`identity`), TLS
+//! with SPIFFE verification (`tls`), the HBONE protocol (`hbone`), the workload store (`config`),
+//! and the two data paths, `outbound` (captured app traffic → HBONE or passthrough) and
+//! `inbound` (HBONE on 15008 → the app). `meshpath-proxy` is a thin CLI over it.
+//!
+//! Built so far: the outbound and inbound HBONE paths for pods given on the command line. Not
+//! yet: 15006 plaintext inbound, DNS, pooling, policy, metrics and admin, ZDS (see the proxy
+//! issue).
+
+pub mod config;
+pub mod hbone;
+pub mod identity;
+pub mod inbound;
+pub mod netns;
+pub mod outbound;
+pub mod tls;

@@ -1,0 +1,176 @@
+//! TLS as HBONE uses it: TLS 1.3, ALPN `h2`, both sides authenticated. The client accepts the
+//! server only if its chain verifies to the roots *and* a URI SAN equals one of the identities
+//! expected for the destination (DNS names are ignored, no SNI is sent). The server requires a
+//! client certificate that verifies to the roots; which identities may connect is policy's job.
+
+use std::sync::Arc;
+
+use rustls::{
+    client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
+    crypto::{CryptoProvider, WebPkiSupportedAlgorithms},
+    pki_types::{CertificateDer, ServerName, TrustAnchor, UnixTime},
+    server::WebPkiClientVerifier,
+    ClientConfig, DigitallySignedStruct, RootCertStore, ServerConfig, SignatureScheme,
+};
+
+use crate::identity::{Identity, WorkloadCert};
+
+/// ALPN protocol of HBONE.
+pub const ALPN_H2: &[u8] = b"h2";
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The URI SANs that are SPIFFE identities in a DER certificate.
+pub fn spiffe_ids(cert: &CertificateDer<'_>) -> Vec<Identity> {
+    let Ok((_, parsed)) = x509_parser::parse_x509_certificate(cert) else {
+        return Vec::new();
+    };
+    let Ok(Some(san)) = parsed.subject_alternative_name() else {
+        return Vec::new();
+    };
+    san.value
+        .general_names
+        .iter()
+        .filter_map(|n| match n {
+            x509_parser::extensions::GeneralName::URI(u) => Identity::parse(u).ok(),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Server side of HBONE for one workload: its certificate, client certificates required.
+pub fn server_config(
+    cert: &WorkloadCert,
+    roots: &[CertificateDer<'static>],
+) -> anyhow::Result<Arc<ServerConfig>> {
+    let mut store = RootCertStore::empty();
+    for r in roots {
+        store.add(r.clone())?;
+    }
+    let verifier =
+        WebPkiClientVerifier::builder_with_provider(Arc::new(store), provider()).build()?;
+    let mut config = ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(cert.chain.clone(), cert.key.clone_key())?;
+    config.alpn_protocols = vec![ALPN_H2.to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// Client side of HBONE from one workload to a destination expected to be one of `expected`.
+pub fn client_config(
+    cert: &WorkloadCert,
+    roots: &[CertificateDer<'static>],
+    expected: Vec<Identity>,
+) -> anyhow::Result<Arc<ClientConfig>> {
+    let anchors = roots
+        .iter()
+        .map(|r| webpki::anchor_from_trusted_cert(r).map(|a| a.to_owned()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let provider = provider();
+    let verifier = Arc::new(SpiffeServerVerifier {
+        anchors,
+        expected,
+        algs: provider.signature_verification_algorithms,
+    });
+    let mut config = ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .dangerous()
+        .with_custom_certificate_verifier(verifier)
+        .with_client_auth_cert(cert.chain.clone(), cert.key.clone_key())?;
+    config.alpn_protocols = vec![ALPN_H2.to_vec()];
+    config.enable_sni = false;
+    config.resumption = rustls::client::Resumption::disabled();
+    Ok(Arc::new(config))
+}
+
+/// Verifies the server's chain to the roots, then its SPIFFE identity.
+#[derive(Debug)]
+struct SpiffeServerVerifier {
+    anchors: Vec<TrustAnchor<'static>>,
+    expected: Vec<Identity>,
+    algs: WebPkiSupportedAlgorithms,
+}
+
+impl ServerCertVerifier for SpiffeServerVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        let ee = webpki::EndEntityCert::try_from(end_entity)
+            .map_err(|e| rustls::Error::General(format!("server certificate: {e}")))?;
+        ee.verify_for_usage(
+            self.algs.all,
+            &self.anchors,
+            intermediates,
+            now,
+            webpki::KeyUsage::server_auth(),
+            None,
+            None,
+        )
+        .map_err(|e| rustls::Error::InvalidCertificate(webpki_error(e)))?;
+        let ids = spiffe_ids(end_entity);
+        if ids.iter().any(|id| self.expected.contains(id)) {
+            Ok(ServerCertVerified::assertion())
+        } else {
+            let want: Vec<String> = self.expected.iter().map(ToString::to_string).collect();
+            let got: Vec<String> = ids.iter().map(ToString::to_string).collect();
+            Err(rustls::Error::InvalidCertificate(rustls::CertificateError::Other(
+                rustls::OtherError(Arc::new(WrongIdentity(format!(
+                    "server is {got:?}, expected one of {want:?}"
+                )))),
+            )))
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algs)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algs)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.algs.supported_schemes()
+    }
+}
+
+/// The server's certificate verified but names another workload.
+#[derive(Debug)]
+struct WrongIdentity(String);
+
+impl std::fmt::Display for WrongIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for WrongIdentity {}
+
+fn webpki_error(e: webpki::Error) -> rustls::CertificateError {
+    use rustls::CertificateError as C;
+    match e {
+        webpki::Error::CertExpired { .. } => C::Expired,
+        webpki::Error::CertNotValidYet { .. } => C::NotValidYet,
+        webpki::Error::UnknownIssuer => C::UnknownIssuer,
+        webpki::Error::InvalidSignatureForPublicKey => C::BadSignature,
+        other => C::Other(rustls::OtherError(Arc::new(other))),
+    }
+}

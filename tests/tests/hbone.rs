@@ -1,0 +1,267 @@
+//! The HBONE proxy on the eBPF datapath: two "nodes" (one meshpath-proxy process each, in its
+//! own cgroup registered as the proxy's), pod a on node 1 with outbound capture, pod b on node 2.
+//! An app in pod a reaches pod b through HTTP/2 CONNECT over mutual TLS with certificates made
+//! now from a CA made now; identities are checked; bad requests get Istio's status codes.
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{IpAddr, SocketAddr, TcpListener},
+    path::PathBuf,
+    process::Command,
+    sync::Arc,
+    time::Duration,
+};
+
+use meshpath_loader::pods::{self, EnrolOptions};
+use meshpath_proxy::{
+    hbone::{self, HboneError},
+    identity::{Identity, LocalCa},
+    tls,
+};
+use meshpath_tests::{require_root, sibling_bin, unique, CgroupGuard, PinRoot, PodPair, TestProxy};
+
+/// How node 1 sees pod b.
+struct View {
+    b_protocol: &'static str,
+    b_service_account: &'static str,
+}
+
+const MESHED: View = View { b_protocol: "HBONE", b_service_account: "sa-b" };
+
+struct TwoNodes {
+    _proxies: Vec<TestProxy>,
+    _cgroup: CgroupGuard,
+    pods: PodPair,
+    _root: PinRoot,
+    ca: LocalCa,
+    dir: PathBuf,
+}
+
+impl Drop for TwoNodes {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn workloads(pods: &PodPair, b: &View) -> String {
+    format!(
+        "workloads:\n\
+         - uid: pod-a\n  namespace: default\n  serviceAccount: sa-a\n  protocol: HBONE\n  workloadIps: [\"{}\", \"{}\"]\n\
+         - uid: pod-b\n  namespace: default\n  serviceAccount: {}\n  protocol: {}\n  workloadIps: [\"{}\", \"{}\"]\n",
+        pods.a_ip, pods.a_ip6, b.b_service_account, b.b_protocol, pods.b_ip, pods.b_ip6
+    )
+}
+
+impl TwoNodes {
+    fn new(node1_view: View) -> Self {
+        require_root();
+        let (pods, root, cgroup) =
+            (PodPair::new().expect("pods"), PinRoot::new(), CgroupGuard::new().expect("cgroup"));
+        {
+            let dp = root.datapath().expect("datapath");
+            dp.register_proxy_cgroup(cgroup.path()).expect("proxy cgroup");
+            let no_counters = EnrolOptions { counters: false, ..EnrolOptions::default() };
+            pods::enrol(
+                &dp,
+                &pods.a.open().expect("a"),
+                &EnrolOptions { capture_outbound: true, ..no_counters.clone() },
+            )
+            .expect("enrol a");
+            pods::enrol(&dp, &pods.b.open().expect("b"), &no_counters).expect("enrol b");
+        }
+        let dir = std::env::temp_dir().join(unique("meshpath-hbone-"));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let ca = LocalCa::generate("meshpath test CA").expect("CA");
+        let (cert_pem, key_pem) = ca.to_pem();
+        std::fs::write(dir.join("ca.pem"), cert_pem).expect("ca.pem");
+        std::fs::write(dir.join("ca-key.pem"), key_pem).expect("ca-key.pem");
+        std::fs::write(dir.join("node1.yaml"), workloads(&pods, &node1_view)).expect("node1.yaml");
+        std::fs::write(dir.join("node2.yaml"), workloads(&pods, &MESHED)).expect("node2.yaml");
+        let mut proxies = Vec::new();
+        for (node, pod, ns) in [("node1", "pod-a", &pods.a), ("node2", "pod-b", &pods.b)] {
+            let mut cmd = Command::new(sibling_bin("meshpath-proxy"));
+            cmd.arg("--workloads").arg(dir.join(format!("{node}.yaml")));
+            cmd.arg("--ca-cert")
+                .arg(dir.join("ca.pem"))
+                .arg("--ca-key")
+                .arg(dir.join("ca-key.pem"));
+            cmd.arg("--pod").arg(format!("{pod}={}", ns.path().display()));
+            cmd.env("RUST_LOG", "warn");
+            proxies.push(TestProxy::spawn(cmd, &cgroup).expect("meshpath-proxy"));
+        }
+        Self { _proxies: proxies, _cgroup: cgroup, pods, _root: root, ca, dir }
+    }
+
+    fn b(&self, v6: bool, port: u16) -> SocketAddr {
+        SocketAddr::new(if v6 { self.pods.b_ip6.into() } else { self.pods.b_ip.into() }, port)
+    }
+
+    /// An echo server in pod b for one connection; returns the address it was connected from.
+    fn echo_in_b(&self, addr: SocketAddr) -> std::thread::JoinHandle<std::io::Result<SocketAddr>> {
+        let l = self
+            .pods
+            .b
+            .open()
+            .expect("b")
+            .run(|| TcpListener::bind(addr))
+            .expect("netns")
+            .expect("bind");
+        std::thread::spawn(move || {
+            let (mut c, peer) = l.accept()?;
+            let mut buf = [0u8; 65536];
+            loop {
+                match c.read(&mut buf)? {
+                    0 => return Ok(peer),
+                    n => c.write_all(&buf[..n])?,
+                }
+            }
+        })
+    }
+
+    /// The app in pod a: sends `payload` to `dst`, returns what came back.
+    fn app_round_trip(&self, dst: SocketAddr, payload: &[u8]) -> std::io::Result<Vec<u8>> {
+        let mut conn = self
+            .pods
+            .a
+            .open()
+            .expect("a")
+            .run(|| std::net::TcpStream::connect_timeout(&dst, Duration::from_secs(5)))
+            .expect("netns")?;
+        conn.set_read_timeout(Some(Duration::from_secs(10)))?;
+        let mut w = conn.try_clone()?;
+        let p = payload.to_vec();
+        let writer = std::thread::spawn(move || -> std::io::Result<()> {
+            w.write_all(&p)?;
+            w.shutdown(std::net::Shutdown::Write)
+        });
+        let mut back = Vec::new();
+        conn.read_to_end(&mut back)?;
+        let _ = writer.join();
+        Ok(back)
+    }
+}
+
+fn hbone_round_trip(v6: bool) {
+    let nodes = TwoNodes::new(MESHED);
+    let dst = nodes.b(v6, 8080);
+    let server = nodes.echo_in_b(dst);
+    let payload: Vec<u8> = (0..200_000u32).map(|i| (i % 253) as u8).collect();
+    let back = nodes.app_round_trip(dst, &payload).expect("round trip");
+    assert_eq!(back, payload);
+    // The app was reached by node 2's proxy from inside pod b, not by pod a directly.
+    let from = server.join().expect("server").expect("server io");
+    assert_eq!(from.ip(), dst.ip(), "the app was not reached through HBONE (v6={v6})");
+}
+
+#[test]
+fn an_app_reaches_a_meshed_pod_through_hbone_v4() {
+    hbone_round_trip(false);
+}
+
+#[test]
+fn an_app_reaches_a_meshed_pod_through_hbone_v6() {
+    hbone_round_trip(true);
+}
+
+#[test]
+fn an_unmeshed_destination_is_reached_by_passthrough() {
+    let nodes = TwoNodes::new(View { b_protocol: "TCP", ..MESHED });
+    let dst = nodes.b(false, 8081);
+    let server = nodes.echo_in_b(dst);
+    assert_eq!(nodes.app_round_trip(dst, b"plain").expect("round trip"), b"plain");
+    let from = server.join().expect("server").expect("server io");
+    assert_eq!(from.ip(), IpAddr::from(nodes.pods.a_ip), "passthrough leaves from pod a's address");
+}
+
+#[test]
+fn a_server_with_another_identity_is_refused() {
+    // Node 1 expects pod b to be sa-expected; node 2 gives it sa-b.
+    let nodes = TwoNodes::new(View { b_service_account: "sa-expected", ..MESHED });
+    let dst = nodes.b(false, 8082);
+    let listener = nodes
+        .pods
+        .b
+        .open()
+        .expect("b")
+        .run(|| TcpListener::bind(dst))
+        .expect("netns")
+        .expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let back = nodes.app_round_trip(dst, b"secret").unwrap_or_default();
+    assert!(back.is_empty(), "data came back through a server with the wrong identity");
+    assert!(listener.accept().is_err(), "the app was reached");
+}
+
+#[test]
+fn plaintext_to_the_hbone_port_is_refused() {
+    let nodes = TwoNodes::new(MESHED);
+    let hbone_port = nodes.b(false, 15008);
+    // From pod b itself, which is not captured outbound.
+    let mut conn = nodes
+        .pods
+        .b
+        .open()
+        .expect("b")
+        .run(|| std::net::TcpStream::connect(hbone_port))
+        .expect("netns")
+        .expect("connect");
+    conn.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    conn.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").expect("send");
+    let mut buf = [0u8; 512];
+    let n = conn.read(&mut buf).unwrap_or(0);
+    assert!(!String::from_utf8_lossy(&buf[..n]).contains("HTTP/1.1 200"), "plaintext was served");
+}
+
+/// A raw HBONE client in pod b's netns with a certificate from the mesh CA, as another node's
+/// proxy would be.
+async fn raw_connect(nodes: &TwoNodes, dst: SocketAddr) -> Result<(), HboneError> {
+    let gateway = nodes.b(false, 15008);
+    let client = nodes
+        .ca
+        .issue(&Identity::new("cluster.local", "default", "sa-a"), Duration::from_secs(600))
+        .expect("cert");
+    let config = tls::client_config(
+        &client,
+        std::slice::from_ref(&nodes.ca.cert_der),
+        vec![Identity::new("cluster.local", "default", "sa-b")],
+    )
+    .expect("client config");
+    let std = nodes
+        .pods
+        .b
+        .open()
+        .expect("b")
+        .run(|| std::net::TcpStream::connect(gateway))
+        .expect("netns")
+        .expect("tcp");
+    std.set_nonblocking(true).expect("nonblocking");
+    let tcp = tokio::net::TcpStream::from_std(std).expect("tokio");
+    hbone::connect(tcp, gateway, dst, Arc::clone(&config), None).await.map(drop)
+}
+
+#[tokio::test]
+async fn connect_to_an_address_other_than_the_one_dialed_is_answered_400() {
+    let nodes = TwoNodes::new(MESHED);
+    let other = SocketAddr::new(nodes.pods.a_ip.into(), 8083);
+    match raw_connect(&nodes, other).await {
+        Err(HboneError::Status { status, .. }) => assert_eq!(status, 400),
+        other => panic!("expected 400, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn connect_to_an_app_that_is_not_listening_is_answered_503() {
+    let nodes = TwoNodes::new(MESHED);
+    match raw_connect(&nodes, nodes.b(false, 1)).await {
+        Err(HboneError::Status { status, .. }) => assert_eq!(status, 503),
+        other => panic!("expected 503, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn connect_to_a_listening_app_is_answered_200() {
+    let nodes = TwoNodes::new(MESHED);
+    let dst = nodes.b(false, 8084);
+    let _server = nodes.echo_in_b(dst);
+    raw_connect(&nodes, dst).await.expect("200");
+}

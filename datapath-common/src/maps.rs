@@ -120,8 +120,11 @@ pub struct ConnKey {
     pub port: u16,
     /// 4 or 6: the IP version of the app↔proxy hop (a v4-mapped IPv6 socket counts as 4).
     pub ip_version: u16,
+    /// The proxy listener's port the app was sent to (15001, or 15053 for DNS), host order:
+    /// two connections may share an app port towards different listeners.
+    pub proxy_port: u16,
     /// Zero.
-    pub _pad: u32,
+    pub _pad: u16,
 }
 
 /// One of a pod's IP addresses, as the kernel hands them to programs (network-order words), an

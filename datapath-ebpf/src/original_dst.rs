@@ -2,8 +2,8 @@
 //! `getsockopt(SOL_IPV6, IP6T_SO_ORIGINAL_DST)` on a socket the proxy accepted from a captured
 //! app, exactly as netfilter would after REDIRECT, so a proxy written for iptables capture needs
 //! no change. For inbound (sk_lookup does not rewrite addresses) the answer is the accepted
-//! socket's own local address, given only to the proxy, on sockets of a pod captured inbound.
-//! Every other getsockopt passes through untouched.
+//! socket's own local address, on sockets of a pod captured inbound. Only callers in the proxy's
+//! cgroup are answered; every other getsockopt passes through untouched.
 
 use aya_ebpf::{
     helpers::{bpf_get_current_cgroup_id, bpf_get_netns_cookie},
@@ -41,6 +41,10 @@ unsafe fn answer(ctx: &SockoptContext) {
         (SOL_IPV6, IP6T_SO_ORIGINAL_DST) => true,
         _ => return,
     };
+    // Only the proxy is answered.
+    if unsafe { PROXY_CGROUPS.get(&bpf_get_current_cgroup_id()) }.is_none() {
+        return;
+    }
     let sk = unsafe { (*so).__bindgen_anon_1.sk };
     if sk.is_null() {
         return;
@@ -60,7 +64,13 @@ unsafe fn answer(ctx: &SockoptContext) {
     // the outbound listener: an outbound capture; on any other port: an inbound one.
     let local_port = unsafe { (*sk).src_port } as u16;
     let orig = if local_port == ports::OUTBOUND || local_port == ports::DNS {
-        let key = ConnKey { netns, port: peer_port, ip_version: if v4 { 4 } else { 6 }, _pad: 0 };
+        let key = ConnKey {
+            netns,
+            port: peer_port,
+            ip_version: if v4 { 4 } else { 6 },
+            proxy_port: local_port,
+            _pad: 0,
+        };
         match unsafe { ORIG_DST_BY_CONN.get(&key) } {
             Some(o) => *o,
             None => return,
@@ -121,9 +131,6 @@ unsafe fn inbound_orig(
 ) -> Option<OrigDst> {
     let pod = unsafe { PODS.get(&netns) }?;
     if pod.flags & pod_flags::CAPTURE_INBOUND == 0 {
-        return None;
-    }
-    if unsafe { PROXY_CGROUPS.get(&bpf_get_current_cgroup_id()) }.is_none() {
         return None;
     }
     let s = unsafe { &*sk };

@@ -102,7 +102,8 @@ pub fn steer4(ctx: &SockAddrContext) -> i32 {
     let sa = ctx.sock_addr;
     // SAFETY: fields of the kernel's bpf_sock_addr; user_port holds a network-order u16.
     let (ip, port) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
-    if is_loopback4(ip) {
+    // Loopback and the unspecified address (which connects to this host) stay in the pod.
+    if is_loopback4(ip) || ip == 0 {
         return ALLOW;
     }
     let Some(to) = target(ctx, PodIpKey::v4(ip).addr, port) else {
@@ -133,7 +134,7 @@ pub fn steer6(ctx: &SockAddrContext) -> i32 {
         )
     };
     let mapped = is_v4_mapped(&ip);
-    if (mapped && is_loopback4(ip[3])) || ip == LOOPBACK6 {
+    if (mapped && (is_loopback4(ip[3]) || ip[3] == 0)) || ip == LOOPBACK6 || ip == [0; 4] {
         return ALLOW;
     }
     let Some(to) = target(ctx, ip, port) else {
@@ -266,19 +267,19 @@ pub fn mp_sock_ops(ctx: SockOpsContext) -> u32 {
         }
     };
     let v4 = ctx.family() == u32::from(AF_INET) || is_v4_mapped(&ctx.local_ip6());
+    // remote_port holds the network-order port in its upper half.
+    let proxy_port = u16::from_be((ctx.remote_port() >> 16) as u16);
     let key = ConnKey {
         // SAFETY: as above.
         netns: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
         port: ctx.local_port() as u16,
         ip_version: if v4 { 4 } else { 6 },
+        proxy_port,
         _pad: 0,
     };
     let _ = ORIG_DST_BY_CONN.insert(&key, &orig, 0);
-    // The app's end of a connection to the outbound listener (not DNS, not excluded: those are
-    // not in ORIG_DST_BY_SOCKET or go elsewhere).
-    if accelerate::enabled()
-        && u32::from(u16::from_be((ctx.remote_port() >> 16) as u16)) == u32::from(ports::OUTBOUND)
-    {
+    // The app's end of a connection to the outbound listener (not DNS).
+    if accelerate::enabled() && proxy_port == ports::OUTBOUND {
         accelerate::add(&ctx, key.netns);
     }
     1

@@ -386,17 +386,31 @@ pub fn cgroup2_root() -> Result<PathBuf> {
     }
     let mountinfo = fs::read_to_string("/proc/self/mountinfo")
         .map_err(|e| Error::io("reading /proc/self/mountinfo", e))?;
-    mountinfo
+    // (mount point, root of the mount within the hierarchy)
+    let (point, root) = mountinfo
         .lines()
         .find_map(|l| {
             let (pre, post) = l.split_once(" - ")?;
+            let f: Vec<&str> = pre.split_whitespace().collect();
             (post.split_whitespace().next() == Some("cgroup2"))
-                .then(|| pre.split_whitespace().nth(4).map(PathBuf::from))
+                .then(|| Some((PathBuf::from(f.get(4)?), f.get(3)?.to_string())))
                 .flatten()
         })
         .ok_or_else(|| {
             Error::io("finding the cgroup v2 mount", io::Error::other("cgroup2 is not mounted"))
-        })
+        })?;
+    // Programs attached below the real root would capture only that subtree's sockets while
+    // the pods' records said they were captured.
+    if root != "/" {
+        return Err(Error::io(
+            format!("the cgroup v2 mount at {}", point.display()),
+            io::Error::other(format!(
+                "shows only the subtree {root} (a cgroup namespace?); mount the host's cgroup2 root \
+                 or set MESHPATH_CGROUP_ROOT to it"
+            )),
+        ));
+    }
+    Ok(point)
 }
 
 /// A cgroup v2 directory's id, as `bpf_get_current_cgroup_id` reports it: its inode number.

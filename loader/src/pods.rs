@@ -120,8 +120,18 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
         if opts.pod_ips.is_empty() { netns.run(pod_addresses)?? } else { opts.pod_ips.clone() };
     let mut pod_ips = dp.pod_ips()?;
     for &ip in &ips {
-        if let Ok(other) = pod_ips.get(&ip_key(ip), 0) {
-            return Err(Error::AddressInUse { pod, ip, other });
+        match pod_ips.get(&ip_key(ip), 0) {
+            Ok(other) if netns_alive(dp, other)? => {
+                return Err(Error::AddressInUse { pod, ip, other });
+            }
+            // The address's previous owner is gone (deleted without unenrol): reclaim it now,
+            // as reconcile would, so the address can be reused at once.
+            Ok(other) => {
+                warn!(cookie = other, %ip, "reclaiming a vanished pod that still held this address");
+                remove_all(dp, other)?;
+            }
+            Err(MapError::KeyNotFound) => {}
+            Err(e) => return Err(Error::bpf("reading POD_IPS", e)),
         }
     }
     let mut undo = Undo { dp, cookie, armed: true };
@@ -314,46 +324,82 @@ pub fn is_enrolled(dp: &Datapath, cookie: NetnsCookie) -> Result<bool> {
 /// Removes the pod's links (unpinning detaches them), its directory and its map entries.
 /// Missing pieces are not errors: this also finishes a half-done enrolment.
 fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
-    let dir = dp.pod_dir(cookie);
-    match fs::read_dir(&dir) {
-        Ok(entries) => {
-            for entry in entries.flatten() {
-                fs::remove_file(entry.path())
-                    .map_err(|e| Error::io(format!("unpinning {}", entry.path().display()), e))?;
-            }
-            fs::remove_dir(&dir)
-                .map_err(|e| Error::io(format!("removing {}", dir.display()), e))?;
-        }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(Error::io(format!("reading {}", dir.display()), e)),
-    }
-    // PODS first: capture stops before anything it relies on goes.
-    let mut results = vec![dp.pods()?.remove(&cookie)];
-    let mut excluded = dp.excluded_ports()?;
-    let keys: Vec<PortKey> = excluded.keys().flatten().filter(|k| k.netns == cookie).collect();
-    results.extend(keys.iter().map(|k| excluded.remove(k)));
-    results.push(dp.counters()?.remove(&cookie));
-    let mut cidrs = dp.excluded_cidrs()?;
-    let mine = cookie.to_ne_bytes();
-    let keys: Vec<Key<CidrKey>> =
-        cidrs.keys().flatten().filter(|k| k.data().netns == mine).collect();
-    results.extend(keys.iter().map(|k| cidrs.remove(k)));
-    let mut pod_ips = dp.pod_ips()?;
-    let ips: Vec<PodIpKey> =
-        pod_ips.iter().flatten().filter(|(_, c)| *c == cookie).map(|(k, _)| k).collect();
-    results.extend(ips.iter().map(|k| pod_ips.remove(k)));
-    results.push(dp.inbound_listeners()?.remove(&inbound_listener_key(cookie)));
-    for res in results {
+    // Every step runs even if one fails; the failures are reported together at the end.
+    let mut failed: Vec<String> = Vec::new();
+    fn map_step(failed: &mut Vec<String>, what: &str, res: Result<Vec<Result<(), MapError>>>) {
         match res {
-            Ok(()) | Err(MapError::KeyNotFound) => {}
-            // SOCKHASH deletes report a missing key as the raw ENOENT.
-            Err(MapError::SyscallError(e)) if e.io_error.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => {
-                return Err(Error::bpf(format!("removing map entries of cookie {cookie}"), e))
+            Ok(results) => {
+                for r in results {
+                    match r {
+                        Ok(()) | Err(MapError::KeyNotFound) => {}
+                        // SOCKHASH deletes report a missing key as the raw ENOENT.
+                        Err(MapError::SyscallError(e))
+                            if e.io_error.kind() == io::ErrorKind::NotFound => {}
+                        Err(e) => failed.push(format!("{what}: {e}")),
+                    }
+                }
             }
+            Err(e) => failed.push(format!("{what}: {e}")),
         }
     }
-    Ok(())
+    // PODS first: capture turns off for the pod while everything it relies on is still there
+    // (inbound, still linked, then refuses: POD_IPS without PODS is SK_DROP).
+    map_step(&mut failed, "PODS", dp.pods().map(|mut m| vec![m.remove(&cookie)]));
+
+    let dir = dp.pod_dir(cookie);
+    let unpin = || -> io::Result<()> {
+        for entry in fs::read_dir(&dir)?.flatten() {
+            fs::remove_file(entry.path())?;
+        }
+        fs::remove_dir(&dir)
+    };
+    match unpin() {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => failed.push(format!("unpinning {}: {e}", dir.display())),
+    }
+
+    map_step(
+        &mut failed,
+        "EXCLUDED_PORTS",
+        dp.excluded_ports().map(|mut m| {
+            let keys: Vec<PortKey> = m.keys().flatten().filter(|k| k.netns == cookie).collect();
+            keys.iter().map(|k| m.remove(k)).collect()
+        }),
+    );
+    map_step(&mut failed, "POD_COUNTERS", dp.counters().map(|mut m| vec![m.remove(&cookie)]));
+    let mine = cookie.to_ne_bytes();
+    map_step(
+        &mut failed,
+        "EXCLUDED_CIDRS",
+        dp.excluded_cidrs().map(|mut m| {
+            let keys: Vec<Key<CidrKey>> =
+                m.keys().flatten().filter(|k| k.data().netns == mine).collect();
+            keys.iter().map(|k| m.remove(k)).collect()
+        }),
+    );
+    map_step(
+        &mut failed,
+        "POD_IPS",
+        dp.pod_ips().map(|mut m| {
+            let keys: Vec<PodIpKey> =
+                m.iter().flatten().filter(|(_, c)| *c == cookie).map(|(k, _)| k).collect();
+            keys.iter().map(|k| m.remove(k)).collect()
+        }),
+    );
+    map_step(
+        &mut failed,
+        "INBOUND_LISTENERS",
+        dp.inbound_listeners().map(|mut m| vec![m.remove(&inbound_listener_key(cookie))]),
+    );
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::io(
+            format!("removing the pod with netns cookie {cookie}"),
+            io::Error::other(failed.join("; ")),
+        ))
+    }
 }
 
 /// Undoes a partial enrolment when dropped while armed.
@@ -392,7 +438,7 @@ pub fn reconcile(dp: &Datapath) -> Result<ReconcileReport> {
     let recorded: Vec<NetnsCookie> =
         dp.pods()?.keys().collect::<Result<_, _>>().map_err(|e| Error::bpf("reading PODS", e))?;
     for &cookie in &recorded {
-        if netns_alive(dp, cookie) {
+        if netns_alive(dp, cookie)? {
             report.kept.push(cookie);
         } else {
             remove_all(dp, cookie)?;
@@ -418,15 +464,15 @@ pub fn reconcile(dp: &Datapath) -> Result<ReconcileReport> {
 }
 
 /// Whether the pod's netns still exists: its pinned sk_lookup link is still attached (the
-/// kernel detaches netns links, target inode 0, when the netns is destroyed).
-fn netns_alive(dp: &Datapath, cookie: NetnsCookie) -> bool {
+/// kernel detaches netns links, target inode 0, when the netns is destroyed). A missing link
+/// counts as gone; any other error is reported, never taken as "gone" (that would turn capture
+/// off for a live pod).
+pub fn netns_alive(dp: &Datapath, cookie: NetnsCookie) -> Result<bool> {
     let pin = dp.pod_dir(cookie).join(link_pins::SK_LOOKUP);
     match crate::sys::pinned_link_target(&pin) {
-        Ok(inode) => inode != 0,
-        Err(e) => {
-            warn!(cookie, error = %e, "pod has no readable netns link; treating its netns as gone");
-            false
-        }
+        Ok(inode) => Ok(inode != 0),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(Error::io(format!("reading the netns link of cookie {cookie}"), e)),
     }
 }
 

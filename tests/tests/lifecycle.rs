@@ -145,3 +145,31 @@ fn capture_carries_on_while_loader_processes_are_killed_and_restarted() {
     assert!(mesh.proxy.as_ref().expect("proxy").wait_for_line("ACCEPTED", Duration::from_secs(5)));
     eprintln!("killed {kills} loader processes mid-flight");
 }
+
+#[test]
+fn an_address_left_by_a_vanished_pod_can_be_enrolled_again_at_once() {
+    require_root();
+    let root = PinRoot::new();
+    let dp = root.datapath().expect("datapath");
+    let old = PodPair::new().expect("old pods");
+    let gone = pods::enrol(&dp, &old.a.open().expect("netns"), &full_capture()).expect("enrol old");
+    old.a.delete().expect("delete the old pod's netns");
+    // Same address (10.199.0.1), new pod: reclaimed as soon as the kernel has torn the old netns down.
+    let new = PodPair::new().expect("new pods");
+    let ns = new.a.open().expect("netns");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let cookie = loop {
+        match pods::enrol(&dp, &ns, &full_capture()) {
+            Ok(c) => break c,
+            Err(meshpath_loader::Error::AddressInUse { other, .. })
+                if other == gone && Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => panic!("enrol: {e}"),
+        }
+    };
+    assert_ne!(cookie, gone);
+    let left: Vec<u64> = pods::list(&dp).expect("list").iter().map(|p| p.cookie).collect();
+    assert_eq!(left, [cookie], "the vanished pod was not reclaimed");
+}

@@ -11,7 +11,7 @@ use meshpath_proxy::{
     config::WorkloadStore,
     identity::LocalCa,
     inbound::{self, Pod, Shared},
-    outbound,
+    inbound_plaintext, outbound,
 };
 
 #[derive(Parser)]
@@ -32,6 +32,20 @@ struct Cli {
     /// Lifetime of minted workload certificates, in hours.
     #[arg(long, default_value_t = 24)]
     cert_hours: u64,
+    /// The datapath's pin root: when given, each pod's inbound plaintext listener (15006) is
+    /// opened and registered there.
+    #[arg(long)]
+    pin_root: Option<PathBuf>,
+}
+
+/// `meshpath-proxy new-ca DIR`: writes a new CA (ca.pem, ca-key.pem) for tests and the demo.
+fn new_ca(dir: &std::path::Path) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let (cert, key) = LocalCa::generate("meshpath local CA")?.to_pem();
+    std::fs::write(dir.join("ca.pem"), cert)?;
+    std::fs::write(dir.join("ca-key.pem"), key)?;
+    println!("wrote {0}/ca.pem and {0}/ca-key.pem", dir.display());
+    Ok(())
 }
 
 fn main() -> ExitCode {
@@ -43,7 +57,15 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    match run(Cli::parse()) {
+    let args: Vec<String> = std::env::args().collect();
+    let res = match args.get(1).map(String::as_str) {
+        Some("new-ca") => match args.get(2) {
+            Some(dir) => new_ca(dir.as_ref()),
+            None => Err(anyhow::anyhow!("usage: meshpath-proxy new-ca DIR")),
+        },
+        _ => run(Cli::parse()),
+    };
+    match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("meshpath-proxy: {e:#}");
@@ -88,6 +110,9 @@ fn run(cli: Cli) -> Result<()> {
             for pod in &pods {
                 outbound::start(pod.clone())?;
                 inbound::start(pod.clone())?;
+                if let Some(root) = &cli.pin_root {
+                    inbound_plaintext::start(pod.clone(), root)?;
+                }
                 tracing::info!(pod = %pod.uid, identity = %pod.identity, "serving");
             }
             let mut out = std::io::stdout().lock();

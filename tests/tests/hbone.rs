@@ -24,9 +24,12 @@ use meshpath_tests::{require_root, sibling_bin, unique, CgroupGuard, PinRoot, Po
 struct View {
     b_protocol: &'static str,
     b_service_account: &'static str,
+    /// Whether pod b's inbound plaintext is captured (to node 2's proxy on 15006).
+    b_inbound_captured: bool,
 }
 
-const MESHED: View = View { b_protocol: "HBONE", b_service_account: "sa-b" };
+const MESHED: View =
+    View { b_protocol: "HBONE", b_service_account: "sa-b", b_inbound_captured: false };
 
 struct TwoNodes {
     _proxies: Vec<TestProxy>,
@@ -67,7 +70,8 @@ impl TwoNodes {
                 &EnrolOptions { capture_outbound: true, ..no_counters.clone() },
             )
             .expect("enrol a");
-            pods::enrol(&dp, &pods.b.open().expect("b"), &no_counters).expect("enrol b");
+            let b = EnrolOptions { capture_inbound: node1_view.b_inbound_captured, ..no_counters };
+            pods::enrol(&dp, &pods.b.open().expect("b"), &b).expect("enrol b");
         }
         let dir = std::env::temp_dir().join(unique("meshpath-hbone-"));
         std::fs::create_dir_all(&dir).expect("temp dir");
@@ -86,6 +90,7 @@ impl TwoNodes {
                 .arg("--ca-key")
                 .arg(dir.join("ca-key.pem"));
             cmd.arg("--pod").arg(format!("{pod}={}", ns.path().display()));
+            cmd.arg("--pin-root").arg(root.path());
             cmd.env("RUST_LOG", "warn");
             proxies.push(TestProxy::spawn(cmd, &cgroup).expect("meshpath-proxy"));
         }
@@ -264,4 +269,16 @@ async fn connect_to_a_listening_app_is_answered_200() {
     let dst = nodes.b(false, 8084);
     let _server = nodes.echo_in_b(dst);
     raw_connect(&nodes, dst).await.expect("200");
+}
+
+#[test]
+fn plaintext_to_a_pod_captured_inbound_goes_through_its_proxy() {
+    // Node 1 sees pod b as unmeshed (passthrough), so pod a sends plain TCP; pod b captures
+    // inbound, so node 2's proxy takes it on 15006 and connects to the app from inside pod b.
+    let nodes = TwoNodes::new(View { b_protocol: "TCP", b_inbound_captured: true, ..MESHED });
+    let dst = nodes.b(false, 8085);
+    let server = nodes.echo_in_b(dst);
+    assert_eq!(nodes.app_round_trip(dst, b"plain in").expect("round trip"), b"plain in");
+    let from = server.join().expect("server").expect("server io");
+    assert_eq!(from.ip(), dst.ip(), "the app was not reached through node 2's proxy");
 }

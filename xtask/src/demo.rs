@@ -1,13 +1,12 @@
-//! `cargo xtask demo`: a local node in network namespaces, its pods' traffic steered through a
-//! proxy by meshpath's eBPF capture, with no netfilter rule.
+//! `cargo xtask demo`: a local node in network namespaces, its pods' traffic steered by
+//! meshpath's eBPF capture (no netfilter rule) into the node's HBONE proxy and carried between
+//! pods over HTTP/2 CONNECT with mutual TLS and SPIFFE identities.
 //!
 //! A node namespace holds a bridge; two pod namespaces hang off it by veth; both pods are
-//! enrolled with `meshpath-loader` (pod-a: outbound capture, pod-b: inbound capture); a
-//! forwarding proxy runs inside each pod's netns, in a cgroup registered as the proxy's (until
-//! the HBONE proxy lands this is `meshpath-test-proxy`, which reads the original destination
-//! with `SO_ORIGINAL_DST` exactly as an iptables-era proxy does); iperf3 runs from pod-a to
-//! pod-b, through both proxies; the connections each proxy saw and the per-pod counters are
-//! printed; everything is removed on exit, on error and on Ctrl-C.
+//! enrolled with `meshpath-loader` (outbound and inbound capture); one `meshpath-proxy` serves
+//! both pods, in a cgroup registered as the proxy's, with certificates minted from a CA made for
+//! the run; iperf3 runs from pod-a to pod-b; what the proxy carried (identities, bytes) and the
+//! per-pod counters are printed; everything is removed on exit, on error and on Ctrl-C.
 
 use std::{
     fs,
@@ -26,8 +25,9 @@ use anyhow::{bail, Context as _, Result};
 const BRIDGE: &str = "br0";
 const NODE_IP: &str = "10.244.0.1/24";
 /// (pod, address, enrolment flags)
+/// (pod, address, service account)
 const PODS: [(&str, &str, &str); 2] =
-    [("pod-a", "10.244.0.10", "--capture-outbound"), ("pod-b", "10.244.0.11", "--capture-inbound")];
+    [("pod-a", "10.244.0.10", "sleep"), ("pod-b", "10.244.0.11", "httpbin")];
 
 /// Everything the demo created, removed on drop in reverse order.
 struct Node {
@@ -38,6 +38,8 @@ struct Node {
     enrolled: Vec<String>,
     cgroup: Option<PathBuf>,
     proxies: Vec<Child>,
+    /// CA and workload files for the run.
+    files: PathBuf,
 }
 
 impl Node {
@@ -73,19 +75,24 @@ impl Node {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
-    /// Starts the forwarding proxy inside a pod's netns, in the proxy cgroup; its `ACCEPTED`
-    /// lines are collected in `seen`.
-    fn start_proxy(&mut self, pod: &str, seen: Arc<Mutex<Vec<String>>>) -> Result<()> {
+    /// Starts the node's `meshpath-proxy` for every pod, in the proxy cgroup; the connections
+    /// it reports carrying are collected in `seen`.
+    fn start_proxy(&mut self, seen: Arc<Mutex<Vec<String>>>) -> Result<()> {
         let cgroup = self.cgroup.as_ref().context("no proxy cgroup")?;
         let procs = fs::OpenOptions::new()
             .write(true)
             .open(cgroup.join("cgroup.procs"))
             .context("cgroup.procs")?;
         let fd = procs.as_raw_fd();
-        let mut cmd = Command::new(self.bin_dir.join("meshpath-test-proxy"));
-        cmd.arg(self.netns_path(pod)).arg("forward").arg(&self.pin_root);
-        // Its stderr reports peers resetting at iperf3's teardown: noise in a demo.
-        cmd.stdout(Stdio::piped()).stderr(Stdio::null());
+        let mut cmd = Command::new(self.bin_dir.join("meshpath-proxy"));
+        cmd.arg("--workloads").arg(self.files.join("workloads.yaml"));
+        cmd.arg("--ca-cert").arg(self.files.join("ca.pem"));
+        cmd.arg("--ca-key").arg(self.files.join("ca-key.pem"));
+        cmd.arg("--pin-root").arg(&self.pin_root);
+        for (pod, _, _) in PODS {
+            cmd.arg("--pod").arg(format!("{pod}={}", self.netns_path(pod)));
+        }
+        cmd.env("RUST_LOG", "info").stdout(Stdio::piped()).stderr(Stdio::piped());
         // SAFETY: only write(2) between fork and exec, on an fd open until spawn returns.
         unsafe {
             cmd.pre_exec(move || {
@@ -95,24 +102,33 @@ impl Node {
                 Ok(())
             });
         }
-        let mut child = cmd.spawn().context("starting the proxy")?;
+        let mut child = cmd.spawn().context("starting meshpath-proxy")?;
         drop(procs);
         let stdout = child.stdout.take().context("proxy stdout")?;
-        let (tx, rx) = std::sync::mpsc::channel();
-        let pod = pod.to_owned();
+        let stderr = child.stderr.take().context("proxy stderr")?;
         std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if line == "READY" {
-                    let _ = tx.send(());
-                } else if let Some(orig) = line.strip_prefix("ACCEPTED ") {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if line.contains("hbone connection closed") {
                     if let Ok(mut s) = seen.lock() {
-                        s.push(format!("{pod} proxy accepted a connection for {orig}"));
+                        // Drop the timestamp and target: keep the message and its fields.
+                        let msg = line.split_once("closed").map_or(line.as_str(), |(_, rest)| rest);
+                        let kind = if line.contains("inbound") { "inbound " } else { "outbound" };
+                        s.push(format!("{kind} HBONE:{msg}"));
                     }
                 }
             }
         });
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if line == "READY" {
+                    let _ = tx.send(());
+                }
+            }
+        });
         self.proxies.push(child);
-        rx.recv_timeout(std::time::Duration::from_secs(10)).context("the proxy did not start")?;
+        rx.recv_timeout(std::time::Duration::from_secs(10))
+            .context("meshpath-proxy did not start")?;
         Ok(())
     }
 }
@@ -136,6 +152,7 @@ impl Drop for Node {
         if let Some(cg) = self.cgroup.take() {
             let _ = fs::remove_dir(cg);
         }
+        let _ = fs::remove_dir_all(&self.files);
         for ns in self.namespaces.drain(..).rev() {
             let _ = Command::new("ip").args(["netns", "del", &ns]).status();
         }
@@ -188,11 +205,12 @@ pub fn run(bin_dir: &Path) -> Result<()> {
     let mut node = Node {
         pin_root: PathBuf::from(format!("/sys/fs/bpf/meshpath-demo-{tag}")),
         cgroup: None,
-        tag,
+        tag: tag.clone(),
         bin_dir: bin_dir.to_owned(),
         namespaces: Vec::new(),
         enrolled: Vec::new(),
         proxies: Vec::new(),
+        files: PathBuf::from(format!("/run/meshpath-demo-{tag}")),
     };
 
     println!("demo: creating node namespace {} with bridge {BRIDGE}", node.ns("node"));
@@ -224,26 +242,49 @@ pub fn run(bin_dir: &Path) -> Result<()> {
     fs::create_dir(&cgroup).with_context(|| format!("creating {}", cgroup.display()))?;
     node.cgroup = Some(cgroup.clone());
     print!("demo: {}", node.loader(&["proxy-cgroup", "--cgroup", &cgroup.display().to_string()])?);
-    for (pod, _, capture) in PODS {
+    for (pod, _, _) in PODS {
         check()?;
         let path = node.netns_path(pod);
         let name = format!("default/{pod}");
-        print!("demo: {}", node.loader(&["enrol", "--netns", &path, "--name", &name, capture])?);
+        let enrolled = node.loader(&[
+            "enrol",
+            "--netns",
+            &path,
+            "--name",
+            &name,
+            "--capture-outbound",
+            "--capture-inbound",
+        ])?;
+        print!("demo: {enrolled}");
         node.enrolled.push(path);
     }
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    for (pod, _, _) in PODS {
-        println!(
-            "demo: starting a forwarding proxy inside {pod}'s netns (cgroup {})",
-            cgroup.display()
-        );
-        node.start_proxy(pod, seen.clone())?;
+
+    println!("demo: making a CA for the run and the workload list (ztunnel's format)");
+    fs::create_dir_all(&node.files)?;
+    let out = Command::new(bin_dir.join("meshpath-proxy"))
+        .arg("new-ca")
+        .arg(&node.files)
+        .output()
+        .context("meshpath-proxy new-ca")?;
+    if !out.status.success() {
+        bail!("meshpath-proxy new-ca: {}", String::from_utf8_lossy(&out.stderr).trim());
     }
+    let mut yaml = String::from("workloads:\n");
+    for (pod, ip, sa) in PODS {
+        yaml += &format!(
+            "- uid: {pod}\n  name: {pod}\n  namespace: default\n  serviceAccount: {sa}\n  \
+             workloadIps: [\"{ip}\"]\n  protocol: HBONE\n"
+        );
+    }
+    fs::write(node.files.join("workloads.yaml"), yaml)?;
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    println!("demo: starting meshpath-proxy for both pods (cgroup {})", cgroup.display());
+    node.start_proxy(seen.clone())?;
 
     let (server_ns, server_ip) = (node.netns_path(PODS[1].0), PODS[1].1);
     let client_ns = node.netns_path(PODS[0].0);
     println!(
-        "demo: iperf3 from {} to {} for 3 s (pod-a's proxy → pod-b's proxy → iperf3)",
+        "demo: iperf3 from {} to {} for 3 s (captured → HBONE over mTLS → pod-b)",
         PODS[0].0, PODS[1].0
     );
     let mut server = Command::new("nsenter")
@@ -267,9 +308,10 @@ pub fn run(bin_dir: &Path) -> Result<()> {
     for line in String::from_utf8_lossy(&client.stdout).lines().filter(|l| l.contains("receiver")) {
         println!("demo: iperf3: {}", line.trim());
     }
-    std::thread::sleep(std::time::Duration::from_millis(200));
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    println!("demo: what meshpath-proxy carried:");
     for line in seen.lock().map(|s| s.clone()).unwrap_or_default() {
-        println!("demo: {line}");
+        println!("demo:   {line}");
     }
     println!("demo: per-pod counters (TC on each pod's eth0, read from the pinned map):");
     print!("{}", node.loader(&["list"])?);

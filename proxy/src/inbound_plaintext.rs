@@ -1,0 +1,43 @@
+//! Inbound plaintext: TCP that the datapath steered to the pod's `[::]:15006` (sk_lookup, any
+//! port but 15008) is forwarded to the app it was addressed to, connecting from inside the pod.
+//! The listener is registered in the datapath's `INBOUND_LISTENERS`, as the datapath requires;
+//! while no proxy has it registered, the pod refuses such connections (fail closed).
+
+use std::{net::SocketAddr, path::Path, sync::Arc};
+
+use datapath_common::consts::ports;
+use meshpath_loader::datapath::Datapath;
+use tokio::net::{TcpListener, TcpStream};
+use tracing::{info, warn};
+
+use crate::{inbound::Pod, netns, outbound::original_dst};
+
+/// Opens the pod's 15006 listener, registers it with the datapath under `pin_root`, serves it.
+pub fn start(pod: Arc<Pod>, pin_root: &Path) -> anyhow::Result<()> {
+    let listener =
+        netns::listen(&pod.netns, SocketAddr::from(([0u16; 8], ports::INBOUND_PLAINTEXT)))?;
+    Datapath::open_or_load(pin_root)?.register_inbound_listener(pod.netns.cookie(), &listener)?;
+    tokio::spawn(accept_loop(listener, pod));
+    Ok(())
+}
+
+async fn accept_loop(listener: TcpListener, pod: Arc<Pod>) {
+    while let Ok((conn, peer)) = listener.accept().await {
+        let pod = pod.clone();
+        tokio::spawn(async move {
+            if let Err(e) = handle(conn, peer, &pod).await {
+                warn!(pod = %pod.uid, %peer, error = %e, "inbound plaintext connection failed");
+            }
+        });
+    }
+}
+
+async fn handle(mut conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<()> {
+    // sk_lookup does not rewrite: the original destination is the accepted socket's address
+    // (SO_ORIGINAL_DST, answered by the datapath, agrees).
+    let dst = original_dst(&conn)?;
+    let mut app = netns::socket(&pod.netns, dst)?.connect(dst).await?;
+    let (up, down) = tokio::io::copy_bidirectional(&mut conn, &mut app).await?;
+    info!(pod = %pod.uid, src = %peer, %dst, up, down, "inbound plaintext connection closed");
+    Ok(())
+}

@@ -81,14 +81,13 @@ fn run(cli: Cli) -> Result<()> {
             }
             let path = bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: true })?;
             let bin_dir = cargo::build(path.as_deref(), true)?;
-            let out = cargo::workspace_root().join("results").join(format!("{which}.json"));
-            bootstrap::run(
-                std::process::Command::new(bin_dir.join("meshpath-bench"))
-                    .arg(&which)
-                    .arg("--out")
-                    .arg(out)
-                    .args(args),
-            )?;
+            let mut cmd = std::process::Command::new(bin_dir.join("meshpath-bench"));
+            cmd.arg(&which);
+            if !args.iter().any(|a| a == "--out" || a.starts_with("--out=")) {
+                let out = cargo::workspace_root().join("results").join(format!("{which}.json"));
+                cmd.arg("--out").arg(out);
+            }
+            bootstrap::run(cmd.args(args))?;
         }
         Cmd::Demo => {
             if !bootstrap::is_root() {

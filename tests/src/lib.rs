@@ -319,8 +319,8 @@ pub struct TestProxy {
 }
 
 impl TestProxy {
-    /// Starts the proxy (`mode` is `echo` or `forward`) and waits until it listens. With a pin
-    /// root it also serves inbound capture (registering its listener there).
+    /// Starts `meshpath-test-proxy` (`mode` is `echo` or `forward`) and waits until it
+    /// listens. With a pin root it also serves inbound capture (registering its listener there).
     pub fn start(
         bin: &Path,
         netns: &Path,
@@ -329,46 +329,9 @@ impl TestProxy {
         pin_root: Option<&Path>,
         envs: &[(&str, &str)],
     ) -> Result<Self> {
-        use std::os::fd::AsRawFd as _;
-        use std::{io::BufRead as _, os::unix::process::CommandExt as _};
-        // Opened before fork: between fork and exec only write(2) runs (no allocation).
-        let procs = std::fs::OpenOptions::new()
-            .write(true)
-            .open(cgroup.path().join("cgroup.procs"))
-            .context("opening cgroup.procs")?;
-        let procs_fd = procs.as_raw_fd();
         let mut cmd = Command::new(bin);
         cmd.arg(netns).arg(mode).args(pin_root).envs(envs.iter().copied());
-        cmd.stdout(std::process::Stdio::piped());
-        // SAFETY: the closure only calls write(2) on an fd that stays open until spawn returns;
-        // "0" moves the writing process (the child) into the cgroup before it execs.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::write(procs_fd, b"0".as_ptr().cast(), 1) != 1 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let mut child = cmd.spawn().context("starting meshpath-test-proxy")?;
-        drop(procs);
-        let stdout = child.stdout.take().context("proxy stdout")?;
-        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let sink = lines.clone();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
-                if line == "READY" {
-                    let _ = ready_tx.send(());
-                }
-                sink.lock().unwrap_or_else(|p| p.into_inner()).push(line);
-            }
-        });
-        let proxy = Self { child, lines };
-        ready_rx
-            .recv_timeout(std::time::Duration::from_secs(10))
-            .context("meshpath-test-proxy did not become ready")?;
-        Ok(proxy)
+        Self::spawn(cmd, cgroup)
     }
 
     /// Starts `cmd` in `cgroup` and waits for its `READY` line (any program that prints one).

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use datapath_common::consts::ports;
 use h2::server::SendResponse;
 use meshpath_loader::netns::Netns;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio_rustls::TlsAcceptor;
 use tracing::{debug, info, warn};
 
@@ -28,6 +28,8 @@ pub struct Shared {
     pub store: WorkloadStore,
     pub ca: LocalCa,
     pub roots: Vec<rustls::pki_types::CertificateDer<'static>>,
+    /// Shutdown switch and the connections it waits for.
+    pub drain: crate::drain::Drain,
 }
 
 /// One pod served by this proxy.
@@ -45,19 +47,20 @@ pub struct Pod {
 pub fn start(pod: Arc<Pod>) -> anyhow::Result<()> {
     let listener = netns::listen(&pod.netns, SocketAddr::from(([0u16; 8], ports::HBONE)))?;
     let acceptor = TlsAcceptor::from(tls::server_config(&pod.cert, &pod.proxy.roots)?);
-    tokio::spawn(accept_loop(listener, acceptor, pod));
+    let drain = pod.proxy.drain.clone();
+    drain.clone().spawn(async move {
+        drain
+            .accept_loop(listener, |tcp, peer| {
+                let (acceptor, pod) = (acceptor.clone(), pod.clone());
+                async move {
+                    if let Err(e) = serve_connection(tcp, peer, acceptor, &pod).await {
+                        warn!(pod = %pod.uid, %peer, error = %e, "HBONE connection refused");
+                    }
+                }
+            })
+            .await;
+    });
     Ok(())
-}
-
-async fn accept_loop(listener: TcpListener, acceptor: TlsAcceptor, pod: Arc<Pod>) {
-    while let Ok((tcp, peer)) = listener.accept().await {
-        let (acceptor, pod) = (acceptor.clone(), pod.clone());
-        tokio::spawn(async move {
-            if let Err(e) = serve_connection(tcp, peer, acceptor, &pod).await {
-                warn!(pod = %pod.uid, %peer, error = %e, "HBONE connection refused");
-            }
-        });
-    }
 }
 
 async fn serve_connection(
@@ -92,7 +95,7 @@ async fn serve_connection(
     while let Some(stream) = conn.accept().await {
         let (req, respond) = stream?;
         let (pod, client) = (pod.clone(), client.clone());
-        tokio::spawn(async move {
+        pod.proxy.drain.clone().spawn(async move {
             if let Err(e) = serve_stream(req, respond, dialed, peer, &client, &pod).await {
                 debug!(error = %e, "HBONE stream ended with an error");
             }

@@ -7,7 +7,7 @@ use std::{net::SocketAddr, path::Path, sync::Arc};
 
 use datapath_common::consts::ports;
 use meshpath_loader::datapath::Datapath;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tracing::{info, warn};
 
 use crate::{inbound::Pod, netns, outbound::original_dst};
@@ -17,19 +17,20 @@ pub fn start(pod: Arc<Pod>, pin_root: &Path) -> anyhow::Result<()> {
     let listener =
         netns::listen(&pod.netns, SocketAddr::from(([0u16; 8], ports::INBOUND_PLAINTEXT)))?;
     Datapath::open_or_load(pin_root)?.register_inbound_listener(pod.netns.cookie(), &listener)?;
-    tokio::spawn(accept_loop(listener, pod));
+    let drain = pod.proxy.drain.clone();
+    drain.clone().spawn(async move {
+        drain
+            .accept_loop(listener, |conn, peer| {
+                let pod = pod.clone();
+                async move {
+                    if let Err(e) = handle(conn, peer, &pod).await {
+                        warn!(pod = %pod.uid, %peer, error = %e, "inbound plaintext connection failed");
+                    }
+                }
+            })
+            .await;
+    });
     Ok(())
-}
-
-async fn accept_loop(listener: TcpListener, pod: Arc<Pod>) {
-    while let Ok((conn, peer)) = listener.accept().await {
-        let pod = pod.clone();
-        tokio::spawn(async move {
-            if let Err(e) = handle(conn, peer, &pod).await {
-                warn!(pod = %pod.uid, %peer, error = %e, "inbound plaintext connection failed");
-            }
-        });
-    }
 }
 
 async fn handle(mut conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<()> {

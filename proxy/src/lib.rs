@@ -3,11 +3,12 @@
 //! and the two data paths, `outbound` (captured app traffic → HBONE or passthrough) and
 //! `inbound` (HBONE on 15008 → the app). `meshpath-proxy` is a thin CLI over it.
 //!
-//! Built so far: the outbound and inbound HBONE paths and inbound plaintext (15006) for pods
-//! given on the command line. Not yet: DNS, pooling, policy, metrics and admin, ZDS (see the
-//! proxy issue).
+//! Built so far: the outbound and inbound HBONE paths, inbound plaintext (15006) and graceful
+//! shutdown (`drain`), for pods given on the command line. Not yet: DNS, pooling, policy,
+//! metrics and admin, certificate rotation, ZDS (see the proxy issue).
 
 pub mod config;
+pub mod drain;
 pub mod hbone;
 pub mod identity;
 pub mod inbound;

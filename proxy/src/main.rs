@@ -9,6 +9,7 @@ use clap::Parser;
 use meshpath_loader::netns::Netns;
 use meshpath_proxy::{
     config::WorkloadStore,
+    drain::Drain,
     identity::LocalCa,
     inbound::{self, Pod, Shared},
     inbound_plaintext, outbound,
@@ -32,6 +33,9 @@ struct Cli {
     /// Lifetime of minted workload certificates, in hours.
     #[arg(long, default_value_t = 24)]
     cert_hours: u64,
+    /// On SIGTERM: how long open connections may take to finish, in seconds.
+    #[arg(long, default_value_t = 30)]
+    drain_seconds: u64,
     /// The datapath's pin root: when given, each pod's inbound plaintext listener (15006) is
     /// opened and registered there.
     #[arg(long)]
@@ -81,7 +85,7 @@ fn run(cli: Cli) -> Result<()> {
     };
     let ca = LocalCa::from_pem(&read(&cli.ca_cert)?, &read(&cli.ca_key)?)?;
     let roots = vec![ca.cert_der.clone()];
-    let shared = Arc::new(Shared { store, ca, roots });
+    let shared = Arc::new(Shared { store, ca, roots, drain: Drain::new() });
     let mut pods = Vec::new();
     for spec in &cli.pods {
         let (uid, path) =
@@ -119,7 +123,20 @@ fn run(cli: Cli) -> Result<()> {
             writeln!(out, "READY")?;
             out.flush()?;
             drop(out);
-            tokio::signal::ctrl_c().await?;
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+            tokio::select! {
+                _ = term.recv() => {}
+                r = tokio::signal::ctrl_c() => r?,
+            }
+            tracing::info!(
+                deadline_s = cli.drain_seconds,
+                "draining: no new connections, waiting for open ones"
+            );
+            let left = shared.drain.shutdown(Duration::from_secs(cli.drain_seconds)).await;
+            if left > 0 {
+                tracing::warn!(left, "drain deadline reached; closing the remaining connections");
+            }
             Ok(())
         },
     )

@@ -12,7 +12,7 @@ use std::{
 };
 
 use datapath_common::consts::{ports, sockopt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tracing::{info, warn};
 
 use crate::{config::Protocol, hbone, inbound::Pod, netns, tls};
@@ -24,20 +24,21 @@ pub fn start(pod: Arc<Pod>) -> io::Result<()> {
         SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), ports::OUTBOUND),
     ] {
         let listener = netns::listen(&pod.netns, addr)?;
-        tokio::spawn(accept_loop(listener, pod.clone()));
-    }
-    Ok(())
-}
-
-async fn accept_loop(listener: TcpListener, pod: Arc<Pod>) {
-    while let Ok((conn, peer)) = listener.accept().await {
-        let pod = pod.clone();
-        tokio::spawn(async move {
-            if let Err(e) = handle(conn, peer, &pod).await {
-                warn!(pod = %pod.uid, %peer, error = %e, "outbound connection failed");
-            }
+        let (drain, pod) = (pod.proxy.drain.clone(), pod.clone());
+        drain.clone().spawn(async move {
+            drain
+                .accept_loop(listener, |conn, peer| {
+                    let pod = pod.clone();
+                    async move {
+                        if let Err(e) = handle(conn, peer, &pod).await {
+                            warn!(pod = %pod.uid, %peer, error = %e, "outbound connection failed");
+                        }
+                    }
+                })
+                .await;
         });
     }
+    Ok(())
 }
 
 async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<()> {

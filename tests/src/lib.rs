@@ -392,6 +392,27 @@ impl TestProxy {
         }
     }
 
+    /// Sends `signal` to the proxy process.
+    pub fn signal(&self, signal: libc::c_int) -> std::io::Result<()> {
+        // SAFETY: kill(2) on our own child's pid.
+        if unsafe { libc::kill(self.child.id() as libc::pid_t, signal) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Waits up to `timeout` for the process to exit; whether it did.
+    pub fn wait_exit(&mut self, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        while std::time::Instant::now() < deadline {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        false
+    }
+
     /// Stops the proxy now.
     pub fn stop(&mut self) {
         let _ = self.child.kill();

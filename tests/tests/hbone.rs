@@ -32,7 +32,7 @@ const MESHED: View =
     View { b_protocol: "HBONE", b_service_account: "sa-b", b_inbound_captured: false };
 
 struct TwoNodes {
-    _proxies: Vec<TestProxy>,
+    proxies: Vec<TestProxy>,
     _cgroup: CgroupGuard,
     pods: PodPair,
     _root: PinRoot,
@@ -94,7 +94,7 @@ impl TwoNodes {
             cmd.env("RUST_LOG", "warn");
             proxies.push(TestProxy::spawn(cmd, &cgroup).expect("meshpath-proxy"));
         }
-        Self { _proxies: proxies, _cgroup: cgroup, pods, _root: root, ca, dir }
+        Self { proxies, _cgroup: cgroup, pods, _root: root, ca, dir }
     }
 
     fn b(&self, v6: bool, port: u16) -> SocketAddr {
@@ -281,4 +281,50 @@ fn plaintext_to_a_pod_captured_inbound_goes_through_its_proxy() {
     assert_eq!(nodes.app_round_trip(dst, b"plain in").expect("round trip"), b"plain in");
     let from = server.join().expect("server").expect("server io");
     assert_eq!(from.ip(), dst.ip(), "the app was not reached through node 2's proxy");
+}
+
+#[test]
+fn sigterm_stops_new_connections_and_lets_open_ones_finish() {
+    let mut nodes = TwoNodes::new(MESHED);
+    let dst = nodes.b(false, 8086);
+    let server = nodes.echo_in_b(dst);
+    let mut open = nodes
+        .pods
+        .a
+        .open()
+        .expect("a")
+        .run(|| std::net::TcpStream::connect_timeout(&dst, Duration::from_secs(5)))
+        .expect("netns")
+        .expect("connect");
+    open.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let mut buf = [0u8; 5];
+    open.write_all(b"one..").expect("send");
+    open.read_exact(&mut buf).expect("echo before SIGTERM");
+
+    nodes.proxies[0].signal(libc::SIGTERM).expect("SIGTERM node 1's proxy");
+    std::thread::sleep(Duration::from_millis(300));
+    // New connections are refused (the listener is gone; capture fails closed)...
+    let new = nodes
+        .pods
+        .a
+        .open()
+        .expect("a")
+        .run(|| std::net::TcpStream::connect(nodes.b(false, 8087)))
+        .expect("netns");
+    assert_eq!(
+        new.expect_err("connected while draining").kind(),
+        std::io::ErrorKind::ConnectionRefused
+    );
+    // ...the open one still carries data...
+    open.write_all(b"two..").expect("send while draining");
+    open.read_exact(&mut buf).expect("echo while draining");
+    assert_eq!(&buf, b"two..");
+    assert!(
+        !nodes.proxies[0].wait_exit(Duration::from_millis(200)),
+        "exited with a connection open"
+    );
+    // ...and the proxy exits once it is closed.
+    drop(open);
+    server.join().expect("server").expect("server io");
+    assert!(nodes.proxies[0].wait_exit(Duration::from_secs(10)), "did not exit after draining");
 }

@@ -38,16 +38,16 @@ pub fn authority(dst: SocketAddr) -> String {
     dst.to_string()
 }
 
-/// Opens an HBONE tunnel to `dst` through `gateway` (the destination's `ip:15008`) over the
-/// already-connected TCP socket `tcp`, with `tls` (which verifies the destination's identity).
-/// Returns the stream's two halves once the peer answered 200.
-pub async fn connect(
+/// An HTTP/2 connection to a peer's HBONE port, on which CONNECT streams are opened.
+pub type Connection = h2::client::SendRequest<Bytes>;
+
+/// Opens an HBONE connection to `gateway` (a destination's `ip:15008`) over the connected TCP
+/// socket `tcp`, with `tls` (which verifies the peer's identity).
+pub async fn handshake(
     tcp: TcpStream,
     gateway: SocketAddr,
-    dst: SocketAddr,
     tls: Arc<rustls::ClientConfig>,
-    forwarded_for: Option<SocketAddr>,
-) -> Result<(SendStream<Bytes>, RecvStream), HboneError> {
+) -> Result<Connection, HboneError> {
     let name = rustls::pki_types::ServerName::IpAddress(gateway.ip().into());
     let tls = tokio_rustls::TlsConnector::from(tls)
         .connect(name, tcp)
@@ -57,6 +57,8 @@ pub async fn connect(
         .initial_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(MAX_FRAME)
+        .max_concurrent_streams(100)
+        .max_header_list_size(16 * 1024)
         .enable_push(false)
         .handshake(tls)
         .await
@@ -66,7 +68,17 @@ pub async fn connect(
             tracing::debug!(error = %e, "HBONE client connection ended");
         }
     });
-    let mut client = client.ready().await.map_err(|e| HboneError::H2(gateway, e))?;
+    Ok(client)
+}
+
+/// Opens a CONNECT stream to `dst` on `conn`; returns its two halves once the peer answered 200.
+pub async fn open_stream(
+    conn: Connection,
+    gateway: SocketAddr,
+    dst: SocketAddr,
+    forwarded_for: Option<SocketAddr>,
+) -> Result<(SendStream<Bytes>, RecvStream), HboneError> {
+    let mut client = conn.ready().await.map_err(|e| HboneError::H2(gateway, e))?;
     let mut req = http::Request::builder().method(http::Method::CONNECT).uri(authority(dst));
     if let Some(src) = forwarded_for {
         req = req.header("forwarded", format!("for=\"{src}\""));
@@ -82,6 +94,18 @@ pub async fn connect(
         });
     }
     Ok((send, resp.into_body()))
+}
+
+/// A new connection and one stream on it (no pooling).
+pub async fn connect(
+    tcp: TcpStream,
+    gateway: SocketAddr,
+    dst: SocketAddr,
+    tls: Arc<rustls::ClientConfig>,
+    forwarded_for: Option<SocketAddr>,
+) -> Result<(SendStream<Bytes>, RecvStream), HboneError> {
+    let conn = handshake(tcp, gateway, tls).await?;
+    open_stream(conn, gateway, dst, forwarded_for).await
 }
 
 /// Copies a plain stream into an HTTP/2 stream, respecting flow control; ends the stream on EOF.

@@ -30,6 +30,8 @@ pub struct Shared {
     pub roots: Vec<rustls::pki_types::CertificateDer<'static>>,
     /// Shutdown switch and the connections it waits for.
     pub drain: crate::drain::Drain,
+    /// Outbound HBONE connections, shared between streams.
+    pub pool: crate::pool::Pool,
 }
 
 /// One pod served by this proxy.

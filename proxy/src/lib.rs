@@ -3,9 +3,10 @@
 //! and the two data paths, `outbound` (captured app traffic → HBONE or passthrough) and
 //! `inbound` (HBONE on 15008 → the app). `meshpath-proxy` is a thin CLI over it.
 //!
-//! Built so far: the outbound and inbound HBONE paths, inbound plaintext (15006) and graceful
-//! shutdown (`drain`), for pods given on the command line. Not yet: DNS, pooling, policy,
-//! metrics and admin, certificate rotation, ZDS (see the proxy issue).
+//! Built so far: the outbound and inbound HBONE paths with connection pooling (`pool`), inbound
+//! plaintext (15006) and graceful shutdown (`drain`), for pods given on the command line. Not
+//! yet: DNS, idle release, policy, metrics and admin, certificate rotation, ZDS (see the proxy
+//! issue).
 
 pub mod config;
 pub mod drain;
@@ -15,4 +16,5 @@ pub mod inbound;
 pub mod inbound_plaintext;
 pub mod netns;
 pub mod outbound;
+pub mod pool;
 pub mod tls;

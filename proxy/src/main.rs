@@ -13,6 +13,7 @@ use meshpath_proxy::{
     identity::LocalCa,
     inbound::{self, Pod, Shared},
     inbound_plaintext, outbound,
+    pool::Pool,
 };
 
 #[derive(Parser)]
@@ -85,7 +86,7 @@ fn run(cli: Cli) -> Result<()> {
     };
     let ca = LocalCa::from_pem(&read(&cli.ca_cert)?, &read(&cli.ca_key)?)?;
     let roots = vec![ca.cert_der.clone()];
-    let shared = Arc::new(Shared { store, ca, roots, drain: Drain::new() });
+    let shared = Arc::new(Shared { store, ca, roots, drain: Drain::new(), pool: Pool::new() });
     let mut pods = Vec::new();
     for spec in &cli.pods {
         let (uid, path) =

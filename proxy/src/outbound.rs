@@ -15,7 +15,7 @@ use datapath_common::consts::{ports, sockopt};
 use tokio::net::TcpStream;
 use tracing::{info, warn};
 
-use crate::{config::Protocol, hbone, inbound::Pod, netns, tls};
+use crate::{config::Protocol, hbone, inbound::Pod, netns, pool::PoolKey, tls};
 
 /// Serves one pod's outbound listeners (127.0.0.1:15001 and [::1]:15001 in its netns).
 pub fn start(pod: Arc<Pod>) -> io::Result<()> {
@@ -51,9 +51,30 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
     match dest {
         Some(d) if d.protocol == Protocol::Hbone => {
             let gateway = SocketAddr::new(orig.ip(), ports::HBONE);
-            let tcp = netns::socket(&pod.netns, gateway)?.connect(gateway).await?;
-            let config = tls::client_config(&pod.cert, &pod.proxy.roots, vec![d.identity()])?;
-            let (send, recv) = hbone::connect(tcp, gateway, orig, config, Some(peer)).await?;
+            let key = PoolKey {
+                src: pod.identity.clone(),
+                dst: d.identity(),
+                src_workload: pod.uid.clone(),
+                gateway,
+            };
+            let h2conn = pod
+                .proxy
+                .pool
+                .get(&key, || async {
+                    let tcp = netns::socket(&pod.netns, gateway)
+                        .map_err(|e| hbone::HboneError::Connect(gateway, e))?
+                        .connect(gateway)
+                        .await
+                        .map_err(|e| hbone::HboneError::Connect(gateway, e))?;
+                    let config =
+                        tls::client_config(&pod.cert, &pod.proxy.roots, vec![d.identity()])
+                            .map_err(|e| {
+                                hbone::HboneError::Tls(gateway, std::io::Error::other(e))
+                            })?;
+                    hbone::handshake(tcp, gateway, config).await
+                })
+                .await?;
+            let (send, recv) = hbone::open_stream(h2conn, gateway, orig, Some(peer)).await?;
             let (up, down) = hbone::splice(conn, send, recv).await?;
             info!(src = %pod.identity, dst = %orig, dst_identity = %d.identity(), up, down, "hbone connection closed");
         }

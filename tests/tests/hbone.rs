@@ -328,3 +328,57 @@ fn sigterm_stops_new_connections_and_lets_open_ones_finish() {
     server.join().expect("server").expect("server io");
     assert!(nodes.proxies[0].wait_exit(Duration::from_secs(10)), "did not exit after draining");
 }
+
+#[test]
+fn concurrent_connections_to_one_destination_share_one_hbone_connection() {
+    let nodes = TwoNodes::new(MESHED);
+    let dst = nodes.b(false, 8089);
+    let listener = nodes
+        .pods
+        .b
+        .open()
+        .expect("b")
+        .run(|| TcpListener::bind(dst))
+        .expect("netns")
+        .expect("bind");
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut conn = conn;
+                let mut buf = [0u8; 1024];
+                while let Ok(n) = conn.read(&mut buf) {
+                    if n == 0 || conn.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    let a = nodes.pods.a.open().expect("a");
+    let mut conns = Vec::new();
+    for i in 0..5u8 {
+        let mut c = a
+            .run(|| std::net::TcpStream::connect_timeout(&dst, Duration::from_secs(5)))
+            .expect("netns")
+            .expect("connect");
+        c.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        c.write_all(&[i; 3]).expect("send");
+        let mut back = [0u8; 3];
+        c.read_exact(&mut back).expect("echo");
+        assert_eq!(back, [i; 3]);
+        conns.push(c);
+    }
+    // All five are open now; count the TLS connections pod b's HBONE port has.
+    let out = Command::new("nsenter")
+        .arg(format!("--net={}", nodes.pods.b.path().display()))
+        .args(["ss", "-Htn", "state", "established", "( sport = :15008 )"])
+        .output()
+        .expect("ss");
+    let established = String::from_utf8_lossy(&out.stdout).lines().count();
+    assert_eq!(
+        established,
+        1,
+        "{established} HBONE connections for 5 streams:\n{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}

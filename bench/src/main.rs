@@ -8,6 +8,7 @@
 //! Writes `results/capture.json` and prints a markdown table. Not a test: no assertion on speed.
 
 mod istio_rules;
+mod proxy;
 mod stats;
 
 use std::{
@@ -35,6 +36,18 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Pod to pod directly vs through two meshpath-proxy processes over HBONE.
+    Proxy {
+        /// Where to write the JSON results.
+        #[arg(long, default_value = "results/proxy.json")]
+        out: PathBuf,
+        /// Seconds per throughput and connection-rate run.
+        #[arg(long, default_value_t = 5.0)]
+        secs: f64,
+        /// Rounds (each metric: the median over rounds).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+    },
     /// meshpath capture vs istio-cni's iptables rules vs direct.
     Capture {
         /// Where to write the JSON results.
@@ -59,6 +72,7 @@ const IPERF_PORT: u16 = 5201;
 fn main() -> std::process::ExitCode {
     let res = match Cli::parse().command {
         Cmd::Capture { out, secs, pods, rounds } => capture(&out, secs, pods, rounds),
+        Cmd::Proxy { out, secs, rounds } => proxy::run(&out, secs, rounds),
     };
     match res {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -69,7 +83,7 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-fn machine() -> Value {
+pub(crate) fn machine() -> Value {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|c| {

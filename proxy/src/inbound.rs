@@ -19,7 +19,8 @@ use crate::{
     config::{Workload, WorkloadStore},
     hbone,
     identity::{Identity, LocalCa, WorkloadCert},
-    netns, tls,
+    netns::SocketFactory,
+    tls,
 };
 
 /// What every pod's paths share.
@@ -39,6 +40,8 @@ pub struct Shared {
 pub struct Pod {
     pub uid: String,
     pub netns: Netns,
+    /// Creates the pod's sockets inside its netns.
+    pub sockets: SocketFactory,
     pub workload: Workload,
     pub identity: Identity,
     pub cert: WorkloadCert,
@@ -47,7 +50,7 @@ pub struct Pod {
 
 /// Serves one pod's HBONE listener.
 pub fn start(pod: Arc<Pod>) -> anyhow::Result<()> {
-    let listener = netns::listen(&pod.netns, SocketAddr::from(([0u16; 8], ports::HBONE)))?;
+    let listener = pod.sockets.listen(SocketAddr::from(([0u16; 8], ports::HBONE)))?;
     let acceptor = TlsAcceptor::from(tls::server_config(&pod.cert, &pod.proxy.roots)?);
     let drain = pod.proxy.drain.clone();
     drain.clone().spawn(async move {
@@ -72,6 +75,8 @@ async fn serve_connection(
     pod: &Arc<Pod>,
 ) -> anyhow::Result<()> {
     let dialed = tcp.local_addr()?;
+    // HTTP/2 writes small frames (responses, window updates): no Nagle delay on them.
+    tcp.set_nodelay(true)?;
     let tls = acceptor.accept(tcp).await?;
     let client = tls
         .get_ref()
@@ -130,7 +135,7 @@ async fn serve_stream(
     if canonical(target.ip()) != canonical(dialed.ip()) {
         return reply(&mut respond, StatusCode::BAD_REQUEST);
     }
-    let app = match netns::socket(&pod.netns, target)?.connect(target).await {
+    let app = match pod.sockets.socket(target)?.connect(target).await {
         Ok(s) => s,
         Err(e) => {
             warn!(pod = %pod.uid, %target, error = %e, "app unreachable");

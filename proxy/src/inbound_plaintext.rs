@@ -10,12 +10,11 @@ use meshpath_loader::datapath::Datapath;
 use tokio::net::TcpStream;
 use tracing::{info, warn};
 
-use crate::{inbound::Pod, netns, outbound::original_dst};
+use crate::{inbound::Pod, outbound::original_dst};
 
 /// Opens the pod's 15006 listener, registers it with the datapath under `pin_root`, serves it.
 pub fn start(pod: Arc<Pod>, pin_root: &Path) -> anyhow::Result<()> {
-    let listener =
-        netns::listen(&pod.netns, SocketAddr::from(([0u16; 8], ports::INBOUND_PLAINTEXT)))?;
+    let listener = pod.sockets.listen(SocketAddr::from(([0u16; 8], ports::INBOUND_PLAINTEXT)))?;
     Datapath::open_or_load(pin_root)?.register_inbound_listener(pod.netns.cookie(), &listener)?;
     let drain = pod.proxy.drain.clone();
     drain.clone().spawn(async move {
@@ -37,7 +36,8 @@ async fn handle(mut conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Res
     // sk_lookup does not rewrite: the original destination is the accepted socket's address
     // (SO_ORIGINAL_DST, answered by the datapath, agrees).
     let dst = original_dst(&conn)?;
-    let mut app = netns::socket(&pod.netns, dst)?.connect(dst).await?;
+    conn.set_nodelay(true)?;
+    let mut app = pod.sockets.socket(dst)?.connect(dst).await?;
     let (up, down) = tokio::io::copy_bidirectional(&mut conn, &mut app).await?;
     info!(pod = %pod.uid, src = %peer, %dst, up, down, "inbound plaintext connection closed");
     Ok(())

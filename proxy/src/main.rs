@@ -101,9 +101,12 @@ fn run(cli: Cli) -> Result<()> {
         let identity = workload.identity();
         let cert = shared.ca.issue(&identity, Duration::from_secs(cli.cert_hours * 3600))?;
         let netns = Netns::open(path.as_ref())?;
+        let sockets = meshpath_proxy::netns::SocketFactory::new(&netns)
+            .with_context(|| format!("entering the netns of pod {uid}"))?;
         pods.push(Arc::new(Pod {
             uid: uid.to_owned(),
             netns,
+            sockets,
             workload,
             identity,
             cert,

@@ -15,7 +15,7 @@ use datapath_common::consts::{ports, sockopt};
 use tokio::net::TcpStream;
 use tracing::{info, warn};
 
-use crate::{config::Protocol, hbone, inbound::Pod, netns, pool::PoolKey, tls};
+use crate::{config::Protocol, hbone, inbound::Pod, pool::PoolKey, tls};
 
 /// Serves one pod's outbound listeners (127.0.0.1:15001 and [::1]:15001 in its netns).
 pub fn start(pod: Arc<Pod>) -> io::Result<()> {
@@ -23,7 +23,7 @@ pub fn start(pod: Arc<Pod>) -> io::Result<()> {
         SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), ports::OUTBOUND),
         SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), ports::OUTBOUND),
     ] {
-        let listener = netns::listen(&pod.netns, addr)?;
+        let listener = pod.sockets.listen(addr)?;
         let (drain, pod) = (pod.proxy.drain.clone(), pod.clone());
         drain.clone().spawn(async move {
             drain
@@ -61,7 +61,9 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
                 .proxy
                 .pool
                 .get(&key, || async {
-                    let tcp = netns::socket(&pod.netns, gateway)
+                    let tcp = pod
+                        .sockets
+                        .socket(gateway)
                         .map_err(|e| hbone::HboneError::Connect(gateway, e))?
                         .connect(gateway)
                         .await
@@ -79,7 +81,7 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
             info!(src = %pod.identity, dst = %orig, dst_identity = %d.identity(), up, down, "hbone connection closed");
         }
         _ => {
-            let mut upstream = netns::socket(&pod.netns, orig)?.connect(orig).await?;
+            let mut upstream = pod.sockets.socket(orig)?.connect(orig).await?;
             let mut conn = conn;
             let (up, down) = tokio::io::copy_bidirectional(&mut conn, &mut upstream).await?;
             info!(src = %pod.identity, dst = %orig, up, down, "passthrough connection closed");

@@ -392,6 +392,11 @@ impl TestProxy {
         }
     }
 
+    /// The proxy's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Sends `signal` to the proxy process.
     pub fn signal(&self, signal: libc::c_int) -> std::io::Result<()> {
         // SAFETY: kill(2) on our own child's pid.

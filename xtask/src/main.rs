@@ -36,8 +36,9 @@ enum Cmd {
     Demo,
     /// Run a benchmark (not a test; prints a table, writes results/NAME.json).
     Bench {
-        /// Which: `capture` (meshpath capture vs istio-cni's iptables rules vs direct).
-        #[arg(value_parser = ["capture"])]
+        /// Which: `capture` (meshpath capture vs istio-cni's iptables rules vs direct) or
+        /// `proxy` (direct vs two meshpath-proxy processes over HBONE).
+        #[arg(value_parser = ["capture", "proxy"])]
         which: String,
         /// Passed to `meshpath-bench capture` (e.g. --secs 3 --pods 100 --rounds 1).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]

@@ -39,6 +39,29 @@ impl Drain {
         }
     }
 
+    /// Serves `listener` on a tracked task until shutdown: each connection goes to `handle` with
+    /// a clone of `ctx`; a failed connection is logged as a `what` connection.
+    pub fn serve<C, F, Fut>(&self, listener: TcpListener, ctx: C, what: &'static str, handle: F)
+    where
+        C: Clone + Send + 'static,
+        F: Fn(TcpStream, std::net::SocketAddr, C) -> Fut + Send + 'static,
+        Fut: Future<Output = anyhow::Result<()>> + Send + 'static,
+    {
+        let drain = self.clone();
+        self.spawn(async move {
+            drain
+                .accept_loop(listener, move |conn, peer| {
+                    let fut = handle(conn, peer, ctx.clone());
+                    async move {
+                        if let Err(e) = fut.await {
+                            tracing::warn!(%peer, error = %format!("{e:#}"), "{what} connection failed");
+                        }
+                    }
+                })
+                .await;
+        });
+    }
+
     /// Spawns a tracked task (the shutdown waits for it).
     pub fn spawn(&self, task: impl Future<Output = ()> + Send + 'static) {
         self.tasks.spawn(task);

@@ -7,6 +7,7 @@
 
 use std::{io, net::SocketAddr, sync::Arc};
 
+use anyhow::Context as _;
 use bytes::Bytes;
 use datapath_common::consts::ports;
 use h2::server::SendResponse;
@@ -52,19 +53,17 @@ pub struct Pod {
 pub fn start(pod: Arc<Pod>) -> anyhow::Result<()> {
     let listener = pod.sockets.listen(SocketAddr::from(([0u16; 8], ports::HBONE)))?;
     let acceptor = TlsAcceptor::from(tls::server_config(&pod.cert, &pod.proxy.roots)?);
-    let drain = pod.proxy.drain.clone();
-    drain.clone().spawn(async move {
-        drain
-            .accept_loop(listener, |tcp, peer| {
-                let (acceptor, pod) = (acceptor.clone(), pod.clone());
-                async move {
-                    if let Err(e) = serve_connection(tcp, peer, acceptor, &pod).await {
-                        warn!(pod = %pod.uid, %peer, error = %e, "HBONE connection refused");
-                    }
-                }
-            })
-            .await;
-    });
+    let proxy = pod.proxy.clone();
+    proxy.drain.serve(
+        listener,
+        (acceptor, pod),
+        "HBONE",
+        |tcp, peer, (acceptor, pod)| async move {
+            serve_connection(tcp, peer, acceptor, &pod)
+                .await
+                .with_context(|| format!("pod {}", pod.uid))
+        },
+    );
     Ok(())
 }
 

@@ -5,10 +5,11 @@
 
 use std::{net::SocketAddr, path::Path, sync::Arc};
 
+use anyhow::Context as _;
 use datapath_common::consts::ports;
 use meshpath_loader::datapath::Datapath;
 use tokio::net::TcpStream;
-use tracing::{info, warn};
+use tracing::info;
 
 use crate::{inbound::Pod, outbound::original_dst};
 
@@ -16,18 +17,9 @@ use crate::{inbound::Pod, outbound::original_dst};
 pub fn start(pod: Arc<Pod>, pin_root: &Path) -> anyhow::Result<()> {
     let listener = pod.sockets.listen(SocketAddr::from(([0u16; 8], ports::INBOUND_PLAINTEXT)))?;
     Datapath::open_or_load(pin_root)?.register_inbound_listener(pod.netns.cookie(), &listener)?;
-    let drain = pod.proxy.drain.clone();
-    drain.clone().spawn(async move {
-        drain
-            .accept_loop(listener, |conn, peer| {
-                let pod = pod.clone();
-                async move {
-                    if let Err(e) = handle(conn, peer, &pod).await {
-                        warn!(pod = %pod.uid, %peer, error = %e, "inbound plaintext connection failed");
-                    }
-                }
-            })
-            .await;
+    let proxy = pod.proxy.clone();
+    proxy.drain.serve(listener, pod, "inbound plaintext", |conn, peer, pod: Arc<Pod>| async move {
+        handle(conn, peer, &pod).await.with_context(|| format!("pod {}", pod.uid))
     });
     Ok(())
 }

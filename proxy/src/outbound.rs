@@ -11,9 +11,10 @@ use std::{
     sync::Arc,
 };
 
+use anyhow::Context as _;
 use datapath_common::consts::{ports, sockopt};
 use tokio::net::TcpStream;
-use tracing::{info, warn};
+use tracing::info;
 
 use crate::{config::Protocol, hbone, inbound::Pod, pool::PoolKey, tls};
 
@@ -24,19 +25,14 @@ pub fn start(pod: Arc<Pod>) -> io::Result<()> {
         SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), ports::OUTBOUND),
     ] {
         let listener = pod.sockets.listen(addr)?;
-        let (drain, pod) = (pod.proxy.drain.clone(), pod.clone());
-        drain.clone().spawn(async move {
-            drain
-                .accept_loop(listener, |conn, peer| {
-                    let pod = pod.clone();
-                    async move {
-                        if let Err(e) = handle(conn, peer, &pod).await {
-                            warn!(pod = %pod.uid, %peer, error = %e, "outbound connection failed");
-                        }
-                    }
-                })
-                .await;
-        });
+        pod.proxy.drain.serve(
+            listener,
+            pod.clone(),
+            "outbound",
+            |conn, peer, pod: Arc<Pod>| async move {
+                handle(conn, peer, &pod).await.with_context(|| format!("pod {}", pod.uid))
+            },
+        );
     }
     Ok(())
 }

@@ -16,15 +16,13 @@ use std::{
     net::SocketAddr,
     path::PathBuf,
     process::{Command, Stdio},
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use anyhow::{bail, Context as _, Result};
 use clap::{Parser, Subcommand};
 use meshpath_loader::pods::{self, EnrolOptions};
-use meshpath_tests::{
-    sibling_bin, CgroupGuard, ChildGuard, NetnsGuard, PinRoot, PodPair, TestProxy,
-};
+use meshpath_tests::{sibling_bin, CgroupGuard, NetnsGuard, PinRoot, PodPair, TestProxy};
 use serde_json::{json, Value};
 
 #[derive(Parser)]
@@ -196,17 +194,7 @@ fn traffic(name: &str, secs: f64) -> Result<Value> {
     stats::start_rr_server(&b, rr_addr)?;
     let oneshot_addr = SocketAddr::new(pods.b_ip.into(), ONESHOT_PORT);
     stats::start_oneshot_server(&b, oneshot_addr)?;
-    let b_ip = pods.b_ip.to_string();
-    let _iperf_server = ChildGuard(
-        Command::new("nsenter")
-            .arg(format!("--net={}", pods.b.path().display()))
-            .args(["iperf3", "-s", "-B", &b_ip, "-p", &IPERF_PORT.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("iperf3 -s")?,
-    );
-    std::thread::sleep(Duration::from_millis(300));
+    let _iperf_server = pods.b.iperf3_server(pods.b_ip.into(), IPERF_PORT, false)?;
     let _setup = setup(name, &pods)?;
 
     // A metric that fails is recorded as an error, not the end of the whole run.
@@ -221,7 +209,7 @@ fn traffic(name: &str, secs: f64) -> Result<Value> {
         };
         out.insert(key.to_owned(), value);
     };
-    record("throughput_gbps", iperf3_gbps(&pods, &b_ip, secs));
+    record("throughput_gbps", iperf3_gbps(&pods, secs));
     record("conn_per_s", stats::conn_per_s(&a, oneshot_addr, secs));
     match stats::rr_latency(&a, rr_addr, 2_000, 20_000) {
         Ok((p50, p99)) => {
@@ -245,16 +233,8 @@ fn traffic(name: &str, secs: f64) -> Result<Value> {
 }
 
 /// iperf3 single-stream throughput from pod a to pod b, Gbit/s (receiver side).
-fn iperf3_gbps(pods: &PodPair, b_ip: &str, secs: f64) -> Result<f64> {
-    let iperf = Command::new("nsenter")
-        .arg(format!("--net={}", pods.a.path().display()))
-        .args(["iperf3", "-c", b_ip, "-p", &IPERF_PORT.to_string(), "-t", &format!("{secs}"), "-J"])
-        .output()
-        .context("iperf3 -c")?;
-    let report: Value = serde_json::from_slice(&iperf.stdout).context("iperf3 -J output")?;
-    if let Some(err) = report["error"].as_str() {
-        bail!("iperf3: {err}");
-    }
+fn iperf3_gbps(pods: &PodPair, secs: f64) -> Result<f64> {
+    let report = pods.a.iperf3_client(pods.b_ip.into(), IPERF_PORT, &["-t", &format!("{secs}")])?;
     Ok(report["end"]["sum_received"]["bits_per_second"].as_f64().context("iperf3 result")? / 1e9)
 }
 

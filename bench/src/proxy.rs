@@ -11,10 +11,10 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{bail, Context as _, Result};
+use anyhow::{Context as _, Result};
 use meshpath_loader::pods::{self, EnrolOptions};
 use meshpath_proxy::identity::LocalCa;
-use meshpath_tests::{sibling_bin, unique, CgroupGuard, ChildGuard, PinRoot, PodPair, TestProxy};
+use meshpath_tests::{sibling_bin, unique, CgroupGuard, PinRoot, PodPair, TestProxy};
 use serde_json::{json, Value};
 
 use crate::stats;
@@ -93,27 +93,8 @@ fn usage(pid: u32) -> Result<(f64, f64)> {
 
 /// iperf3 from pod a to pod b with `streams` parallel streams: (Gbit/s, bytes received).
 fn iperf3(pods: &PodPair, secs: f64, streams: u32) -> Result<(f64, f64)> {
-    let b_ip = pods.b_ip.to_string();
-    let out = Command::new("nsenter")
-        .arg(format!("--net={}", pods.a.path().display()))
-        .args([
-            "iperf3",
-            "-c",
-            &b_ip,
-            "-p",
-            &IPERF_PORT.to_string(),
-            "-t",
-            &format!("{secs}"),
-            "-P",
-            &streams.to_string(),
-            "-J",
-        ])
-        .output()
-        .context("iperf3 -c")?;
-    let r: Value = serde_json::from_slice(&out.stdout).context("iperf3 -J output")?;
-    if let Some(err) = r["error"].as_str() {
-        bail!("iperf3: {err}");
-    }
+    let (secs, streams) = (format!("{secs}"), streams.to_string());
+    let r = pods.a.iperf3_client(pods.b_ip.into(), IPERF_PORT, &["-t", &secs, "-P", &streams])?;
     let sum = &r["end"]["sum_received"];
     Ok((
         sum["bits_per_second"].as_f64().context("bps")? / 1e9,
@@ -128,15 +109,7 @@ fn scenario(name: &str, secs: f64) -> Result<Value> {
     let oneshot = SocketAddr::new(pods.b_ip.into(), ONESHOT_PORT);
     stats::start_rr_server(&b, rr)?;
     stats::start_oneshot_server(&b, oneshot)?;
-    let _iperf = ChildGuard(
-        Command::new("nsenter")
-            .arg(format!("--net={}", pods.b.path().display()))
-            .args(["iperf3", "-s", "-B", &pods.b_ip.to_string(), "-p", &IPERF_PORT.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?,
-    );
-    std::thread::sleep(Duration::from_millis(300));
+    let _iperf = pods.b.iperf3_server(pods.b_ip.into(), IPERF_PORT, false)?;
     let hbone = if name == "hbone" { Some(start_hbone(&pods)?) } else { None };
     let pids: Vec<u32> = hbone.iter().flat_map(|h| h.proxies.iter().map(TestProxy::pid)).collect();
     let cpu = |pids: &[u32]| -> Result<f64> { pids.iter().map(|&p| usage(p).map(|u| u.0)).sum() };

@@ -4,7 +4,7 @@
 
 use std::{
     io::{Read as _, Write as _},
-    net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream},
     path::{Path, PathBuf},
     process::{Command, Output},
     sync::atomic::{AtomicU32, Ordering},
@@ -68,6 +68,61 @@ impl NetnsGuard {
 
     pub fn open(&self) -> Result<Netns> {
         Ok(Netns::open(&self.path())?)
+    }
+
+    /// A TCP listener on `addr` inside this namespace.
+    pub fn listen(&self, addr: SocketAddr) -> Result<TcpListener> {
+        Ok(self.open()?.run(|| TcpListener::bind(addr))??)
+    }
+
+    /// `nsenter --net=<this netns> ARGS…`, not waited for: killed when the guard drops.
+    pub fn spawn(&self, args: &[&str]) -> Result<ChildGuard> {
+        let child = Command::new("nsenter")
+            .arg(format!("--net={}", self.path().display()))
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", args.join(" ")))?;
+        Ok(ChildGuard(child))
+    }
+
+    /// An iperf3 server on `ip:port` in this namespace (one test if `once`), given a moment to
+    /// listen.
+    pub fn iperf3_server(&self, ip: IpAddr, port: u16, once: bool) -> Result<ChildGuard> {
+        let (ip, port) = (ip.to_string(), port.to_string());
+        let mut args = vec!["iperf3", "-s", "-B", &ip, "-p", &port];
+        if once {
+            args.push("-1");
+        }
+        let server = self.spawn(&args)?;
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        Ok(server)
+    }
+
+    /// Runs `iperf3 -c ip -p port -J EXTRA…` in this namespace; its JSON report.
+    pub fn iperf3_client(
+        &self,
+        ip: IpAddr,
+        port: u16,
+        extra: &[&str],
+    ) -> Result<serde_json::Value> {
+        let (ip, port) = (ip.to_string(), port.to_string());
+        let out = Command::new("nsenter")
+            .arg(format!("--net={}", self.path().display()))
+            .args(["iperf3", "-c", &ip, "-p", &port, "-J"])
+            .args(extra)
+            .output()
+            .context("running iperf3 -c")?;
+        let report: serde_json::Value =
+            serde_json::from_slice(&out.stdout).context("iperf3 -J output")?;
+        if let Some(err) = report["error"].as_str() {
+            bail!("iperf3: {err}");
+        }
+        if !out.status.success() {
+            bail!("iperf3 exited with {}", out.status);
+        }
+        Ok(report)
     }
 
     /// `ip -n NAME ARGS…`
@@ -436,7 +491,7 @@ pub use mesh::Mesh;
 mod mesh {
     use std::{
         io::{self, Read as _, Write as _},
-        net::{IpAddr, SocketAddr, TcpListener, TcpStream},
+        net::{IpAddr, SocketAddr, TcpStream},
         thread::JoinHandle,
         time::Duration,
     };
@@ -553,8 +608,7 @@ mod mesh {
     }
 
     fn echo_server(ns: &NetnsGuard, addr: SocketAddr) -> JoinHandle<io::Result<SocketAddr>> {
-        let listener = ns.open().expect("netns").run(|| TcpListener::bind(addr)).expect("netns");
-        let listener = listener.expect("bind");
+        let listener = ns.listen(addr).expect("bind");
         std::thread::spawn(move || {
             let (mut conn, peer) = listener.accept()?;
             let mut buf = [0u8; 65536];

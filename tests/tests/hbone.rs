@@ -5,7 +5,7 @@
 
 use std::{
     io::{Read as _, Write as _},
-    net::{IpAddr, SocketAddr, TcpListener},
+    net::{IpAddr, SocketAddr},
     path::PathBuf,
     process::Command,
     sync::Arc,
@@ -103,14 +103,7 @@ impl TwoNodes {
 
     /// An echo server in pod b for one connection; returns the address it was connected from.
     fn echo_in_b(&self, addr: SocketAddr) -> std::thread::JoinHandle<std::io::Result<SocketAddr>> {
-        let l = self
-            .pods
-            .b
-            .open()
-            .expect("b")
-            .run(|| TcpListener::bind(addr))
-            .expect("netns")
-            .expect("bind");
+        let l = self.pods.b.listen(addr).expect("bind");
         std::thread::spawn(move || {
             let (mut c, peer) = l.accept()?;
             let mut buf = [0u8; 65536];
@@ -183,14 +176,7 @@ fn a_server_with_another_identity_is_refused() {
     // Node 1 expects pod b to be sa-expected; node 2 gives it sa-b.
     let nodes = TwoNodes::new(View { b_service_account: "sa-expected", ..MESHED });
     let dst = nodes.b(false, 8082);
-    let listener = nodes
-        .pods
-        .b
-        .open()
-        .expect("b")
-        .run(|| TcpListener::bind(dst))
-        .expect("netns")
-        .expect("bind");
+    let listener = nodes.pods.b.listen(dst).expect("bind");
     listener.set_nonblocking(true).expect("nonblocking");
     let back = nodes.app_round_trip(dst, b"secret").unwrap_or_default();
     assert!(back.is_empty(), "data came back through a server with the wrong identity");
@@ -333,14 +319,7 @@ fn sigterm_stops_new_connections_and_lets_open_ones_finish() {
 fn concurrent_connections_to_one_destination_share_one_hbone_connection() {
     let nodes = TwoNodes::new(MESHED);
     let dst = nodes.b(false, 8089);
-    let listener = nodes
-        .pods
-        .b
-        .open()
-        .expect("b")
-        .run(|| TcpListener::bind(dst))
-        .expect("netns")
-        .expect("bind");
+    let listener = nodes.pods.b.listen(dst).expect("bind");
     std::thread::spawn(move || {
         for conn in listener.incoming().flatten() {
             std::thread::spawn(move || {

@@ -4,7 +4,7 @@
 //! ports reach their sockets directly; without the proxy the pod refuses, it never delivers
 //! around the proxy. IPv4 and IPv6, real kernel, real namespaces, real TCP.
 
-use std::net::{IpAddr, Ipv6Addr, SocketAddr, TcpListener};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
 use datapath_common::consts::{ports, probe};
 use meshpath_loader::pods::EnrolOptions;
@@ -51,14 +51,7 @@ fn inbound_connections_are_refused_when_the_proxy_is_not_running() {
     for v6 in [false, true] {
         let dst = mesh.a(v6, 8081);
         // The app listens: delivery around the proxy would reach it.
-        let app = mesh
-            .pods
-            .a
-            .open()
-            .expect("netns a")
-            .run(|| TcpListener::bind(dst))
-            .expect("netns")
-            .expect("bind");
+        let app = mesh.pods.a.listen(dst).expect("bind");
         app.set_nonblocking(true).expect("nonblocking");
         let err = mesh.connect_from_b(dst, None).expect_err("connected without a proxy");
         assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");

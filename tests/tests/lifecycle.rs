@@ -87,55 +87,38 @@ fn a_thousand_enrol_unenrol_cycles_leave_no_map_entry_and_no_pin() {
 fn capture_carries_on_while_loader_processes_are_killed_and_restarted() {
     let mut mesh = Mesh::new(EnrolOptions { capture_outbound: true, ..EnrolOptions::default() });
     mesh.start_proxy("forward");
-    let b_ip = mesh.pods.b_ip.to_string();
-    let mut server = Command::new("nsenter")
-        .arg(format!("--net={}", mesh.pods.b.path().display()))
-        .args(["iperf3", "-s", "-1", "-B", &b_ip, "-p", "5298"])
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("iperf3 -s");
-    std::thread::sleep(Duration::from_millis(300));
-    let client = Command::new("nsenter")
-        .arg(format!("--net={}", mesh.pods.a.path().display()))
-        .args(["iperf3", "-c", &b_ip, "-p", "5298", "-t", "4", "-i", "0.5", "-J"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("iperf3 -c");
-
-    // Meanwhile: loader processes enrol and remove pod b, some killed with SIGKILL mid-way.
-    let b = mesh.pods.b.path().display().to_string();
-    let started = Instant::now();
-    let mut kills = 0;
-    while started.elapsed() < Duration::from_secs(3) {
-        let mut enrol = Command::new(loader_bin())
-            .arg("--pin-root")
-            .arg(mesh.root.path())
-            .args(["enrol", "--netns", &b, "--no-counters"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("loader");
-        std::thread::sleep(Duration::from_millis(kills % 7));
-        if enrol.try_wait().expect("wait").is_none() {
-            kills += 1;
+    let b_ip = std::net::IpAddr::from(mesh.pods.b_ip);
+    let _server = mesh.pods.b.iperf3_server(b_ip, 5298, true).expect("iperf3 -s");
+    let report = std::thread::scope(|scope| {
+        let client =
+            scope.spawn(|| mesh.pods.a.iperf3_client(b_ip, 5298, &["-t", "4", "-i", "0.5"]));
+        // Meanwhile: loader processes enrol and remove pod b, some killed with SIGKILL mid-way.
+        let b = mesh.pods.b.path().display().to_string();
+        let started = Instant::now();
+        let mut kills = 0;
+        while started.elapsed() < Duration::from_secs(3) {
+            let mut enrol = Command::new(loader_bin())
+                .arg("--pin-root")
+                .arg(mesh.root.path())
+                .args(["enrol", "--netns", &b, "--no-counters"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("loader");
+            std::thread::sleep(Duration::from_millis(kills % 7));
+            if enrol.try_wait().expect("wait").is_none() {
+                kills += 1;
+            }
+            let _ = enrol.kill();
+            let _ = enrol.wait();
+            // The restarted loader cleans up whatever the killed one left, then carries on.
+            let out = loader(&mesh.root, &["reconcile"]);
+            assert!(out.status.success(), "reconcile: {}", String::from_utf8_lossy(&out.stderr));
+            let _ = loader(&mesh.root, &["unenrol", "--netns", &b]);
         }
-        let _ = enrol.kill();
-        let _ = enrol.wait();
-        // The restarted loader cleans up whatever the killed one left, then carries on.
-        let out = loader(&mesh.root, &["reconcile"]);
-        assert!(out.status.success(), "reconcile: {}", String::from_utf8_lossy(&out.stderr));
-        let _ = loader(&mesh.root, &["unenrol", "--netns", &b]);
-    }
-
-    let out = client.wait_with_output().expect("iperf3 -c");
-    let _ = server.kill();
-    let _ = server.wait();
-    assert!(
-        out.status.success(),
-        "iperf3 failed (reset?): {}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("iperf3 -J");
+        (client.join().expect("iperf3 thread"), kills)
+    });
+    let (report, kills) = (report.0.expect("iperf3 failed (reset?)"), report.1);
     let intervals = report["intervals"].as_array().expect("intervals");
     assert!(intervals.len() >= 7, "{} intervals", intervals.len());
     for (i, iv) in intervals.iter().enumerate() {

@@ -6,7 +6,7 @@
 
 use std::{
     io::{Read as _, Write as _},
-    net::{IpAddr, TcpListener},
+    net::IpAddr,
     process::Command,
     time::Duration,
 };
@@ -109,14 +109,7 @@ fn outbound_connections_are_refused_when_the_proxy_is_not_running() {
     for v6 in [false, true] {
         let dst = mesh.b(v6, 8084);
         // A real server is there: a leak around the proxy would reach it.
-        let listener = mesh
-            .pods
-            .b
-            .open()
-            .expect("netns b")
-            .run(|| TcpListener::bind(dst))
-            .expect("netns")
-            .expect("bind");
+        let listener = mesh.pods.b.listen(dst).expect("bind");
         listener.set_nonblocking(true).expect("nonblocking");
         let err = mesh.connect_from_a(dst, None).expect_err("connected without a proxy");
         assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
@@ -182,23 +175,9 @@ fn unenrolled_pods_are_no_longer_captured() {
 #[test]
 fn iperf3_runs_to_completion_through_the_capture() {
     let mesh = Mesh::capturing().with_proxy("forward");
-    let b_ip = mesh.pods.b_ip.to_string();
-    let mut server = Command::new("nsenter")
-        .arg(format!("--net={}", mesh.pods.b.path().display()))
-        .args(["iperf3", "-s", "-1", "-B", &b_ip, "-p", "5299"])
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("iperf3 -s");
-    std::thread::sleep(Duration::from_millis(300));
-    let client = Command::new("nsenter")
-        .arg(format!("--net={}", mesh.pods.a.path().display()))
-        .args(["iperf3", "-c", &b_ip, "-p", "5299", "-t", "2", "-J"])
-        .output()
-        .expect("iperf3 -c");
-    let _ = server.kill();
-    let _ = server.wait();
-    assert!(client.status.success(), "iperf3 failed: {}", String::from_utf8_lossy(&client.stdout));
-    let report: serde_json::Value = serde_json::from_slice(&client.stdout).expect("iperf3 -J");
+    let b_ip = IpAddr::from(mesh.pods.b_ip);
+    let _server = mesh.pods.b.iperf3_server(b_ip, 5299, true).expect("iperf3 -s");
+    let report = mesh.pods.a.iperf3_client(b_ip, 5299, &["-t", "2"]).expect("iperf3 -c");
     // A proxy buffers: iperf3 may end the test while the last bytes are still in flight, so
     // the receiver's total is checked to be substantial, not equal to the sender's.
     let received = report["end"]["sum_received"]["bytes"].as_u64().expect("bytes received");
@@ -293,14 +272,7 @@ fn a_pod_reaching_its_own_address_is_not_captured() {
     let mesh = Mesh::capturing();
     // No proxy runs: only an uncaptured connection can succeed.
     let own = std::net::SocketAddr::new(mesh.pods.a_ip.into(), 8091);
-    let listener = mesh
-        .pods
-        .a
-        .open()
-        .expect("netns")
-        .run(|| TcpListener::bind(own))
-        .expect("netns")
-        .expect("bind");
+    let listener = mesh.pods.a.listen(own).expect("bind");
     drop(mesh.connect_from_a(own, None).expect("connect to own address"));
     listener.accept().expect("the pod's own listener got it");
 }

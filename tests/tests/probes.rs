@@ -5,7 +5,7 @@
 
 use std::{
     io::Read as _,
-    net::{IpAddr, Ipv6Addr, SocketAddr, TcpListener, TcpStream},
+    net::{IpAddr, Ipv6Addr, SocketAddr, TcpStream},
     time::Duration,
 };
 
@@ -108,13 +108,7 @@ fn kubelet_probes_from_the_node_reach_the_app_from_the_probe_source() {
     let node = Node::new(EnrolOptions { capture_inbound: true, ..EnrolOptions::default() });
     for v6 in [false, true] {
         let dst = Node::pod_addr(v6, 8080);
-        let app = node
-            .pod
-            .open()
-            .expect("pod")
-            .run(|| TcpListener::bind(dst))
-            .expect("netns")
-            .expect("bind");
+        let app = node.pod.listen(dst).expect("bind");
         let probe = node.probe(dst);
         let (mut conn, peer) = app.accept().expect("the app itself accepts the probe");
         assert_eq!(peer.ip(), probe_source(v6), "v6={v6}");

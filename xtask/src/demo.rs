@@ -93,6 +93,8 @@ impl Node {
             cmd.arg("--pod").arg(format!("{pod}={}", self.netns_path(pod)));
         }
         cmd.env("RUST_LOG", "info").stdout(Stdio::piped()).stderr(Stdio::piped());
+        // The tests crate has the same helper (TestProxy::spawn); xtask cannot depend on it: it
+        // must build before the eBPF toolchain exists.
         // SAFETY: only write(2) between fork and exec, on an fd open until spawn returns.
         unsafe {
             cmd.pre_exec(move || {

@@ -118,6 +118,9 @@ fn v6_only_udp(port: u16) -> io::Result<UdpSocket> {
     UdpSocket::from_std(v6_only_socket(socket2::Type::DGRAM, port)?.into())
 }
 
+/// Written here again rather than taken from meshpath-proxy on purpose: this binary is the
+/// datapath tests' independent oracle, and must not share a bug with the proxy it checks.
+///
 /// The original destination, asked exactly as under iptables: SOL_IP/SO_ORIGINAL_DST for an
 /// IPv4 socket, SOL_IPV6/IP6T_SO_ORIGINAL_DST for an IPv6 one.
 fn original_dst(conn: &(impl AsRawFd + LocalAddr)) -> io::Result<SocketAddr> {

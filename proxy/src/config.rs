@@ -1,17 +1,25 @@
-//! The workload store: which workloads exist, their addresses, identities and whether they
-//! speak HBONE. Read from a YAML file in the camelCase shape of ztunnel's local configuration
-//! (`workloads: [{uid, name, namespace, serviceAccount, trustDomain, workloadIps, protocol}]`);
-//! fields this proxy does not use yet (services, policies, node, network) are accepted and
-//! ignored, so one file can describe a mixed mesh.
+//! The workload store: which workloads and services exist, their addresses, identities, whether
+//! they speak HBONE, and the L4 authorization policies. Read from a YAML file in the camelCase
+//! shape of ztunnel's local configuration:
+//!
+//! ```yaml
+//! workloads: [{uid, name, namespace, serviceAccount, trustDomain, workloadIps, protocol,
+//!              status, services: {"NS/HOST": {PORT: TARGET_PORT}}, authorizationPolicies}]
+//! services:  [{name, namespace, hostname, vips: ["NET/IP"], ports: {PORT: TARGET_PORT}}]
+//! policies:  [{name, namespace, scope, action, rules: [[[match]]]}]   (see `authorization`)
+//! ```
+//!
+//! Fields this proxy does not use (node, network, subjectAltNames, ...) are accepted and ignored,
+//! so one file can describe a mixed mesh.
 
-use std::{net::IpAddr, path::Path};
+use std::{collections::BTreeMap, net::IpAddr, path::Path};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
-use crate::identity::Identity;
+use crate::{authorization::Policy, identity::Identity};
 
 /// How a workload is reached.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "UPPERCASE")]
 pub enum Protocol {
     /// HTTP/2 CONNECT over mTLS to its port 15008.
@@ -21,8 +29,18 @@ pub enum Protocol {
     Tcp,
 }
 
+/// Whether a workload may be picked as a service endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
+pub enum HealthStatus {
+    #[default]
+    #[serde(alias = "HEALTHY")]
+    Healthy,
+    #[serde(alias = "UNHEALTHY")]
+    Unhealthy,
+}
+
 /// One workload.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Workload {
     pub uid: String,
@@ -36,6 +54,17 @@ pub struct Workload {
     pub workload_ips: Vec<IpAddr>,
     #[serde(default)]
     pub protocol: Protocol,
+    #[serde(default)]
+    pub status: HealthStatus,
+    /// The services it backs: `"NS/HOSTNAME"` → service port → target port.
+    #[serde(default)]
+    pub services: BTreeMap<String, BTreeMap<u16, u16>>,
+    /// WORKLOAD_SELECTOR policies that select it, as `"NS/NAME"`.
+    #[serde(default)]
+    pub authorization_policies: Vec<String>,
+    /// Its canonical service (`service.istio.io/canonical-name`), for telemetry.
+    #[serde(default)]
+    pub canonical_name: String,
 }
 
 fn default_trust_domain() -> String {
@@ -49,11 +78,49 @@ impl Workload {
     }
 }
 
+/// A service: virtual IPs in front of the workloads that back it.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Service {
+    pub name: String,
+    pub namespace: String,
+    pub hostname: String,
+    /// `"NETWORK/IP"` or `"IP"`.
+    #[serde(default)]
+    pub vips: Vec<String>,
+    /// Service port → target port (used when the endpoint does not say).
+    #[serde(default)]
+    pub ports: BTreeMap<u16, u16>,
+}
+
+impl Service {
+    /// `NS/HOSTNAME`, the key workloads use to name it.
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.hostname)
+    }
+
+    /// Its virtual IPs (the network prefix dropped); an entry that is not an IP is an error
+    /// caught when the store is parsed.
+    pub fn vip_addrs(&self) -> impl Iterator<Item = IpAddr> + '_ {
+        self.vips.iter().filter_map(|v| parse_vip(v).ok())
+    }
+}
+
+fn parse_vip(v: &str) -> Result<IpAddr, String> {
+    let ip = v.rsplit_once('/').map_or(v, |(_, ip)| ip);
+    ip.parse().map_err(|_| format!("vip {v:?} is not NETWORK/IP or IP"))
+}
+
 /// Everything the proxy knows about the mesh.
-#[derive(Debug, Clone, Deserialize, Default)]
+#[derive(Debug, Clone, Deserialize, Serialize, Default)]
+#[serde(deny_unknown_fields)]
 pub struct WorkloadStore {
     #[serde(default)]
     pub workloads: Vec<Workload>,
+    #[serde(default)]
+    pub services: Vec<Service>,
+    #[serde(default)]
+    pub policies: Vec<Policy>,
 }
 
 /// A configuration file that could not be used.
@@ -73,12 +140,21 @@ impl WorkloadStore {
         Self::parse(&text).map_err(|message| ConfigError::Parse { file, message })
     }
 
-    /// Parses YAML text.
+    /// Parses YAML text and checks what serde cannot (VIPs, policy CIDRs).
     pub fn parse(text: &str) -> Result<Self, String> {
-        serde_yaml::from_str(text).map_err(|e| match e.location() {
+        let store: Self = serde_yaml::from_str(text).map_err(|e| match e.location() {
             Some(l) => format!("line {}, column {}: {e}", l.line(), l.column()),
             None => e.to_string(),
-        })
+        })?;
+        for (i, s) in store.services.iter().enumerate() {
+            for v in &s.vips {
+                parse_vip(v).map_err(|e| format!("services[{i}].vips: {e}"))?;
+            }
+        }
+        for (i, p) in store.policies.iter().enumerate() {
+            p.validate().map_err(|e| format!("policies[{i}] ({}): {e}", p.name))?;
+        }
+        Ok(store)
     }
 
     /// The workload that owns `ip`.
@@ -89,6 +165,33 @@ impl WorkloadStore {
     /// The workload with this uid.
     pub fn by_uid(&self, uid: &str) -> Option<&Workload> {
         self.workloads.iter().find(|w| w.uid == uid)
+    }
+
+    /// The service with `ip` among its VIPs.
+    pub fn service_by_vip(&self, ip: IpAddr) -> Option<&Service> {
+        self.services.iter().find(|s| s.vip_addrs().any(|v| v == ip))
+    }
+
+    /// The service with this hostname.
+    pub fn service_by_hostname(&self, host: &str) -> Option<&Service> {
+        let host = host.trim_end_matches('.');
+        self.services.iter().find(|s| s.hostname.eq_ignore_ascii_case(host))
+    }
+
+    /// The healthy endpoints of `svc` for service port `port`: each workload and the port it
+    /// listens on.
+    pub fn endpoints(&self, svc: &Service, port: u16) -> Vec<(&Workload, u16)> {
+        let key = svc.key();
+        self.workloads
+            .iter()
+            .filter(|w| w.status == HealthStatus::Healthy)
+            .filter_map(|w| {
+                let ports = w.services.get(&key)?;
+                let target =
+                    ports.get(&port).or_else(|| svc.ports.get(&port)).copied().unwrap_or(port);
+                Some((w, target))
+            })
+            .collect()
     }
 }
 
@@ -112,5 +215,36 @@ mod tests {
         let err = WorkloadStore::parse("workloads:\n- uid: a\n  namespace: default\n")
             .expect_err("accepted");
         assert!(err.contains("line 2") && err.contains("serviceAccount"), "{err}");
+    }
+
+    #[test]
+    fn an_unknown_top_level_section_is_an_error() {
+        let err = WorkloadStore::parse("workload: []\n").expect_err("accepted");
+        assert!(err.contains("workload"), "{err}");
+    }
+
+    #[test]
+    fn a_bad_vip_is_an_error_naming_the_service() {
+        let err = WorkloadStore::parse(
+            "services:\n- name: s\n  namespace: d\n  hostname: s.d.svc\n  vips: [\"net/not-an-ip\"]\n",
+        )
+        .expect_err("accepted");
+        assert!(err.contains("services[0].vips") && err.contains("not-an-ip"), "{err}");
+    }
+
+    #[test]
+    fn service_endpoints_are_the_healthy_workloads_with_their_target_ports() {
+        let s = WorkloadStore::parse(
+            "workloads:\n\
+             - {uid: a, namespace: d, serviceAccount: a, workloadIps: [10.0.0.1], services: {\"d/s.d.svc\": {80: 8080}}}\n\
+             - {uid: b, namespace: d, serviceAccount: b, workloadIps: [10.0.0.2], status: Unhealthy, services: {\"d/s.d.svc\": {80: 8080}}}\n\
+             - {uid: c, namespace: d, serviceAccount: c, workloadIps: [10.0.0.3], services: {\"d/s.d.svc\": {}}}\n\
+             services:\n- {name: s, namespace: d, hostname: s.d.svc, vips: [\"/10.96.0.10\"], ports: {80: 9090}}\n",
+        )
+        .expect("parse");
+        let svc = s.service_by_vip("10.96.0.10".parse().expect("ip")).expect("service");
+        let eps: Vec<(&str, u16)> =
+            s.endpoints(svc, 80).into_iter().map(|(w, p)| (w.uid.as_str(), p)).collect();
+        assert_eq!(eps, vec![("a", 8080), ("c", 9090)]);
     }
 }

@@ -1,6 +1,6 @@
-//! Graceful shutdown: on SIGTERM (or Ctrl-C) the proxy stops accepting — its listeners close,
-//! so the datapath refuses new captured connections (fail closed) — and lets the connections
-//! it carries finish, up to a deadline.
+//! Graceful shutdown: on SIGTERM (or Ctrl-C, or the admin's /quitquitquit) the proxy stops
+//! accepting — its listeners close, so the datapath refuses new captured connections (fail
+//! closed) — and lets the connections it carries finish, up to a deadline.
 
 use std::{future::Future, time::Duration};
 
@@ -19,46 +19,63 @@ impl Drain {
         Self::default()
     }
 
-    /// Accepts on `listener` until shutdown, handling each connection on a tracked task. The
-    /// listener is closed when this returns.
-    pub async fn accept_loop<F, Fut>(&self, listener: TcpListener, mut handle: F)
-    where
-        F: FnMut(TcpStream, std::net::SocketAddr) -> Fut,
-        Fut: Future<Output = ()> + Send + 'static,
-    {
-        loop {
-            tokio::select! {
-                () = self.stop.cancelled() => return,
-                accepted = listener.accept() => match accepted {
-                    Ok((conn, peer)) => {
-                        self.tasks.spawn(handle(conn, peer));
-                    }
-                    Err(e) => tracing::warn!(error = %e, "accept failed"),
-                },
-            }
-        }
+    /// A token cancelled at shutdown (and cancellable on its own: a pod's listeners).
+    pub fn child_token(&self) -> CancellationToken {
+        self.stop.child_token()
     }
 
-    /// Serves `listener` on a tracked task until shutdown: each connection goes to `handle` with
-    /// a clone of `ctx`; a failed connection is logged as a `what` connection.
-    pub fn serve<C, F, Fut>(&self, listener: TcpListener, ctx: C, what: &'static str, handle: F)
-    where
+    /// Whether shutdown has begun.
+    pub fn is_stopping(&self) -> bool {
+        self.stop.is_cancelled()
+    }
+
+    /// Resolves when shutdown begins.
+    pub async fn stopping(&self) {
+        self.stop.cancelled().await;
+    }
+
+    /// Begins shutdown without waiting.
+    pub fn begin(&self) {
+        self.stop.cancel();
+    }
+
+    /// Serves `listener` on a tracked task until `stop` is cancelled: each connection goes to
+    /// `handle` with a clone of `ctx`, on a task that `kill` ends; a failed connection is logged
+    /// as a `what` connection. The listener is closed when `stop` fires.
+    pub fn serve<C, F, Fut>(
+        &self,
+        listener: TcpListener,
+        (stop, kill): (CancellationToken, CancellationToken),
+        ctx: C,
+        what: &'static str,
+        handle: F,
+    ) where
         C: Clone + Send + 'static,
         F: Fn(TcpStream, std::net::SocketAddr, C) -> Fut + Send + 'static,
         Fut: Future<Output = anyhow::Result<()>> + Send + 'static,
     {
-        let drain = self.clone();
+        let tasks = self.tasks.clone();
         self.spawn(async move {
-            drain
-                .accept_loop(listener, move |conn, peer| {
-                    let fut = handle(conn, peer, ctx.clone());
-                    async move {
-                        if let Err(e) = fut.await {
-                            tracing::warn!(%peer, error = %format!("{e:#}"), "{what} connection failed");
+            loop {
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    accepted = listener.accept() => match accepted {
+                        Ok((conn, peer)) => {
+                            let fut = handle(conn, peer, ctx.clone());
+                            let kill = kill.clone();
+                            tasks.spawn(async move {
+                                tokio::select! {
+                                    r = fut => if let Err(e) = r {
+                                        tracing::warn!(%peer, error = %format!("{e:#}"), "{what} connection failed");
+                                    },
+                                    () = kill.cancelled() => {}
+                                }
+                            });
                         }
-                    }
-                })
-                .await;
+                        Err(e) => tracing::warn!(error = %e, "{what}: accept failed"),
+                    },
+                }
+            }
         });
     }
 

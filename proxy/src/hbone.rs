@@ -33,6 +33,55 @@ pub enum HboneError {
     Request(#[from] http::Error),
 }
 
+impl HboneError {
+    /// A short label for metrics.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Connect(..) => "hbone_connect",
+            Self::Tls(..) => "hbone_tls",
+            Self::H2(..) => "hbone_http2",
+            Self::Status { status, .. } if *status == http::StatusCode::UNAUTHORIZED => {
+                "hbone_denied"
+            }
+            Self::Status { .. } => "hbone_status",
+            Self::Request(..) => "hbone_request",
+        }
+    }
+}
+
+/// The optional headers of a CONNECT request, as ztunnel sends them.
+#[derive(Debug, Clone, Default)]
+pub struct StreamHeaders {
+    /// `forwarded: for="<src ip:port>"`.
+    pub forwarded_for: Option<SocketAddr>,
+    /// W3C `baggage` describing the source workload.
+    pub baggage: Option<String>,
+    /// W3C `traceparent`.
+    pub traceparent: Option<String>,
+}
+
+impl StreamHeaders {
+    /// The headers for a connection from `src` in workload `w`: its address, its baggage, and a
+    /// new trace.
+    pub fn for_source(src: SocketAddr, w: &crate::config::Workload) -> Self {
+        let service = if w.canonical_name.is_empty() { &w.name } else { &w.canonical_name };
+        let baggage = format!(
+            "k8s.cluster.name=Kubernetes,k8s.namespace.name={},k8s.pod.name={},service.name={},service.version=latest",
+            w.namespace, w.name, service
+        );
+        Self { forwarded_for: Some(src), baggage: Some(baggage), traceparent: Some(traceparent()) }
+    }
+}
+
+/// A new W3C trace context: version 00, random trace and span ids, not sampled.
+fn traceparent() -> String {
+    use ring::rand::SecureRandom as _;
+    let mut ids = [0u8; 24];
+    let _ = ring::rand::SystemRandom::new().fill(&mut ids);
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    format!("00-{}-{}-00", hex(&ids[..16]), hex(&ids[16..]))
+}
+
 /// `:authority` for a destination: `ip:port`, IPv6 in brackets.
 pub fn authority(dst: SocketAddr) -> String {
     dst.to_string()
@@ -76,12 +125,18 @@ pub async fn open_stream(
     conn: Connection,
     gateway: SocketAddr,
     dst: SocketAddr,
-    forwarded_for: Option<SocketAddr>,
+    headers: &StreamHeaders,
 ) -> Result<(SendStream<Bytes>, RecvStream), HboneError> {
     let mut client = conn.ready().await.map_err(|e| HboneError::H2(gateway, e))?;
     let mut req = http::Request::builder().method(http::Method::CONNECT).uri(authority(dst));
-    if let Some(src) = forwarded_for {
+    if let Some(src) = headers.forwarded_for {
         req = req.header("forwarded", format!("for=\"{src}\""));
+    }
+    if let Some(b) = &headers.baggage {
+        req = req.header("baggage", b);
+    }
+    if let Some(t) = &headers.traceparent {
+        req = req.header("traceparent", t);
     }
     let (resp, send) =
         client.send_request(req.body(())?, false).map_err(|e| HboneError::H2(gateway, e))?;
@@ -102,10 +157,10 @@ pub async fn connect(
     gateway: SocketAddr,
     dst: SocketAddr,
     tls: Arc<rustls::ClientConfig>,
-    forwarded_for: Option<SocketAddr>,
+    headers: &StreamHeaders,
 ) -> Result<(SendStream<Bytes>, RecvStream), HboneError> {
     let conn = handshake(tcp, gateway, tls).await?;
-    open_stream(conn, gateway, dst, forwarded_for).await
+    open_stream(conn, gateway, dst, headers).await
 }
 
 /// Copies a plain stream into an HTTP/2 stream, respecting flow control; ends the stream on EOF.

@@ -61,8 +61,21 @@ pub struct WorkloadCert {
     /// Leaf first, then the CA.
     pub chain: Vec<CertificateDer<'static>>,
     pub key: PrivateKeyDer<'static>,
+    /// When it became valid.
+    pub not_before: time::OffsetDateTime,
     /// When it stops being valid.
     pub not_after: time::OffsetDateTime,
+}
+
+impl WorkloadCert {
+    /// The leaf's serial number, hex, for logs and the admin dump.
+    pub fn serial(&self) -> String {
+        self.chain
+            .first()
+            .and_then(|c| x509_parser::parse_x509_certificate(c).ok())
+            .map(|(_, c)| c.raw_serial_as_string())
+            .unwrap_or_default()
+    }
 }
 
 /// A CA certificate and key, from which workload certificates are minted.
@@ -112,24 +125,47 @@ impl LocalCa {
 
     /// Mints a certificate for `id`, valid from a minute ago for `validity`.
     pub fn issue(&self, id: &Identity, validity: Duration) -> Result<WorkloadCert, IdentityError> {
+        let now = time::OffsetDateTime::now_utc();
+        self.issue_between(id, now - time::Duration::minutes(1), now + validity)
+    }
+
+    /// Mints a certificate for `id` valid from `not_before` to `not_after` (tests make expired
+    /// and not-yet-valid ones with it).
+    pub fn issue_between(
+        &self,
+        id: &Identity,
+        not_before: time::OffsetDateTime,
+        not_after: time::OffsetDateTime,
+    ) -> Result<WorkloadCert, IdentityError> {
         let mut params = CertificateParams::default();
         let uri = rcgen::Ia5String::try_from(id.to_string())?;
         params.subject_alt_names = vec![SanType::URI(uri)];
         params.extended_key_usages =
             vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        let now = time::OffsetDateTime::now_utc();
-        params.not_before = now - time::Duration::minutes(1);
-        params.not_after = now + validity;
-        let not_after = params.not_after;
+        params.not_before = not_before;
+        params.not_after = not_after;
+        // Unique serials, so a rotated certificate is told apart from the one it replaced.
+        let mut serial = [0u8; 16];
+        ring_rand(&mut serial)?;
+        serial[0] &= 0x7f;
+        params.serial_number = Some(rcgen::SerialNumber::from_slice(&serial));
         let key = KeyPair::generate()?;
         let cert = params.signed_by(&key, &self.cert, &self.key)?;
         Ok(WorkloadCert {
             chain: vec![cert.der().clone(), self.cert_der.clone()],
             key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+            not_before,
             not_after,
         })
     }
+}
+
+fn ring_rand(buf: &mut [u8]) -> Result<(), IdentityError> {
+    use ring::rand::SecureRandom as _;
+    ring::rand::SystemRandom::new()
+        .fill(buf)
+        .map_err(|_| IdentityError::Malformed("no randomness for a serial number".into()))
 }
 
 #[cfg(test)]

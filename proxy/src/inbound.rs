@@ -1,9 +1,12 @@
 //! Inbound HBONE: each pod's `[::]:15008` in its netns terminates mutual TLS with the pod's own
 //! certificate (the client must present one that verifies, from our trust domain), then serves
 //! HTTP/2 CONNECT streams: 400 for anything but CONNECT, an unparseable authority, or an
-//! authority whose IP is not the one the client dialed; 503 when the app cannot be reached; 200
-//! only once the connection to the app is up. The connection to the app is made from inside the
-//! pod's netns.
+//! authority whose IP is not the one the client dialed; 401 when authorization policy denies;
+//! 503 when the app cannot be reached; 200 only once the connection to the app is up. The
+//! connection to the app is made from inside the pod's netns.
+//!
+//! Limits: the TLS and HTTP/2 handshakes must finish within the handshake timeout; at most 200
+//! concurrent streams and 64 KiB of headers per connection; h2's reset-flood protections on.
 
 use std::{io, net::SocketAddr, sync::Arc};
 
@@ -11,72 +14,54 @@ use anyhow::Context as _;
 use bytes::Bytes;
 use datapath_common::consts::ports;
 use h2::server::SendResponse;
-use meshpath_loader::netns::Netns;
+use http::StatusCode;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsAcceptor;
-use tracing::{debug, info, warn};
+use tracing::{debug, info_span, warn, Instrument as _};
 
 use crate::{
-    config::{Workload, WorkloadStore},
-    hbone,
-    identity::{Identity, LocalCa, WorkloadCert},
-    netns::SocketFactory,
+    authorization, hbone,
+    identity::Identity,
+    inpod::Pod,
+    metrics::{ConnGuard, ConnInfo, Direction},
     tls,
 };
-
-/// What every pod's paths share.
-#[derive(Debug)]
-pub struct Shared {
-    pub store: WorkloadStore,
-    pub ca: LocalCa,
-    pub roots: Vec<rustls::pki_types::CertificateDer<'static>>,
-    /// Shutdown switch and the connections it waits for.
-    pub drain: crate::drain::Drain,
-    /// Outbound HBONE connections, shared between streams.
-    pub pool: crate::pool::Pool,
-}
-
-/// One pod served by this proxy.
-#[derive(Debug)]
-pub struct Pod {
-    pub uid: String,
-    pub netns: Netns,
-    /// Creates the pod's sockets inside its netns.
-    pub sockets: SocketFactory,
-    pub workload: Workload,
-    pub identity: Identity,
-    pub cert: WorkloadCert,
-    pub proxy: Arc<Shared>,
-}
 
 /// Serves one pod's HBONE listener.
 pub fn start(pod: Arc<Pod>) -> anyhow::Result<()> {
     let listener = pod.sockets.listen(SocketAddr::from(([0u16; 8], ports::HBONE)))?;
-    let acceptor = TlsAcceptor::from(tls::server_config(&pod.cert, &pod.proxy.roots)?);
     let proxy = pod.proxy.clone();
     proxy.drain.serve(
         listener,
-        (acceptor, pod),
+        (pod.listening.clone(), pod.gone.clone()),
+        pod,
         "HBONE",
-        |tcp, peer, (acceptor, pod)| async move {
-            serve_connection(tcp, peer, acceptor, &pod)
-                .await
-                .with_context(|| format!("pod {}", pod.uid))
+        |tcp, peer, pod| async move {
+            let span = info_span!("inbound", pod = %pod.uid, %peer);
+            serve_connection(tcp, peer, &pod).instrument(span).await
         },
     );
     Ok(())
 }
 
-async fn serve_connection(
-    tcp: TcpStream,
-    peer: SocketAddr,
-    acceptor: TlsAcceptor,
-    pod: &Arc<Pod>,
-) -> anyhow::Result<()> {
+async fn serve_connection(tcp: TcpStream, peer: SocketAddr, pod: &Arc<Pod>) -> anyhow::Result<()> {
+    let proxy = &pod.proxy;
     let dialed = tcp.local_addr()?;
     // HTTP/2 writes small frames (responses, window updates): no Nagle delay on them.
     tcp.set_nodelay(true)?;
-    let tls = acceptor.accept(tcp).await?;
+    let config = pod.server_tls().context("pod has no certificate")?;
+    let limit = proxy.settings.handshake_timeout;
+    let tls = match tokio::time::timeout(limit, TlsAcceptor::from(config).accept(tcp)).await {
+        Ok(Ok(tls)) => tls,
+        Ok(Err(e)) => {
+            proxy.metrics.error(Direction::Inbound, "tls_handshake");
+            return Err(anyhow::Error::new(e).context("TLS handshake"));
+        }
+        Err(_) => {
+            proxy.metrics.error(Direction::Inbound, "handshake_timeout");
+            anyhow::bail!("TLS handshake not done within {limit:?}");
+        }
+    };
     let client = tls
         .get_ref()
         .1
@@ -85,32 +70,56 @@ async fn serve_connection(
         .map(tls::spiffe_ids)
         .unwrap_or_default();
     let Some(client) = client.into_iter().next() else {
+        proxy.metrics.error(Direction::Inbound, "no_identity");
         anyhow::bail!("client certificate has no SPIFFE identity");
     };
     if client.trust_domain != pod.identity.trust_domain {
+        proxy.metrics.error(Direction::Inbound, "trust_domain");
         anyhow::bail!("client {client} is not in trust domain {}", pod.identity.trust_domain);
     }
-    let mut conn = h2::server::Builder::new()
+    let handshake = h2::server::Builder::new()
         .initial_window_size(hbone::STREAM_WINDOW)
         .initial_connection_window_size(hbone::CONNECTION_WINDOW)
         .max_frame_size(hbone::MAX_FRAME)
         .max_concurrent_streams(200)
         .max_header_list_size(64 * 1024)
-        .handshake(tls)
-        .await?;
+        .max_concurrent_reset_streams(100)
+        .max_pending_accept_reset_streams(50)
+        .max_local_error_reset_streams(Some(100))
+        .handshake(tls);
+    let mut conn = match tokio::time::timeout(limit, handshake).await {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => {
+            proxy.metrics.error(Direction::Inbound, "http2_handshake");
+            return Err(anyhow::Error::new(e).context("HTTP/2 handshake (not HTTP/2?)"));
+        }
+        Err(_) => {
+            proxy.metrics.error(Direction::Inbound, "handshake_timeout");
+            anyhow::bail!("HTTP/2 handshake not done within {limit:?}");
+        }
+    };
     while let Some(stream) = conn.accept().await {
-        let (req, respond) = stream?;
-        let (pod, client) = (pod.clone(), client.clone());
-        pod.proxy.drain.clone().spawn(async move {
-            if let Err(e) = serve_stream(req, respond, dialed, peer, &client, &pod).await {
-                debug!(error = %e, "HBONE stream ended with an error");
+        let (req, respond) = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                proxy.metrics.error(Direction::Inbound, "http2_protocol");
+                return Err(anyhow::Error::new(e).context("HTTP/2"));
             }
-        });
+        };
+        let (p, client) = (pod.clone(), client.clone());
+        pod.spawn(
+            async move {
+                if let Err(e) = serve_stream(req, respond, dialed, peer, &client, &p).await {
+                    debug!(error = %e, "HBONE stream ended with an error");
+                }
+            }
+            .in_current_span(),
+        );
     }
     Ok(())
 }
 
-fn reply(respond: &mut SendResponse<Bytes>, status: http::StatusCode) -> io::Result<()> {
+fn reply(respond: &mut SendResponse<Bytes>, status: StatusCode) -> io::Result<()> {
     let resp = http::Response::builder().status(status).body(()).map_err(io::Error::other)?;
     respond.send_response(resp, true).map(drop).map_err(io::Error::other)
 }
@@ -123,30 +132,85 @@ async fn serve_stream(
     client: &Identity,
     pod: &Pod,
 ) -> io::Result<()> {
-    use http::StatusCode;
+    let proxy = &pod.proxy;
+    let bad = |respond: &mut SendResponse<Bytes>, why: &str| {
+        proxy.metrics.error(Direction::Inbound, "bad_request");
+        warn!(src = %client, why, "HBONE request refused: 400");
+        reply(respond, StatusCode::BAD_REQUEST)
+    };
     if req.method() != http::Method::CONNECT {
-        return reply(&mut respond, StatusCode::BAD_REQUEST);
+        return bad(&mut respond, "method is not CONNECT");
     }
     let target: Option<SocketAddr> = req.uri().authority().and_then(|a| a.as_str().parse().ok());
     let Some(target) = target else {
-        return reply(&mut respond, StatusCode::BAD_REQUEST);
+        return bad(&mut respond, "authority is not IP:PORT");
     };
     if canonical(target.ip()) != canonical(dialed.ip()) {
-        return reply(&mut respond, StatusCode::BAD_REQUEST);
+        return bad(&mut respond, "authority is not the address dialed");
     }
-    let app = match pod.sockets.socket(target)?.connect(target).await {
-        Ok(s) => s,
-        Err(e) => {
-            warn!(pod = %pod.uid, %target, error = %e, "app unreachable");
+    // The peer's address is the source pod's own (its proxy connects from inside the pod), so
+    // policy and telemetry trust it; `forwarded: for=` only adds the app's port, when it agrees.
+    let src =
+        forwarded_for(&req).filter(|f| canonical(f.ip()) == canonical(peer.ip())).unwrap_or(peer);
+    let store = proxy.store();
+    let src_workload = store.by_ip(src.ip()).cloned();
+    let conn = authorization::Connection {
+        src_identity: Some(client),
+        src_ip: src.ip(),
+        dst_port: target.port(),
+    };
+    if let Err(denied) = authorization::check(&store.policies, &pod.workload, &conn) {
+        proxy.metrics.error(Direction::Inbound, "policy_denied");
+        warn!(src = %client, %src, dst = %target, reason = %denied, "connection denied: 401");
+        return reply(&mut respond, StatusCode::UNAUTHORIZED);
+    }
+    let info = ConnInfo {
+        direction: Direction::Inbound,
+        src_addr: src,
+        src_workload,
+        src_identity: Some(client.clone()),
+        dst_addr: target,
+        hbone_addr: Some(SocketAddr::new(dialed.ip(), ports::HBONE)),
+        dst_workload: Some(pod.workload.clone()),
+        dst_identity: Some(pod.identity.clone()),
+        dst_service: None,
+    };
+    let guard = ConnGuard::open(&proxy.metrics, info);
+    let connect = pod.sockets.socket(target)?.connect(target);
+    let app = match tokio::time::timeout(proxy.settings.connect_timeout, connect).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            proxy.metrics.error(Direction::Inbound, "upstream_refused");
+            warn!(%target, error = %e, "app unreachable: 503");
+            guard.finish(0, 0, Some(&e.to_string()));
+            return reply(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
+        }
+        Err(_) => {
+            proxy.metrics.error(Direction::Inbound, "upstream_timeout");
+            guard.finish(0, 0, Some("connect timed out"));
             return reply(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
         }
     };
     let resp =
         http::Response::builder().status(StatusCode::OK).body(()).map_err(io::Error::other)?;
     let send = respond.send_response(resp, false).map_err(io::Error::other)?;
-    let (up, down) = hbone::splice(app, send, req.into_body()).await?;
-    info!(src = %client, %peer, dst = %target, dst_identity = %pod.identity, up, down, "inbound hbone connection closed");
+    match hbone::splice(app, send, req.into_body()).await {
+        Ok((down, up)) => guard.finish(up, down, None),
+        Err(e) => {
+            guard.finish(0, 0, Some(&e.to_string()));
+            return Err(e);
+        }
+    }
     Ok(())
+}
+
+/// `forwarded: for="IP:PORT"` (or `for=IP`).
+fn forwarded_for<B>(req: &http::Request<B>) -> Option<SocketAddr> {
+    let v = req.headers().get("forwarded")?.to_str().ok()?;
+    let f = v.split(';').find_map(|p| p.trim().strip_prefix("for="))?.trim_matches('"');
+    f.parse()
+        .ok()
+        .or_else(|| f.trim_matches(['[', ']']).parse().ok().map(|ip| SocketAddr::new(ip, 0)))
 }
 
 fn canonical(ip: std::net::IpAddr) -> std::net::IpAddr {

@@ -1,36 +1,80 @@
 //! Inbound plaintext: TCP that the datapath steered to the pod's `[::]:15006` (sk_lookup, any
-//! port but 15008) is forwarded to the app it was addressed to, connecting from inside the pod.
+//! port but 15008) is authorized — with no peer identity, so a pod whose policy requires mTLS
+//! refuses it — and forwarded to the app it was addressed to, connecting from inside the pod.
 //! The listener is registered in the datapath's `INBOUND_LISTENERS`, as the datapath requires;
 //! while no proxy has it registered, the pod refuses such connections (fail closed).
 
 use std::{net::SocketAddr, path::Path, sync::Arc};
 
-use anyhow::Context as _;
 use datapath_common::consts::ports;
 use meshpath_loader::datapath::Datapath;
 use tokio::net::TcpStream;
-use tracing::info;
+use tracing::{info_span, warn, Instrument as _};
 
-use crate::{inbound::Pod, outbound::original_dst};
+use crate::{
+    authorization,
+    inpod::Pod,
+    metrics::{ConnGuard, ConnInfo, Direction},
+    outbound::original_dst,
+};
 
 /// Opens the pod's 15006 listener, registers it with the datapath under `pin_root`, serves it.
 pub fn start(pod: Arc<Pod>, pin_root: &Path) -> anyhow::Result<()> {
     let listener = pod.sockets.listen(SocketAddr::from(([0u16; 8], ports::INBOUND_PLAINTEXT)))?;
     Datapath::open_or_load(pin_root)?.register_inbound_listener(pod.netns.cookie(), &listener)?;
     let proxy = pod.proxy.clone();
-    proxy.drain.serve(listener, pod, "inbound plaintext", |conn, peer, pod: Arc<Pod>| async move {
-        handle(conn, peer, &pod).await.with_context(|| format!("pod {}", pod.uid))
-    });
+    proxy.drain.serve(
+        listener,
+        (pod.listening.clone(), pod.gone.clone()),
+        pod,
+        "inbound plaintext",
+        |conn, peer, pod: Arc<Pod>| async move {
+            let span = info_span!("inbound_plaintext", pod = %pod.uid, %peer);
+            handle(conn, peer, &pod).instrument(span).await
+        },
+    );
     Ok(())
 }
 
 async fn handle(mut conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<()> {
+    let proxy = &pod.proxy;
     // sk_lookup does not rewrite: the original destination is the accepted socket's address
     // (SO_ORIGINAL_DST, answered by the datapath, agrees).
     let dst = original_dst(&conn)?;
+    let store = proxy.store();
+    let c =
+        authorization::Connection { src_identity: None, src_ip: peer.ip(), dst_port: dst.port() };
+    if let Err(denied) = authorization::check(&store.policies, &pod.workload, &c) {
+        proxy.metrics.error(Direction::Inbound, "policy_denied");
+        warn!(src = %peer, %dst, reason = %denied, "plaintext connection denied");
+        // SO_LINGER 0: the close below sends RST, so the client sees a reset, not an EOF.
+        let _ = socket2::SockRef::from(&conn).set_linger(Some(std::time::Duration::ZERO));
+        return Ok(());
+    }
     conn.set_nodelay(true)?;
-    let mut app = pod.sockets.socket(dst)?.connect(dst).await?;
-    let (up, down) = tokio::io::copy_bidirectional(&mut conn, &mut app).await?;
-    info!(pod = %pod.uid, src = %peer, %dst, up, down, "inbound plaintext connection closed");
+    let info = ConnInfo {
+        direction: Direction::Inbound,
+        src_addr: peer,
+        src_workload: store.by_ip(peer.ip()).cloned(),
+        src_identity: None,
+        dst_addr: dst,
+        hbone_addr: None,
+        dst_workload: Some(pod.workload.clone()),
+        dst_identity: Some(pod.identity.clone()),
+        dst_service: None,
+    };
+    let guard = ConnGuard::open(&proxy.metrics, info);
+    let mut app = match pod.sockets.socket(dst)?.connect(dst).await {
+        Ok(a) => a,
+        Err(e) => {
+            proxy.metrics.error(Direction::Inbound, "upstream_refused");
+            guard.finish(0, 0, Some(&e.to_string()));
+            return Err(anyhow::Error::new(e).context(format!("connecting to {dst}")));
+        }
+    };
+    match tokio::io::copy_bidirectional(&mut conn, &mut app).await {
+        Ok((up, down)) => guard.finish(up, down, None),
+        Err(e) => guard.finish(0, 0, Some(&e.to_string())),
+    }
     Ok(())
 }

@@ -1,20 +1,32 @@
-//! meshpath's HBONE node proxy, as a library: identities and certificates (`identity`), TLS
-//! with SPIFFE verification (`tls`), the HBONE protocol (`hbone`), the workload store (`config`),
-//! and the two data paths, `outbound` (captured app traffic → HBONE or passthrough) and
-//! `inbound` (HBONE on 15008 → the app). `meshpath-proxy` is a thin CLI over it.
+//! meshpath's HBONE node proxy, as a library. By file:
 //!
-//! Built so far: the outbound and inbound HBONE paths with connection pooling (`pool`), inbound
-//! plaintext (15006) and graceful shutdown (`drain`), for pods given on the command line. Not
-//! yet: DNS, idle release, policy, metrics and admin, certificate rotation, ZDS (see the proxy
-//! issue).
+//! - `state` — the node-wide state; `inpod` — the pods served (add, remove, certificates);
+//! - `outbound` — a pod's captured connections (15001) → HBONE or passthrough, services resolved;
+//! - `inbound` — HBONE (15008) → the pod's app; `inbound_plaintext` — 15006 → the app;
+//! - `dns` — 15053; `admin` — 15000 / 15020 / 15021;
+//! - `hbone` — the protocol; `tls` — mTLS with SPIFFE checks; `pool` — shared HTTP/2 connections;
+//! - `identity`, `certs` — identities and where certificates come from;
+//! - `config` — the workload store; `authorization` — L4 policy; `metrics` — telemetry;
+//! - `reload` — what is re-read while running; `drain` — graceful shutdown;
+//! - `netns` — sockets inside a pod's network namespace.
+//!
+//! `meshpath-proxy` (src/main.rs) is a thin CLI over it.
 
+pub mod admin;
+pub mod authorization;
+pub mod certs;
 pub mod config;
+pub mod dns;
 pub mod drain;
 pub mod hbone;
 pub mod identity;
 pub mod inbound;
 pub mod inbound_plaintext;
+pub mod inpod;
+pub mod metrics;
 pub mod netns;
 pub mod outbound;
 pub mod pool;
+pub mod reload;
+pub mod state;
 pub mod tls;

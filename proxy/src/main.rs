@@ -1,46 +1,87 @@
 //! `meshpath-proxy`: the HBONE node proxy. Serves the pods given with `--pod UID=NETNS`
-//! (until the agent hands pods over ZDS): their outbound captured traffic (15001) and their
-//! HBONE listener (15008), with workload certificates minted from a local CA.
+//! (until the agent hands pods over ZDS): their outbound captured traffic (15001), DNS (15053),
+//! HBONE (15008) and inbound plaintext (15006, with `--pin-root`), with workload certificates
+//! from a local CA or from files; node-wide admin, metrics and readiness endpoints.
 
-use std::{io::Write as _, path::PathBuf, process::ExitCode, sync::Arc, time::Duration};
+use std::{
+    io::Write as _, net::SocketAddr, path::PathBuf, process::ExitCode, sync::Arc, time::Duration,
+};
 
 use anyhow::{Context as _, Result};
 use clap::Parser;
 use meshpath_loader::netns::Netns;
 use meshpath_proxy::{
+    admin::{self, Endpoints, LogControl},
+    certs::Certs,
     config::WorkloadStore,
-    drain::Drain,
+    dns,
     identity::LocalCa,
-    inbound::{self, Pod, Shared},
-    inbound_plaintext, outbound,
-    pool::Pool,
+    inpod, reload,
+    state::{Proxy, Settings},
 };
+use tracing_subscriber::{layer::SubscriberExt as _, util::SubscriberInitExt as _, EnvFilter};
 
 #[derive(Parser)]
 #[command(name = "meshpath-proxy", version, about = "meshpath's HBONE node proxy")]
+#[command(group = clap::ArgGroup::new("certificates").required(true).args(["ca_cert", "cert_dir"]))]
 struct Cli {
-    /// Workloads (ztunnel's local configuration format, YAML).
+    /// Workloads, services and policies (ztunnel's local configuration format, YAML); re-read
+    /// when it changes.
     #[arg(long)]
     workloads: PathBuf,
-    /// CA certificate (PEM) workload certificates are minted from; also the trust root.
-    #[arg(long)]
-    ca_cert: PathBuf,
-    /// CA key (PKCS#8 PEM, RSA or ECDSA).
-    #[arg(long)]
-    ca_key: PathBuf,
+    /// Local-CA mode: the CA certificate (PEM) workload certificates are minted from; also the
+    /// trust root.
+    #[arg(long, requires = "ca_key")]
+    ca_cert: Option<PathBuf>,
+    /// Local-CA mode: the CA key (PKCS#8 PEM, RSA or ECDSA).
+    #[arg(long, requires = "ca_cert")]
+    ca_key: Option<PathBuf>,
+    /// Local-CA mode: lifetime of minted certificates, in seconds (renewed at half-life).
+    #[arg(long, default_value_t = 24 * 3600)]
+    cert_lifetime_seconds: u64,
+    /// Files mode: DIR/NAMESPACE/SERVICE_ACCOUNT/{cert-chain.pem,key.pem}, re-read on change.
+    #[arg(long, requires = "trust_bundle")]
+    cert_dir: Option<PathBuf>,
+    /// Files mode: the trust bundle (PEM), re-read on change.
+    #[arg(long, requires = "cert_dir")]
+    trust_bundle: Option<PathBuf>,
     /// A pod to serve: its workload uid and its netns path (repeatable).
     #[arg(long = "pod", value_name = "UID=NETNS")]
     pods: Vec<String>,
-    /// Lifetime of minted workload certificates, in hours.
-    #[arg(long, default_value_t = 24)]
-    cert_hours: u64,
-    /// On SIGTERM: how long open connections may take to finish, in seconds.
-    #[arg(long, default_value_t = 30)]
-    drain_seconds: u64,
     /// The datapath's pin root: when given, each pod's inbound plaintext listener (15006) is
     /// opened and registered there.
     #[arg(long)]
     pin_root: Option<PathBuf>,
+    /// DNS upstreams for names not in the store (repeatable; default: /etc/resolv.conf's).
+    #[arg(long = "dns-upstream", value_name = "IP:PORT")]
+    dns_upstreams: Vec<SocketAddr>,
+    /// Admin endpoint (/config_dump, /logging, /quitquitquit).
+    #[arg(long, default_value = "127.0.0.1:15000")]
+    admin_addr: SocketAddr,
+    /// Prometheus endpoint (/metrics).
+    #[arg(long, default_value = "[::]:15020")]
+    stats_addr: SocketAddr,
+    /// Readiness endpoint (/healthz/ready).
+    #[arg(long, default_value = "[::]:15021")]
+    readiness_addr: SocketAddr,
+    /// Streams per pooled HBONE connection before another is opened.
+    #[arg(long, default_value_t = 100)]
+    pool_max_streams: usize,
+    /// Seconds a pooled HBONE connection without streams is kept.
+    #[arg(long, default_value_t = 300)]
+    pool_idle_seconds: u64,
+    /// Seconds an inbound TLS + HTTP/2 handshake may take.
+    #[arg(long, default_value_t = 10)]
+    handshake_timeout_seconds: u64,
+    /// Seconds an upstream connect may take.
+    #[arg(long, default_value_t = 10)]
+    connect_timeout_seconds: u64,
+    /// How often files are checked for changes, in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    refresh_ms: u64,
+    /// On SIGTERM: how long open connections may take to finish, in seconds.
+    #[arg(long, default_value_t = 30)]
+    drain_seconds: u64,
 }
 
 /// `meshpath-proxy new-ca DIR`: writes a new CA (ca.pem, ca-key.pem) for tests and the demo.
@@ -48,27 +89,43 @@ fn new_ca(dir: &std::path::Path) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     let (cert, key) = LocalCa::generate("meshpath local CA")?.to_pem();
     std::fs::write(dir.join("ca.pem"), cert)?;
-    std::fs::write(dir.join("ca-key.pem"), key)?;
+    let key_path = dir.join("ca-key.pem");
+    std::fs::write(&key_path, key)?;
+    std::fs::set_permissions(&key_path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
     println!("wrote {0}/ca.pem and {0}/ca-key.pem", dir.display());
     Ok(())
 }
 
-fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+/// Logging to stderr with a filter the admin endpoint can change.
+fn init_logging() -> LogControl {
+    let initial = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let (filter, handle) = tracing_subscriber::reload::Layer::new(initial);
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
         )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    Arc::new(move |new: Option<&str>| {
+        if let Some(f) = new {
+            let f = EnvFilter::try_new(f).map_err(|e| format!("bad filter {f:?}: {e}"))?;
+            handle.reload(f).map_err(|e| e.to_string())?;
+        }
+        handle.with_current(ToString::to_string).map_err(|e| e.to_string())
+    })
+}
+
+fn main() -> ExitCode {
+    let log = init_logging();
     let args: Vec<String> = std::env::args().collect();
     let res = match args.get(1).map(String::as_str) {
         Some("new-ca") => match args.get(2) {
             Some(dir) => new_ca(dir.as_ref()),
             None => Err(anyhow::anyhow!("usage: meshpath-proxy new-ca DIR")),
         },
-        _ => run(Cli::parse()),
+        _ => run(Cli::parse(), log),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,
@@ -79,51 +136,69 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cli: Cli) -> Result<()> {
+fn read(p: &PathBuf) -> Result<String> {
+    std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+}
+
+fn certs(cli: &Cli) -> Result<Certs> {
+    match (&cli.ca_cert, &cli.ca_key, &cli.cert_dir, &cli.trust_bundle) {
+        (Some(cert), Some(key), _, _) => {
+            let ca = LocalCa::from_pem(&read(cert)?, &read(key)?)
+                .with_context(|| format!("CA {} / {}", cert.display(), key.display()))?;
+            Ok(Certs::local_ca(ca, Duration::from_secs(cli.cert_lifetime_seconds.max(1))))
+        }
+        (_, _, Some(dir), Some(bundle)) => Ok(Certs::files(dir.clone(), bundle.clone())?),
+        _ => anyhow::bail!("give --ca-cert and --ca-key, or --cert-dir and --trust-bundle"),
+    }
+}
+
+fn run(cli: Cli, log: LogControl) -> Result<()> {
     let store = WorkloadStore::load(&cli.workloads)?;
-    let read = |p: &PathBuf| {
-        std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+    let dns_upstreams = if cli.dns_upstreams.is_empty() {
+        dns::resolv_conf_upstreams(&std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default())
+    } else {
+        cli.dns_upstreams.clone()
     };
-    let ca = LocalCa::from_pem(&read(&cli.ca_cert)?, &read(&cli.ca_key)?)?;
-    let roots = vec![ca.cert_der.clone()];
-    let shared = Arc::new(Shared { store, ca, roots, drain: Drain::new(), pool: Pool::new() });
+    let settings = Settings {
+        pin_root: cli.pin_root.clone(),
+        dns_upstreams,
+        pool_max_streams: cli.pool_max_streams,
+        pool_idle: Duration::from_secs(cli.pool_idle_seconds),
+        handshake_timeout: Duration::from_secs(cli.handshake_timeout_seconds),
+        connect_timeout: Duration::from_secs(cli.connect_timeout_seconds),
+    };
+    let proxy = Proxy::new(store, certs(&cli)?, settings);
     let mut pods = Vec::new();
     for spec in &cli.pods {
         let (uid, path) =
             spec.split_once('=').with_context(|| format!("--pod {spec}: expected UID=NETNS"))?;
-        let workload = shared
-            .store
-            .by_uid(uid)
-            .with_context(|| {
-                format!("--pod {spec}: no workload with uid {uid} in {}", cli.workloads.display())
-            })?
-            .clone();
-        let identity = workload.identity();
-        let cert = shared.ca.issue(&identity, Duration::from_secs(cli.cert_hours * 3600))?;
-        let netns = Netns::open(path.as_ref())?;
-        let sockets = meshpath_proxy::netns::SocketFactory::new(&netns)
-            .with_context(|| format!("entering the netns of pod {uid}"))?;
-        pods.push(Arc::new(Pod {
-            uid: uid.to_owned(),
-            netns,
-            sockets,
-            workload,
-            identity,
-            cert,
-            proxy: shared.clone(),
-        }));
+        let workload = proxy.store().by_uid(uid).cloned().with_context(|| {
+            format!("--pod {spec}: no workload with uid {uid} in {}", cli.workloads.display())
+        })?;
+        pods.push((uid.to_owned(), Netns::open(path.as_ref())?, workload));
     }
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?.block_on(
         async {
-            for pod in &pods {
-                outbound::start(pod.clone())?;
-                inbound::start(pod.clone())?;
-                if let Some(root) = &cli.pin_root {
-                    inbound_plaintext::start(pod.clone(), root)?;
-                }
-                tracing::info!(pod = %pod.uid, identity = %pod.identity, "serving");
-            }
             let mut out = std::io::stdout().lock();
+            for (which, addr, name) in [
+                (Endpoints::Admin, cli.admin_addr, "ADMIN"),
+                (Endpoints::Stats, cli.stats_addr, "STATS"),
+                (Endpoints::Readiness, cli.readiness_addr, "READINESS"),
+            ] {
+                let (listener, bound) =
+                    admin::bind(addr).await.with_context(|| format!("binding {name} {addr}"))?;
+                admin::serve(listener, which, proxy.clone(), log.clone());
+                writeln!(out, "{name} {bound}")?;
+            }
+            for (uid, netns, workload) in pods {
+                inpod::add(&proxy, &uid, netns, workload)?;
+            }
+            reload::spawn(
+                proxy.clone(),
+                cli.workloads.clone(),
+                Duration::from_millis(cli.refresh_ms.max(10)),
+            );
+            proxy.set_ready(true);
             writeln!(out, "READY")?;
             out.flush()?;
             drop(out);
@@ -132,12 +207,13 @@ fn run(cli: Cli) -> Result<()> {
             tokio::select! {
                 _ = term.recv() => {}
                 r = tokio::signal::ctrl_c() => r?,
+                () = proxy.drain.stopping() => {}
             }
             tracing::info!(
                 deadline_s = cli.drain_seconds,
                 "draining: no new connections, waiting for open ones"
             );
-            let left = shared.drain.shutdown(Duration::from_secs(cli.drain_seconds)).await;
+            let left = proxy.drain.shutdown(Duration::from_secs(cli.drain_seconds)).await;
             if left > 0 {
                 tracing::warn!(left, "drain deadline reached; closing the remaining connections");
             }

@@ -11,9 +11,9 @@ use std::{
 };
 
 use meshpath_loader::netns::Netns;
-use tokio::net::{TcpListener, TcpSocket};
+use tokio::net::{TcpListener, TcpSocket, UdpSocket};
 
-type Request = (socket2::Domain, mpsc::Sender<io::Result<socket2::Socket>>);
+type Request = (socket2::Domain, socket2::Type, mpsc::Sender<io::Result<socket2::Socket>>);
 
 /// Creates sockets inside one pod's netns.
 #[derive(Debug)]
@@ -35,28 +35,28 @@ impl SocketFactory {
                 return;
             }
             // Ends when the factory (the sender) is dropped.
-            for (domain, reply) in rx {
-                let _ = reply.send(socket2::Socket::new(domain, socket2::Type::STREAM, None));
+            for (domain, ty, reply) in rx {
+                let _ = reply.send(socket2::Socket::new(domain, ty, None));
             }
         })?;
         ready_rx.recv().map_err(io::Error::other)??;
         Ok(Self { requests: Mutex::new(tx) })
     }
 
-    fn raw(&self, addr: SocketAddr) -> io::Result<socket2::Socket> {
+    fn raw(&self, addr: SocketAddr, ty: socket2::Type) -> io::Result<socket2::Socket> {
         let domain = if addr.is_ipv4() { socket2::Domain::IPV4 } else { socket2::Domain::IPV6 };
         let (tx, rx) = mpsc::channel();
         self.requests
             .lock()
             .map_err(|_| io::Error::other("socket thread lock poisoned"))?
-            .send((domain, tx))
+            .send((domain, ty, tx))
             .map_err(|_| io::Error::other("the pod's socket thread is gone"))?;
         rx.recv().map_err(|_| io::Error::other("the pod's socket thread is gone"))?
     }
 
     /// A TCP listener on `addr` inside the pod.
     pub fn listen(&self, addr: SocketAddr) -> io::Result<TcpListener> {
-        let s = self.raw(addr)?;
+        let s = self.raw(addr, socket2::Type::STREAM)?;
         if addr.is_ipv6() {
             s.set_only_v6(false)?;
         }
@@ -69,9 +69,20 @@ impl SocketFactory {
 
     /// An unconnected TCP socket of `addr`'s family inside the pod.
     pub fn socket(&self, addr: SocketAddr) -> io::Result<TcpSocket> {
-        let s = self.raw(addr)?;
+        let s = self.raw(addr, socket2::Type::STREAM)?;
         s.set_nonblocking(true)?;
         s.set_nodelay(true)?;
         Ok(TcpSocket::from_std_stream(s.into()))
+    }
+
+    /// A UDP socket inside the pod bound to `addr` (port 0: any).
+    pub fn udp(&self, addr: SocketAddr) -> io::Result<UdpSocket> {
+        let s = self.raw(addr, socket2::Type::DGRAM)?;
+        if addr.is_ipv6() {
+            s.set_only_v6(true)?;
+        }
+        s.set_nonblocking(true)?;
+        s.bind(&addr.into())?;
+        UdpSocket::from_std(s.into())
     }
 }

@@ -14,9 +14,16 @@ use std::{
 use anyhow::Context as _;
 use datapath_common::consts::{ports, sockopt};
 use tokio::net::TcpStream;
-use tracing::info;
+use tracing::{info_span, Instrument as _};
 
-use crate::{config::Protocol, hbone, inbound::Pod, pool::PoolKey, tls};
+use crate::{
+    config::{Protocol, Workload, WorkloadStore},
+    hbone::{self, StreamHeaders},
+    inpod::Pod,
+    metrics::{ConnGuard, ConnInfo, Direction},
+    pool::PoolKey,
+    tls,
+};
 
 /// Serves one pod's outbound listeners (127.0.0.1:15001 and [::1]:15001 in its netns).
 pub fn start(pod: Arc<Pod>) -> io::Result<()> {
@@ -27,63 +34,175 @@ pub fn start(pod: Arc<Pod>) -> io::Result<()> {
         let listener = pod.sockets.listen(addr)?;
         pod.proxy.drain.serve(
             listener,
+            (pod.listening.clone(), pod.gone.clone()),
             pod.clone(),
             "outbound",
             |conn, peer, pod: Arc<Pod>| async move {
-                handle(conn, peer, &pod).await.with_context(|| format!("pod {}", pod.uid))
+                let span = info_span!("outbound", pod = %pod.uid, %peer);
+                handle(conn, peer, &pod).instrument(span).await
             },
         );
     }
     Ok(())
 }
 
+/// Where a connection goes after service resolution.
+struct Target {
+    addr: SocketAddr,
+    workload: Option<Workload>,
+    service: Option<String>,
+}
+
+/// A service VIP becomes one of its healthy endpoints (picked at random); any other address is
+/// its own target.
+fn resolve(store: &WorkloadStore, orig: SocketAddr) -> Result<Target, String> {
+    let Some(svc) = store.service_by_vip(orig.ip()) else {
+        return Ok(Target { addr: orig, workload: store.by_ip(orig.ip()).cloned(), service: None });
+    };
+    let endpoints = store.endpoints(svc, orig.port());
+    if endpoints.is_empty() {
+        return Err(format!("service {} has no healthy endpoint", svc.hostname));
+    }
+    let (w, port) = endpoints[random_index(endpoints.len())];
+    let ip = w
+        .workload_ips
+        .iter()
+        .find(|ip| ip.is_ipv4() == orig.is_ipv4())
+        .or_else(|| w.workload_ips.first())
+        .copied()
+        .ok_or_else(|| format!("endpoint {} of {} has no address", w.uid, svc.hostname))?;
+    Ok(Target {
+        addr: SocketAddr::new(ip, port),
+        workload: Some(w.clone()),
+        service: Some(svc.hostname.clone()),
+    })
+}
+
+fn random_index(n: usize) -> usize {
+    use ring::rand::SecureRandom as _;
+    let mut b = [0u8; 8];
+    let _ = ring::rand::SystemRandom::new().fill(&mut b);
+    (u64::from_ne_bytes(b) % n as u64) as usize
+}
+
 async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<()> {
+    let proxy = &pod.proxy;
     let orig = original_dst(&conn)?;
     if [ports::OUTBOUND, ports::INBOUND_PLAINTEXT, ports::HBONE].contains(&orig.port()) {
+        proxy.metrics.error(Direction::Outbound, "loop");
         anyhow::bail!("refusing {orig}: a proxy port as destination would loop");
     }
     conn.set_nodelay(true)?;
-    let dest = pod.proxy.store.by_ip(orig.ip()).cloned();
-    match dest {
-        Some(d) if d.protocol == Protocol::Hbone => {
-            let gateway = SocketAddr::new(orig.ip(), ports::HBONE);
-            let key = PoolKey {
-                src: pod.identity.clone(),
-                dst: d.identity(),
-                src_workload: pod.uid.clone(),
-                gateway,
-            };
-            let h2conn = pod
-                .proxy
-                .pool
-                .get(&key, || async {
-                    let tcp = pod
-                        .sockets
-                        .socket(gateway)
-                        .map_err(|e| hbone::HboneError::Connect(gateway, e))?
-                        .connect(gateway)
-                        .await
-                        .map_err(|e| hbone::HboneError::Connect(gateway, e))?;
-                    let config =
-                        tls::client_config(&pod.cert, &pod.proxy.roots, vec![d.identity()])
-                            .map_err(|e| {
-                                hbone::HboneError::Tls(gateway, std::io::Error::other(e))
-                            })?;
-                    hbone::handshake(tcp, gateway, config).await
-                })
-                .await?;
-            let (send, recv) = hbone::open_stream(h2conn, gateway, orig, Some(peer)).await?;
-            let (up, down) = hbone::splice(conn, send, recv).await?;
-            info!(src = %pod.identity, dst = %orig, dst_identity = %d.identity(), up, down, "hbone connection closed");
+    let store = proxy.store();
+    let target = match resolve(&store, orig) {
+        Ok(t) => t,
+        Err(e) => {
+            proxy.metrics.error(Direction::Outbound, "no_healthy_endpoint");
+            anyhow::bail!("{orig}: {e}");
         }
-        _ => {
-            let mut upstream = pod.sockets.socket(orig)?.connect(orig).await?;
-            let mut conn = conn;
-            let (up, down) = tokio::io::copy_bidirectional(&mut conn, &mut upstream).await?;
-            info!(src = %pod.identity, dst = %orig, up, down, "passthrough connection closed");
+    };
+    let hbone = target.workload.as_ref().is_some_and(|w| w.protocol == Protocol::Hbone);
+    let info = ConnInfo {
+        direction: Direction::Outbound,
+        src_addr: peer,
+        src_workload: Some(pod.workload.clone()),
+        src_identity: Some(pod.identity.clone()),
+        dst_addr: target.addr,
+        hbone_addr: hbone.then(|| SocketAddr::new(target.addr.ip(), ports::HBONE)),
+        dst_workload: target.workload.clone(),
+        dst_identity: target.workload.as_ref().filter(|_| hbone).map(Workload::identity),
+        dst_service: target.service.clone(),
+    };
+    let guard = ConnGuard::open(&proxy.metrics, info);
+    let result = if hbone {
+        via_hbone(conn, peer, pod, &target).await
+    } else {
+        passthrough(conn, pod, target.addr).await
+    };
+    match result {
+        Ok((up, down)) => guard.finish(up, down, None),
+        Err(e) => {
+            let msg = format!("{e:#}");
+            guard.finish(0, 0, Some(&msg));
+            return Err(e);
         }
     }
     Ok(())
+}
+
+async fn via_hbone(
+    conn: TcpStream,
+    peer: SocketAddr,
+    pod: &Pod,
+    target: &Target,
+) -> anyhow::Result<(u64, u64)> {
+    let proxy = &pod.proxy;
+    let dst = target.workload.as_ref().context("HBONE needs a destination workload")?;
+    let gateway = SocketAddr::new(target.addr.ip(), ports::HBONE);
+    let key = PoolKey {
+        src: pod.identity.clone(),
+        dst: dst.identity(),
+        src_workload: pod.uid.clone(),
+        gateway,
+    };
+    let timeout = proxy.settings.connect_timeout;
+    let opened = proxy
+        .pool
+        .get(&key, || async {
+            let connect = pod
+                .sockets
+                .socket(gateway)
+                .map_err(|e| hbone::HboneError::Connect(gateway, e))?
+                .connect(gateway);
+            let tcp = tokio::time::timeout(timeout, connect)
+                .await
+                .map_err(|_| hbone::HboneError::Connect(gateway, io::ErrorKind::TimedOut.into()))?
+                .map_err(|e| hbone::HboneError::Connect(gateway, e))?;
+            let cert = pod.cert().ok_or_else(|| {
+                hbone::HboneError::Tls(gateway, io::Error::other("no certificate"))
+            })?;
+            let config = tls::client_config(&cert, &proxy.certs.roots(), vec![dst.identity()])
+                .map_err(|e| hbone::HboneError::Tls(gateway, io::Error::other(e)))?;
+            hbone::handshake(tcp, gateway, config).await
+        })
+        .await;
+    let (h2conn, _permit) = match opened {
+        Ok(c) => c,
+        Err(e) => {
+            proxy.metrics.error(Direction::Outbound, e.reason());
+            return Err(e.into());
+        }
+    };
+    let headers = StreamHeaders::for_source(peer, &pod.workload);
+    let (send, recv) = match hbone::open_stream(h2conn, gateway, target.addr, &headers).await {
+        Ok(s) => s,
+        Err(e) => {
+            proxy.metrics.error(Direction::Outbound, e.reason());
+            return Err(e.into());
+        }
+    };
+    Ok(hbone::splice(conn, send, recv).await?)
+}
+
+async fn passthrough(
+    mut conn: TcpStream,
+    pod: &Pod,
+    dst: SocketAddr,
+) -> anyhow::Result<(u64, u64)> {
+    let proxy = &pod.proxy;
+    let connect = pod.sockets.socket(dst)?.connect(dst);
+    let mut upstream = match tokio::time::timeout(proxy.settings.connect_timeout, connect).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            proxy.metrics.error(Direction::Outbound, "upstream_refused");
+            return Err(anyhow::Error::new(e).context(format!("connecting to {dst}")));
+        }
+        Err(_) => {
+            proxy.metrics.error(Direction::Outbound, "upstream_timeout");
+            anyhow::bail!("connecting to {dst}: timed out");
+        }
+    };
+    Ok(tokio::io::copy_bidirectional(&mut conn, &mut upstream).await?)
 }
 
 /// The original destination, asked as under iptables: SOL_IP/SO_ORIGINAL_DST for an IPv4

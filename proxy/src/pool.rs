@@ -1,23 +1,28 @@
 //! Connection pooling: CONNECT streams from one workload to one destination share HTTP/2
 //! connections, keyed as ztunnel keys them — (source identity, destination identity, source
-//! workload, destination `ip:15008`). A connection at its stream limit (the peer's
-//! `max_concurrent_streams`, at most 100 of ours) is not used; a new one is opened beside it.
-//! Closed connections are dropped from the pool when next looked at.
+//! workload, destination `ip:15008`). A connection carrying `max_streams` streams (or at the
+//! peer's own limit) takes no more; a new one is opened beside it. A connection without streams
+//! for the idle timeout is released (dropping our handle makes h2 send GOAWAY and close), as are
+//! a removed pod's connections. Closed connections are dropped when next looked at.
 
 use std::{
     collections::HashMap,
     future::Future,
     net::SocketAddr,
     sync::{
-        atomic::{AtomicU64, Ordering},
-        Mutex,
+        atomic::{AtomicUsize, Ordering},
+        Arc, Mutex,
     },
     task::{Context, Poll, Waker},
+    time::{Duration, Instant},
 };
+
+use serde::Serialize;
 
 use crate::{
     hbone::{Connection, HboneError},
     identity::Identity,
+    metrics::Metrics,
 };
 
 /// What a pooled connection may be shared for.
@@ -30,21 +35,72 @@ pub struct PoolKey {
     pub gateway: SocketAddr,
 }
 
+#[derive(Debug)]
+struct Usage {
+    streams: AtomicUsize,
+    idle_since: Mutex<Option<Instant>>,
+}
+
+#[derive(Debug)]
+struct Pooled {
+    conn: Connection,
+    usage: Arc<Usage>,
+}
+
+/// One stream's claim on a pooled connection; dropping it (when the stream ends) frees the slot.
+#[derive(Debug)]
+pub struct StreamPermit(Arc<Usage>);
+
+impl Drop for StreamPermit {
+    fn drop(&mut self) {
+        if self.0.streams.fetch_sub(1, Ordering::AcqRel) == 1 {
+            if let Ok(mut t) = self.0.idle_since.lock() {
+                *t = Some(Instant::now());
+            }
+        }
+    }
+}
+
+fn claim(usage: &Arc<Usage>) -> StreamPermit {
+    usage.streams.fetch_add(1, Ordering::AcqRel);
+    if let Ok(mut t) = usage.idle_since.lock() {
+        *t = None;
+    }
+    StreamPermit(usage.clone())
+}
+
+/// A pooled connection as the admin dump shows it.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolEntry {
+    pub source: String,
+    pub destination: String,
+    pub source_workload: String,
+    pub gateway: SocketAddr,
+    pub streams: usize,
+    pub idle_seconds: Option<u64>,
+}
+
 /// The pool.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Pool {
-    conns: Mutex<HashMap<PoolKey, Vec<Connection>>>,
-    opened: AtomicU64,
+    conns: Mutex<HashMap<PoolKey, Vec<Pooled>>>,
+    metrics: Arc<Metrics>,
+    max_streams: usize,
 }
 
 impl Pool {
-    pub fn new() -> Self {
-        Self::default()
+    pub fn new(metrics: Arc<Metrics>, max_streams: usize) -> Self {
+        Self { conns: Mutex::new(HashMap::new()), metrics, max_streams: max_streams.max(1) }
     }
 
-    /// A connection for `key` with room for one more stream: a pooled one, or a new one from
-    /// `open`.
-    pub async fn get<F, Fut>(&self, key: &PoolKey, open: F) -> Result<Connection, HboneError>
+    /// A connection for `key` with room for one more stream, and the permit for that stream:
+    /// a pooled connection, or a new one from `open`.
+    pub async fn get<F, Fut>(
+        &self,
+        key: &PoolKey,
+        open: F,
+    ) -> Result<(Connection, StreamPermit), HboneError>
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Connection, HboneError>>,
@@ -53,39 +109,91 @@ impl Pool {
             return Ok(c);
         }
         let conn = open().await?;
-        self.opened.fetch_add(1, Ordering::Relaxed);
+        self.metrics.pool_opened.inc();
+        let usage = Arc::new(Usage { streams: AtomicUsize::new(0), idle_since: Mutex::new(None) });
+        let permit = claim(&usage);
         if let Ok(mut map) = self.conns.lock() {
-            map.entry(key.clone()).or_default().push(conn.clone());
+            map.entry(key.clone()).or_default().push(Pooled { conn: conn.clone(), usage });
+            self.metrics.pool_connections.set(count(&map));
         }
-        Ok(conn)
+        Ok((conn, permit))
     }
 
     /// A pooled connection that can take a stream now; drops closed ones.
-    fn take_ready(&self, key: &PoolKey) -> Option<Connection> {
+    fn take_ready(&self, key: &PoolKey) -> Option<(Connection, StreamPermit)> {
         let mut map = self.conns.lock().ok()?;
         let list = map.get_mut(key)?;
         let mut cx = Context::from_waker(Waker::noop());
         let mut found = None;
-        list.retain_mut(|c| match c.poll_ready(&mut cx) {
+        list.retain_mut(|p| match p.conn.poll_ready(&mut cx) {
             Poll::Ready(Ok(())) => {
-                if found.is_none() {
-                    found = Some(c.clone());
+                if found.is_none() && p.usage.streams.load(Ordering::Acquire) < self.max_streams {
+                    found = Some((p.conn.clone(), claim(&p.usage)));
                 }
                 true
             }
             // Closed or broken: forget it.
             Poll::Ready(Err(_)) => false,
-            // At its stream limit: keep it for later.
+            // At the peer's stream limit: keep it for later.
             Poll::Pending => true,
         });
         if list.is_empty() {
             map.remove(key);
         }
+        self.metrics.pool_connections.set(count(&map));
         found
     }
 
-    /// How many connections were opened so far.
-    pub fn opened(&self) -> u64 {
-        self.opened.load(Ordering::Relaxed)
+    /// Releases connections that have had no stream for `idle`. Returns how many.
+    pub fn release_idle(&self, idle: Duration) -> usize {
+        self.release(|_, u| {
+            u.streams.load(Ordering::Acquire) == 0
+                && u.idle_since.lock().ok().and_then(|t| *t).is_some_and(|t| t.elapsed() >= idle)
+        })
     }
+
+    /// Releases the connections of a source workload (a removed pod).
+    pub fn forget_workload(&self, uid: &str) -> usize {
+        self.release(|k, _| k.src_workload == uid)
+    }
+
+    fn release(&self, drop_it: impl Fn(&PoolKey, &Usage) -> bool) -> usize {
+        let Ok(mut map) = self.conns.lock() else { return 0 };
+        let mut released = 0;
+        map.retain(|k, list| {
+            let before = list.len();
+            list.retain(|p| !drop_it(k, &p.usage));
+            released += before - list.len();
+            !list.is_empty()
+        });
+        self.metrics.pool_connections.set(count(&map));
+        released
+    }
+
+    /// What is pooled now.
+    pub fn dump(&self) -> Vec<PoolEntry> {
+        let Ok(map) = self.conns.lock() else { return Vec::new() };
+        map.iter()
+            .flat_map(|(k, list)| {
+                list.iter().map(|p| PoolEntry {
+                    source: k.src.to_string(),
+                    destination: k.dst.to_string(),
+                    source_workload: k.src_workload.clone(),
+                    gateway: k.gateway,
+                    streams: p.usage.streams.load(Ordering::Acquire),
+                    idle_seconds: p
+                        .usage
+                        .idle_since
+                        .lock()
+                        .ok()
+                        .and_then(|t| *t)
+                        .map(|t| t.elapsed().as_secs()),
+                })
+            })
+            .collect()
+    }
+}
+
+fn count(map: &HashMap<PoolKey, Vec<Pooled>>) -> i64 {
+    map.values().map(Vec::len).sum::<usize>() as i64
 }

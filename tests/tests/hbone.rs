@@ -18,7 +18,7 @@ use meshpath_proxy::{
     identity::{Identity, LocalCa},
     tls,
 };
-use meshpath_tests::{require_root, sibling_bin, unique, CgroupGuard, PinRoot, PodPair, TestProxy};
+use meshpath_tests::{require_root, unique, CgroupGuard, NodeProxy, PinRoot, PodPair};
 
 /// How node 1 sees pod b.
 struct View {
@@ -32,7 +32,7 @@ const MESHED: View =
     View { b_protocol: "HBONE", b_service_account: "sa-b", b_inbound_captured: false };
 
 struct TwoNodes {
-    proxies: Vec<TestProxy>,
+    proxies: Vec<NodeProxy>,
     _cgroup: CgroupGuard,
     pods: PodPair,
     _root: PinRoot,
@@ -57,6 +57,11 @@ fn workloads(pods: &PodPair, b: &View) -> String {
 
 impl TwoNodes {
     fn new(node1_view: View) -> Self {
+        Self::with_args(node1_view, &[])
+    }
+
+    /// Both proxies get `extra` arguments.
+    fn with_args(node1_view: View, extra: &[&str]) -> Self {
         require_root();
         let (pods, root, cgroup) =
             (PodPair::new().expect("pods"), PinRoot::new(), CgroupGuard::new().expect("cgroup"));
@@ -83,16 +88,21 @@ impl TwoNodes {
         std::fs::write(dir.join("node2.yaml"), workloads(&pods, &MESHED)).expect("node2.yaml");
         let mut proxies = Vec::new();
         for (node, pod, ns) in [("node1", "pod-a", &pods.a), ("node2", "pod-b", &pods.b)] {
-            let mut cmd = Command::new(sibling_bin("meshpath-proxy"));
-            cmd.arg("--workloads").arg(dir.join(format!("{node}.yaml")));
-            cmd.arg("--ca-cert")
-                .arg(dir.join("ca.pem"))
-                .arg("--ca-key")
-                .arg(dir.join("ca-key.pem"));
-            cmd.arg("--pod").arg(format!("{pod}={}", ns.path().display()));
-            cmd.arg("--pin-root").arg(root.path());
-            cmd.env("RUST_LOG", "warn");
-            proxies.push(TestProxy::spawn(cmd, &cgroup).expect("meshpath-proxy"));
+            let p = |p: PathBuf| p.display().to_string();
+            let mut args: Vec<String> = vec![
+                "--workloads".into(),
+                p(dir.join(format!("{node}.yaml"))),
+                "--ca-cert".into(),
+                p(dir.join("ca.pem")),
+                "--ca-key".into(),
+                p(dir.join("ca-key.pem")),
+                "--pod".into(),
+                format!("{pod}={}", ns.path().display()),
+                "--pin-root".into(),
+                p(root.path().to_path_buf()),
+            ];
+            args.extend(extra.iter().map(|s| s.to_string()));
+            proxies.push(NodeProxy::start(&args, &cgroup, "warn").expect("meshpath-proxy"));
         }
         Self { proxies, _cgroup: cgroup, pods, _root: root, ca, dir }
     }
@@ -227,7 +237,7 @@ async fn raw_connect(nodes: &TwoNodes, dst: SocketAddr) -> Result<(), HboneError
         .expect("tcp");
     std.set_nonblocking(true).expect("nonblocking");
     let tcp = tokio::net::TcpStream::from_std(std).expect("tokio");
-    hbone::connect(tcp, gateway, dst, Arc::clone(&config), None).await.map(drop)
+    hbone::connect(tcp, gateway, dst, Arc::clone(&config), &Default::default()).await.map(drop)
 }
 
 #[tokio::test]
@@ -287,7 +297,7 @@ fn sigterm_stops_new_connections_and_lets_open_ones_finish() {
     open.write_all(b"one..").expect("send");
     open.read_exact(&mut buf).expect("echo before SIGTERM");
 
-    nodes.proxies[0].signal(libc::SIGTERM).expect("SIGTERM node 1's proxy");
+    nodes.proxies[0].proxy.signal(libc::SIGTERM).expect("SIGTERM node 1's proxy");
     std::thread::sleep(Duration::from_millis(300));
     // New connections are refused (the listener is gone; capture fails closed)...
     let new = nodes
@@ -306,13 +316,16 @@ fn sigterm_stops_new_connections_and_lets_open_ones_finish() {
     open.read_exact(&mut buf).expect("echo while draining");
     assert_eq!(&buf, b"two..");
     assert!(
-        !nodes.proxies[0].wait_exit(Duration::from_millis(200)),
+        !nodes.proxies[0].proxy.wait_exit(Duration::from_millis(200)),
         "exited with a connection open"
     );
     // ...and the proxy exits once it is closed.
     drop(open);
     server.join().expect("server").expect("server io");
-    assert!(nodes.proxies[0].wait_exit(Duration::from_secs(10)), "did not exit after draining");
+    assert!(
+        nodes.proxies[0].proxy.wait_exit(Duration::from_secs(10)),
+        "did not exit after draining"
+    );
 }
 
 #[test]

@@ -1,0 +1,177 @@
+//! The node-wide HTTP endpoints, served from the proxy's own network namespace:
+//! - admin (`127.0.0.1:15000`): `GET /config_dump` (workloads, services, policies, pods with
+//!   their certificates, the pool, as JSON), `GET /logging` (the log filter now),
+//!   `POST /logging?level=FILTER` (a new one), `POST /quitquitquit` (graceful shutdown);
+//! - stats (`[::]:15020`): `GET /metrics`, Prometheus text;
+//! - readiness (`[::]:15021`): `GET /healthz/ready`, 200 once the pods are served, 503 while
+//!   starting or draining.
+
+use std::{convert::Infallible, net::SocketAddr, sync::Arc};
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::{body::Incoming, service::service_fn};
+use hyper_util::rt::TokioIo;
+use serde::Serialize;
+use tokio::net::TcpListener;
+use tracing::{info, warn};
+
+use crate::{pool::PoolEntry, state::Proxy};
+
+/// Changes the log filter; returns the filter now in force.
+pub type LogControl = Arc<dyn Fn(Option<&str>) -> Result<String, String> + Send + Sync>;
+
+/// Which endpoints a listener serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoints {
+    Admin,
+    Stats,
+    Readiness,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct CertDump {
+    serial: String,
+    not_before: String,
+    not_after: String,
+    expires_in_seconds: i64,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct PodDump {
+    uid: String,
+    identity: String,
+    netns_cookie: u64,
+    certificate: Option<CertDump>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ConfigDump {
+    certificate_source: &'static str,
+    pods: Vec<PodDump>,
+    pool: Vec<PoolEntry>,
+    #[serde(flatten)]
+    store: crate::config::WorkloadStore,
+}
+
+fn config_dump(proxy: &Proxy) -> Result<String, serde_json::Error> {
+    let now = time::OffsetDateTime::now_utc();
+    let pods = proxy
+        .pods()
+        .iter()
+        .map(|p| PodDump {
+            uid: p.uid.clone(),
+            identity: p.identity.to_string(),
+            netns_cookie: p.netns.cookie(),
+            certificate: p.cert().map(|c| CertDump {
+                serial: c.serial(),
+                not_before: c.not_before.to_string(),
+                not_after: c.not_after.to_string(),
+                expires_in_seconds: (c.not_after - now).whole_seconds(),
+            }),
+        })
+        .collect();
+    let dump = ConfigDump {
+        certificate_source: proxy.certs.mode(),
+        pods,
+        pool: proxy.pool.dump(),
+        store: (*proxy.store()).clone(),
+    };
+    serde_json::to_string_pretty(&dump)
+}
+
+fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(body.into()));
+    *r.status_mut() = status;
+    r
+}
+
+fn query_param<'a>(req: &'a Request<Incoming>, name: &str) -> Option<&'a str> {
+    req.uri().query()?.split('&').find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+}
+
+fn route(
+    which: Endpoints,
+    proxy: &Proxy,
+    log: &LogControl,
+    req: &Request<Incoming>,
+) -> Response<Full<Bytes>> {
+    match (which, req.method(), req.uri().path()) {
+        (Endpoints::Readiness, &Method::GET, "/healthz/ready") => {
+            if proxy.is_ready() {
+                text(StatusCode::OK, "ready\n")
+            } else {
+                text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+            }
+        }
+        (Endpoints::Stats, &Method::GET, "/metrics") => {
+            let mut r = text(StatusCode::OK, proxy.metrics.encode());
+            if let Ok(v) = http::HeaderValue::from_str("text/plain; version=0.0.4; charset=utf-8") {
+                r.headers_mut().insert(http::header::CONTENT_TYPE, v);
+            }
+            r
+        }
+        (Endpoints::Admin, &Method::GET, "/config_dump") => match config_dump(proxy) {
+            Ok(json) => text(StatusCode::OK, json),
+            Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        },
+        (Endpoints::Admin, &Method::GET, "/logging") => match log(None) {
+            Ok(f) => text(StatusCode::OK, format!("{f}\n")),
+            Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e),
+        },
+        (Endpoints::Admin, &Method::POST, "/logging") => match query_param(req, "level") {
+            None => text(StatusCode::BAD_REQUEST, "usage: POST /logging?level=FILTER\n"),
+            Some(level) => match log(Some(level)) {
+                Ok(f) => {
+                    info!(filter = %f, "log filter changed");
+                    text(StatusCode::OK, format!("{f}\n"))
+                }
+                Err(e) => text(StatusCode::BAD_REQUEST, format!("{e}\n")),
+            },
+        },
+        (Endpoints::Admin, &Method::POST, "/quitquitquit") => {
+            proxy.drain.begin();
+            text(StatusCode::OK, "draining\n")
+        }
+        _ => text(StatusCode::NOT_FOUND, "not found\n"),
+    }
+}
+
+/// Serves `which` on `listener` until the process ends.
+pub fn serve(listener: TcpListener, which: Endpoints, proxy: Arc<Proxy>, log: LogControl) {
+    tokio::spawn(async move {
+        loop {
+            let (conn, peer) = match listener.accept().await {
+                Ok(c) => c,
+                Err(e) => {
+                    warn!(error = %e, "admin accept failed");
+                    continue;
+                }
+            };
+            let (proxy, log) = (proxy.clone(), log.clone());
+            tokio::spawn(async move {
+                let svc = service_fn(move |req: Request<Incoming>| {
+                    let resp = route(which, &proxy, &log, &req);
+                    async move { Ok::<_, Infallible>(resp) }
+                });
+                if let Err(e) = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(conn), svc)
+                    .await
+                {
+                    warn!(%peer, error = %e, "admin connection failed");
+                }
+            });
+        }
+    });
+}
+
+/// Binds an endpoint's listener; the address actually bound is returned (port 0 picks one).
+pub async fn bind(addr: SocketAddr) -> std::io::Result<(TcpListener, SocketAddr)> {
+    let l = TcpListener::bind(addr).await?;
+    let a = l.local_addr()?;
+    Ok((l, a))
+}

@@ -1,0 +1,174 @@
+//! The pods this proxy serves. Adding a pod enters its network namespace once (a socket thread),
+//! fetches its certificate and opens its listeners there: 15001 outbound, 15008 HBONE, 15053
+//! DNS, and 15006 inbound plaintext when the datapath is known. Removing a pod closes its
+//! listeners and ends its connections; other pods are not touched.
+
+use std::{
+    future::Future,
+    sync::{Arc, RwLock},
+    time::SystemTime,
+};
+
+use anyhow::Context as _;
+use meshpath_loader::netns::Netns;
+use rustls::ServerConfig;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::{
+    config::Workload,
+    dns,
+    identity::{Identity, WorkloadCert},
+    inbound, inbound_plaintext,
+    netns::SocketFactory,
+    outbound,
+    state::Proxy,
+    tls,
+};
+
+struct PodTls {
+    cert: Arc<WorkloadCert>,
+    fetched: SystemTime,
+    server: Arc<ServerConfig>,
+}
+
+/// One pod served by this proxy.
+pub struct Pod {
+    pub uid: String,
+    pub netns: Netns,
+    /// Creates the pod's sockets inside its netns.
+    pub sockets: SocketFactory,
+    pub workload: Workload,
+    pub identity: Identity,
+    tls: RwLock<PodTls>,
+    pub proxy: Arc<Proxy>,
+    /// Cancelled to close the pod's listeners (removal or proxy shutdown).
+    pub listening: CancellationToken,
+    /// Cancelled to end the pod's connections (removal only: shutdown lets them drain).
+    pub gone: CancellationToken,
+}
+
+impl std::fmt::Debug for Pod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pod").field("uid", &self.uid).field("identity", &self.identity).finish()
+    }
+}
+
+impl Pod {
+    /// The pod's certificate now.
+    pub fn cert(&self) -> Option<Arc<WorkloadCert>> {
+        self.tls.read().ok().map(|t| t.cert.clone())
+    }
+
+    /// The TLS server configuration of its HBONE port now.
+    pub fn server_tls(&self) -> Option<Arc<ServerConfig>> {
+        self.tls.read().ok().map(|t| t.server.clone())
+    }
+
+    /// Replaces the pod's certificate if the source says it is stale (or `force`).
+    /// Returns whether it did.
+    pub fn refresh_cert(&self, force: bool) -> anyhow::Result<bool> {
+        let stale = self
+            .tls
+            .read()
+            .map(|t| force || self.proxy.certs.stale(&self.identity, &t.cert, t.fetched))
+            .unwrap_or(true);
+        if !stale {
+            return Ok(false);
+        }
+        let next = fetch_tls(&self.proxy, &self.identity)?;
+        let serial = next.cert.serial();
+        if let Ok(mut t) = self.tls.write() {
+            *t = next;
+        }
+        self.proxy.metrics.cert_rotations.inc();
+        info!(pod = %self.uid, identity = %self.identity, serial, "certificate renewed");
+        Ok(true)
+    }
+
+    /// Runs `task` as one of the pod's connections: tracked by the drain, ended if the pod is
+    /// removed.
+    pub fn spawn(&self, task: impl Future<Output = ()> + Send + 'static) {
+        let gone = self.gone.clone();
+        self.proxy.drain.spawn(async move {
+            tokio::select! {
+                () = task => {}
+                () = gone.cancelled() => {}
+            }
+        });
+    }
+}
+
+fn fetch_tls(proxy: &Proxy, id: &Identity) -> anyhow::Result<PodTls> {
+    let cert = proxy
+        .certs
+        .fetch(id)
+        .with_context(|| format!("certificate for {id} ({})", proxy.certs.mode()))?;
+    let server = tls::server_config(&cert, &proxy.certs.roots())?;
+    Ok(PodTls { cert: Arc::new(cert), fetched: SystemTime::now(), server })
+}
+
+/// Starts serving a pod: `workload` is what the store (or the node agent) says about it,
+/// `netns` its network namespace. A pod already served under `uid` is replaced.
+pub fn add(
+    proxy: &Arc<Proxy>,
+    uid: &str,
+    netns: Netns,
+    workload: Workload,
+) -> anyhow::Result<Arc<Pod>> {
+    let identity = workload.identity();
+    let tls = fetch_tls(proxy, &identity)?;
+    let sockets =
+        SocketFactory::new(&netns).with_context(|| format!("entering the netns of pod {uid}"))?;
+    if let Some(old) = proxy.take_pod(uid) {
+        stop(&old);
+    }
+    let pod = Arc::new(Pod {
+        uid: uid.to_owned(),
+        netns,
+        sockets,
+        workload,
+        identity,
+        tls: RwLock::new(tls),
+        proxy: proxy.clone(),
+        listening: proxy.drain.child_token(),
+        gone: CancellationToken::new(),
+    });
+    let started = (|| -> anyhow::Result<()> {
+        outbound::start(pod.clone())?;
+        inbound::start(pod.clone())?;
+        dns::start(pod.clone())?;
+        if let Some(root) = &proxy.settings.pin_root {
+            inbound_plaintext::start(pod.clone(), root)?;
+        }
+        Ok(())
+    })();
+    if let Err(e) = started {
+        stop(&pod);
+        return Err(e.context(format!("opening the listeners of pod {uid}")));
+    }
+    proxy.insert_pod(pod.clone());
+    info!(pod = %pod.uid, identity = %pod.identity, netns = pod.netns.cookie(), "serving pod");
+    Ok(pod)
+}
+
+fn stop(pod: &Pod) {
+    pod.listening.cancel();
+    pod.gone.cancel();
+    pod.proxy.pool.forget_workload(&pod.uid);
+}
+
+/// Stops serving a pod: its listeners close, its connections end. Returns whether it was served.
+pub fn remove(proxy: &Proxy, uid: &str) -> bool {
+    match proxy.take_pod(uid) {
+        Some(pod) => {
+            stop(&pod);
+            info!(pod = %uid, "pod removed");
+            true
+        }
+        None => {
+            warn!(pod = %uid, "asked to remove a pod that is not served");
+            false
+        }
+    }
+}

@@ -1,0 +1,297 @@
+//! Telemetry: Istio's `istio_tcp_*` metrics with its standard labels, meshpath's own counters
+//! for what went wrong, and one access-log line per connection (tracing target `access`).
+//!
+//! `istio_tcp_sent_bytes_total` counts bytes sent towards the client (the response direction),
+//! `istio_tcp_received_bytes_total` bytes received from it, as Istio defines them.
+
+use std::{fmt::Write as _, net::SocketAddr, sync::Mutex, time::Instant};
+
+use prometheus_client::{
+    encoding::{text::encode, EncodeLabelSet},
+    metrics::{counter::Counter, family::Family, gauge::Gauge},
+    registry::Registry,
+};
+
+use crate::{config::Workload, identity::Identity};
+
+/// Istio's standard TCP labels.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ConnLabels {
+    pub reporter: String,
+    pub source_workload: String,
+    pub source_canonical_service: String,
+    pub source_workload_namespace: String,
+    pub source_principal: String,
+    pub destination_workload: String,
+    pub destination_canonical_service: String,
+    pub destination_workload_namespace: String,
+    pub destination_principal: String,
+    pub destination_service: String,
+    pub request_protocol: String,
+    pub response_flags: String,
+    pub connection_security_policy: String,
+}
+
+/// What went wrong, by where.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    pub direction: String,
+    pub reason: String,
+}
+
+/// Every metric the proxy exports.
+pub struct Metrics {
+    registry: Mutex<Registry>,
+    pub opened: Family<ConnLabels, Counter>,
+    pub closed: Family<ConnLabels, Counter>,
+    pub failed: Family<ConnLabels, Counter>,
+    pub sent: Family<ConnLabels, Counter>,
+    pub received: Family<ConnLabels, Counter>,
+    pub errors: Family<ErrorLabels, Counter>,
+    pub active: Gauge,
+    pub pods: Gauge,
+    pub pool_connections: Gauge,
+    pub pool_opened: Counter,
+    pub cert_rotations: Counter,
+    pub config_reloads: Family<ErrorLabels, Counter>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut r = Registry::default();
+        let m = Self {
+            registry: Mutex::new(Registry::default()),
+            opened: Family::default(),
+            closed: Family::default(),
+            failed: Family::default(),
+            sent: Family::default(),
+            received: Family::default(),
+            errors: Family::default(),
+            active: Gauge::default(),
+            pods: Gauge::default(),
+            pool_connections: Gauge::default(),
+            pool_opened: Counter::default(),
+            cert_rotations: Counter::default(),
+            config_reloads: Family::default(),
+        };
+        r.register("istio_tcp_connections_opened", "TCP connections opened", m.opened.clone());
+        r.register("istio_tcp_connections_closed", "TCP connections closed", m.closed.clone());
+        r.register("istio_tcp_connections_failed", "TCP connections failed", m.failed.clone());
+        r.register("istio_tcp_sent_bytes", "Bytes sent towards the client", m.sent.clone());
+        r.register(
+            "istio_tcp_received_bytes",
+            "Bytes received from the client",
+            m.received.clone(),
+        );
+        r.register(
+            "meshpath_connection_errors",
+            "Connections refused or failed, by direction and reason",
+            m.errors.clone(),
+        );
+        r.register("meshpath_active_connections", "Connections open now", m.active.clone());
+        r.register("meshpath_pods", "Pods served", m.pods.clone());
+        r.register(
+            "meshpath_pool_connections",
+            "Outbound HBONE connections in the pool",
+            m.pool_connections.clone(),
+        );
+        r.register(
+            "meshpath_pool_connections_opened",
+            "Outbound HBONE connections opened",
+            m.pool_opened.clone(),
+        );
+        r.register(
+            "meshpath_certificate_rotations",
+            "Workload certificates replaced",
+            m.cert_rotations.clone(),
+        );
+        r.register(
+            "meshpath_config_reloads",
+            "Workload store reloads, by result",
+            m.config_reloads.clone(),
+        );
+        if let Ok(mut reg) = m.registry.lock() {
+            *reg = r;
+        }
+        m
+    }
+
+    /// The Prometheus text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if let Ok(reg) = self.registry.lock() {
+            if encode(&mut out, &reg).is_err() {
+                out.clear();
+                let _ = writeln!(out, "# encoding failed");
+            }
+        }
+        out
+    }
+
+    /// Counts a connection refused or failed before it was carried.
+    pub fn error(&self, direction: Direction, reason: &str) {
+        self.errors
+            .get_or_create(&ErrorLabels {
+                direction: direction.as_str().into(),
+                reason: reason.into(),
+            })
+            .inc();
+    }
+}
+
+/// Which side of the mesh a connection is seen from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// From a local pod to elsewhere (we are the source's proxy).
+    Outbound,
+    /// To a local pod (we are the destination's proxy).
+    Inbound,
+}
+
+impl Direction {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Outbound => "outbound",
+            Self::Inbound => "inbound",
+        }
+    }
+}
+
+/// Everything known about one connection, for its metrics and its access-log line.
+#[derive(Debug, Clone)]
+pub struct ConnInfo {
+    pub direction: Direction,
+    pub src_addr: SocketAddr,
+    pub src_workload: Option<Workload>,
+    pub src_identity: Option<Identity>,
+    pub dst_addr: SocketAddr,
+    /// The peer's HBONE address, when carried over HBONE.
+    pub hbone_addr: Option<SocketAddr>,
+    pub dst_workload: Option<Workload>,
+    pub dst_identity: Option<Identity>,
+    /// `HOSTNAME` of the service the client addressed.
+    pub dst_service: Option<String>,
+}
+
+impl ConnInfo {
+    fn labels(&self) -> ConnLabels {
+        let unknown = || "unknown".to_string();
+        let name = |w: &Option<Workload>| w.as_ref().map_or_else(unknown, |w| w.name.clone());
+        let canonical = |w: &Option<Workload>| {
+            w.as_ref().map_or_else(unknown, |w| {
+                if w.canonical_name.is_empty() {
+                    w.name.clone()
+                } else {
+                    w.canonical_name.clone()
+                }
+            })
+        };
+        let ns = |w: &Option<Workload>| w.as_ref().map_or_else(unknown, |w| w.namespace.clone());
+        let id = |i: &Option<Identity>| i.as_ref().map_or_else(unknown, ToString::to_string);
+        ConnLabels {
+            reporter: match self.direction {
+                Direction::Outbound => "source",
+                Direction::Inbound => "destination",
+            }
+            .into(),
+            source_workload: name(&self.src_workload),
+            source_canonical_service: canonical(&self.src_workload),
+            source_workload_namespace: ns(&self.src_workload),
+            source_principal: id(&self.src_identity),
+            destination_workload: name(&self.dst_workload),
+            destination_canonical_service: canonical(&self.dst_workload),
+            destination_workload_namespace: ns(&self.dst_workload),
+            destination_principal: id(&self.dst_identity),
+            destination_service: self.dst_service.clone().unwrap_or_else(unknown),
+            request_protocol: "tcp".into(),
+            response_flags: "-".into(),
+            connection_security_policy: if self.mtls() { "mutual_tls" } else { "unknown" }.into(),
+        }
+    }
+
+    fn mtls(&self) -> bool {
+        match self.direction {
+            Direction::Outbound => self.hbone_addr.is_some(),
+            Direction::Inbound => self.src_identity.is_some(),
+        }
+    }
+}
+
+/// One connection's telemetry: counted open on creation, closed (with bytes, and the access
+/// log line) by `finish` — or, if dropped unfinished (its pod removed, the proxy stopping), as
+/// closed with the error "cancelled".
+#[derive(Debug)]
+pub struct ConnGuard<'a> {
+    metrics: &'a Metrics,
+    info: ConnInfo,
+    labels: ConnLabels,
+    start: Instant,
+    done: bool,
+}
+
+impl<'a> ConnGuard<'a> {
+    pub fn open(metrics: &'a Metrics, info: ConnInfo) -> Self {
+        let labels = info.labels();
+        metrics.opened.get_or_create(&labels).inc();
+        metrics.active.inc();
+        Self { metrics, info, labels, start: Instant::now(), done: false }
+    }
+
+    /// Records the end: `up` bytes from the client, `down` towards it.
+    pub fn finish(mut self, up: u64, down: u64, error: Option<&str>) {
+        self.record(up, down, error);
+    }
+
+    fn record(&mut self, up: u64, down: u64, error: Option<&str>) {
+        self.done = true;
+        let m = self.metrics;
+        m.closed.get_or_create(&self.labels).inc();
+        m.received.get_or_create(&self.labels).inc_by(up);
+        m.sent.get_or_create(&self.labels).inc_by(down);
+        if error.is_some() {
+            m.failed.get_or_create(&self.labels).inc();
+        }
+        m.active.dec();
+        let i = &self.info;
+        let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+        tracing::event!(
+            target: "access",
+            tracing::Level::INFO,
+            src.addr = %i.src_addr,
+            src.workload = %opt(i.src_workload.as_ref().map(|w| w.name.clone())),
+            src.namespace = %opt(i.src_workload.as_ref().map(|w| w.namespace.clone())),
+            src.identity = %opt(i.src_identity.as_ref().map(ToString::to_string)),
+            dst.addr = %i.dst_addr,
+            dst.hbone_addr = %opt(i.hbone_addr.map(|a| a.to_string())),
+            dst.service = %opt(i.dst_service.clone()),
+            dst.workload = %opt(i.dst_workload.as_ref().map(|w| w.name.clone())),
+            dst.identity = %opt(i.dst_identity.as_ref().map(ToString::to_string)),
+            direction = i.direction.as_str(),
+            bytes_sent = down,
+            bytes_recv = up,
+            duration_ms = self.start.elapsed().as_millis() as u64,
+            error = error.unwrap_or("-"),
+            "connection complete"
+        );
+    }
+}
+
+impl Drop for ConnGuard<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.record(0, 0, Some("cancelled"));
+        }
+    }
+}

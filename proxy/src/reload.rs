@@ -1,0 +1,72 @@
+//! What changes while the proxy runs, checked every refresh interval: the workload file
+//! (reloaded when it changes; a file that does not parse is reported with its line and field and
+//! the previous store is kept), the trust bundle and per-identity files (files mode), each pod's
+//! certificate (renewed at half its remaining life in local-CA mode), and idle pooled
+//! connections (released).
+
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use tracing::{error, info};
+
+use crate::{config::WorkloadStore, metrics::ErrorLabels, state::Proxy};
+
+fn mtime(p: &Path) -> Option<SystemTime> {
+    std::fs::metadata(p).and_then(|m| m.modified()).ok()
+}
+
+/// Runs the refresh loop until the process ends.
+pub fn spawn(proxy: Arc<Proxy>, workloads: PathBuf, every: Duration) {
+    tokio::spawn(async move {
+        let mut seen = mtime(&workloads);
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let now = mtime(&workloads);
+            if now != seen {
+                seen = now;
+                reload_store(&proxy, &workloads);
+            }
+            let roots_changed = match proxy.certs.reload_roots() {
+                Ok(changed) => changed,
+                Err(e) => {
+                    error!(error = %e, "trust bundle not reloaded; keeping the previous one");
+                    false
+                }
+            };
+            for pod in proxy.pods() {
+                if let Err(e) = pod.refresh_cert(roots_changed) {
+                    error!(pod = %pod.uid, error = %format!("{e:#}"), "certificate not renewed; keeping the current one");
+                }
+            }
+            let released = proxy.pool.release_idle(proxy.settings.pool_idle);
+            if released > 0 {
+                info!(released, "idle pooled connections released");
+            }
+        }
+    });
+}
+
+fn reload_store(proxy: &Proxy, path: &Path) {
+    let result = |r: &str| ErrorLabels { direction: "-".into(), reason: r.into() };
+    match WorkloadStore::load(path) {
+        Ok(store) => {
+            info!(
+                workloads = store.workloads.len(),
+                services = store.services.len(),
+                policies = store.policies.len(),
+                "workload store reloaded"
+            );
+            proxy.set_store(store);
+            proxy.metrics.config_reloads.get_or_create(&result("ok")).inc();
+        }
+        Err(e) => {
+            error!(error = %e, "workload store not reloaded; keeping the previous one");
+            proxy.metrics.config_reloads.get_or_create(&result("error")).inc();
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! The node proxy's state: the workload store (swapped whole on reload), the certificate source,
+//! the connection pool, telemetry, the shutdown switch, and the pods served now.
+
+use std::{
+    collections::BTreeMap,
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex, RwLock,
+    },
+    time::Duration,
+};
+
+use crate::{
+    certs::Certs, config::WorkloadStore, drain::Drain, inpod::Pod, metrics::Metrics, pool::Pool,
+};
+
+/// Tunables, from the command line.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The datapath's pin root: when set, each pod's 15006 listener is registered there.
+    pub pin_root: Option<PathBuf>,
+    /// Where DNS queries not answered from the store go.
+    pub dns_upstreams: Vec<SocketAddr>,
+    /// Streams per pooled HBONE connection before another is opened.
+    pub pool_max_streams: usize,
+    /// How long a pooled connection without streams is kept.
+    pub pool_idle: Duration,
+    /// Limit on the TLS and HTTP/2 handshakes of an inbound connection.
+    pub handshake_timeout: Duration,
+    /// Limit on an upstream TCP connect.
+    pub connect_timeout: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            pin_root: None,
+            dns_upstreams: Vec::new(),
+            pool_max_streams: 100,
+            pool_idle: Duration::from_secs(300),
+            handshake_timeout: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Everything the pods' paths share.
+#[derive(Debug)]
+pub struct Proxy {
+    store: RwLock<Arc<WorkloadStore>>,
+    pub certs: Certs,
+    pub drain: Drain,
+    pub pool: Pool,
+    pub metrics: Arc<Metrics>,
+    pub settings: Settings,
+    pods: Mutex<BTreeMap<String, Arc<Pod>>>,
+    ready: AtomicBool,
+}
+
+impl Proxy {
+    pub fn new(store: WorkloadStore, certs: Certs, settings: Settings) -> Arc<Self> {
+        let metrics = Arc::new(Metrics::new());
+        Arc::new(Self {
+            store: RwLock::new(Arc::new(store)),
+            certs,
+            drain: Drain::new(),
+            pool: Pool::new(metrics.clone(), settings.pool_max_streams),
+            metrics,
+            settings,
+            pods: Mutex::new(BTreeMap::new()),
+            ready: AtomicBool::new(false),
+        })
+    }
+
+    /// The workload store now (a snapshot: a reload does not change it under a connection).
+    pub fn store(&self) -> Arc<WorkloadStore> {
+        self.store.read().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// Replaces the workload store.
+    pub fn set_store(&self, store: WorkloadStore) {
+        if let Ok(mut s) = self.store.write() {
+            *s = Arc::new(store);
+        }
+    }
+
+    /// The pods served now.
+    pub fn pods(&self) -> Vec<Arc<Pod>> {
+        self.pods.lock().map(|p| p.values().cloned().collect()).unwrap_or_default()
+    }
+
+    /// The pod with this uid.
+    pub fn pod(&self, uid: &str) -> Option<Arc<Pod>> {
+        self.pods.lock().ok()?.get(uid).cloned()
+    }
+
+    pub(crate) fn insert_pod(&self, pod: Arc<Pod>) -> Option<Arc<Pod>> {
+        let mut pods = self.pods.lock().ok()?;
+        let old = pods.insert(pod.uid.clone(), pod);
+        self.metrics.pods.set(pods.len() as i64);
+        old
+    }
+
+    pub(crate) fn take_pod(&self, uid: &str) -> Option<Arc<Pod>> {
+        let mut pods = self.pods.lock().ok()?;
+        let old = pods.remove(uid);
+        self.metrics.pods.set(pods.len() as i64);
+        old
+    }
+
+    /// Ready: serving its pods and not draining.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Relaxed) && !self.drain.is_stopping()
+    }
+
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::Relaxed);
+    }
+}

@@ -150,18 +150,34 @@ impl Certs {
         }
     }
 
-    /// Whether `cert` (fetched at `fetched`) should be replaced now: half its remaining lifetime
-    /// gone (local CA), or its files changed since (files).
-    pub fn stale(&self, id: &Identity, cert: &WorkloadCert, fetched: SystemTime) -> bool {
+    /// What identifies the version of `id`'s files (their modification times; nothing in
+    /// local-CA mode). Taken before a fetch, compared by `stale`: a clock comparison would miss
+    /// a file written within the same coarse timestamp tick as the fetch.
+    pub fn stamp(&self, id: &Identity) -> Vec<Option<SystemTime>> {
+        match &self.source {
+            Source::LocalCa { .. } => Vec::new(),
+            Source::Files { dir, .. } => {
+                let (c, k) = Self::files_of(dir, id);
+                vec![mtime(&c), mtime(&k)]
+            }
+        }
+    }
+
+    /// Whether `cert` (fetched at `fetched`, its files then at `stamp`) should be replaced now:
+    /// half its remaining lifetime gone (local CA), or its files changed since (files).
+    pub fn stale(
+        &self,
+        id: &Identity,
+        cert: &WorkloadCert,
+        fetched: SystemTime,
+        stamp: &[Option<SystemTime>],
+    ) -> bool {
         match &self.source {
             Source::LocalCa { .. } => {
                 let fetched = time::OffsetDateTime::from(fetched);
                 time::OffsetDateTime::now_utc() >= fetched + (cert.not_after - fetched) / 2
             }
-            Source::Files { dir, .. } => {
-                let (c, k) = Self::files_of(dir, id);
-                [c, k].iter().any(|p| mtime(p).is_some_and(|m| m > fetched))
-            }
+            Source::Files { .. } => self.stamp(id) != stamp,
         }
     }
 }

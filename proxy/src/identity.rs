@@ -68,6 +68,14 @@ pub struct WorkloadCert {
 }
 
 impl WorkloadCert {
+    /// The chain and the key as PEM (`cert-chain.pem`, `key.pem` of the files mode).
+    pub fn to_pem(&self) -> (String, String) {
+        let chain: Vec<pem::Pem> =
+            self.chain.iter().map(|c| pem::Pem::new("CERTIFICATE", c.to_vec())).collect();
+        let key = pem::Pem::new("PRIVATE KEY", self.key.secret_der().to_vec());
+        (pem::encode_many(&chain), pem::encode(&key))
+    }
+
     /// The leaf's serial number, hex, for logs and the admin dump.
     pub fn serial(&self) -> String {
         self.chain

@@ -150,8 +150,8 @@ async fn serve_stream(
     }
     // The peer's address is the source pod's own (its proxy connects from inside the pod), so
     // policy and telemetry trust it; `forwarded: for=` only adds the app's port, when it agrees.
-    let src =
-        forwarded_for(&req).filter(|f| canonical(f.ip()) == canonical(peer.ip())).unwrap_or(peer);
+    let peer = SocketAddr::new(canonical(peer.ip()), peer.port());
+    let src = forwarded_for(&req).filter(|f| canonical(f.ip()) == peer.ip()).unwrap_or(peer);
     let store = proxy.store();
     let src_workload = store.by_ip(src.ip()).cloned();
     let conn = authorization::Connection {
@@ -213,7 +213,8 @@ fn forwarded_for<B>(req: &http::Request<B>) -> Option<SocketAddr> {
         .or_else(|| f.trim_matches(['[', ']']).parse().ok().map(|ip| SocketAddr::new(ip, 0)))
 }
 
-fn canonical(ip: std::net::IpAddr) -> std::net::IpAddr {
+/// An IPv4 address as itself, not v4-mapped (the dual-stack listeners see `::ffff:a.b.c.d`).
+pub fn canonical(ip: std::net::IpAddr) -> std::net::IpAddr {
     match ip {
         std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, std::net::IpAddr::V4),
         v4 => v4,

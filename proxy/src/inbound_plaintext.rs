@@ -38,6 +38,7 @@ pub fn start(pod: Arc<Pod>, pin_root: &Path) -> anyhow::Result<()> {
 
 async fn handle(mut conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<()> {
     let proxy = &pod.proxy;
+    let peer = SocketAddr::new(crate::inbound::canonical(peer.ip()), peer.port());
     // sk_lookup does not rewrite: the original destination is the accepted socket's address
     // (SO_ORIGINAL_DST, answered by the datapath, agrees).
     let dst = original_dst(&conn)?;

@@ -29,6 +29,7 @@ use crate::{
 struct PodTls {
     cert: Arc<WorkloadCert>,
     fetched: SystemTime,
+    stamp: Vec<Option<SystemTime>>,
     server: Arc<ServerConfig>,
 }
 
@@ -71,7 +72,7 @@ impl Pod {
         let stale = self
             .tls
             .read()
-            .map(|t| force || self.proxy.certs.stale(&self.identity, &t.cert, t.fetched))
+            .map(|t| force || self.proxy.certs.stale(&self.identity, &t.cert, t.fetched, &t.stamp))
             .unwrap_or(true);
         if !stale {
             return Ok(false);
@@ -100,12 +101,15 @@ impl Pod {
 }
 
 fn fetch_tls(proxy: &Proxy, id: &Identity) -> anyhow::Result<PodTls> {
+    let stamp = proxy.certs.stamp(id);
     let cert = proxy
         .certs
         .fetch(id)
         .with_context(|| format!("certificate for {id} ({})", proxy.certs.mode()))?;
-    let server = tls::server_config(&cert, &proxy.certs.roots())?;
-    Ok(PodTls { cert: Arc::new(cert), fetched: SystemTime::now(), server })
+    // Fails if the key does not match the certificate (files caught between two writes).
+    let server = tls::server_config(&cert, &proxy.certs.roots())
+        .with_context(|| format!("certificate for {id}"))?;
+    Ok(PodTls { cert: Arc::new(cert), fetched: SystemTime::now(), stamp, server })
 }
 
 /// Starts serving a pod: `workload` is what the store (or the node agent) says about it,

@@ -397,7 +397,7 @@ impl TestProxy {
             .open(cgroup.path().join("cgroup.procs"))
             .context("opening cgroup.procs")?;
         let procs_fd = procs.as_raw_fd();
-        cmd.stdout(std::process::Stdio::piped());
+        cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
         // SAFETY: only write(2) between fork and exec, on an fd open until spawn returns.
         unsafe {
             cmd.pre_exec(move || {
@@ -410,7 +410,16 @@ impl TestProxy {
         let mut child = cmd.spawn().context("starting the proxy")?;
         drop(procs);
         let stdout = child.stdout.take().context("proxy stdout")?;
+        let stderr = child.stderr.take().context("proxy stderr")?;
         let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        // Its logs: kept with the lines (tests read access logs) and shown if the test fails.
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("proxy: {line}");
+                sink.lock().unwrap_or_else(|p| p.into_inner()).push(line);
+            }
+        });
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let sink = lines.clone();
         std::thread::spawn(move || {
@@ -428,7 +437,7 @@ impl TestProxy {
         Ok(proxy)
     }
 
-    /// Lines printed so far.
+    /// Lines printed so far (stdout and stderr).
     pub fn lines(&self) -> Vec<String> {
         self.lines.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
@@ -438,6 +447,20 @@ impl TestProxy {
         let deadline = std::time::Instant::now() + timeout;
         loop {
             if self.lines().iter().any(|l| l.starts_with(prefix)) {
+                return true;
+            }
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
+    /// Waits up to `timeout` for a line containing `needle`; whether one came.
+    pub fn wait_for_text(&self, needle: &str, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if self.lines().iter().any(|l| l.contains(needle)) {
                 return true;
             }
             if std::time::Instant::now() >= deadline {
@@ -623,6 +646,8 @@ mod mesh {
 }
 
 pub use node_proxy::NodeProxy;
+
+pub mod two_nodes;
 
 mod node_proxy {
     use std::{

@@ -6,148 +6,17 @@
 use std::{
     io::{Read as _, Write as _},
     net::{IpAddr, SocketAddr},
-    path::PathBuf,
     process::Command,
     sync::Arc,
     time::Duration,
 };
 
-use meshpath_loader::pods::{self, EnrolOptions};
 use meshpath_proxy::{
     hbone::{self, HboneError},
-    identity::{Identity, LocalCa},
+    identity::Identity,
     tls,
 };
-use meshpath_tests::{require_root, unique, CgroupGuard, NodeProxy, PinRoot, PodPair};
-
-/// How node 1 sees pod b.
-struct View {
-    b_protocol: &'static str,
-    b_service_account: &'static str,
-    /// Whether pod b's inbound plaintext is captured (to node 2's proxy on 15006).
-    b_inbound_captured: bool,
-}
-
-const MESHED: View =
-    View { b_protocol: "HBONE", b_service_account: "sa-b", b_inbound_captured: false };
-
-struct TwoNodes {
-    proxies: Vec<NodeProxy>,
-    _cgroup: CgroupGuard,
-    pods: PodPair,
-    _root: PinRoot,
-    ca: LocalCa,
-    dir: PathBuf,
-}
-
-impl Drop for TwoNodes {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn workloads(pods: &PodPair, b: &View) -> String {
-    format!(
-        "workloads:\n\
-         - uid: pod-a\n  namespace: default\n  serviceAccount: sa-a\n  protocol: HBONE\n  workloadIps: [\"{}\", \"{}\"]\n\
-         - uid: pod-b\n  namespace: default\n  serviceAccount: {}\n  protocol: {}\n  workloadIps: [\"{}\", \"{}\"]\n",
-        pods.a_ip, pods.a_ip6, b.b_service_account, b.b_protocol, pods.b_ip, pods.b_ip6
-    )
-}
-
-impl TwoNodes {
-    fn new(node1_view: View) -> Self {
-        Self::with_args(node1_view, &[])
-    }
-
-    /// Both proxies get `extra` arguments.
-    fn with_args(node1_view: View, extra: &[&str]) -> Self {
-        require_root();
-        let (pods, root, cgroup) =
-            (PodPair::new().expect("pods"), PinRoot::new(), CgroupGuard::new().expect("cgroup"));
-        {
-            let dp = root.datapath().expect("datapath");
-            dp.register_proxy_cgroup(cgroup.path()).expect("proxy cgroup");
-            let no_counters = EnrolOptions { counters: false, ..EnrolOptions::default() };
-            pods::enrol(
-                &dp,
-                &pods.a.open().expect("a"),
-                &EnrolOptions { capture_outbound: true, ..no_counters.clone() },
-            )
-            .expect("enrol a");
-            let b = EnrolOptions { capture_inbound: node1_view.b_inbound_captured, ..no_counters };
-            pods::enrol(&dp, &pods.b.open().expect("b"), &b).expect("enrol b");
-        }
-        let dir = std::env::temp_dir().join(unique("meshpath-hbone-"));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let ca = LocalCa::generate("meshpath test CA").expect("CA");
-        let (cert_pem, key_pem) = ca.to_pem();
-        std::fs::write(dir.join("ca.pem"), cert_pem).expect("ca.pem");
-        std::fs::write(dir.join("ca-key.pem"), key_pem).expect("ca-key.pem");
-        std::fs::write(dir.join("node1.yaml"), workloads(&pods, &node1_view)).expect("node1.yaml");
-        std::fs::write(dir.join("node2.yaml"), workloads(&pods, &MESHED)).expect("node2.yaml");
-        let mut proxies = Vec::new();
-        for (node, pod, ns) in [("node1", "pod-a", &pods.a), ("node2", "pod-b", &pods.b)] {
-            let p = |p: PathBuf| p.display().to_string();
-            let mut args: Vec<String> = vec![
-                "--workloads".into(),
-                p(dir.join(format!("{node}.yaml"))),
-                "--ca-cert".into(),
-                p(dir.join("ca.pem")),
-                "--ca-key".into(),
-                p(dir.join("ca-key.pem")),
-                "--pod".into(),
-                format!("{pod}={}", ns.path().display()),
-                "--pin-root".into(),
-                p(root.path().to_path_buf()),
-            ];
-            args.extend(extra.iter().map(|s| s.to_string()));
-            proxies.push(NodeProxy::start(&args, &cgroup, "warn").expect("meshpath-proxy"));
-        }
-        Self { proxies, _cgroup: cgroup, pods, _root: root, ca, dir }
-    }
-
-    fn b(&self, v6: bool, port: u16) -> SocketAddr {
-        SocketAddr::new(if v6 { self.pods.b_ip6.into() } else { self.pods.b_ip.into() }, port)
-    }
-
-    /// An echo server in pod b for one connection; returns the address it was connected from.
-    fn echo_in_b(&self, addr: SocketAddr) -> std::thread::JoinHandle<std::io::Result<SocketAddr>> {
-        let l = self.pods.b.listen(addr).expect("bind");
-        std::thread::spawn(move || {
-            let (mut c, peer) = l.accept()?;
-            let mut buf = [0u8; 65536];
-            loop {
-                match c.read(&mut buf)? {
-                    0 => return Ok(peer),
-                    n => c.write_all(&buf[..n])?,
-                }
-            }
-        })
-    }
-
-    /// The app in pod a: sends `payload` to `dst`, returns what came back.
-    fn app_round_trip(&self, dst: SocketAddr, payload: &[u8]) -> std::io::Result<Vec<u8>> {
-        let mut conn = self
-            .pods
-            .a
-            .open()
-            .expect("a")
-            .run(|| std::net::TcpStream::connect_timeout(&dst, Duration::from_secs(5)))
-            .expect("netns")?;
-        conn.set_read_timeout(Some(Duration::from_secs(10)))?;
-        let mut w = conn.try_clone()?;
-        let p = payload.to_vec();
-        let writer = std::thread::spawn(move || -> std::io::Result<()> {
-            w.write_all(&p)?;
-            w.shutdown(std::net::Shutdown::Write)
-        });
-        let mut back = Vec::new();
-        conn.read_to_end(&mut back)?;
-        let _ = writer.join();
-        Ok(back)
-    }
-}
+use meshpath_tests::two_nodes::{Setup, TwoNodes, View, MESHED};
 
 fn hbone_round_trip(v6: bool) {
     let nodes = TwoNodes::new(MESHED);
@@ -373,4 +242,54 @@ fn concurrent_connections_to_one_destination_share_one_hbone_connection() {
         "{established} HBONE connections for 5 streams:\n{}",
         String::from_utf8_lossy(&out.stdout)
     );
+}
+
+/// Established TCP connections to pod b's HBONE port, seen from pod b.
+fn hbone_connections(nodes: &TwoNodes) -> usize {
+    let out = Command::new("nsenter")
+        .arg(format!("--net={}", nodes.pods.b.path().display()))
+        .args(["ss", "-Htn", "state", "established", "( sport = :15008 )"])
+        .output()
+        .expect("ss");
+    String::from_utf8_lossy(&out.stdout).lines().count()
+}
+
+#[test]
+fn a_connection_at_its_stream_limit_makes_the_pool_open_another() {
+    let nodes = TwoNodes::start(Setup {
+        args: vec!["--pool-max-streams".into(), "2".into()],
+        ..Setup::default()
+    });
+    let dst = nodes.b(false, 8104);
+    nodes.echo_server_in_b(dst);
+    let mut conns = Vec::new();
+    for i in 0..5u8 {
+        let mut c = nodes.connect_from_a(dst).expect("connect");
+        c.write_all(&[i; 3]).expect("send");
+        let mut back = [0u8; 3];
+        c.read_exact(&mut back).expect("echo");
+        conns.push(c);
+    }
+    assert_eq!(hbone_connections(&nodes), 3, "5 streams at 2 per connection");
+}
+
+#[test]
+fn an_idle_pooled_connection_is_released() {
+    let nodes = TwoNodes::start(Setup {
+        args: vec!["--pool-idle-seconds".into(), "1".into()],
+        ..Setup::default()
+    });
+    let dst = nodes.b(false, 8105);
+    nodes.echo_server_in_b(dst);
+    assert_eq!(nodes.app_round_trip(dst, b"once").expect("round trip"), b"once");
+    let released = nodes.proxies[0].wait_metrics(Duration::from_secs(15), |m| {
+        m.contains("meshpath_pool_connections 0")
+            && m.contains("meshpath_pool_connections_opened_total 1")
+    });
+    assert!(released, "the idle connection stayed in the pool");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while hbone_connections(&nodes) > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(hbone_connections(&nodes), 0, "the released connection is still open");
 }

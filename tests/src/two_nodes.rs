@@ -1,0 +1,251 @@
+//! Two "nodes", each a `meshpath-proxy` process in its own node netns (both in one cgroup
+//! registered as the proxy's): pod a on node 1 with outbound capture, pod b on node 2. Every
+//! certificate comes from a CA made now. Each node's workload file can be rewritten while it
+//! runs.
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpListener, TcpStream},
+    path::PathBuf,
+    thread::JoinHandle,
+    time::Duration,
+};
+
+use meshpath_loader::pods::{self, EnrolOptions};
+use meshpath_proxy::identity::{Identity, LocalCa};
+
+use super::{require_root, unique, CgroupGuard, NodeProxy, PinRoot, PodPair};
+
+/// How node 1 sees pod b.
+#[derive(Debug, Clone, Copy)]
+pub struct View {
+    pub b_protocol: &'static str,
+    pub b_service_account: &'static str,
+    /// Whether pod b's inbound plaintext is captured (to node 2's proxy on 15006).
+    pub b_inbound_captured: bool,
+}
+
+/// Pod b meshed, as it is.
+pub const MESHED: View =
+    View { b_protocol: "HBONE", b_service_account: "sa-b", b_inbound_captured: false };
+
+/// What a test changes.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    pub view: View,
+    /// Arguments given to both proxies.
+    pub args: Vec<String>,
+    /// YAML appended to both nodes' workload files (services, policies).
+    pub yaml: String,
+    /// Certificates from files (`--cert-dir`) rather than the local CA.
+    pub cert_files: bool,
+    /// Whether pod a's DNS is captured.
+    pub capture_dns: bool,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        Self {
+            view: MESHED,
+            args: Vec::new(),
+            yaml: String::new(),
+            cert_files: false,
+            capture_dns: false,
+        }
+    }
+}
+
+/// The two nodes. Dropping it stops the proxies and removes namespaces, pins and files.
+#[derive(Debug)]
+pub struct TwoNodes {
+    pub proxies: Vec<NodeProxy>,
+    _cgroup: CgroupGuard,
+    pub pods: PodPair,
+    _root: PinRoot,
+    pub ca: LocalCa,
+    pub dir: PathBuf,
+}
+
+impl Drop for TwoNodes {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The identity of pod a and of pod b as node 2 knows it.
+pub fn sa(name: &str) -> Identity {
+    Identity::new("cluster.local", "default", name)
+}
+
+impl TwoNodes {
+    pub fn new(view: View) -> Self {
+        Self::start(Setup { view, ..Setup::default() })
+    }
+
+    /// The workload file of a node that sees pod b as `view`, plus `extra`.
+    pub fn workloads(&self, view: &View, extra: &str) -> String {
+        let p = &self.pods;
+        format!(
+            "workloads:\n\
+             - uid: pod-a\n  name: app-a\n  namespace: default\n  serviceAccount: sa-a\n  protocol: HBONE\n  workloadIps: [\"{}\", \"{}\"]\n\
+             - uid: pod-b\n  name: app-b\n  namespace: default\n  serviceAccount: {}\n  protocol: {}\n  workloadIps: [\"{}\", \"{}\"]\n  services: {{\"default/b.default.svc.cluster.local\": {{80: 8090}}}}\n{extra}",
+            p.a_ip, p.a_ip6, view.b_service_account, view.b_protocol, p.b_ip, p.b_ip6
+        )
+    }
+
+    /// Rewrites node `n`'s (1 or 2) workload file.
+    pub fn write_workloads(&self, n: usize, text: &str) {
+        // Written aside and renamed: the proxy never reads half a file.
+        let tmp = self.dir.join(format!("node{n}.yaml.tmp"));
+        std::fs::write(&tmp, text).expect("write workloads");
+        std::fs::rename(&tmp, self.dir.join(format!("node{n}.yaml"))).expect("rename workloads");
+    }
+
+    /// Writes `id`'s certificate files (files mode), valid for `validity`.
+    pub fn write_cert_files(&self, id: &Identity, validity: Duration) {
+        let cert = self.ca.issue(id, validity).expect("cert");
+        let d = self.dir.join("certs").join(&id.namespace).join(&id.service_account);
+        std::fs::create_dir_all(&d).expect("cert dir");
+        let (chain, key) = cert.to_pem();
+        std::fs::write(d.join("cert-chain.pem.tmp"), chain).expect("chain");
+        std::fs::write(d.join("key.pem.tmp"), key).expect("key");
+        std::fs::rename(d.join("key.pem.tmp"), d.join("key.pem")).expect("key");
+        std::fs::rename(d.join("cert-chain.pem.tmp"), d.join("cert-chain.pem")).expect("chain");
+    }
+
+    pub fn start(setup: Setup) -> Self {
+        require_root();
+        let (pods, root, cgroup) =
+            (PodPair::new().expect("pods"), PinRoot::new(), CgroupGuard::new().expect("cgroup"));
+        {
+            let dp = root.datapath().expect("datapath");
+            dp.register_proxy_cgroup(cgroup.path()).expect("proxy cgroup");
+            let no_counters = EnrolOptions { counters: false, ..EnrolOptions::default() };
+            pods::enrol(
+                &dp,
+                &pods.a.open().expect("a"),
+                &EnrolOptions {
+                    capture_outbound: true,
+                    capture_dns: setup.capture_dns,
+                    ..no_counters.clone()
+                },
+            )
+            .expect("enrol a");
+            let b = EnrolOptions { capture_inbound: setup.view.b_inbound_captured, ..no_counters };
+            pods::enrol(&dp, &pods.b.open().expect("b"), &b).expect("enrol b");
+        }
+        let dir = std::env::temp_dir().join(unique("meshpath-hbone-"));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let ca = LocalCa::generate("meshpath test CA").expect("CA");
+        let mut nodes = Self { proxies: Vec::new(), _cgroup: cgroup, pods, _root: root, ca, dir };
+        let (cert_pem, key_pem) = nodes.ca.to_pem();
+        std::fs::write(nodes.dir.join("ca.pem"), cert_pem).expect("ca.pem");
+        std::fs::write(nodes.dir.join("ca-key.pem"), key_pem).expect("ca-key.pem");
+        nodes.write_workloads(1, &nodes.workloads(&setup.view, &setup.yaml));
+        nodes.write_workloads(2, &nodes.workloads(&MESHED, &setup.yaml));
+        if setup.cert_files {
+            nodes.write_cert_files(&sa("sa-a"), Duration::from_secs(3600));
+            nodes.write_cert_files(&sa("sa-b"), Duration::from_secs(3600));
+        }
+        for (node, pod) in [("node1", "pod-a"), ("node2", "pod-b")] {
+            let ns = if pod == "pod-a" { &nodes.pods.a } else { &nodes.pods.b };
+            let p = |p: PathBuf| p.display().to_string();
+            let mut args: Vec<String> =
+                vec!["--workloads".into(), p(nodes.dir.join(format!("{node}.yaml")))];
+            if setup.cert_files {
+                args.extend([
+                    "--cert-dir".into(),
+                    p(nodes.dir.join("certs")),
+                    "--trust-bundle".into(),
+                    p(nodes.dir.join("ca.pem")),
+                ]);
+            } else {
+                args.extend([
+                    "--ca-cert".into(),
+                    p(nodes.dir.join("ca.pem")),
+                    "--ca-key".into(),
+                    p(nodes.dir.join("ca-key.pem")),
+                ]);
+            }
+            args.extend([
+                "--pod".into(),
+                format!("{pod}={}", ns.path().display()),
+                "--pin-root".into(),
+                p(nodes._root.path().to_path_buf()),
+                "--refresh-ms".into(),
+                "100".into(),
+            ]);
+            args.extend(setup.args.iter().cloned());
+            nodes
+                .proxies
+                .push(NodeProxy::start(&args, &nodes._cgroup, "info").expect("meshpath-proxy"));
+        }
+        nodes
+    }
+
+    pub fn a(&self, v6: bool, port: u16) -> SocketAddr {
+        SocketAddr::new(if v6 { self.pods.a_ip6.into() } else { self.pods.a_ip.into() }, port)
+    }
+
+    pub fn b(&self, v6: bool, port: u16) -> SocketAddr {
+        SocketAddr::new(if v6 { self.pods.b_ip6.into() } else { self.pods.b_ip.into() }, port)
+    }
+
+    /// An echo server in pod b for one connection; returns the address it was connected from.
+    pub fn echo_in_b(&self, addr: SocketAddr) -> JoinHandle<std::io::Result<SocketAddr>> {
+        let l = self.pods.b.listen(addr).expect("bind");
+        std::thread::spawn(move || {
+            let (c, peer) = l.accept()?;
+            echo(c)?;
+            Ok(peer)
+        })
+    }
+
+    /// An echo server in pod b for any number of connections, until the test ends.
+    pub fn echo_server_in_b(&self, addr: SocketAddr) {
+        let l: TcpListener = self.pods.b.listen(addr).expect("bind");
+        std::thread::spawn(move || {
+            for c in l.incoming().flatten() {
+                std::thread::spawn(move || echo(c));
+            }
+        });
+    }
+
+    /// A connection from the app in pod a to `dst` (captured).
+    pub fn connect_from_a(&self, dst: SocketAddr) -> std::io::Result<TcpStream> {
+        let c = self
+            .pods
+            .a
+            .open()
+            .expect("a")
+            .run(|| TcpStream::connect_timeout(&dst, Duration::from_secs(5)))
+            .expect("netns")?;
+        c.set_read_timeout(Some(Duration::from_secs(10)))?;
+        Ok(c)
+    }
+
+    /// The app in pod a: sends `payload` to `dst`, returns what came back.
+    pub fn app_round_trip(&self, dst: SocketAddr, payload: &[u8]) -> std::io::Result<Vec<u8>> {
+        let mut conn = self.connect_from_a(dst)?;
+        let mut w = conn.try_clone()?;
+        let p = payload.to_vec();
+        let writer = std::thread::spawn(move || -> std::io::Result<()> {
+            w.write_all(&p)?;
+            w.shutdown(std::net::Shutdown::Write)
+        });
+        let mut back = Vec::new();
+        conn.read_to_end(&mut back)?;
+        let _ = writer.join();
+        Ok(back)
+    }
+}
+
+fn echo(mut c: TcpStream) -> std::io::Result<()> {
+    let mut buf = [0u8; 65536];
+    loop {
+        match c.read(&mut buf)? {
+            0 => return Ok(()),
+            n => c.write_all(&buf[..n])?,
+        }
+    }
+}

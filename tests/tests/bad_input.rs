@@ -1,0 +1,256 @@
+//! Bad input at the HBONE port and on the outbound path: each case refused with a clear log line
+//! and a metric, the proxy keeps serving, and nothing is left behind (no socket, no task).
+
+use std::{
+    io::Write as _,
+    net::TcpStream,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use meshpath_proxy::{
+    hbone::{self, HboneError},
+    tls,
+};
+use meshpath_tests::two_nodes::{sa, Setup, TwoNodes, View, MESHED};
+
+fn nodes() -> TwoNodes {
+    TwoNodes::start(Setup {
+        args: vec!["--handshake-timeout-seconds".into(), "1".into()],
+        ..Setup::default()
+    })
+}
+
+fn errors(nodes: &TwoNodes, node: usize, reason: &str) -> f64 {
+    nodes.proxies[node]
+        .metric("meshpath_connection_errors_total", &[("reason", reason)])
+        .expect("metrics")
+}
+
+/// A TCP connection to pod b's HBONE port, from pod b's netns (not captured).
+fn tcp_to_hbone(nodes: &TwoNodes) -> TcpStream {
+    let c = nodes
+        .pods
+        .b
+        .open()
+        .expect("b")
+        .run(|| TcpStream::connect(nodes.b(false, 15008)))
+        .expect("netns")
+        .expect("connect");
+    c.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    c
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime")
+}
+
+/// A client TLS configuration with a valid sa-a certificate, offering `alpn`.
+fn client_tls(nodes: &TwoNodes, alpn: &[u8]) -> Arc<rustls::ClientConfig> {
+    let cert = nodes.ca.issue(&sa("sa-a"), Duration::from_secs(600)).expect("cert");
+    let config =
+        tls::client_config(&cert, std::slice::from_ref(&nodes.ca.cert_der), vec![sa("sa-b")])
+            .expect("config");
+    let mut c = (*config).clone();
+    c.alpn_protocols = vec![alpn.to_vec()];
+    Arc::new(c)
+}
+
+/// An HBONE connection to pod b, as a peer proxy would open it.
+async fn hbone_conn(nodes: &TwoNodes) -> Result<hbone::Connection, HboneError> {
+    let tcp = tcp_to_hbone(nodes);
+    tcp.set_nonblocking(true).expect("nonblocking");
+    let tcp = tokio::net::TcpStream::from_std(tcp).expect("tokio");
+    hbone::handshake(tcp, nodes.b(false, 15008), client_tls(nodes, b"h2")).await
+}
+
+/// Whether pod b still serves HBONE: one CONNECT answered 200 and echoed.
+fn still_serves(nodes: &TwoNodes) -> bool {
+    rt().block_on(async {
+        let Ok(conn) = hbone_conn(nodes).await else { return false };
+        hbone::open_stream(conn, nodes.b(false, 15008), nodes.b(false, 8101), &Default::default())
+            .await
+            .is_ok()
+    })
+}
+
+fn closed_without_answer(mut c: impl std::io::Read) -> bool {
+    let mut buf = [0u8; 256];
+    match c.read(&mut buf) {
+        Ok(0) | Err(_) => true,
+        Ok(n) => !String::from_utf8_lossy(&buf[..n]).contains("HTTP/1"),
+    }
+}
+
+#[test]
+fn http1_inside_tls_to_the_hbone_port_is_refused() {
+    let nodes = nodes();
+    nodes.echo_server_in_b(nodes.b(false, 8101));
+    let closed = rt().block_on(async {
+        let tcp = tcp_to_hbone(&nodes);
+        tcp.set_nonblocking(true).expect("nonblocking");
+        let tcp = tokio::net::TcpStream::from_std(tcp).expect("tokio");
+        let name = rustls::pki_types::ServerName::IpAddress(nodes.b(false, 0).ip().into());
+        let mut tls = tokio_rustls::TlsConnector::from(client_tls(&nodes, b"h2"))
+            .connect(name, tcp)
+            .await
+            .expect("TLS handshake");
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        tls.write_all(b"GET / HTTP/1.1\r\nHost: b\r\n\r\n").await.expect("send");
+        let mut buf = vec![0u8; 256];
+        match tls.read(&mut buf).await {
+            Ok(0) | Err(_) => true,
+            Ok(n) => !String::from_utf8_lossy(&buf[..n]).contains("HTTP/1"),
+        }
+    });
+    assert!(closed, "HTTP/1 was answered");
+    assert_eq!(errors(&nodes, 1, "http2_handshake"), 1.0);
+    assert!(still_serves(&nodes));
+}
+
+#[test]
+fn a_client_offering_only_http1_alpn_is_refused_at_the_handshake() {
+    let nodes = nodes();
+    nodes.echo_server_in_b(nodes.b(false, 8101));
+    let result = rt().block_on(async {
+        let tcp = tcp_to_hbone(&nodes);
+        tcp.set_nonblocking(true).expect("nonblocking");
+        let tcp = tokio::net::TcpStream::from_std(tcp).expect("tokio");
+        let name = rustls::pki_types::ServerName::IpAddress(nodes.b(false, 0).ip().into());
+        tokio_rustls::TlsConnector::from(client_tls(&nodes, b"http/1.1")).connect(name, tcp).await
+    });
+    assert!(result.is_err(), "a handshake without h2 succeeded");
+    assert_eq!(errors(&nodes, 1, "tls_handshake"), 1.0);
+    assert!(still_serves(&nodes));
+}
+
+#[test]
+fn a_client_that_never_finishes_its_handshake_is_disconnected() {
+    let nodes = nodes();
+    // Connected, a few bytes that are not a ClientHello's end, then silence.
+    let mut c = tcp_to_hbone(&nodes);
+    c.write_all(&[0x16, 0x03, 0x01, 0x02, 0x00]).expect("send");
+    assert!(closed_without_answer(&mut c), "the silent client was answered");
+    let timed_out = nodes.proxies[1]
+        .wait_metrics(Duration::from_secs(10), |m| m.contains("reason=\"handshake_timeout\"} 1"));
+    assert!(timed_out, "the handshake timeout was not counted");
+}
+
+#[test]
+fn a_connect_with_oversized_headers_is_refused_and_the_proxy_keeps_serving() {
+    let nodes = nodes();
+    nodes.echo_server_in_b(nodes.b(false, 8101));
+    let result = rt().block_on(async {
+        let conn = hbone_conn(&nodes).await.expect("HBONE");
+        let mut conn = conn.ready().await.expect("ready");
+        let req = http::Request::builder()
+            .method(http::Method::CONNECT)
+            .uri(nodes.b(false, 8101).to_string())
+            .header("x-big", "a".repeat(100 * 1024))
+            .body(())
+            .expect("request");
+        match conn.send_request(req, false) {
+            Ok((resp, _send)) => resp.await.map(|r| r.status()).map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+    });
+    assert!(!matches!(result, Ok(s) if s == http::StatusCode::OK), "answered {result:?}");
+    assert!(still_serves(&nodes));
+}
+
+#[test]
+fn a_flood_of_reset_streams_does_not_take_the_proxy_down() {
+    let nodes = nodes();
+    nodes.echo_server_in_b(nodes.b(false, 8101));
+    rt().block_on(async {
+        let Ok(conn) = hbone_conn(&nodes).await else { return };
+        for _ in 0..500 {
+            let Ok(mut c) = conn.clone().ready().await else { break };
+            let req = http::Request::builder()
+                .method(http::Method::CONNECT)
+                .uri(nodes.b(false, 8101).to_string())
+                .body(())
+                .expect("request");
+            // Sent and dropped at once: the client resets the stream.
+            let Ok(sent) = c.send_request(req, false) else { break };
+            drop(sent);
+        }
+    });
+    assert!(still_serves(&nodes), "the proxy stopped serving after the flood");
+}
+
+#[test]
+fn bad_input_leaves_no_socket_or_task_behind() {
+    let nodes = nodes();
+    nodes.echo_server_in_b(nodes.b(false, 8101));
+    assert!(still_serves(&nodes));
+    let p = &nodes.proxies[1];
+    let settle = |want: usize| {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if p.open_fds() <= want
+                && p.metric("meshpath_active_connections", &[]).ok() == Some(0.0)
+            {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        false
+    };
+    let baseline = p.open_fds();
+    // Plaintext, a silent client, HTTP/1 inside TLS, a bad ALPN, a reset flood.
+    let mut plain = tcp_to_hbone(&nodes);
+    let _ = plain.write_all(b"GET / HTTP/1.1\r\n\r\n");
+    let _ = closed_without_answer(&mut plain);
+    let mut silent = tcp_to_hbone(&nodes);
+    let _ = closed_without_answer(&mut silent);
+    rt().block_on(async {
+        let tcp = tokio::net::TcpStream::from_std({
+            let t = tcp_to_hbone(&nodes);
+            t.set_nonblocking(true).expect("nonblocking");
+            t
+        })
+        .expect("tokio");
+        let name = rustls::pki_types::ServerName::IpAddress(nodes.b(false, 0).ip().into());
+        let _ = tokio_rustls::TlsConnector::from(client_tls(&nodes, b"http/1.1"))
+            .connect(name, tcp)
+            .await;
+        if let Ok(conn) = hbone_conn(&nodes).await {
+            for _ in 0..200 {
+                let Ok(mut c) = conn.clone().ready().await else { break };
+                let req = http::Request::builder()
+                    .method(http::Method::CONNECT)
+                    .uri(nodes.b(false, 8101).to_string())
+                    .body(())
+                    .expect("request");
+                let Ok(sent) = c.send_request(req, false) else { break };
+                drop(sent);
+            }
+        }
+    });
+    drop((plain, silent));
+    assert!(
+        settle(baseline),
+        "the proxy holds {} fds (baseline {baseline}) and {:?} active connections",
+        p.open_fds(),
+        p.metric("meshpath_active_connections", &[])
+    );
+}
+
+#[test]
+fn a_refused_upstream_closes_the_app_connection_and_is_counted() {
+    // Passthrough to a port nobody listens on.
+    let nodes = TwoNodes::new(View { b_protocol: "TCP", ..MESHED });
+    let back = nodes.app_round_trip(nodes.b(false, 8102), b"anyone?");
+    assert!(back.unwrap_or_default().is_empty());
+    assert_eq!(errors(&nodes, 0, "upstream_refused"), 1.0);
+}
+
+#[test]
+fn an_hbone_destination_whose_app_is_down_closes_the_app_connection_and_is_counted() {
+    let nodes = TwoNodes::new(MESHED);
+    let back = nodes.app_round_trip(nodes.b(false, 8103), b"anyone?");
+    assert!(back.unwrap_or_default().is_empty());
+    assert_eq!(errors(&nodes, 0, "hbone_status"), 1.0);
+    assert_eq!(errors(&nodes, 1, "upstream_refused"), 1.0);
+}

@@ -1,0 +1,148 @@
+//! Workload certificates: renewed under a running transfer (local CA), read from files and
+//! re-read when they change (files mode), and client certificates that are expired or from
+//! another CA refused at the TLS handshake.
+
+use std::{
+    io::{Read as _, Write as _},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use meshpath_proxy::{
+    hbone::{self, HboneError},
+    identity::{LocalCa, WorkloadCert},
+    tls,
+};
+use meshpath_tests::two_nodes::{sa, Setup, TwoNodes};
+
+fn serial(nodes: &TwoNodes, node: usize) -> String {
+    let dump = nodes.proxies[node].config_dump().expect("config_dump");
+    dump["pods"][0]["certificate"]["serial"].as_str().unwrap_or_default().to_owned()
+}
+
+#[test]
+fn certificates_are_renewed_without_breaking_a_running_transfer() {
+    // 4 s certificates: renewed about every 2 s on both nodes.
+    let nodes = TwoNodes::start(Setup {
+        args: vec!["--cert-lifetime-seconds".into(), "4".into()],
+        ..Setup::default()
+    });
+    let dst = nodes.b(false, 8097);
+    nodes.echo_server_in_b(dst);
+    let first = (serial(&nodes, 0), serial(&nodes, 1));
+    let mut conn = nodes.connect_from_a(dst).expect("connect");
+    let start = Instant::now();
+    let mut chunk = [0u8; 4096];
+    let mut back = [0u8; 4096];
+    let mut i = 0u8;
+    // One echo at a time on the same connection while the certificates turn over.
+    while start.elapsed() < Duration::from_secs(7) {
+        chunk.fill(i);
+        conn.write_all(&chunk).expect("send during rotation");
+        conn.read_exact(&mut back).expect("echo during rotation");
+        assert_eq!(back, chunk);
+        i = i.wrapping_add(1);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let rotations = |n: usize| {
+        nodes.proxies[n].metric("meshpath_certificate_rotations_total", &[]).expect("metrics")
+    };
+    assert!(rotations(0) >= 2.0 && rotations(1) >= 2.0, "{} / {}", rotations(0), rotations(1));
+    assert_ne!(first, (serial(&nodes, 0), serial(&nodes, 1)), "the certificates did not change");
+    // New connections use (and are accepted with) the new certificates.
+    drop(conn);
+    assert_eq!(nodes.app_round_trip(dst, b"after").expect("new connection"), b"after");
+}
+
+#[test]
+fn files_mode_serves_the_files_and_rereads_them_when_they_change() {
+    let nodes = TwoNodes::start(Setup { cert_files: true, ..Setup::default() });
+    let dst = nodes.b(false, 8098);
+    nodes.echo_server_in_b(dst);
+    assert_eq!(nodes.app_round_trip(dst, b"files").expect("round trip"), b"files");
+    assert_eq!(nodes.proxies[1].config_dump().expect("dump")["certificateSource"], "files");
+    let before = serial(&nodes, 1);
+    nodes.write_cert_files(&sa("sa-b"), Duration::from_secs(3600));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while serial(&nodes, 1) == before && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_ne!(serial(&nodes, 1), before, "the new files were not picked up");
+    assert_eq!(nodes.app_round_trip(dst, b"again").expect("round trip"), b"again");
+}
+
+#[test]
+fn a_certificate_file_for_another_identity_is_refused_and_the_current_one_kept() {
+    let nodes = TwoNodes::start(Setup { cert_files: true, ..Setup::default() });
+    let before = serial(&nodes, 1);
+    // sa-a's certificate written where sa-b's belongs.
+    let wrong = nodes.ca.issue(&sa("sa-a"), Duration::from_secs(3600)).expect("cert");
+    let (chain, key) = wrong.to_pem();
+    let d = nodes.dir.join("certs/default/sa-b");
+    std::fs::write(d.join("key.pem"), key).expect("key");
+    std::fs::write(d.join("cert-chain.pem"), chain).expect("chain");
+    let logged = nodes.proxies[1].proxy.wait_for_text(
+        "the certificate is for spiffe://cluster.local/ns/default/sa/sa-a, not spiffe://cluster.local/ns/default/sa/sa-b",
+        Duration::from_secs(10),
+    );
+    assert!(logged, "no error naming the mismatch");
+    assert_eq!(serial(&nodes, 1), before, "a certificate for another identity was installed");
+    let dst = nodes.b(false, 8099);
+    nodes.echo_server_in_b(dst);
+    assert_eq!(nodes.app_round_trip(dst, b"kept").expect("round trip"), b"kept");
+}
+
+/// A client with `cert` opening HBONE to pod b (from pod b's netns).
+fn connect_with(nodes: &TwoNodes, cert: &WorkloadCert, roots: &LocalCa) -> Result<(), HboneError> {
+    let gateway = nodes.b(false, 15008);
+    let dst = nodes.b(false, 8100);
+    let config = tls::client_config(cert, std::slice::from_ref(&roots.cert_der), vec![sa("sa-b")])
+        .expect("client config");
+    let std = nodes
+        .pods
+        .b
+        .open()
+        .expect("b")
+        .run(|| std::net::TcpStream::connect(gateway))
+        .expect("netns")
+        .expect("tcp");
+    std.set_nonblocking(true).expect("nonblocking");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    rt.block_on(async {
+        let tcp = tokio::net::TcpStream::from_std(std).expect("tokio");
+        hbone::connect(tcp, gateway, dst, Arc::clone(&config), &Default::default()).await.map(drop)
+    })
+}
+
+fn tls_refusals(nodes: &TwoNodes) -> f64 {
+    nodes.proxies[1]
+        .metric("meshpath_connection_errors_total", &[("reason", "tls_handshake")])
+        .expect("metrics")
+}
+
+#[test]
+fn an_expired_client_certificate_is_refused() {
+    let nodes = TwoNodes::new(meshpath_tests::two_nodes::MESHED);
+    nodes.echo_server_in_b(nodes.b(false, 8100));
+    let now = time::OffsetDateTime::now_utc();
+    let expired = nodes
+        .ca
+        .issue_between(&sa("sa-a"), now - time::Duration::hours(2), now - time::Duration::hours(1))
+        .expect("cert");
+    let valid = nodes.ca.issue(&sa("sa-a"), Duration::from_secs(600)).expect("cert");
+    assert!(connect_with(&nodes, &valid, &nodes.ca).is_ok(), "a valid client was refused");
+    let err = connect_with(&nodes, &expired, &nodes.ca).expect_err("expired accepted");
+    assert!(matches!(err, HboneError::Tls(..) | HboneError::H2(..)), "{err}");
+    assert_eq!(tls_refusals(&nodes), 1.0);
+}
+
+#[test]
+fn a_client_certificate_from_another_ca_is_refused() {
+    let nodes = TwoNodes::new(meshpath_tests::two_nodes::MESHED);
+    nodes.echo_server_in_b(nodes.b(false, 8100));
+    let other = LocalCa::generate("someone else's CA").expect("CA");
+    let foreign = other.issue(&sa("sa-a"), Duration::from_secs(600)).expect("cert");
+    let err = connect_with(&nodes, &foreign, &nodes.ca).expect_err("foreign accepted");
+    assert!(matches!(err, HboneError::Tls(..) | HboneError::H2(..)), "{err}");
+    assert_eq!(tls_refusals(&nodes), 1.0);
+}

@@ -1,0 +1,139 @@
+//! What the proxy tells its operator: Istio's `istio_tcp_*` metrics with the standard labels on
+//! both sides of a connection, one access-log line per connection, `/config_dump`, `/logging`,
+//! readiness, and `/quitquitquit`.
+
+use std::{io::Write as _, time::Duration};
+
+use meshpath_tests::two_nodes::{TwoNodes, MESHED};
+
+/// One 1000-byte round trip from pod a to pod b over HBONE, waited for until both proxies
+/// counted it closed.
+fn one_connection() -> TwoNodes {
+    let nodes = TwoNodes::new(MESHED);
+    let dst = nodes.b(false, 8095);
+    nodes.echo_server_in_b(dst);
+    let payload = vec![7u8; 1000];
+    assert_eq!(nodes.app_round_trip(dst, &payload).expect("round trip"), payload);
+    for p in &nodes.proxies {
+        let closed = p.wait_metrics(Duration::from_secs(10), |m| {
+            m.lines()
+                .any(|l| l.starts_with("istio_tcp_connections_closed_total{") && l.ends_with(" 1"))
+        });
+        assert!(closed, "a proxy did not count the connection closed");
+    }
+    nodes
+}
+
+#[test]
+fn a_connection_is_counted_by_the_source_proxy_with_istio_labels() {
+    let nodes = one_connection();
+    let labels = [
+        ("reporter", "source"),
+        ("source_workload", "app-a"),
+        ("source_workload_namespace", "default"),
+        ("source_principal", "spiffe://cluster.local/ns/default/sa/sa-a"),
+        ("destination_workload", "app-b"),
+        ("destination_principal", "spiffe://cluster.local/ns/default/sa/sa-b"),
+        ("request_protocol", "tcp"),
+        ("connection_security_policy", "mutual_tls"),
+    ];
+    let m = &nodes.proxies[0];
+    assert_eq!(m.metric("istio_tcp_connections_opened_total", &labels).expect("metrics"), 1.0);
+    assert_eq!(m.metric("istio_tcp_connections_closed_total", &labels).expect("metrics"), 1.0);
+    assert_eq!(m.metric("istio_tcp_received_bytes_total", &labels).expect("metrics"), 1000.0);
+    assert_eq!(m.metric("istio_tcp_sent_bytes_total", &labels).expect("metrics"), 1000.0);
+}
+
+#[test]
+fn a_connection_is_counted_by_the_destination_proxy_with_the_client_identity() {
+    let nodes = one_connection();
+    let labels = [
+        ("reporter", "destination"),
+        ("source_workload", "app-a"),
+        ("source_principal", "spiffe://cluster.local/ns/default/sa/sa-a"),
+        ("destination_workload", "app-b"),
+        ("connection_security_policy", "mutual_tls"),
+    ];
+    let m = &nodes.proxies[1];
+    assert_eq!(m.metric("istio_tcp_connections_opened_total", &labels).expect("metrics"), 1.0);
+    assert_eq!(m.metric("istio_tcp_received_bytes_total", &labels).expect("metrics"), 1000.0);
+    assert_eq!(m.metric("meshpath_active_connections", &[]).expect("metrics"), 0.0);
+}
+
+#[test]
+fn each_connection_writes_one_access_log_line_with_both_identities() {
+    let nodes = one_connection();
+    let lines = nodes.proxies[0].proxy.lines();
+    let access: Vec<&String> = lines.iter().filter(|l| l.contains("connection complete")).collect();
+    assert_eq!(access.len(), 1, "access lines:\n{}", lines.join("\n"));
+    let line = access[0];
+    for field in [
+        "src.workload=app-a",
+        "src.identity=spiffe://cluster.local/ns/default/sa/sa-a",
+        "dst.workload=app-b",
+        "dst.identity=spiffe://cluster.local/ns/default/sa/sa-b",
+        &format!("dst.hbone_addr={}", nodes.b(false, 15008)),
+        &format!("dst.addr={}", nodes.b(false, 8095)),
+        "bytes_sent=1000",
+        "bytes_recv=1000",
+        "outbound",
+    ] {
+        assert!(line.contains(field), "{field} missing from: {line}");
+    }
+}
+
+#[test]
+fn config_dump_shows_the_store_the_pods_their_certificates_and_the_pool() {
+    let nodes = one_connection();
+    let dump = nodes.proxies[0].config_dump().expect("config_dump");
+    assert_eq!(dump["workloads"].as_array().map(Vec::len), Some(2), "{dump:#}");
+    let pod = &dump["pods"][0];
+    assert_eq!(pod["uid"], "pod-a");
+    assert_eq!(pod["identity"], "spiffe://cluster.local/ns/default/sa/sa-a");
+    assert!(pod["certificate"]["expiresInSeconds"].as_i64().is_some_and(|s| s > 0), "{dump:#}");
+    assert_eq!(dump["pool"].as_array().map(Vec::len), Some(1), "{dump:#}");
+    assert_eq!(dump["pool"][0]["destination"], "spiffe://cluster.local/ns/default/sa/sa-b");
+    assert_eq!(dump["pool"][0]["streams"], 0);
+}
+
+#[test]
+fn the_log_filter_can_be_changed_at_run_time() {
+    let nodes = TwoNodes::new(MESHED);
+    let p = &nodes.proxies[0];
+    let (status, body) = p.http("ADMIN", "POST", "/logging?level=debug").expect("POST");
+    assert_eq!((status, body.trim()), (200, "debug"));
+    assert_eq!(p.http("ADMIN", "GET", "/logging").expect("GET").1.trim(), "debug");
+    let (status, body) = p.http("ADMIN", "POST", "/logging?level=[[[").expect("POST");
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(p.http("ADMIN", "GET", "/logging").expect("GET").1.trim(), "debug");
+}
+
+#[test]
+fn readiness_is_200_while_serving_and_503_while_draining() {
+    let nodes = TwoNodes::new(MESHED);
+    let dst = nodes.b(false, 8096);
+    nodes.echo_server_in_b(dst);
+    let p = &nodes.proxies[0];
+    assert_eq!(p.http("READINESS", "GET", "/healthz/ready").expect("ready").0, 200);
+    // An open connection keeps the proxy draining after SIGTERM.
+    let mut open = nodes.connect_from_a(dst).expect("connect");
+    open.write_all(b"x").expect("send");
+    p.proxy.signal(libc::SIGTERM).expect("SIGTERM");
+    let mut status = 0;
+    for _ in 0..100 {
+        status = p.http("READINESS", "GET", "/healthz/ready").map(|r| r.0).unwrap_or(0);
+        if status == 503 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(status, 503, "readiness while draining");
+}
+
+#[test]
+fn quitquitquit_drains_and_exits() {
+    let mut nodes = TwoNodes::new(MESHED);
+    let (status, _) = nodes.proxies[0].http("ADMIN", "POST", "/quitquitquit").expect("POST");
+    assert_eq!(status, 200);
+    assert!(nodes.proxies[0].proxy.wait_exit(Duration::from_secs(10)), "still running");
+}

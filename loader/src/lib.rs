@@ -2,6 +2,7 @@
 //! (`netns`), and the pod lifecycle on top of them (`pods`). The `meshpath-loader` binary is a
 //! thin CLI over this; the end-to-end tests drive the same functions.
 
+pub mod agent;
 pub mod datapath;
 pub mod doctor;
 pub mod error;

@@ -29,6 +29,15 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Run the node agent: pods from the CNI plugin into the datapath and to the proxy (ZDS).
+    Agent(AgentArgs),
+    /// Remove meshpath-cni's entry from the CNI configuration lists and its binary.
+    CniUninstall {
+        #[arg(long, default_value = "/opt/cni/bin")]
+        cni_bin_dir: PathBuf,
+        #[arg(long, default_value = "/etc/cni/net.d")]
+        cni_conf_dir: PathBuf,
+    },
     /// Enrol a pod by its network namespace.
     Enrol(EnrolArgs),
     /// Register (or, with --remove, forget) the proxy's cgroup: its sockets are never captured.
@@ -74,6 +83,45 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// `agent`'s arguments.
+#[derive(Args)]
+struct AgentArgs {
+    /// Per-pod records, so a restarted agent knows its pods.
+    #[arg(long, default_value = "/var/run/meshpath")]
+    state_dir: PathBuf,
+    /// Where the CNI plugin reaches the agent.
+    #[arg(long, default_value = meshpath_cni::agent::DEFAULT_SOCKET)]
+    cni_socket: PathBuf,
+    /// Where the node proxy connects (ZDS, as Istio's ztunnel does).
+    #[arg(long, default_value = meshpath_zds::DEFAULT_SOCKET)]
+    zds_socket: PathBuf,
+    /// Which pods are meshed, and as whom (ztunnel's workloads file; stands in for the API).
+    #[arg(long)]
+    workloads: PathBuf,
+    /// Install meshpath-cni here (with --cni-conf-dir).
+    #[arg(long, requires = "cni_conf_dir")]
+    cni_bin_dir: Option<PathBuf>,
+    /// Append meshpath-cni to the first CNI configuration list here, and keep it there.
+    #[arg(long, requires = "cni_bin_dir")]
+    cni_conf_dir: Option<PathBuf>,
+    /// The meshpath-cni binary to install (default: next to this executable).
+    #[arg(long)]
+    cni_plugin: Option<PathBuf>,
+    /// A cgroup whose sockets are the proxy's (repeatable).
+    #[arg(long = "proxy-cgroup")]
+    proxy_cgroups: Vec<PathBuf>,
+    /// Register the cgroup of the process that connects to the ZDS socket as the proxy's
+    /// (the socket is root-only).
+    #[arg(long)]
+    proxy_cgroup_from_zds_peer: bool,
+    /// /healthz and /readyz.
+    #[arg(long)]
+    health_addr: Option<std::net::SocketAddr>,
+    /// Seconds the proxy has to acknowledge a pod.
+    #[arg(long, default_value_t = 10)]
+    ack_timeout_seconds: u64,
 }
 
 /// `enrol`'s arguments: the pod and its capture configuration.
@@ -166,14 +214,17 @@ impl PodRef {
 }
 
 fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The daemon logs what it does; one-shot commands only what went wrong.
+    let default = if matches!(cli.command, Cmd::Agent(_)) { "info" } else { "warn" };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default)),
         )
         .with_writer(std::io::stderr)
         .init();
-    match run(Cli::parse()) {
+    match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("meshpath-loader: {e:#}");
@@ -188,6 +239,35 @@ fn run(cli: Cli) -> Result<()> {
             .with_context(|| format!("opening the datapath at {}", cli.pin_root.display()))
     };
     match &cli.command {
+        Cmd::Agent(a) => {
+            let cfg = meshpath_loader::agent::AgentConfig {
+                pin_root: cli.pin_root.clone(),
+                state_dir: a.state_dir.clone(),
+                cni_socket: a.cni_socket.clone(),
+                zds_socket: a.zds_socket.clone(),
+                workloads: a.workloads.clone(),
+                cni_bin_dir: a.cni_bin_dir.clone(),
+                cni_conf_dir: a.cni_conf_dir.clone(),
+                cni_plugin: a.cni_plugin.clone(),
+                proxy_cgroups: a.proxy_cgroups.clone(),
+                proxy_cgroup_from_zds_peer: a.proxy_cgroup_from_zds_peer,
+                health_addr: a.health_addr,
+                ack_timeout: std::time::Duration::from_secs(a.ack_timeout_seconds),
+            };
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?
+                .block_on(meshpath_loader::agent::run(cfg))?;
+        }
+        Cmd::CniUninstall { cni_bin_dir, cni_conf_dir } => {
+            meshpath_loader::agent::cni_install::uninstall(cni_bin_dir, cni_conf_dir)?;
+            println!(
+                "meshpath-cni removed from {} and {}",
+                cni_conf_dir.display(),
+                cni_bin_dir.display()
+            );
+        }
         Cmd::Enrol(args) => {
             let ns = Netns::open(&args.netns)?;
             let cookie = pods::enrol(&dp()?, &ns, &args.options())?;

@@ -32,8 +32,16 @@ impl Netns {
     /// Opens `path` (e.g. `/var/run/netns/NAME` or `/proc/PID/ns/net`) and checks that it is a
     /// network namespace.
     pub fn open(path: &Path) -> Result<Self> {
+        let file = File::open(path)
+            .map_err(|e| Error::NotANetns { path: path.to_owned(), reason: e.to_string() })?;
+        Self::from_file(file, path)
+    }
+
+    /// A namespace already open (e.g. received over a unix socket); `label` names it in errors
+    /// and listings.
+    pub fn from_file(file: File, label: &Path) -> Result<Self> {
+        let path = label;
         let not_netns = |reason: String| Error::NotANetns { path: path.to_owned(), reason };
-        let file = File::open(path).map_err(|e| not_netns(e.to_string()))?;
         let fs = nix::sys::statfs::fstatfs(file.as_fd()).map_err(|e| not_netns(e.to_string()))?;
         if fs.filesystem_type() != nix::sys::statfs::NSFS_MAGIC {
             return Err(not_netns("not a namespace file".into()));

@@ -1,5 +1,5 @@
-//! `meshpath-proxy`: the HBONE node proxy. Serves the pods given with `--pod UID=NETNS`
-//! (until the agent hands pods over ZDS): their outbound captured traffic (15001), DNS (15053),
+//! `meshpath-proxy`: the HBONE node proxy. Serves the pods the node agent hands it over ZDS
+//! (`--zds-socket`), or those given with `--pod UID=NETNS`: their outbound captured traffic (15001), DNS (15053),
 //! HBONE (15008) and inbound plaintext (15006, with `--pin-root`), with workload certificates
 //! from a local CA or from files; node-wide admin, metrics and readiness endpoints.
 
@@ -48,6 +48,10 @@ struct Cli {
     /// A pod to serve: its workload uid and its netns path (repeatable).
     #[arg(long = "pod", value_name = "UID=NETNS")]
     pods: Vec<String>,
+    /// The node agent's ZDS socket: pods are added and removed as it says (and `--pod` is for
+    /// running without an agent).
+    #[arg(long)]
+    zds_socket: Option<PathBuf>,
     /// The datapath's pin root: when given, each pod's inbound plaintext listener (15006) is
     /// opened and registered there.
     #[arg(long)]
@@ -198,7 +202,11 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
                 cli.workloads.clone(),
                 Duration::from_millis(cli.refresh_ms.max(10)),
             );
-            proxy.set_ready(true);
+            match &cli.zds_socket {
+                // Ready once the agent's first snapshot is applied.
+                Some(path) => inpod::zds::spawn(proxy.clone(), path.clone()),
+                None => proxy.set_ready(true),
+            }
             writeln!(out, "READY")?;
             out.flush()?;
             drop(out);

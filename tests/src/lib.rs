@@ -645,8 +645,9 @@ mod mesh {
     }
 }
 
-pub use node_proxy::NodeProxy;
+pub use node_proxy::{sum_metric, NodeProxy};
 
+pub mod cni_node;
 pub mod two_nodes;
 
 mod node_proxy {
@@ -696,12 +697,22 @@ mod node_proxy {
         /// One HTTP/1.0 request to the endpoint `name` (ADMIN, STATS, READINESS); the status and
         /// the body.
         pub fn http(&self, name: &str, method: &str, path: &str) -> Result<(u16, String)> {
-            let mut addr = endpoint(&self.proxy, name)?;
+            Self::http_in(&self.proxy, &self.node, name, method, path)
+        }
+
+        /// `http` for a proxy process `proxy` running in `node`.
+        pub fn http_in(
+            proxy: &TestProxy,
+            node: &NetnsGuard,
+            name: &str,
+            method: &str,
+            path: &str,
+        ) -> Result<(u16, String)> {
+            let mut addr = endpoint(proxy, name)?;
             if addr.ip().is_unspecified() {
                 addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
             }
-            let mut conn = self
-                .node
+            let mut conn = node
                 .open()?
                 .run(|| TcpStream::connect_timeout(&addr, Duration::from_secs(5)))??;
             conn.set_read_timeout(Some(Duration::from_secs(10)))?;

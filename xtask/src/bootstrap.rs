@@ -29,6 +29,8 @@ pub const DEBIAN_PACKAGES: &[(&str, &str)] = &[
     // Only to show, in tests, that capture writes no netfilter rule.
     ("iptables", "iptables-save"),
     ("nftables", "nft"),
+    // The real CNI plugins the CNI chain runs (bridge, host-local, loopback in /usr/lib/cni).
+    ("containernetworking-plugins", "/usr/lib/cni/bridge"),
 ];
 
 /// What `ensure` should make sure of.

@@ -1,7 +1,10 @@
 //! The pods this proxy serves. Adding a pod enters its network namespace once (a socket thread),
 //! fetches its certificate and opens its listeners there: 15001 outbound, 15008 HBONE, 15053
 //! DNS, and 15006 inbound plaintext when the datapath is known. Removing a pod closes its
-//! listeners and ends its connections; other pods are not touched.
+//! listeners and ends its connections; other pods are not touched. Pods come from the command
+//! line or, at run time, from the node agent over ZDS (`zds`).
+
+pub mod zds;
 
 use std::{
     future::Future,

@@ -1,0 +1,45 @@
+//! `/healthz` (the agent is alive) and `/readyz` (reconciled and serving the CNI socket), for
+//! the DaemonSet's probes.
+
+use std::{convert::Infallible, net::SocketAddr, sync::Arc};
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::{body::Incoming, service::service_fn, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+
+use super::Agent;
+
+fn answer(agent: &Agent, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+    let (status, body) = match req.uri().path() {
+        "/healthz" => (StatusCode::OK, "ok\n"),
+        "/readyz" if agent.is_ready() => (StatusCode::OK, "ready\n"),
+        "/readyz" => (StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
+        _ => (StatusCode::NOT_FOUND, "not found\n"),
+    };
+    let mut r = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
+    *r.status_mut() = status;
+    r
+}
+
+/// Serves the probes on `addr`; returns the address bound.
+pub async fn serve(agent: Arc<Agent>, addr: SocketAddr) -> anyhow::Result<SocketAddr> {
+    let listener = TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    tokio::spawn(async move {
+        while let Ok((conn, _)) = listener.accept().await {
+            let agent = agent.clone();
+            tokio::spawn(async move {
+                let svc = service_fn(move |req| {
+                    let r = answer(&agent, &req);
+                    async move { Ok::<_, Infallible>(r) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(conn), svc)
+                    .await;
+            });
+        }
+    });
+    Ok(bound)
+}

@@ -1,0 +1,152 @@
+//! The node agent daemon (`meshpath-loader agent`): the pod lifecycle from the CNI plugin to
+//! the node proxy.
+//!
+//! - `cni_server` — the CNI plugin's requests: ADD enrols a meshed pod in the datapath and
+//!   hands it to the proxy, answering only once the proxy acked; DEL undoes it; CHECK checks;
+//! - `zds_server` — the proxy side of the node: ZDS, Istio's agent ↔ ztunnel protocol;
+//! - `records` — one file per pod under the state directory, so a restarted agent knows its
+//!   pods; the pods' netns are found again by inode;
+//! - `directory` — which pods are meshed and their service accounts (a workloads file standing
+//!   in for the Kubernetes API, which this agent does not watch);
+//! - `cni_install` — the plugin binary and its entry in the host's CNI configuration, repaired
+//!   when another agent rewrites the file;
+//! - `health` — `/healthz` and `/readyz`.
+//!
+//! Start-up reconciles before serving: pods whose netns is gone are removed from the datapath
+//! and the records; the rest stay captured (their traffic never stops) and go to the proxy in
+//! the next snapshot.
+
+pub mod cni_install;
+pub mod cni_server;
+pub mod directory;
+pub mod health;
+pub mod records;
+pub mod zds_server;
+
+use std::{
+    collections::BTreeMap,
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
+    time::Duration,
+};
+
+use anyhow::Context as _;
+use tracing::{info, warn};
+
+use crate::{datapath::Datapath, netns::Netns, pods};
+
+/// How the agent is set up (the CLI's flags).
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    pub pin_root: PathBuf,
+    pub state_dir: PathBuf,
+    pub cni_socket: PathBuf,
+    pub zds_socket: PathBuf,
+    /// The workloads file standing in for the Kubernetes API.
+    pub workloads: PathBuf,
+    /// Where to install the plugin binary and the chained entry (both or neither).
+    pub cni_bin_dir: Option<PathBuf>,
+    pub cni_conf_dir: Option<PathBuf>,
+    /// The plugin binary to install (default: `meshpath-cni` next to this executable).
+    pub cni_plugin: Option<PathBuf>,
+    /// Cgroups registered as the proxy's (its sockets are never captured).
+    pub proxy_cgroups: Vec<PathBuf>,
+    /// Also register the cgroup of the process that connects to the ZDS socket.
+    pub proxy_cgroup_from_zds_peer: bool,
+    pub health_addr: Option<SocketAddr>,
+    /// How long the proxy has to ack a request.
+    pub ack_timeout: Duration,
+}
+
+/// A pod the agent serves now.
+#[derive(Debug)]
+pub struct LivePod {
+    pub record: records::PodRecord,
+    pub netns: Arc<Netns>,
+}
+
+/// The agent's state.
+#[derive(Debug)]
+pub struct Agent {
+    pub cfg: AgentConfig,
+    /// One datapath change at a time (the datapath's own lock is per open, and the proxy opens
+    /// it too to register its listeners).
+    dp_lock: Mutex<()>,
+    pub pods: Mutex<BTreeMap<String, LivePod>>,
+    pub zds: zds_server::ZdsHub,
+    ready: AtomicBool,
+}
+
+impl Agent {
+    /// Runs `f` with the datapath open.
+    pub fn with_datapath<T>(
+        &self,
+        f: impl FnOnce(&Datapath) -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
+        let _one = self.dp_lock.lock().map_err(|_| anyhow::anyhow!("datapath lock poisoned"))?;
+        let dp = Datapath::open_or_load(&self.cfg.pin_root)?;
+        f(&dp)
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Relaxed)
+    }
+}
+
+/// Reconciles, then serves until SIGTERM.
+pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
+    let agent = Arc::new(Agent {
+        zds: zds_server::ZdsHub::new(cfg.ack_timeout),
+        cfg,
+        dp_lock: Mutex::new(()),
+        pods: Mutex::new(BTreeMap::new()),
+        ready: AtomicBool::new(false),
+    });
+    agent.with_datapath(|dp| {
+        for cg in &agent.cfg.proxy_cgroups {
+            dp.register_proxy_cgroup(cg)
+                .with_context(|| format!("proxy cgroup {}", cg.display()))?;
+        }
+        let report = pods::reconcile(dp)?;
+        info!(
+            kept = report.kept.len(),
+            vanished = report.vanished.len(),
+            partial = report.partial.len(),
+            "datapath reconciled"
+        );
+        Ok(())
+    })?;
+    let restored = records::restore(&agent)?;
+    info!(pods = restored, "pods restored from the state directory");
+    if let (Some(bin), Some(conf)) = (&agent.cfg.cni_bin_dir, &agent.cfg.cni_conf_dir) {
+        let plugin = match &agent.cfg.cni_plugin {
+            Some(p) => p.clone(),
+            None => std::env::current_exe()?.with_file_name("meshpath-cni"),
+        };
+        cni_install::spawn(plugin, bin.clone(), conf.clone(), agent.cfg.cni_socket.clone());
+    }
+    let zds_listener = meshpath_zds::Listener::bind(&agent.cfg.zds_socket)
+        .with_context(|| format!("listening on {}", agent.cfg.zds_socket.display()))?;
+    zds_server::spawn(agent.clone(), zds_listener);
+    let cni_listener = cni_server::bind(&agent.cfg.cni_socket)?;
+    cni_server::spawn(agent.clone(), cni_listener);
+    if let Some(addr) = agent.cfg.health_addr {
+        let bound = health::serve(agent.clone(), addr).await?;
+        println!("HEALTH {bound}");
+    }
+    agent.ready.store(true, Ordering::Relaxed);
+    println!("READY");
+    info!(cni = %agent.cfg.cni_socket.display(), zds = %agent.cfg.zds_socket.display(), "agent serving");
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = term.recv() => {}
+        r = tokio::signal::ctrl_c() => r?,
+    }
+    // Pods stay enrolled: they keep failing closed until an agent is back (see docs).
+    warn!("agent stopping; pods stay captured");
+    Ok(())
+}

@@ -1,0 +1,130 @@
+//! One JSON file per pod under `STATE_DIR/pods/`, written before the pod is enrolled and
+//! removed after it is unenrolled, so that a restarted agent knows every pod it may have left
+//! enrolled. A pod's netns is found again by inode (`/var/run/netns/*`, then `/proc/*/ns/net`).
+
+use std::{
+    fs,
+    net::IpAddr,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+use anyhow::Context as _;
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+use super::{Agent, LivePod};
+use crate::{netns::Netns, pods};
+
+/// What the agent remembers of a pod.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodRecord {
+    pub uid: String,
+    pub name: String,
+    pub namespace: String,
+    pub service_account: String,
+    pub container_id: String,
+    pub netns_path: PathBuf,
+    pub netns_inode: u64,
+    pub cookie: u64,
+    pub ips: Vec<IpAddr>,
+}
+
+fn dir(state: &Path) -> PathBuf {
+    state.join("pods")
+}
+
+/// Writes the record (atomically: written aside, then renamed).
+pub fn save(state: &Path, r: &PodRecord) -> anyhow::Result<()> {
+    let d = dir(state);
+    fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
+    let tmp = d.join(format!(".{}.tmp", r.uid));
+    fs::write(&tmp, serde_json::to_vec_pretty(r)?)
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    fs::rename(&tmp, d.join(format!("{}.json", r.uid))).context("renaming the pod record")?;
+    Ok(())
+}
+
+/// Removes the record of `uid` (absent is fine).
+pub fn delete(state: &Path, uid: &str) -> anyhow::Result<()> {
+    match fs::remove_file(dir(state).join(format!("{uid}.json"))) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.into()),
+        _ => Ok(()),
+    }
+}
+
+/// Every record on disk (unreadable ones are reported and skipped).
+pub fn load_all(state: &Path) -> Vec<PodRecord> {
+    let Ok(entries) = fs::read_dir(dir(state)) else { return Vec::new() };
+    entries
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+        .filter_map(|e| {
+            let parsed = fs::read(e.path())
+                .map_err(|e| e.to_string())
+                .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()));
+            parsed
+                .map_err(
+                    |err| warn!(file = %e.path().display(), error = %err, "unreadable pod record"),
+                )
+                .ok()
+        })
+        .collect()
+}
+
+/// Finds a network namespace by inode: the path it was enrolled from first, then the named
+/// ones, then every process's.
+pub fn find_netns(hint: &Path, inode: u64) -> Option<Netns> {
+    let matches = |p: &Path| Netns::open(p).ok().filter(|n| n.inode() == inode);
+    if let Some(n) = matches(hint) {
+        return Some(n);
+    }
+    let named = fs::read_dir("/var/run/netns").into_iter().flatten().flatten().map(|e| e.path());
+    let procs = fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_str().is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit())))
+        .map(|e| e.path().join("ns/net"));
+    named.chain(procs).find_map(|p| {
+        // Cheap check first: the inode of the link target, without opening a Netns.
+        let ino = fs::metadata(&p).ok().map(|m| std::os::unix::fs::MetadataExt::ino(&m))?;
+        (ino == inode).then(|| matches(&p)).flatten()
+    })
+}
+
+/// Rebuilds the agent's pods from the records: a record whose netns is gone, or whose pod is
+/// not enrolled (an ADD that never finished), is removed with whatever it left in the
+/// datapath; the others are served again. Returns how many were restored.
+pub fn restore(agent: &Arc<Agent>) -> anyhow::Result<usize> {
+    let state = &agent.cfg.state_dir;
+    let mut restored = 0;
+    for r in load_all(state) {
+        let enrolled = agent.with_datapath(|dp| {
+            Ok(pods::is_enrolled(dp, r.cookie)? && pods::netns_alive(dp, r.cookie)?)
+        })?;
+        let netns = if enrolled { find_netns(&r.netns_path, r.netns_inode) } else { None };
+        match netns {
+            Some(ns) if ns.cookie() == r.cookie => {
+                agent
+                    .pods
+                    .lock()
+                    .map_err(|_| anyhow::anyhow!("pods lock"))?
+                    .insert(r.uid.clone(), LivePod { record: r, netns: Arc::new(ns) });
+                restored += 1;
+            }
+            _ => {
+                info!(pod = %r.uid, cookie = r.cookie, "record of a pod that is gone or was never fully added: removing");
+                agent.with_datapath(|dp| {
+                    if pods::is_enrolled(dp, r.cookie)? {
+                        pods::unenrol(dp, r.cookie)?;
+                    }
+                    Ok(())
+                })?;
+                delete(state, &r.uid)?;
+            }
+        }
+    }
+    Ok(restored)
+}

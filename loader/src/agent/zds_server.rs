@@ -1,0 +1,166 @@
+//! The agent's side of ZDS. It listens; a proxy connects and says hello; the agent then sends
+//! its full set of pods (each with its netns fd) and `SnapshotSent`, waiting for each ack. From
+//! then on each pod added or deleted is sent as it happens. One proxy at a time: a new
+//! connection replaces the old one (a restarted proxy). With no proxy connected, adding a pod
+//! fails: the CNI ADD fails and the runtime retries, rather than a pod starting with nobody to
+//! serve it.
+
+use std::{os::fd::AsFd as _, path::PathBuf, sync::Arc, time::Duration};
+
+use meshpath_zds::{
+    proto::{
+        workload_request::Payload, AddWorkload, DelWorkload, SnapshotSent, Version, WorkloadInfo,
+        WorkloadRequest, WorkloadResponse, ZdsHello,
+    },
+    Listener, SeqPacket,
+};
+use tokio::sync::Mutex;
+use tracing::{info, warn};
+
+use super::{Agent, LivePod};
+
+/// The proxy connection, if any.
+#[derive(Debug)]
+pub struct ZdsHub {
+    conn: Mutex<Option<SeqPacket>>,
+    ack_timeout: Duration,
+}
+
+impl ZdsHub {
+    pub fn new(ack_timeout: Duration) -> Self {
+        Self { conn: Mutex::new(None), ack_timeout }
+    }
+
+    /// Whether a proxy is connected (and took its snapshot).
+    pub async fn connected(&self) -> bool {
+        self.conn.lock().await.is_some()
+    }
+
+    async fn exchange(
+        &self,
+        conn: &SeqPacket,
+        req: &WorkloadRequest,
+        fd: Option<std::os::fd::BorrowedFd<'_>>,
+    ) -> Result<(), String> {
+        conn.send_msg(req, fd).await.map_err(|e| e.to_string())?;
+        let (resp, _) = tokio::time::timeout(self.ack_timeout, conn.recv_msg::<WorkloadResponse>())
+            .await
+            .map_err(|_| format!("the proxy did not ack within {:?}", self.ack_timeout))?
+            .map_err(|e| e.to_string())?;
+        match resp.payload {
+            Some(meshpath_zds::proto::workload_response::Payload::Ack(a)) if a.error.is_empty() => {
+                Ok(())
+            }
+            Some(meshpath_zds::proto::workload_response::Payload::Ack(a)) => {
+                Err(format!("the proxy refused: {}", a.error))
+            }
+            None => Err("the proxy answered without an ack".into()),
+        }
+    }
+
+    /// Sends one request to the connected proxy and waits for its ack. A broken connection is
+    /// dropped (the proxy will reconnect and get a snapshot).
+    async fn request(&self, req: WorkloadRequest, pod: Option<&LivePod>) -> Result<(), String> {
+        let mut guard = self.conn.lock().await;
+        let Some(conn) = guard.as_ref() else {
+            return Err("no node proxy is connected".into());
+        };
+        let fd = pod.map(|p| p.netns.file().as_fd());
+        let result = self.exchange(conn, &req, fd).await;
+        if let Err(e) = &result {
+            if !e.starts_with("the proxy refused") {
+                warn!(error = %e, "ZDS connection broken; waiting for the proxy to reconnect");
+                *guard = None;
+            }
+        }
+        result
+    }
+
+    /// Tells the proxy to serve a pod.
+    pub async fn add(&self, pod: &LivePod) -> Result<(), String> {
+        self.request(add_request(&pod.record), Some(pod)).await
+    }
+
+    /// Tells the proxy to stop serving a pod.
+    pub async fn del(&self, uid: &str) -> Result<(), String> {
+        let req = WorkloadRequest { payload: Some(Payload::Del(DelWorkload { uid: uid.into() })) };
+        self.request(req, None).await
+    }
+}
+
+fn add_request(r: &super::records::PodRecord) -> WorkloadRequest {
+    WorkloadRequest {
+        payload: Some(Payload::Add(AddWorkload {
+            uid: r.uid.clone(),
+            workload_info: Some(WorkloadInfo {
+                name: r.name.clone(),
+                namespace: r.namespace.clone(),
+                service_account: r.service_account.clone(),
+            }),
+        })),
+    }
+}
+
+/// The cgroup v2 directory of process `pid`.
+fn cgroup_of(pid: i32) -> anyhow::Result<PathBuf> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))?;
+    let rel = text
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .ok_or_else(|| anyhow::anyhow!("process {pid} has no cgroup v2 membership"))?;
+    Ok(crate::datapath::cgroup2_root()?.join(rel.trim_start_matches('/')))
+}
+
+/// Accepts proxies until the agent stops.
+pub fn spawn(agent: Arc<Agent>, listener: Listener) {
+    tokio::spawn(async move {
+        loop {
+            match listener.accept().await {
+                Ok(conn) => {
+                    if let Err(e) = welcome(&agent, conn).await {
+                        warn!(error = %format!("{e:#}"), "a node proxy connected but its session failed");
+                    }
+                }
+                Err(e) => warn!(error = %e, "ZDS accept failed"),
+            }
+        }
+    });
+}
+
+/// Hello, the proxy's cgroup (if so configured), then the snapshot; then the connection is the
+/// one requests go to.
+async fn welcome(agent: &Arc<Agent>, conn: SeqPacket) -> anyhow::Result<()> {
+    let hub = &agent.zds;
+    let (hello, _) = tokio::time::timeout(hub.ack_timeout, conn.recv_msg::<ZdsHello>()).await??;
+    if hello.version != Version::V1 as i32 {
+        anyhow::bail!("the proxy speaks ZDS version {}, not V1", hello.version);
+    }
+    if agent.cfg.proxy_cgroup_from_zds_peer {
+        let pid = conn.peer_pid()?;
+        let cg = cgroup_of(pid)?;
+        agent.with_datapath(|dp| Ok(dp.register_proxy_cgroup(&cg)?))?;
+        info!(pid, cgroup = %cg.display(), "registered the connected proxy's cgroup");
+    }
+    // Holding the connection lock for the whole snapshot: no add or delete interleaves.
+    let mut guard = hub.conn.lock().await;
+    *guard = None;
+    let snapshot: Vec<(super::records::PodRecord, Arc<crate::netns::Netns>)> = agent
+        .pods
+        .lock()
+        .map_err(|_| anyhow::anyhow!("pods lock"))?
+        .values()
+        .map(|p| (p.record.clone(), p.netns.clone()))
+        .collect();
+    for (record, netns) in &snapshot {
+        if let Err(e) = hub.exchange(&conn, &add_request(record), Some(netns.file().as_fd())).await
+        {
+            // A pod the proxy cannot serve stays captured and fails closed; others go on.
+            warn!(pod = %record.uid, error = %e, "the proxy did not take a pod of the snapshot");
+        }
+    }
+    let sent = WorkloadRequest { payload: Some(Payload::SnapshotSent(SnapshotSent {})) };
+    hub.exchange(&conn, &sent, None).await.map_err(anyhow::Error::msg)?;
+    info!(pods = snapshot.len(), "snapshot sent to the node proxy");
+    *guard = Some(conn);
+    Ok(())
+}

@@ -1,0 +1,415 @@
+//! A node as a runtime sees it: a node network namespace with a bridge, the node agent
+//! (`meshpath-loader agent`) and the node proxy (`meshpath-proxy --zds-socket`) running, and
+//! pods created through the real CNI chain — Debian's `loopback`, `bridge` + `host-local` from
+//! /usr/lib/cni, then `meshpath-cni` — invoked exactly as a runtime does (environment
+//! variables, config on stdin, `prevResult` threaded through the chain, DEL in reverse order).
+//! Everything is removed on drop: processes, namespaces, pins, cgroups, files.
+
+use std::{
+    io::Write as _,
+    net::{IpAddr, SocketAddr},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use anyhow::{bail, Context as _, Result};
+use serde_json::{json, Value};
+
+use super::{
+    loader_bin, require_root, sibling_bin, unique, CgroupGuard, NetnsGuard, NodeProxy, PinRoot,
+    TestProxy,
+};
+
+/// Where Debian installs the CNI plugins.
+pub const CNI_PLUGINS: &str = "/usr/lib/cni";
+
+/// What a plugin run printed and how it exited.
+#[derive(Debug, Clone)]
+pub struct PluginRun {
+    pub success: bool,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl PluginRun {
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.stdout).unwrap_or(Value::Null)
+    }
+}
+
+/// Runs one CNI plugin binary as a runtime does, inside `netns_of_runtime` (the node's netns).
+pub fn run_plugin(
+    node: &Path,
+    plugin: &Path,
+    command: &str,
+    conf: &Value,
+    env: &[(&str, &str)],
+) -> Result<PluginRun> {
+    let mut child = Command::new("nsenter")
+        .arg(format!("--net={}", node.display()))
+        .arg(plugin)
+        .env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .env("CNI_COMMAND", command)
+        .env(
+            "CNI_PATH",
+            format!(
+                "{CNI_PLUGINS}:{}",
+                sibling_bin("meshpath-cni")
+                    .parent()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default()
+            ),
+        )
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("running {}", plugin.display()))?;
+    child.stdin.take().context("stdin")?.write_all(conf.to_string().as_bytes())?;
+    let out = child.wait_with_output()?;
+    Ok(PluginRun {
+        success: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    })
+}
+
+/// A pod made through the chain.
+#[derive(Debug)]
+pub struct CniPod {
+    pub name: String,
+    pub container_id: String,
+    pub netns: NetnsGuard,
+    /// The chain's final result (what the runtime caches for DEL).
+    pub result: Value,
+    pub ip: IpAddr,
+}
+
+/// The node.
+#[derive(Debug)]
+pub struct CniNode {
+    pub proxy: Option<TestProxy>,
+    pub agent: Option<TestProxy>,
+    pub node: NetnsGuard,
+    _agent_cgroup: CgroupGuard,
+    pub proxy_cgroup: CgroupGuard,
+    pub root: PinRoot,
+    pub dir: PathBuf,
+    pub network: String,
+    pub subnet: u8,
+}
+
+impl Drop for CniNode {
+    fn drop(&mut self) {
+        self.proxy = None;
+        self.agent = None;
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl CniNode {
+    /// A node whose workloads file is `workloads` (YAML), with agent and proxy running.
+    pub fn start(workloads: &str) -> Result<Self> {
+        let node = Self::bare(workloads)?;
+        let mut node = node;
+        node.start_agent()?;
+        node.start_proxy()?;
+        Ok(node)
+    }
+
+    /// The node with nothing running yet.
+    pub fn bare(workloads: &str) -> Result<Self> {
+        require_root();
+        let dir = std::env::temp_dir().join(unique("meshpath-cni-node-"));
+        std::fs::create_dir_all(dir.join("state"))?;
+        std::fs::write(dir.join("workloads.yaml"), workloads)?;
+        let ca = meshpath_proxy::identity::LocalCa::generate("meshpath test CA")?;
+        let (cert, key) = ca.to_pem();
+        std::fs::write(dir.join("ca.pem"), cert)?;
+        std::fs::write(dir.join("ca-key.pem"), key)?;
+        let node = NetnsGuard::new("mp-cninode")?;
+        Ok(Self {
+            proxy: None,
+            agent: None,
+            node,
+            _agent_cgroup: CgroupGuard::new()?,
+            proxy_cgroup: CgroupGuard::new()?,
+            root: PinRoot::new(),
+            network: unique("mpnet"),
+            subnet: 77,
+            dir,
+        })
+    }
+
+    pub fn cni_socket(&self) -> PathBuf {
+        self.dir.join("cni.sock")
+    }
+
+    pub fn zds_socket(&self) -> PathBuf {
+        self.dir.join("zds.sock")
+    }
+
+    /// Starts (or restarts) the agent; waits until it serves.
+    pub fn start_agent(&mut self) -> Result<()> {
+        self.agent = None;
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net={}", self.node.path().display()))
+            .arg(loader_bin())
+            .arg("--pin-root")
+            .arg(self.root.path())
+            .arg("agent")
+            .arg("--state-dir")
+            .arg(self.dir.join("state"))
+            .arg("--cni-socket")
+            .arg(self.cni_socket())
+            .arg("--zds-socket")
+            .arg(self.zds_socket())
+            .arg("--workloads")
+            .arg(self.dir.join("workloads.yaml"))
+            .arg("--proxy-cgroup-from-zds-peer")
+            .arg("--health-addr")
+            .arg("127.0.0.1:0")
+            .env("RUST_LOG", "info");
+        self.agent = Some(TestProxy::spawn(cmd, &self._agent_cgroup)?);
+        Ok(())
+    }
+
+    /// Starts (or restarts) the proxy; waits until the agent's snapshot is applied.
+    pub fn start_proxy(&mut self) -> Result<()> {
+        self.proxy = None;
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net={}", self.node.path().display()))
+            .arg(sibling_bin("meshpath-proxy"))
+            .arg("--zds-socket")
+            .arg(self.zds_socket())
+            .arg("--workloads")
+            .arg(self.dir.join("workloads.yaml"))
+            .arg("--ca-cert")
+            .arg(self.dir.join("ca.pem"))
+            .arg("--ca-key")
+            .arg(self.dir.join("ca-key.pem"))
+            .arg("--pin-root")
+            .arg(self.root.path())
+            .arg("--refresh-ms")
+            .arg("100")
+            .env("RUST_LOG", "info");
+        let p = TestProxy::spawn(cmd, &self.proxy_cgroup)?;
+        if !p.wait_for_text("snapshot from the node agent applied", Duration::from_secs(10)) {
+            bail!("the proxy did not get the agent's snapshot:\n{}", p.lines().join("\n"));
+        }
+        self.proxy = Some(p);
+        Ok(())
+    }
+
+    /// The chain's configuration list.
+    pub fn conflist(&self, agent_socket: &Path) -> Value {
+        json!({
+            "cniVersion": "1.0.0",
+            "name": self.network,
+            "plugins": [
+                {
+                    "type": "bridge",
+                    "bridge": "mpbr0",
+                    "isGateway": true,
+                    "ipMasq": false,
+                    "ipam": {
+                        "type": "host-local",
+                        "ranges": [[{"subnet": format!("10.{}.0.0/24", self.subnet)}]],
+                        "dataDir": self.dir.join("ipam").display().to_string()
+                    }
+                },
+                {"type": "meshpath-cni", "agentSocket": agent_socket.display().to_string()}
+            ]
+        })
+    }
+
+    fn plugin_path(kind: &str) -> PathBuf {
+        if kind == "meshpath-cni" {
+            sibling_bin("meshpath-cni")
+        } else {
+            Path::new(CNI_PLUGINS).join(kind)
+        }
+    }
+
+    /// Runs the chain's `command` for one pod, as a runtime: each plugin with the list's
+    /// version and name, and (after the first) the previous plugin's result. Stops at the first
+    /// failure and returns it.
+    pub fn run_chain(
+        &self,
+        list: &Value,
+        command: &str,
+        env: &[(&str, &str)],
+        cached: Option<&Value>,
+    ) -> Result<std::result::Result<Value, PluginRun>> {
+        let plugins = list["plugins"].as_array().context("plugins")?.clone();
+        let order: Vec<Value> =
+            if command == "DEL" { plugins.into_iter().rev().collect() } else { plugins };
+        let mut prev = cached.cloned();
+        for p in order {
+            let mut conf = p.clone();
+            conf["cniVersion"] = list["cniVersion"].clone();
+            conf["name"] = list["name"].clone();
+            if let Some(prev) = &prev {
+                conf["prevResult"] = prev.clone();
+            }
+            let kind = p["type"].as_str().context("type")?;
+            let run = run_plugin(
+                self.node.path().as_path(),
+                &Self::plugin_path(kind),
+                command,
+                &conf,
+                env,
+            )?;
+            if !run.success {
+                return Ok(Err(run));
+            }
+            if command == "ADD" {
+                prev = Some(run.json());
+            }
+        }
+        Ok(Ok(prev.unwrap_or(Value::Null)))
+    }
+
+    /// The environment a runtime gives the chain.
+    pub fn env<'a>(
+        container_id: &'a str,
+        netns: &'a str,
+        args: &'a str,
+    ) -> Vec<(&'a str, &'a str)> {
+        vec![
+            ("CNI_CONTAINERID", container_id),
+            ("CNI_NETNS", netns),
+            ("CNI_IFNAME", "eth0"),
+            ("CNI_ARGS", args),
+        ]
+    }
+
+    /// Creates pod `name` (namespace `default`): loopback, then the chain's ADD.
+    pub fn add_pod(&self, name: &str) -> Result<CniPod> {
+        self.add_pod_with(name, &self.conflist(&self.cni_socket()))
+    }
+
+    pub fn add_pod_with(&self, name: &str, list: &Value) -> Result<CniPod> {
+        let netns = NetnsGuard::new("mp-cnipod")?;
+        let container_id = unique("ctr");
+        let path = netns.path().display().to_string();
+        let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name}");
+        let env = Self::env(&container_id, &path, &args);
+        let lo = json!({"cniVersion": "1.0.0", "name": "lo", "type": "loopback"});
+        let run = run_plugin(
+            self.node.path().as_path(),
+            &Self::plugin_path("loopback"),
+            "ADD",
+            &lo,
+            &env,
+        )?;
+        if !run.success {
+            bail!("loopback ADD: {}{}", run.stdout, run.stderr);
+        }
+        match self.run_chain(list, "ADD", &env, None)? {
+            Ok(result) => {
+                let ip = result["ips"][0]["address"]
+                    .as_str()
+                    .and_then(|a| a.split('/').next())
+                    .and_then(|a| a.parse().ok())
+                    .context("no address in the chain's result")?;
+                Ok(CniPod { name: name.into(), container_id, netns, result, ip })
+            }
+            Err(run) => {
+                // As a runtime does after a failed ADD: DEL the whole chain, then drop the netns.
+                let _ = self.run_chain(list, "DEL", &env, None);
+                bail!("ADD failed: {}{}", run.stdout, run.stderr)
+            }
+        }
+    }
+
+    /// The chain's DEL for `pod` (with `netns` as given: runtimes send "" the second time).
+    pub fn del_pod(&self, pod: &CniPod, netns: &str) -> Result<std::result::Result<(), PluginRun>> {
+        let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={}", pod.name);
+        let env = Self::env(&pod.container_id, netns, &args);
+        Ok(self
+            .run_chain(&self.conflist(&self.cni_socket()), "DEL", &env, Some(&pod.result))?
+            .map(drop))
+    }
+
+    /// The chain's CHECK for `pod`.
+    pub fn check_pod(&self, pod: &CniPod) -> Result<std::result::Result<(), PluginRun>> {
+        let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={}", pod.name);
+        let path = pod.netns.path().display().to_string();
+        let env = Self::env(&pod.container_id, &path, &args);
+        Ok(self
+            .run_chain(&self.conflist(&self.cni_socket()), "CHECK", &env, Some(&pod.result))?
+            .map(drop))
+    }
+
+    /// Pods enrolled in this node's datapath (netns cookies).
+    pub fn enrolled(&self) -> Vec<u64> {
+        let Ok(dp) = self.root.datapath() else { return Vec::new() };
+        dp.pods().map(|m| m.keys().flatten().collect()).unwrap_or_default()
+    }
+
+    /// Pod records in the agent's state directory.
+    pub fn records(&self) -> Vec<PathBuf> {
+        std::fs::read_dir(self.dir.join("state/pods"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "json"))
+            .collect()
+    }
+
+    /// The proxy's admin view: uids of the pods it serves.
+    pub fn proxy_pods(&self) -> Result<Vec<String>> {
+        let p = self.proxy.as_ref().context("no proxy")?;
+        let np = NodeProxyView { proxy: p, node: &self.node };
+        let dump = np.config_dump()?;
+        Ok(dump["pods"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p["uid"].as_str().map(str::to_owned))
+            .collect())
+    }
+
+    /// The sum of the proxy's metric `name` over series with `labels`.
+    pub fn proxy_metric(&self, name: &str, labels: &[(&str, &str)]) -> Result<f64> {
+        let p = self.proxy.as_ref().context("no proxy")?;
+        let (status, body) = NodeProxy::http_in(p, &self.node, "STATS", "GET", "/metrics")?;
+        anyhow::ensure!(status == 200, "/metrics answered {status}");
+        Ok(super::sum_metric(&body, name, labels))
+    }
+
+    /// A TCP echo server in `pod` on `port`, until the test ends.
+    pub fn echo_server(&self, pod: &CniPod, port: u16) -> Result<()> {
+        let l = pod.netns.listen(SocketAddr::new(pod.ip, port))?;
+        std::thread::spawn(move || {
+            for c in l.incoming().flatten() {
+                std::thread::spawn(move || {
+                    let mut c = c;
+                    let mut r = c.try_clone()?;
+                    std::io::copy(&mut r, &mut c)
+                });
+            }
+        });
+        Ok(())
+    }
+}
+
+/// Borrowed view to reuse NodeProxy's HTTP helpers on a CniNode's proxy.
+struct NodeProxyView<'a> {
+    proxy: &'a TestProxy,
+    node: &'a NetnsGuard,
+}
+
+impl NodeProxyView<'_> {
+    fn config_dump(&self) -> Result<Value> {
+        let (status, body) =
+            NodeProxy::http_in(self.proxy, self.node, "ADMIN", "GET", "/config_dump")?;
+        anyhow::ensure!(status == 200, "/config_dump answered {status}");
+        Ok(serde_json::from_str(&body)?)
+    }
+}

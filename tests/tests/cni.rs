@@ -1,0 +1,256 @@
+//! The pod lifecycle through the real CNI chain (Debian's loopback, bridge and host-local, then
+//! meshpath-cni) into the node agent, the datapath and the node proxy over ZDS.
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpStream},
+    time::Duration,
+};
+
+use meshpath_tests::cni_node::{run_plugin, CniNode, CniPod};
+use serde_json::json;
+
+/// Pods web and db are meshed; legacy is not in the mesh.
+const WORKLOADS: &str = "workloads:\n\
+- {uid: uid-web, name: web, namespace: default, serviceAccount: web, protocol: HBONE}\n\
+- {uid: uid-db, name: db, namespace: default, serviceAccount: db, protocol: HBONE}\n";
+
+fn connect_from(pod: &CniPod, dst: SocketAddr) -> std::io::Result<TcpStream> {
+    let c = pod
+        .netns
+        .open()
+        .expect("netns")
+        .run(|| TcpStream::connect_timeout(&dst, Duration::from_secs(5)))
+        .expect("netns")?;
+    c.set_read_timeout(Some(Duration::from_secs(10)))?;
+    Ok(c)
+}
+
+fn echo_once(pod: &CniPod, dst: SocketAddr, msg: &[u8]) -> std::io::Result<Vec<u8>> {
+    let mut c = connect_from(pod, dst)?;
+    c.write_all(msg)?;
+    let mut back = vec![0u8; msg.len()];
+    c.read_exact(&mut back)?;
+    Ok(back)
+}
+
+#[test]
+fn a_meshed_pod_is_captured_from_its_first_connection() {
+    let node = CniNode::start(WORKLOADS).expect("node");
+    let db = node.add_pod("db").expect("ADD db");
+    node.echo_server(&db, 8080).expect("echo");
+    // The store learns db's address (as a control plane would) before web exists.
+    let known = WORKLOADS.replace(
+        "serviceAccount: db, protocol: HBONE}",
+        &format!("serviceAccount: db, protocol: HBONE, workloadIps: [{}]}}", db.ip),
+    );
+    std::fs::write(node.dir.join("workloads.yaml"), known).expect("workloads");
+    let proxy = node.proxy.as_ref().expect("proxy");
+    assert!(proxy.wait_for_text("workload store reloaded", Duration::from_secs(10)));
+    let web = node.add_pod("web").expect("ADD web");
+    // The very first thing web does after ADD returned.
+    let back = echo_once(&web, SocketAddr::new(db.ip, 8080), b"first").expect("first connection");
+    assert_eq!(back, b"first");
+    let labels = [
+        ("reporter", "source"),
+        ("source_workload", "web"),
+        ("destination_workload", "db"),
+        ("connection_security_policy", "mutual_tls"),
+    ];
+    let hbone = node.proxy_metric("istio_tcp_connections_opened_total", &labels).expect("metrics");
+    assert_eq!(hbone, 1.0, "the first connection was not carried over HBONE by the proxy");
+    let mut pods = node.proxy_pods().expect("pods");
+    pods.sort();
+    assert_eq!(pods, vec!["uid-db", "uid-web"]);
+}
+
+#[test]
+fn an_unmeshed_pod_passes_through_the_chain_untouched() {
+    let node = CniNode::start(WORKLOADS).expect("node");
+    let legacy = node.add_pod("legacy").expect("ADD legacy");
+    assert!(node.enrolled().is_empty(), "an unmeshed pod was enrolled");
+    assert!(node.records().is_empty());
+    assert!(node.proxy_pods().expect("pods").is_empty());
+    // Its result is the bridge's, unchanged.
+    assert!(
+        legacy.result["interfaces"].as_array().is_some_and(|i| !i.is_empty()),
+        "{}",
+        legacy.result
+    );
+    assert_eq!(
+        node.del_pod(&legacy, &legacy.netns.path().display().to_string())
+            .expect("DEL")
+            .map_err(|r| r.stdout),
+        Ok(())
+    );
+}
+
+#[test]
+fn add_returns_the_main_plugins_result_unchanged() {
+    let node = CniNode::start(WORKLOADS).expect("node");
+    let pod = meshpath_tests::NetnsGuard::new("mp-cnipod").expect("netns");
+    let path = pod.path().display().to_string();
+    let env = CniNode::env(
+        "ctr-same",
+        &path,
+        "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=db",
+    );
+    let list = node.conflist(&node.cni_socket());
+    let with = |p: &serde_json::Value, prev: Option<&serde_json::Value>| {
+        let mut c = p.clone();
+        c["cniVersion"] = list["cniVersion"].clone();
+        c["name"] = list["name"].clone();
+        if let Some(prev) = prev {
+            c["prevResult"] = prev.clone();
+        }
+        c
+    };
+    let bridge = run_plugin(
+        node.node.path().as_path(),
+        std::path::Path::new("/usr/lib/cni/bridge"),
+        "ADD",
+        &with(&list["plugins"][0], None),
+        &env,
+    )
+    .expect("bridge");
+    assert!(bridge.success, "{}", bridge.stdout);
+    let ours = run_plugin(
+        node.node.path().as_path(),
+        &meshpath_tests::sibling_bin("meshpath-cni"),
+        "ADD",
+        &with(&list["plugins"][1], Some(&bridge.json())),
+        &env,
+    )
+    .expect("meshpath-cni");
+    assert!(ours.success, "{}", ours.stdout);
+    assert_eq!(ours.json(), bridge.json());
+    assert_eq!(node.enrolled().len(), 1);
+}
+
+#[test]
+fn check_succeeds_and_del_is_idempotent_even_with_an_empty_netns() {
+    let node = CniNode::start(WORKLOADS).expect("node");
+    let db = node.add_pod("db").expect("ADD");
+    assert_eq!(node.enrolled().len(), 1);
+    assert_eq!(node.check_pod(&db).expect("CHECK").map_err(|r| r.stdout), Ok(()));
+    let path = db.netns.path().display().to_string();
+    assert_eq!(node.del_pod(&db, &path).expect("DEL").map_err(|r| r.stdout), Ok(()));
+    assert_eq!(node.del_pod(&db, "").expect("second DEL").map_err(|r| r.stdout), Ok(()));
+    assert!(node.enrolled().is_empty(), "still enrolled after DEL");
+    assert!(node.records().is_empty(), "a record is left");
+    assert!(node.root.pod_pins().is_empty(), "pins are left: {:?}", node.root.pod_pins());
+    assert!(node.proxy_pods().expect("pods").is_empty(), "the proxy still serves the pod");
+}
+
+#[test]
+fn add_fails_closed_when_the_agent_is_unreachable() {
+    let node = CniNode::start(WORKLOADS).expect("node");
+    let list = node.conflist(&node.dir.join("nobody-listens.sock"));
+    let err = node.add_pod_with("db", &list).expect_err("ADD succeeded without an agent");
+    let msg = err.to_string();
+    assert!(msg.contains("\"code\":11") && msg.contains("meshpath agent not reachable"), "{msg}");
+    assert!(node.enrolled().is_empty());
+}
+
+#[test]
+fn add_fails_and_leaves_nothing_when_no_proxy_is_connected() {
+    let mut node = CniNode::bare(WORKLOADS).expect("node");
+    node.start_agent().expect("agent");
+    let err = node.add_pod("db").expect_err("ADD succeeded with no proxy");
+    let msg = err.to_string();
+    assert!(msg.contains("\"code\":100") && msg.contains("no node proxy is connected"), "{msg}");
+    assert!(node.enrolled().is_empty(), "half-enrolled");
+    assert!(node.records().is_empty(), "a record is left");
+    assert!(node.root.pod_pins().is_empty());
+}
+
+/// meshpath-cni alone, given `conf` and `env`: its exit and its error result.
+fn plugin(
+    node: &CniNode,
+    command: &str,
+    conf: serde_json::Value,
+    env: &[(&str, &str)],
+) -> (bool, serde_json::Value) {
+    let bin = meshpath_tests::sibling_bin("meshpath-cni");
+    let run = run_plugin(node.node.path().as_path(), &bin, command, &conf, env).expect("run");
+    (run.success, run.json())
+}
+
+#[test]
+fn malformed_cni_input_gets_a_precise_error_and_the_spec_error_code() {
+    let node = CniNode::start(WORKLOADS).expect("node");
+    let sock = node.cni_socket().display().to_string();
+    let good = json!({"cniVersion": "1.0.0", "name": "n", "type": "meshpath-cni", "agentSocket": sock,
+        "prevResult": {"cniVersion": "1.0.0", "ips": [{"address": "10.9.0.2/24"}]}});
+    let env = [
+        ("CNI_CONTAINERID", "c1"),
+        ("CNI_NETNS", "/proc/self/ns/net"),
+        ("CNI_IFNAME", "eth0"),
+        ("CNI_ARGS", "K8S_POD_NAMESPACE=default;K8S_POD_NAME=x"),
+    ];
+    // (command, config, environment, expected code, text the message must contain)
+    type Case<'a> = (&'a str, serde_json::Value, Vec<(&'a str, &'a str)>, u64, &'a str);
+    let cases: Vec<Case> = vec![
+        ("ADD", json!("not an object"), env.to_vec(), 4, "network configuration"),
+        (
+            "ADD",
+            json!({"cniVersion": "1.0.0", "name": "n", "type": "meshpath-cni"}),
+            env.to_vec(),
+            4,
+            "prevResult is missing",
+        ),
+        (
+            "ADD",
+            {
+                let mut c = good.clone();
+                c["cniVersion"] = json!("9.9.9");
+                c
+            },
+            env.to_vec(),
+            1,
+            "cniVersion 9.9.9",
+        ),
+        ("ADD", good.clone(), env[1..].to_vec(), 7, "CNI_CONTAINERID is not set"),
+        (
+            "ADD",
+            good.clone(),
+            vec![env[0], env[1], env[2], ("CNI_ARGS", "K8S_POD_NAMESPACE=default")],
+            7,
+            "K8S_POD_NAME",
+        ),
+        (
+            "ADD",
+            good.clone(),
+            vec![env[0], env[1], env[2], ("CNI_ARGS", "garbage")],
+            7,
+            "not KEY=VALUE",
+        ),
+        (
+            "ADD",
+            {
+                let mut c = good.clone();
+                c["prevResult"]["ips"][0]["address"] = json!("nope");
+                c
+            },
+            env.to_vec(),
+            4,
+            "is not IP/LEN",
+        ),
+        ("FROB", good.clone(), env.to_vec(), 7, "CNI_COMMAND \"FROB\""),
+    ];
+    for (cmd, conf, env, code, text) in cases {
+        let (ok, out) = plugin(&node, cmd, conf.clone(), &env);
+        assert!(!ok, "{cmd} {conf} succeeded");
+        assert_eq!(out["code"].as_u64(), Some(code), "{cmd} {conf}: {out}");
+        assert!(
+            out["msg"].as_str().is_some_and(|m| m.contains(text)),
+            "{cmd} {conf}: {out} lacks {text:?}"
+        );
+    }
+    assert!(node.enrolled().is_empty(), "bad input enrolled something");
+    let (ok, out) = plugin(&node, "VERSION", json!({"cniVersion": "1.0.0"}), &[]);
+    assert!(
+        ok && out["supportedVersions"].as_array().is_some_and(|v| v.contains(&json!("1.0.0"))),
+        "{out}"
+    );
+}

@@ -1,0 +1,142 @@
+//! The messages of `zds.proto` (package `istio.workload.zds`), with Istio's field numbers.
+
+/// Protocol version.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, prost::Enumeration)]
+#[repr(i32)]
+pub enum Version {
+    NotUsed = 0,
+    V1 = 1,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ZdsHello {
+    #[prost(enumeration = "Version", tag = "1")]
+    pub version: i32,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct WorkloadInfo {
+    #[prost(string, tag = "1")]
+    pub name: String,
+    #[prost(string, tag = "2")]
+    pub namespace: String,
+    #[prost(string, tag = "3")]
+    pub service_account: String,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct AddWorkload {
+    #[prost(string, tag = "1")]
+    pub uid: String,
+    #[prost(message, optional, tag = "2")]
+    pub workload_info: Option<WorkloadInfo>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct KeepWorkload {
+    #[prost(string, tag = "1")]
+    pub uid: String,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct DelWorkload {
+    #[prost(string, tag = "2")]
+    pub uid: String,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SnapshotSent {}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Ack {
+    #[prost(string, tag = "1")]
+    pub error: String,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct WorkloadRequest {
+    #[prost(oneof = "workload_request::Payload", tags = "1, 5, 2, 3")]
+    pub payload: Option<workload_request::Payload>,
+}
+
+pub mod workload_request {
+    #[derive(Clone, PartialEq, prost::Oneof)]
+    pub enum Payload {
+        #[prost(message, tag = "1")]
+        Add(super::AddWorkload),
+        #[prost(message, tag = "5")]
+        Keep(super::KeepWorkload),
+        #[prost(message, tag = "2")]
+        Del(super::DelWorkload),
+        #[prost(message, tag = "3")]
+        SnapshotSent(super::SnapshotSent),
+    }
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct WorkloadResponse {
+    #[prost(oneof = "workload_response::Payload", tags = "1")]
+    pub payload: Option<workload_response::Payload>,
+}
+
+pub mod workload_response {
+    #[derive(Clone, PartialEq, prost::Oneof)]
+    pub enum Payload {
+        #[prost(message, tag = "1")]
+        Ack(super::Ack),
+    }
+}
+
+impl WorkloadResponse {
+    /// An ack: success, or the error text.
+    pub fn ack(result: Result<(), String>) -> Self {
+        Self {
+            payload: Some(workload_response::Payload::Ack(Ack {
+                error: result.err().unwrap_or_default(),
+            })),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prost::Message as _;
+
+    use super::*;
+
+    #[test]
+    fn field_numbers_are_istios() {
+        // DelWorkload{uid: "u"} is field 2 of the request, its uid field 2: 0x12 len 0x12 len "u".
+        let del = WorkloadRequest {
+            payload: Some(workload_request::Payload::Del(DelWorkload { uid: "u".into() })),
+        };
+        assert_eq!(del.encode_to_vec(), vec![0x12, 0x03, 0x12, 0x01, b'u']);
+        // KeepWorkload is field 5 of the request, its uid field 1.
+        let keep = WorkloadRequest {
+            payload: Some(workload_request::Payload::Keep(KeepWorkload { uid: "u".into() })),
+        };
+        assert_eq!(keep.encode_to_vec(), vec![0x2a, 0x03, 0x0a, 0x01, b'u']);
+        // SnapshotSent is field 3, empty.
+        let snap = WorkloadRequest {
+            payload: Some(workload_request::Payload::SnapshotSent(SnapshotSent {})),
+        };
+        assert_eq!(snap.encode_to_vec(), vec![0x1a, 0x00]);
+        assert_eq!(ZdsHello { version: Version::V1 as i32 }.encode_to_vec(), vec![0x08, 0x01]);
+    }
+
+    #[test]
+    fn an_add_round_trips() {
+        let add = WorkloadRequest {
+            payload: Some(workload_request::Payload::Add(AddWorkload {
+                uid: "pod-uid".into(),
+                workload_info: Some(WorkloadInfo {
+                    name: "web-0".into(),
+                    namespace: "prod".into(),
+                    service_account: "web".into(),
+                }),
+            })),
+        };
+        let back = WorkloadRequest::decode(add.encode_to_vec().as_slice()).expect("decode");
+        assert_eq!(back, add);
+    }
+}

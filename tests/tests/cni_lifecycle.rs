@@ -1,0 +1,224 @@
+//! The node under stress and failure: the proxy or the agent killed (SIGKILL) mid-flight,
+//! concurrent ADDs interrupted by an agent crash, and a hundred pods added and removed at once.
+//! Whatever happens: traffic is refused rather than carried outside the mesh, every ADD either
+//! fully succeeded or failed cleanly, and nothing is left behind once the pods are gone.
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpStream},
+    sync::Arc,
+    time::Duration,
+};
+
+use meshpath_tests::cni_node::{CniNode, CniPod};
+
+fn workloads(n: usize) -> String {
+    let mut s = String::from("workloads:\n");
+    for i in 0..n {
+        s.push_str(&format!(
+            "- {{uid: uid-p{i}, name: p{i}, namespace: default, serviceAccount: sa{i}, protocol: HBONE}}\n"
+        ));
+    }
+    s
+}
+
+fn connect_from(pod: &CniPod, dst: SocketAddr) -> std::io::Result<TcpStream> {
+    let c = pod
+        .netns
+        .open()
+        .expect("netns")
+        .run(|| TcpStream::connect_timeout(&dst, Duration::from_secs(5)))
+        .expect("netns")?;
+    c.set_read_timeout(Some(Duration::from_secs(10)))?;
+    Ok(c)
+}
+
+/// Meshed pods p0 → p1 (p1 known to the store with its address), an echo server in p1.
+fn two_pods(node: &CniNode) -> (CniPod, CniPod) {
+    let p1 = node.add_pod("p1").expect("ADD p1");
+    let known = workloads(2).replace(
+        "serviceAccount: sa1, protocol: HBONE}",
+        &format!("serviceAccount: sa1, protocol: HBONE, workloadIps: [{}]}}", p1.ip),
+    );
+    std::fs::write(node.dir.join("workloads.yaml"), known).expect("workloads");
+    let proxy = node.proxy.as_ref().expect("proxy");
+    assert!(proxy.wait_for_text("workload store reloaded", Duration::from_secs(10)));
+    node.echo_server(&p1, 8080).expect("echo");
+    let p0 = node.add_pod("p0").expect("ADD p0");
+    (p0, p1)
+}
+
+#[test]
+fn a_proxy_killed_mid_transfer_fails_the_connection_and_nothing_bypasses_it() {
+    let mut node = CniNode::start(&workloads(2)).expect("node");
+    let (p0, p1) = two_pods(&node);
+    let dst = SocketAddr::new(p1.ip, 8080);
+    let mut conn = connect_from(&p0, dst).expect("connect");
+    conn.write_all(b"before").expect("send");
+    let mut buf = [0u8; 6];
+    conn.read_exact(&mut buf).expect("echo");
+    node.proxy.as_ref().expect("proxy").signal(libc::SIGKILL).expect("kill -9");
+    assert!(node.proxy.as_mut().expect("proxy").wait_exit(Duration::from_secs(10)));
+    // The open connection fails...
+    let mut failed = false;
+    for _ in 0..50 {
+        if conn.write_all(&[0u8; 1024]).is_err() || conn.read(&mut buf).map_or(true, |n| n == 0) {
+            failed = true;
+            break;
+        }
+    }
+    assert!(failed, "the connection outlived its proxy");
+    // ...and new ones are refused, not carried in plaintext around the mesh.
+    let refused = connect_from(&p0, dst).expect_err("connected with no proxy");
+    assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused);
+    // A new proxy gets the snapshot and serves again.
+    node.start_proxy().expect("proxy restarted");
+    let mut c = connect_from(&p0, dst).expect("connect after restart");
+    c.write_all(b"after").expect("send");
+    let mut back = [0u8; 5];
+    c.read_exact(&mut back).expect("echo after restart");
+    assert_eq!(&back, b"after");
+    let mut pods = node.proxy_pods().expect("pods");
+    pods.sort();
+    assert_eq!(pods, vec!["uid-p0", "uid-p1"], "the new proxy did not get every pod");
+}
+
+#[test]
+fn an_agent_restart_keeps_traffic_flowing_and_removes_pods_that_vanished_meanwhile() {
+    let mut node = CniNode::start(&workloads(3)).expect("node");
+    let (p0, p1) = two_pods(&node);
+    let p2 = node.add_pod("p2").expect("ADD p2");
+    let dst = SocketAddr::new(p1.ip, 8080);
+    let mut conn = connect_from(&p0, dst).expect("connect");
+    node.agent.as_ref().expect("agent").signal(libc::SIGKILL).expect("kill -9 agent");
+    assert!(node.agent.as_mut().expect("agent").wait_exit(Duration::from_secs(10)));
+    // While the agent is down: the open connection still works, p2's netns is deleted.
+    conn.write_all(b"agentless").expect("send");
+    let mut back = [0u8; 9];
+    conn.read_exact(&mut back).expect("echo without the agent");
+    p2.netns.delete().expect("delete p2's netns");
+    node.start_agent().expect("agent restarted");
+    // The proxy reconnects and gets a snapshot without p2.
+    let proxy = node.proxy.as_ref().expect("proxy");
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let mut pods = Vec::new();
+    while std::time::Instant::now() < deadline {
+        pods = node.proxy_pods().expect("pods");
+        pods.sort();
+        if pods == ["uid-p0", "uid-p1"] {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(pods, vec!["uid-p0", "uid-p1"], "{}", proxy.lines().join("\n"));
+    assert_eq!(node.enrolled().len(), 2, "the vanished pod is still enrolled");
+    assert_eq!(node.records().len(), 2, "the vanished pod's record is left");
+    conn.write_all(b"agentback").expect("send");
+    conn.read_exact(&mut back).expect("echo after the agent came back");
+}
+
+#[test]
+fn an_agent_killed_during_concurrent_adds_leaves_every_pod_added_or_cleanly_refused() {
+    const N: usize = 50;
+    let mut node = CniNode::start(&workloads(N)).expect("node");
+    let shared = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let results: Vec<_> = std::thread::scope(|s| {
+        let node = &node;
+        let handles: Vec<_> = (0..N)
+            .map(|i| {
+                let shared = shared.clone();
+                s.spawn(move || {
+                    let r = node.add_pod(&format!("p{i}"));
+                    if let Ok(pod) = &r {
+                        shared
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .push(pod.container_id.clone());
+                    }
+                    r
+                })
+            })
+            .collect();
+        // Kill the agent while the ADDs are in flight: once a few have succeeded.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while shared.lock().unwrap_or_else(|p| p.into_inner()).len() < 10
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let _ = node.agent.as_ref().expect("agent").signal(libc::SIGKILL);
+        handles.into_iter().map(|h| h.join().expect("thread")).collect()
+    });
+    let added: Vec<CniPod> = results.into_iter().filter_map(Result::ok).collect();
+    eprintln!("{} of {N} ADDs succeeded before the agent was killed", added.len());
+    assert!(
+        (10..N).contains(&added.len()),
+        "the kill did not land among the ADDs: the test interrupted nothing"
+    );
+    node.start_agent().expect("agent restarted");
+    // Reconcile: exactly the pods whose ADD succeeded are enrolled, recorded and served.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while std::time::Instant::now() < deadline
+        && node.proxy_pods().map(|p| p.len()).unwrap_or(0) != added.len()
+    {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(node.enrolled().len(), added.len(), "enrolled pods ≠ successful ADDs");
+    assert_eq!(node.records().len(), added.len(), "records ≠ successful ADDs");
+    assert_eq!(
+        node.proxy_pods().expect("pods").len(),
+        added.len(),
+        "served pods ≠ successful ADDs"
+    );
+    for pod in &added {
+        assert_eq!(node.check_pod(pod).expect("CHECK").map_err(|r| r.stdout), Ok(()));
+        node.del_pod(pod, &pod.netns.path().display().to_string()).expect("DEL").expect("DEL ok");
+    }
+    assert!(
+        node.enrolled().is_empty() && node.records().is_empty() && node.root.pod_pins().is_empty()
+    );
+}
+
+#[test]
+fn a_hundred_pods_added_and_removed_concurrently_leave_nothing_behind() {
+    const N: usize = 100;
+    let node = CniNode::start(&workloads(N)).expect("node");
+    let proxy_fds = || {
+        std::fs::read_dir(format!("/proc/{}/fd", node.proxy.as_ref().expect("proxy").pid()))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+    let baseline = proxy_fds();
+    let pods: Vec<CniPod> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..N)
+            .map(|i| {
+                s.spawn({
+                    let node = &node;
+                    move || node.add_pod(&format!("p{i}"))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("thread").expect("ADD")).collect()
+    });
+    assert_eq!(node.enrolled().len(), N);
+    assert_eq!(node.proxy_pods().expect("pods").len(), N);
+    std::thread::scope(|s| {
+        for pod in &pods {
+            let node = &node;
+            s.spawn(move || {
+                node.del_pod(pod, &pod.netns.path().display().to_string())
+                    .expect("DEL")
+                    .expect("DEL ok");
+            });
+        }
+    });
+    assert!(node.enrolled().is_empty(), "map entries left");
+    assert!(node.root.pod_pins().is_empty(), "pins left");
+    assert!(node.records().is_empty(), "records left");
+    assert!(node.proxy_pods().expect("pods").is_empty(), "listeners left");
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while proxy_fds() > baseline && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(proxy_fds() <= baseline, "the proxy holds {} fds, {baseline} before", proxy_fds());
+}

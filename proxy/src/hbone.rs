@@ -4,6 +4,7 @@
 
 use std::{future::poll_fn, io, net::SocketAddr, sync::Arc};
 
+use crate::metrics::Meter;
 use bytes::{Bytes, BytesMut};
 use h2::{RecvStream, SendStream};
 use tokio::{
@@ -167,6 +168,7 @@ pub async fn connect(
 pub async fn copy_to_h2(
     mut from: impl AsyncRead + Unpin,
     mut to: SendStream<Bytes>,
+    meter: &Meter,
 ) -> io::Result<u64> {
     let mut buf = BytesMut::with_capacity(64 * 1024);
     let mut total = 0u64;
@@ -178,6 +180,7 @@ pub async fn copy_to_h2(
             return Ok(total);
         }
         total += n as u64;
+        meter.add(n as u64);
         let mut data = buf.split().freeze();
         while !data.is_empty() {
             to.reserve_capacity(data.len());
@@ -196,6 +199,7 @@ pub async fn copy_to_h2(
 pub async fn copy_from_h2(
     mut from: RecvStream,
     mut to: impl AsyncWrite + Unpin,
+    meter: &Meter,
 ) -> io::Result<u64> {
     let mut total = 0u64;
     while let Some(chunk) = from.data().await {
@@ -203,19 +207,51 @@ pub async fn copy_from_h2(
         let _ = from.flow_control().release_capacity(chunk.len());
         total += chunk.len() as u64;
         to.write_all(&chunk).await?;
+        meter.add(chunk.len() as u64);
     }
     to.shutdown().await?;
     Ok(total)
 }
 
-/// Carries `tcp` over the HTTP/2 stream both ways until both directions end. Returns the bytes
-/// (tcp → stream, stream → tcp).
+/// Carries `tcp` over the HTTP/2 stream both ways until both directions end, counting bytes
+/// tcp → stream on `out` and stream → tcp on `back` as they move. Returns the totals.
 pub async fn splice(
     tcp: TcpStream,
     send: SendStream<Bytes>,
     recv: RecvStream,
+    (out, back): (&Meter, &Meter),
 ) -> io::Result<(u64, u64)> {
     let (r, w) = tcp.into_split();
-    let (up, down) = tokio::join!(copy_to_h2(r, send), copy_from_h2(recv, w));
+    let (up, down) = tokio::join!(copy_to_h2(r, send, out), copy_from_h2(recv, w, back));
     Ok((up?, down?))
+}
+
+/// Plain TCP both ways (passthrough, inbound plaintext), counting like `splice`.
+pub async fn relay(
+    a: TcpStream,
+    b: TcpStream,
+    (a_to_b, b_to_a): (&Meter, &Meter),
+) -> io::Result<(u64, u64)> {
+    async fn copy(
+        mut from: impl AsyncRead + Unpin,
+        mut to: impl AsyncWrite + Unpin,
+        meter: &Meter,
+    ) -> io::Result<u64> {
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut total = 0u64;
+        loop {
+            let n = from.read(&mut buf).await?;
+            if n == 0 {
+                to.shutdown().await?;
+                return Ok(total);
+            }
+            to.write_all(&buf[..n]).await?;
+            total += n as u64;
+            meter.add(n as u64);
+        }
+    }
+    let (ar, aw) = a.into_split();
+    let (br, bw) = b.into_split();
+    let (x, y) = tokio::join!(copy(ar, bw, a_to_b), copy(br, aw, b_to_a));
+    Ok((x?, y?))
 }

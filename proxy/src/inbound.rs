@@ -182,22 +182,23 @@ async fn serve_stream(
         Ok(Err(e)) => {
             proxy.metrics.error(Direction::Inbound, "upstream_refused");
             warn!(%target, error = %e, "app unreachable: 503");
-            guard.finish(0, 0, Some(&e.to_string()));
+            guard.finish(Some(&e.to_string()));
             return reply(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
         }
         Err(_) => {
             proxy.metrics.error(Direction::Inbound, "upstream_timeout");
-            guard.finish(0, 0, Some("connect timed out"));
+            guard.finish(Some("connect timed out"));
             return reply(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
         }
     };
     let resp =
         http::Response::builder().status(StatusCode::OK).body(()).map_err(io::Error::other)?;
     let send = respond.send_response(resp, false).map_err(io::Error::other)?;
-    match hbone::splice(app, send, req.into_body()).await {
-        Ok((down, up)) => guard.finish(up, down, None),
+    // The app's bytes go towards the client; the stream's come from it.
+    match hbone::splice(app, send, req.into_body(), (&guard.to_client, &guard.from_client)).await {
+        Ok(_) => guard.finish(None),
         Err(e) => {
-            guard.finish(0, 0, Some(&e.to_string()));
+            guard.finish(Some(&e.to_string()));
             return Err(e);
         }
     }

@@ -36,7 +36,7 @@ pub fn start(pod: Arc<Pod>, pin_root: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn handle(mut conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<()> {
+async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<()> {
     let proxy = &pod.proxy;
     let peer = SocketAddr::new(crate::inbound::canonical(peer.ip()), peer.port());
     // sk_lookup does not rewrite: the original destination is the accepted socket's address
@@ -65,17 +65,17 @@ async fn handle(mut conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Res
         dst_service: None,
     };
     let guard = ConnGuard::open(&proxy.metrics, info);
-    let mut app = match pod.sockets.socket(dst)?.connect(dst).await {
+    let app = match pod.sockets.socket(dst)?.connect(dst).await {
         Ok(a) => a,
         Err(e) => {
             proxy.metrics.error(Direction::Inbound, "upstream_refused");
-            guard.finish(0, 0, Some(&e.to_string()));
+            guard.finish(Some(&e.to_string()));
             return Err(anyhow::Error::new(e).context(format!("connecting to {dst}")));
         }
     };
-    match tokio::io::copy_bidirectional(&mut conn, &mut app).await {
-        Ok((up, down)) => guard.finish(up, down, None),
-        Err(e) => guard.finish(0, 0, Some(&e.to_string())),
+    match crate::hbone::relay(conn, app, (&guard.from_client, &guard.to_client)).await {
+        Ok(_) => guard.finish(None),
+        Err(e) => guard.finish(Some(&e.to_string())),
     }
     Ok(())
 }

@@ -4,7 +4,15 @@
 //! `istio_tcp_sent_bytes_total` counts bytes sent towards the client (the response direction),
 //! `istio_tcp_received_bytes_total` bytes received from it, as Istio defines them.
 
-use std::{fmt::Write as _, net::SocketAddr, sync::Mutex, time::Instant};
+use std::{
+    fmt::Write as _,
+    net::SocketAddr,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Mutex,
+    },
+    time::Instant,
+};
 
 use prometheus_client::{
     encoding::{text::encode, EncodeLabelSet},
@@ -229,9 +237,33 @@ impl ConnInfo {
     }
 }
 
-/// One connection's telemetry: counted open on creation, closed (with bytes, and the access
-/// log line) by `finish` — or, if dropped unfinished (its pod removed, the proxy stopping), as
-/// closed with the error "cancelled".
+/// Bytes moving one way: counted as they move (the metric rises during the connection).
+#[derive(Debug)]
+pub struct Meter {
+    total: AtomicU64,
+    metric: Counter,
+}
+
+impl Meter {
+    fn new(metric: Counter) -> Self {
+        Self { total: AtomicU64::new(0), metric }
+    }
+
+    /// Records `n` bytes moved.
+    pub fn add(&self, n: u64) {
+        self.total.fetch_add(n, Ordering::Relaxed);
+        self.metric.inc_by(n);
+    }
+
+    /// Bytes so far.
+    pub fn get(&self) -> u64 {
+        self.total.load(Ordering::Relaxed)
+    }
+}
+
+/// One connection's telemetry: counted open on creation, its bytes as they move (`from_client`,
+/// `to_client`), closed (with the access-log line) by `finish` — or, if dropped unfinished (its
+/// pod removed, the proxy stopping), as closed with the error "cancelled".
 #[derive(Debug)]
 pub struct ConnGuard<'a> {
     metrics: &'a Metrics,
@@ -239,6 +271,10 @@ pub struct ConnGuard<'a> {
     labels: ConnLabels,
     start: Instant,
     done: bool,
+    /// Bytes from the client (Istio's "received").
+    pub from_client: Meter,
+    /// Bytes towards the client (Istio's "sent").
+    pub to_client: Meter,
 }
 
 impl<'a> ConnGuard<'a> {
@@ -246,20 +282,21 @@ impl<'a> ConnGuard<'a> {
         let labels = info.labels();
         metrics.opened.get_or_create(&labels).inc();
         metrics.active.inc();
-        Self { metrics, info, labels, start: Instant::now(), done: false }
+        let from_client = Meter::new(metrics.received.get_or_create(&labels).clone());
+        let to_client = Meter::new(metrics.sent.get_or_create(&labels).clone());
+        Self { metrics, info, labels, start: Instant::now(), done: false, from_client, to_client }
     }
 
-    /// Records the end: `up` bytes from the client, `down` towards it.
-    pub fn finish(mut self, up: u64, down: u64, error: Option<&str>) {
-        self.record(up, down, error);
+    /// Records the end, with the error that ended it, if any.
+    pub fn finish(mut self, error: Option<&str>) {
+        self.record(error);
     }
 
-    fn record(&mut self, up: u64, down: u64, error: Option<&str>) {
+    fn record(&mut self, error: Option<&str>) {
         self.done = true;
+        let (up, down) = (self.from_client.get(), self.to_client.get());
         let m = self.metrics;
         m.closed.get_or_create(&self.labels).inc();
-        m.received.get_or_create(&self.labels).inc_by(up);
-        m.sent.get_or_create(&self.labels).inc_by(down);
         if error.is_some() {
             m.failed.get_or_create(&self.labels).inc();
         }
@@ -291,7 +328,7 @@ impl<'a> ConnGuard<'a> {
 impl Drop for ConnGuard<'_> {
     fn drop(&mut self) {
         if !self.done {
-            self.record(0, 0, Some("cancelled"));
+            self.record(Some("cancelled"));
         }
     }
 }

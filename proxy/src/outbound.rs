@@ -20,7 +20,7 @@ use crate::{
     config::{Protocol, Workload, WorkloadStore},
     hbone::{self, StreamHeaders},
     inpod::Pod,
-    metrics::{ConnGuard, ConnInfo, Direction},
+    metrics::{ConnGuard, ConnInfo, Direction, Meter},
     pool::PoolKey,
     tls,
 };
@@ -114,16 +114,16 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
         dst_service: target.service.clone(),
     };
     let guard = ConnGuard::open(&proxy.metrics, info);
+    let meters = (&guard.from_client, &guard.to_client);
     let result = if hbone {
-        via_hbone(conn, peer, pod, &target).await
+        via_hbone(conn, peer, pod, &target, meters).await
     } else {
-        passthrough(conn, pod, target.addr).await
+        passthrough(conn, pod, target.addr, meters).await
     };
     match result {
-        Ok((up, down)) => guard.finish(up, down, None),
+        Ok(()) => guard.finish(None),
         Err(e) => {
-            let msg = format!("{e:#}");
-            guard.finish(0, 0, Some(&msg));
+            guard.finish(Some(&format!("{e:#}")));
             return Err(e);
         }
     }
@@ -135,7 +135,8 @@ async fn via_hbone(
     peer: SocketAddr,
     pod: &Pod,
     target: &Target,
-) -> anyhow::Result<(u64, u64)> {
+    meters: (&Meter, &Meter),
+) -> anyhow::Result<()> {
     let proxy = &pod.proxy;
     let dst = target.workload.as_ref().context("HBONE needs a destination workload")?;
     let gateway = SocketAddr::new(target.addr.ip(), ports::HBONE);
@@ -181,17 +182,19 @@ async fn via_hbone(
             return Err(e.into());
         }
     };
-    Ok(hbone::splice(conn, send, recv).await?)
+    hbone::splice(conn, send, recv, meters).await?;
+    Ok(())
 }
 
 async fn passthrough(
-    mut conn: TcpStream,
+    conn: TcpStream,
     pod: &Pod,
     dst: SocketAddr,
-) -> anyhow::Result<(u64, u64)> {
+    meters: (&Meter, &Meter),
+) -> anyhow::Result<()> {
     let proxy = &pod.proxy;
     let connect = pod.sockets.socket(dst)?.connect(dst);
-    let mut upstream = match tokio::time::timeout(proxy.settings.connect_timeout, connect).await {
+    let upstream = match tokio::time::timeout(proxy.settings.connect_timeout, connect).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
             proxy.metrics.error(Direction::Outbound, "upstream_refused");
@@ -202,7 +205,8 @@ async fn passthrough(
             anyhow::bail!("connecting to {dst}: timed out");
         }
     };
-    Ok(tokio::io::copy_bidirectional(&mut conn, &mut upstream).await?)
+    hbone::relay(conn, upstream, meters).await?;
+    Ok(())
 }
 
 /// The original destination, asked as under iptables: SOL_IP/SO_ORIGINAL_DST for an IPv4

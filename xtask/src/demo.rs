@@ -1,163 +1,97 @@
-//! `cargo xtask demo`: a local node in network namespaces, its pods' traffic steered by
-//! meshpath's eBPF capture (no netfilter rule) into the node's HBONE proxy and carried between
-//! pods over HTTP/2 CONNECT with mutual TLS and SPIFFE identities.
+//! `cargo xtask demo`: two local nodes in network namespaces, run the way a real node runs
+//! meshpath.
 //!
-//! A node namespace holds a bridge; two pod namespaces hang off it by veth; both pods are
-//! enrolled with `meshpath-loader` (outbound and inbound capture); one `meshpath-proxy` serves
-//! both pods, in a cgroup registered as the proxy's, with certificates minted from a CA made for
-//! the run; iperf3 runs from pod-a to pod-b; what the proxy carried (identities, bytes) and the
-//! per-pod counters are printed; everything is removed on exit, on error and on Ctrl-C.
+//! Each node namespace gets the node agent (`meshpath-loader agent`: its own datapath, which it
+//! loads and pins) and the node proxy (`meshpath-proxy --zds-socket`, in a cgroup of its own
+//! that the agent registers as the proxy's when it connects over ZDS). The agent installs
+//! `meshpath-cni` into the node's CNI directories and appends it to the node's bridge
+//! configuration list. Pods are then created through that real CNI chain — Debian's loopback,
+//! bridge and host-local, then meshpath-cni — invoked as a runtime invokes it. The nodes are
+//! joined by a veth link with routes between their pod subnets.
+//!
+//! Traffic: iperf3 from `sleep` (node 1) to `httpbin` (node 2), captured by eBPF and carried
+//! over HBONE with mutual TLS between the two proxies; `sleep` to `legacy` (node 2, not in the
+//! mesh) by plain passthrough; and a connection to a port that policy denies. A summary from
+//! both proxies' /metrics follows. Everything is removed on exit, on error and on Ctrl-C;
+//! `--keep` leaves it running (until Ctrl-C) with the commands to look around.
 
 use std::{
     fs,
-    io::{BufRead as _, BufReader},
+    io::{Read as _, Write as _},
+    net::{Ipv4Addr, SocketAddr, TcpStream},
     os::{fd::AsRawFd as _, unix::process::CommandExt as _},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::{
         atomic::{AtomicBool, Ordering},
-        Arc, Mutex,
+        Arc,
     },
+    time::Duration,
 };
 
 use anyhow::{bail, Context as _, Result};
+use serde_json::{json, Value};
 
-const BRIDGE: &str = "br0";
-const NODE_IP: &str = "10.244.0.1/24";
-/// (pod, address, enrolment flags)
-/// (pod, address, service account)
-const PODS: [(&str, &str, &str); 2] =
-    [("pod-a", "10.244.0.10", "sleep"), ("pod-b", "10.244.0.11", "httpbin")];
+/// The pods: (name, node, service account, meshed).
+const PODS: [(&str, usize, &str, bool); 3] =
+    [("sleep", 1, "sleep", true), ("httpbin", 2, "httpbin", true), ("legacy", 2, "legacy", false)];
+/// The port policy denies on httpbin.
+const DENIED_PORT: u16 = 9090;
 
-/// Everything the demo created, removed on drop in reverse order.
-struct Node {
-    tag: String,
+/// One node's pieces.
+struct NodeDirs {
+    n: usize,
+    dir: PathBuf,
     pin_root: PathBuf,
+    cgroup: PathBuf,
+}
+
+impl NodeDirs {
+    fn ns(&self, tag: &str) -> String {
+        format!("mp-demo-node{}-{tag}", self.n)
+    }
+    fn subnet(&self) -> String {
+        format!("10.244.{}.0/24", self.n)
+    }
+    fn bin(&self) -> PathBuf {
+        self.dir.join("cni/bin")
+    }
+    fn conf(&self) -> PathBuf {
+        self.dir.join("cni/net.d")
+    }
+}
+
+/// Everything the demo made, removed on drop.
+struct Demo {
+    tag: String,
     bin_dir: PathBuf,
-    namespaces: Vec<String>,
-    enrolled: Vec<String>,
-    cgroup: Option<PathBuf>,
-    proxies: Vec<Child>,
-    /// CA and workload files for the run.
     files: PathBuf,
+    nodes: Vec<NodeDirs>,
+    namespaces: Vec<String>,
+    children: Vec<Child>,
 }
 
-impl Node {
-    fn ns(&self, short: &str) -> String {
-        format!("{short}-{}", self.tag)
-    }
-
-    fn netns_path(&self, short: &str) -> String {
-        format!("/var/run/netns/{}", self.ns(short))
-    }
-
-    fn add_netns(&mut self, short: &str) -> Result<()> {
-        let name = self.ns(short);
-        sh("ip", &["netns", "add", &name])?;
-        self.namespaces.push(name.clone());
-        sh("ip", &["-n", &name, "link", "set", "lo", "up"])
-    }
-
-    fn loader(&self, args: &[&str]) -> Result<String> {
-        let out = Command::new(self.bin_dir.join("meshpath-loader"))
-            .arg("--pin-root")
-            .arg(&self.pin_root)
-            .args(args)
-            .output()
-            .context("running meshpath-loader")?;
-        if !out.status.success() {
-            bail!(
-                "meshpath-loader {}: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    }
-
-    /// Starts the node's `meshpath-proxy` for every pod, in the proxy cgroup; the connections
-    /// it reports carrying are collected in `seen`.
-    fn start_proxy(&mut self, seen: Arc<Mutex<Vec<String>>>) -> Result<()> {
-        let cgroup = self.cgroup.as_ref().context("no proxy cgroup")?;
-        let procs = fs::OpenOptions::new()
-            .write(true)
-            .open(cgroup.join("cgroup.procs"))
-            .context("cgroup.procs")?;
-        let fd = procs.as_raw_fd();
-        let mut cmd = Command::new(self.bin_dir.join("meshpath-proxy"));
-        cmd.arg("--workloads").arg(self.files.join("workloads.yaml"));
-        cmd.arg("--ca-cert").arg(self.files.join("ca.pem"));
-        cmd.arg("--ca-key").arg(self.files.join("ca-key.pem"));
-        cmd.arg("--pin-root").arg(&self.pin_root);
-        for (pod, _, _) in PODS {
-            cmd.arg("--pod").arg(format!("{pod}={}", self.netns_path(pod)));
-        }
-        cmd.env("RUST_LOG", "info").stdout(Stdio::piped()).stderr(Stdio::piped());
-        // The tests crate has the same helper (TestProxy::spawn); xtask cannot depend on it: it
-        // must build before the eBPF toolchain exists.
-        // SAFETY: only write(2) between fork and exec, on an fd open until spawn returns.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let mut child = cmd.spawn().context("starting meshpath-proxy")?;
-        drop(procs);
-        let stdout = child.stdout.take().context("proxy stdout")?;
-        let stderr = child.stderr.take().context("proxy stderr")?;
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if line.contains("hbone connection closed") {
-                    if let Ok(mut s) = seen.lock() {
-                        // Drop the timestamp and target: keep the message and its fields.
-                        let msg = line.split_once("closed").map_or(line.as_str(), |(_, rest)| rest);
-                        let kind = if line.contains("inbound") { "inbound " } else { "outbound" };
-                        s.push(format!("{kind} HBONE:{msg}"));
-                    }
-                }
-            }
-        });
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if line == "READY" {
-                    let _ = tx.send(());
-                }
-            }
-        });
-        self.proxies.push(child);
-        rx.recv_timeout(std::time::Duration::from_secs(10))
-            .context("meshpath-proxy did not start")?;
-        Ok(())
-    }
-}
-
-impl Drop for Node {
+impl Drop for Demo {
     fn drop(&mut self) {
         println!("demo: cleaning up");
-        for mut p in self.proxies.drain(..) {
-            let _ = p.kill();
-            let _ = p.wait();
+        // Proxies and agents first, then what they used.
+        for mut c in self.children.drain(..).rev() {
+            let _ = c.kill();
+            let _ = c.wait();
         }
-        for path in self.enrolled.drain(..).rev() {
-            let _ = Command::new(self.bin_dir.join("meshpath-loader"))
-                .arg("--pin-root")
-                .arg(&self.pin_root)
-                .args(["unenrol", "--netns", &path])
-                .stdout(Stdio::null())
-                .status();
+        for n in &self.nodes {
+            let _ = fs::remove_dir_all(&n.pin_root);
+            for _ in 0..50 {
+                if fs::remove_dir(&n.cgroup).is_ok() || !n.cgroup.exists() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
-        let _ = fs::remove_dir_all(&self.pin_root);
-        if let Some(cg) = self.cgroup.take() {
-            let _ = fs::remove_dir(cg);
-        }
-        let _ = fs::remove_dir_all(&self.files);
         for ns in self.namespaces.drain(..).rev() {
             let _ = Command::new("ip").args(["netns", "del", &ns]).status();
         }
+        let _ = fs::remove_dir_all(&self.files);
     }
 }
 
@@ -187,8 +121,352 @@ fn cgroup2_root() -> Result<PathBuf> {
         .context("cgroup v2 is not mounted")
 }
 
+/// Runs `f` on a thread inside the network namespace at `netns`.
+fn in_netns<T: Send>(netns: &str, f: impl FnOnce() -> T + Send) -> Result<T> {
+    let file = fs::File::open(netns).with_context(|| format!("opening {netns}"))?;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // SAFETY: setns on this thread only, with an open namespace file.
+            if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                bail!("setns {netns}: {}", std::io::Error::last_os_error());
+            }
+            Ok(f())
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("thread in {netns} panicked"))?
+    })
+}
+
+/// An HTTP GET to `addr` from inside `netns`: the body.
+fn http_get(netns: &str, addr: SocketAddr, path: &str) -> Result<String> {
+    in_netns(netns, || -> Result<String> {
+        let mut c = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+        c.set_read_timeout(Some(Duration::from_secs(5)))?;
+        write!(c, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+        let mut resp = String::new();
+        c.read_to_string(&mut resp)?;
+        Ok(resp.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default())
+    })?
+}
+
+/// Spawns `cmd` into `cgroup` (if given) with its output to `log`.
+fn spawn_logged(mut cmd: Command, cgroup: Option<&Path>, log: &Path) -> Result<Child> {
+    let out = fs::File::create(log)?;
+    cmd.stdout(out.try_clone()?).stderr(out);
+    if let Some(cg) = cgroup {
+        let procs = fs::OpenOptions::new().write(true).open(cg.join("cgroup.procs"))?;
+        let fd = procs.as_raw_fd();
+        // SAFETY: only write(2) between fork and exec, on an fd open until spawn returns.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = cmd.spawn()?;
+        drop(procs);
+        return Ok(child);
+    }
+    Ok(cmd.spawn()?)
+}
+
+/// Waits for `needle` in the log file.
+fn wait_for(log: &Path, needle: &str, what: &str) -> Result<()> {
+    for _ in 0..200 {
+        if fs::read_to_string(log).is_ok_and(|t| t.contains(needle)) {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    bail!(
+        "{what} did not start; its log ({}):\n{}",
+        log.display(),
+        fs::read_to_string(log).unwrap_or_default()
+    )
+}
+
+/// Runs one CNI plugin as a runtime does.
+fn cni(
+    node_ns: &str,
+    plugin: &Path,
+    cni_path: &str,
+    command: &str,
+    conf: &Value,
+    env: &[(&str, &str)],
+) -> Result<Value> {
+    let mut child = Command::new("nsenter")
+        .arg(format!("--net=/var/run/netns/{node_ns}"))
+        .arg(plugin)
+        .env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .env("CNI_COMMAND", command)
+        .env("CNI_PATH", cni_path)
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("running {}", plugin.display()))?;
+    child.stdin.take().context("stdin")?.write_all(conf.to_string().as_bytes())?;
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        bail!(
+            "{} {command}: {}{}",
+            plugin.display(),
+            String::from_utf8_lossy(&out.stdout).trim(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(serde_json::from_slice(&out.stdout).unwrap_or(Value::Null))
+}
+
+impl Demo {
+    fn add_netns(&mut self, name: &str) -> Result<()> {
+        sh("ip", &["netns", "add", name])?;
+        self.namespaces.push(name.to_owned());
+        sh("ip", &["-n", name, "link", "set", "lo", "up"])
+    }
+
+    /// Node `n`: its namespace, CNI directories with a bridge configuration list, its agent and
+    /// its proxy.
+    fn start_node(&mut self, n: usize) -> Result<()> {
+        let dir = self.files.join(format!("node{n}"));
+        let node = NodeDirs {
+            n,
+            pin_root: PathBuf::from(format!("/sys/fs/bpf/meshpath-demo-{}-node{n}", self.tag)),
+            cgroup: cgroup2_root()?.join(format!("meshpath-demo-{}-proxy{n}", self.tag)),
+            dir,
+        };
+        let ns = node.ns("host");
+        self.add_netns(&ns)?;
+        fs::create_dir_all(node.bin())?;
+        fs::create_dir_all(node.conf())?;
+        fs::create_dir_all(&node.cgroup)?;
+        let list = json!({
+            "cniVersion": "1.0.0",
+            "name": "demo",
+            "plugins": [{
+                "type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false,
+                "ipam": {"type": "host-local", "ranges": [[{"subnet": node.subnet()}]],
+                         "routes": [{"dst": "0.0.0.0/0"}],
+                         "dataDir": node.dir.join("ipam").display().to_string()}
+            }]
+        });
+        fs::write(node.conf().join("10-demo.conflist"), serde_json::to_string_pretty(&list)?)?;
+        let netns = format!("--net=/var/run/netns/{ns}");
+        let mut agent = Command::new("nsenter");
+        agent
+            .arg(&netns)
+            .arg(self.bin_dir.join("meshpath-loader"))
+            .arg("--pin-root")
+            .arg(&node.pin_root)
+            .arg("agent")
+            .arg("--state-dir")
+            .arg(node.dir.join("state"))
+            .arg("--cni-socket")
+            .arg(node.dir.join("cni.sock"))
+            .arg("--zds-socket")
+            .arg(node.dir.join("zds.sock"))
+            .arg("--workloads")
+            .arg(self.files.join("workloads.yaml"))
+            .arg("--cni-bin-dir")
+            .arg(node.bin())
+            .arg("--cni-conf-dir")
+            .arg(node.conf())
+            .arg("--proxy-cgroup-from-zds-peer")
+            .arg("--health-addr")
+            .arg("127.0.0.1:8000");
+        let log = node.dir.join("agent.log");
+        self.children.push(spawn_logged(agent, None, &log)?);
+        wait_for(&log, "agent serving", "the node agent")?;
+        let mut proxy = Command::new("nsenter");
+        proxy
+            .arg(&netns)
+            .arg(self.bin_dir.join("meshpath-proxy"))
+            .arg("--zds-socket")
+            .arg(node.dir.join("zds.sock"))
+            .arg("--workloads")
+            .arg(self.files.join("workloads.yaml"))
+            .arg("--ca-cert")
+            .arg(self.files.join("ca.pem"))
+            .arg("--ca-key")
+            .arg(self.files.join("ca-key.pem"))
+            .arg("--pin-root")
+            .arg(&node.pin_root)
+            .arg("--refresh-ms")
+            .arg("200")
+            .env("RUST_LOG", "info");
+        let log = node.dir.join("proxy.log");
+        self.children.push(spawn_logged(proxy, Some(&node.cgroup), &log)?);
+        wait_for(&log, "snapshot from the node agent applied", "the node proxy")?;
+        // The agent appends meshpath-cni to the node's chain within a second.
+        for _ in 0..100 {
+            if fs::read_to_string(node.conf().join("10-demo.conflist"))
+                .is_ok_and(|t| t.contains("meshpath-cni"))
+            {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        println!(
+            "demo: node{n}: agent and proxy up; the agent installed {} and chained it in {}",
+            node.bin().join("meshpath-cni").display(),
+            node.conf().join("10-demo.conflist").display()
+        );
+        self.nodes.push(node);
+        Ok(())
+    }
+
+    /// Creates a pod through node `n`'s CNI chain, as a runtime: loopback, then each plugin of
+    /// the configuration list with the previous one's result. Returns its IPv4 address.
+    fn add_pod(&mut self, name: &str, n: usize) -> Result<Ipv4Addr> {
+        let node = self.nodes.iter().find(|d| d.n == n).context("no such node")?;
+        let (node_ns, bin, conf) = (node.ns("host"), node.bin(), node.conf());
+        let pod_ns = format!("mp-demo-{}-{name}", self.tag);
+        self.add_netns(&pod_ns)?;
+        let list: Value =
+            serde_json::from_str(&fs::read_to_string(conf.join("10-demo.conflist"))?)?;
+        let cni_path = format!("/usr/lib/cni:{}", bin.display());
+        let netns = format!("/var/run/netns/{pod_ns}");
+        let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name}");
+        let id = format!("demo-{}-{name}", self.tag);
+        let env = [
+            ("CNI_CONTAINERID", id.as_str()),
+            ("CNI_NETNS", netns.as_str()),
+            ("CNI_IFNAME", "eth0"),
+            ("CNI_ARGS", args.as_str()),
+        ];
+        cni(
+            &node_ns,
+            Path::new("/usr/lib/cni/loopback"),
+            &cni_path,
+            "ADD",
+            &json!({"cniVersion": "1.0.0", "name": "lo", "type": "loopback"}),
+            &env,
+        )?;
+        let mut prev: Option<Value> = None;
+        for p in list["plugins"].as_array().context("plugins")? {
+            let kind = p["type"].as_str().context("type")?;
+            let plugin = if kind == "meshpath-cni" {
+                bin.join(kind)
+            } else {
+                Path::new("/usr/lib/cni").join(kind)
+            };
+            let mut c = p.clone();
+            c["cniVersion"] = list["cniVersion"].clone();
+            c["name"] = list["name"].clone();
+            if let Some(prev) = &prev {
+                c["prevResult"] = prev.clone();
+            }
+            prev = Some(cni(&node_ns, &plugin, &cni_path, "ADD", &c, &env)?);
+        }
+        let result = prev.context("empty chain")?;
+        let ip = result["ips"][0]["address"]
+            .as_str()
+            .and_then(|a| a.split('/').next())
+            .and_then(|a| a.parse().ok())
+            .context("no address in the chain's result")?;
+        Ok(ip)
+    }
+}
+
+/// The workloads file: pod identities for the agents, addresses and policy for the proxies.
+fn workloads(ips: &[(&str, Ipv4Addr)]) -> String {
+    let mut y = String::from("workloads:\n");
+    for (name, _, sa, meshed) in PODS {
+        let ip = ips
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, ip)| format!("[\"{ip}\"]"))
+            .unwrap_or_else(|| "[]".into());
+        y += &format!(
+            "- {{uid: uid-{name}, name: {name}, namespace: default, serviceAccount: {sa}, protocol: {}, workloadIps: {ip}}}\n",
+            if meshed { "HBONE" } else { "TCP" }
+        );
+    }
+    y += &format!(
+        "policies:\n- {{name: no-{DENIED_PORT}, namespace: default, scope: Namespace, action: Deny, rules: [[[{{destinationPorts: [{DENIED_PORT}]}}]]]}}\n"
+    );
+    y
+}
+
+fn iperf3(client_ns: &str, server_ns: &str, ip: Ipv4Addr, port: u16, secs: u32) -> Result<String> {
+    let port_s = port.to_string();
+    let mut server = Command::new("nsenter")
+        .arg(format!("--net=/var/run/netns/{server_ns}"))
+        .args(["iperf3", "-s", "-1", "-B", &ip.to_string(), "-p", &port_s])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting iperf3 -s")?;
+    std::thread::sleep(Duration::from_millis(300));
+    let client = Command::new("nsenter")
+        .arg(format!("--net=/var/run/netns/{client_ns}"))
+        .args(["iperf3", "-c", &ip.to_string(), "-p", &port_s, "-t", &secs.to_string(), "-f", "g"])
+        .output()
+        .context("running iperf3 -c")?;
+    let _ = server.kill();
+    let _ = server.wait();
+    if !client.status.success() {
+        bail!(
+            "{}",
+            String::from_utf8_lossy(&client.stdout)
+                .lines()
+                .chain(String::from_utf8_lossy(&client.stderr).lines())
+                .last()
+                .unwrap_or("iperf3 failed")
+                .trim()
+                .to_owned()
+        );
+    }
+    Ok(String::from_utf8_lossy(&client.stdout)
+        .lines()
+        .find(|l| l.contains("receiver"))
+        .unwrap_or_default()
+        .trim()
+        .to_owned())
+}
+
+/// The interesting lines of a proxy's /metrics.
+fn summary(metrics: &str) -> Vec<String> {
+    let pick = |l: &str, k: &str| {
+        l.split_once(&format!("{k}=\""))
+            .and_then(|(_, r)| r.split('"').next())
+            .unwrap_or("")
+            .to_owned()
+    };
+    metrics
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let name = series.split('{').next()?;
+            match name {
+                "istio_tcp_connections_opened_total"
+                | "istio_tcp_received_bytes_total"
+                | "istio_tcp_sent_bytes_total" => Some(format!(
+                    "{name:<36} {value:>12}  {} → {} ({}), reporter={}, {}",
+                    pick(l, "source_principal"),
+                    pick(l, "destination_principal"),
+                    pick(l, "destination_workload"),
+                    pick(l, "reporter"),
+                    pick(l, "connection_security_policy"),
+                )),
+                "meshpath_connection_errors_total" => Some(format!(
+                    "{name:<36} {value:>12}  {} {}",
+                    pick(l, "direction"),
+                    pick(l, "reason")
+                )),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
 /// Runs the demo with the binaries in `bin_dir`.
-pub fn run(bin_dir: &Path) -> Result<()> {
+pub fn run(bin_dir: &Path, keep: bool) -> Result<()> {
     let interrupted = Arc::new(AtomicBool::new(false));
     {
         let flag = interrupted.clone();
@@ -202,120 +480,116 @@ pub fn run(bin_dir: &Path) -> Result<()> {
         }
         Ok(())
     };
-
-    let tag = format!("{}", std::process::id());
-    let mut node = Node {
-        pin_root: PathBuf::from(format!("/sys/fs/bpf/meshpath-demo-{tag}")),
-        cgroup: None,
-        tag: tag.clone(),
-        bin_dir: bin_dir.to_owned(),
-        namespaces: Vec::new(),
-        enrolled: Vec::new(),
-        proxies: Vec::new(),
+    let tag = std::process::id().to_string();
+    let mut demo = Demo {
         files: PathBuf::from(format!("/run/meshpath-demo-{tag}")),
+        tag,
+        bin_dir: bin_dir.to_owned(),
+        nodes: Vec::new(),
+        namespaces: Vec::new(),
+        children: Vec::new(),
     };
-
-    println!("demo: creating node namespace {} with bridge {BRIDGE}", node.ns("node"));
-    node.add_netns("node")?;
-    let node_ns = node.ns("node");
-    sh("ip", &["-n", &node_ns, "link", "add", BRIDGE, "type", "bridge"])?;
-    sh("ip", &["-n", &node_ns, "addr", "add", NODE_IP, "dev", BRIDGE])?;
-    sh("ip", &["-n", &node_ns, "link", "set", BRIDGE, "up"])?;
-
-    for (i, (pod, ip, _)) in PODS.iter().enumerate() {
-        check()?;
-        println!("demo: creating {pod} ({ip}) and wiring it to the node bridge");
-        node.add_netns(pod)?;
-        let pod_ns = node.ns(pod);
-        let host_if = format!("veth{i}");
-        sh(
-            "ip",
-            &[
-                "-n", &node_ns, "link", "add", &host_if, "type", "veth", "peer", "name", "eth0",
-                "netns", &pod_ns,
-            ],
-        )?;
-        sh("ip", &["-n", &node_ns, "link", "set", &host_if, "master", BRIDGE, "up"])?;
-        sh("ip", &["-n", &pod_ns, "addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
-        sh("ip", &["-n", &pod_ns, "link", "set", "eth0", "up"])?;
-    }
-
-    let cgroup = cgroup2_root()?.join(format!("meshpath-demo-proxy-{}", node.tag));
-    fs::create_dir(&cgroup).with_context(|| format!("creating {}", cgroup.display()))?;
-    node.cgroup = Some(cgroup.clone());
-    print!("demo: {}", node.loader(&["proxy-cgroup", "--cgroup", &cgroup.display().to_string()])?);
-    for (pod, _, _) in PODS {
-        check()?;
-        let path = node.netns_path(pod);
-        let name = format!("default/{pod}");
-        let enrolled = node.loader(&[
-            "enrol",
-            "--netns",
-            &path,
-            "--name",
-            &name,
-            "--capture-outbound",
-            "--capture-inbound",
-        ])?;
-        print!("demo: {enrolled}");
-        node.enrolled.push(path);
-    }
-
-    println!("demo: making a CA for the run and the workload list (ztunnel's format)");
-    fs::create_dir_all(&node.files)?;
-    let out = Command::new(bin_dir.join("meshpath-proxy"))
-        .arg("new-ca")
-        .arg(&node.files)
-        .output()
-        .context("meshpath-proxy new-ca")?;
+    fs::create_dir_all(&demo.files)?;
+    println!(
+        "demo: a CA for the run (meshpath-proxy new-ca) and the workloads file (ztunnel's format)"
+    );
+    let out =
+        Command::new(bin_dir.join("meshpath-proxy")).arg("new-ca").arg(&demo.files).output()?;
     if !out.status.success() {
         bail!("meshpath-proxy new-ca: {}", String::from_utf8_lossy(&out.stderr).trim());
     }
-    let mut yaml = String::from("workloads:\n");
-    for (pod, ip, sa) in PODS {
-        yaml += &format!(
-            "- uid: {pod}\n  name: {pod}\n  namespace: default\n  serviceAccount: {sa}\n  \
-             workloadIps: [\"{ip}\"]\n  protocol: HBONE\n"
-        );
+    fs::write(demo.files.join("workloads.yaml"), workloads(&[]))?;
+    for n in [1, 2] {
+        check()?;
+        demo.start_node(n)?;
     }
-    fs::write(node.files.join("workloads.yaml"), yaml)?;
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    println!("demo: starting meshpath-proxy for both pods (cgroup {})", cgroup.display());
-    node.start_proxy(seen.clone())?;
-
-    let (server_ns, server_ip) = (node.netns_path(PODS[1].0), PODS[1].1);
-    let client_ns = node.netns_path(PODS[0].0);
+    // The node link: node1 192.168.77.1 ↔ node2 192.168.77.2, routes to each other's pods.
+    let (n1, n2) = (demo.nodes[0].ns("host"), demo.nodes[1].ns("host"));
+    sh(
+        "ip",
+        &[
+            "-n", &n1, "link", "add", "to-node2", "type", "veth", "peer", "name", "to-node1",
+            "netns", &n2,
+        ],
+    )?;
+    for (ns, dev, addr, peer_subnet, via) in [
+        (&n1, "to-node2", "192.168.77.1/30", "10.244.2.0/24", "192.168.77.2"),
+        (&n2, "to-node1", "192.168.77.2/30", "10.244.1.0/24", "192.168.77.1"),
+    ] {
+        sh("ip", &["-n", ns, "addr", "add", addr, "dev", dev])?;
+        sh("ip", &["-n", ns, "link", "set", dev, "up"])?;
+        sh("ip", &["-n", ns, "route", "add", peer_subnet, "via", via])?;
+        sh("ip", &["netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])?;
+    }
     println!(
-        "demo: iperf3 from {} to {} for 3 s (captured → HBONE over mTLS → pod-b)",
-        PODS[0].0, PODS[1].0
+        "demo: nodes linked (192.168.77.0/30), pod subnets 10.244.1.0/24 and 10.244.2.0/24 routed"
     );
-    let mut server = Command::new("nsenter")
-        .arg(format!("--net={server_ns}"))
-        .args(["iperf3", "-s", "-1", "-B", server_ip])
-        .stdout(Stdio::null())
-        .spawn()
-        .context("starting iperf3 -s")?;
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    let client = Command::new("nsenter")
-        .arg(format!("--net={client_ns}"))
-        .args(["iperf3", "-c", server_ip, "-t", "3", "-f", "g"])
-        .output()
-        .context("running iperf3 -c")?;
-    let _ = server.kill();
-    let _ = server.wait();
+    let mut ips = Vec::new();
+    for (name, n, _, meshed) in PODS {
+        check()?;
+        let ip = demo.add_pod(name, n)?;
+        println!(
+            "demo: pod {name} on node{n} at {ip}, through the CNI chain (loopback, bridge, host-local, meshpath-cni): {}",
+            if meshed { "enrolled and handed to the proxy" } else { "not in the mesh, left alone" }
+        );
+        ips.push((name, ip));
+    }
+    // The control plane's part: the proxies learn the pods' addresses.
+    fs::write(demo.files.join("workloads.yaml"), workloads(&ips))?;
+    for node in &demo.nodes {
+        let log = node.dir.join("proxy.log");
+        wait_for(&log, "workload store reloaded", "the workloads reload")?;
+    }
+    let ns_of = |name: &str| format!("mp-demo-{}-{name}", demo.tag);
+    let ip_of =
+        |name: &str| ips.iter().find(|(n, _)| *n == name).map(|(_, ip)| *ip).context("pod ip");
     check()?;
-    if !client.status.success() {
-        bail!("iperf3 failed: {}", String::from_utf8_lossy(&client.stderr).trim());
+    println!("demo: iperf3 sleep (node1) → httpbin (node2), 3 s: captured by eBPF, HBONE over mTLS between the proxies");
+    println!("demo:   {}", iperf3(&ns_of("sleep"), &ns_of("httpbin"), ip_of("httpbin")?, 5201, 3)?);
+    check()?;
+    println!("demo: iperf3 sleep → legacy (node2, not meshed), 1 s: passthrough");
+    println!("demo:   {}", iperf3(&ns_of("sleep"), &ns_of("legacy"), ip_of("legacy")?, 5201, 1)?);
+    check()?;
+    println!("demo: sleep → httpbin:{DENIED_PORT}, which policy denies at node2's proxy:");
+    match iperf3(&ns_of("sleep"), &ns_of("httpbin"), ip_of("httpbin")?, DENIED_PORT, 1) {
+        Ok(line) => println!("demo:   NOT denied (unexpected): {line}"),
+        Err(e) => println!("demo:   refused as it should be: {e}"),
     }
-    for line in String::from_utf8_lossy(&client.stdout).lines().filter(|l| l.contains("receiver")) {
-        println!("demo: iperf3: {}", line.trim());
+    std::thread::sleep(Duration::from_millis(300));
+    for node in &demo.nodes {
+        let ns = format!("/var/run/netns/{}", node.ns("host"));
+        let metrics = http_get(&ns, "127.0.0.1:15020".parse()?, "/metrics")?;
+        println!("demo: node{} proxy /metrics:", node.n);
+        for line in summary(&metrics) {
+            println!("demo:   {line}");
+        }
     }
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    println!("demo: what meshpath-proxy carried:");
-    for line in seen.lock().map(|s| s.clone()).unwrap_or_default() {
-        println!("demo:   {line}");
+    if keep {
+        println!("demo: --keep: running until Ctrl-C. Look around:");
+        for node in &demo.nodes {
+            let ns = node.ns("host");
+            println!("  ip netns exec {ns} curl -s localhost:15000/config_dump     # node{} proxy: pods, certificates, pool", node.n);
+            println!("  ip netns exec {ns} curl -s localhost:15020/metrics");
+            println!(
+                "  {} --pin-root {} list      # node{} datapath",
+                bin_dir.join("meshpath-loader").display(),
+                node.pin_root.display(),
+                node.n
+            );
+            println!(
+                "  cat {}   # chained entry the agent added",
+                node.conf().join("10-demo.conflist").display()
+            );
+            println!(
+                "  less {} {}",
+                node.dir.join("agent.log").display(),
+                node.dir.join("proxy.log").display()
+            );
+        }
+        println!("  ip netns exec {} iperf3 -c {} -t 5", ns_of("sleep"), ip_of("httpbin")?);
+        while !interrupted.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(200));
+        }
     }
-    println!("demo: per-pod counters (TC on each pod's eth0, read from the pinned map):");
-    print!("{}", node.loader(&["list"])?);
     Ok(())
 }

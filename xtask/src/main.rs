@@ -32,8 +32,13 @@ enum Cmd {
         /// Only run tests whose name contains this.
         filter: Option<String>,
     },
-    /// Run a local node: pods in network namespaces, enrolled, with real traffic.
-    Demo,
+    /// Run two local nodes (agent and proxy each), pods made through the real CNI chain, real
+    /// traffic across nodes over HBONE.
+    Demo {
+        /// Leave it running for exploration (until Ctrl-C).
+        #[arg(long)]
+        keep: bool,
+    },
     /// Run a benchmark (not a test; prints a table, writes results/NAME.json).
     Bench {
         /// Which: `capture` (meshpath capture vs istio-cni's iptables rules vs direct) or
@@ -90,7 +95,7 @@ fn run(cli: Cli) -> Result<()> {
             }
             bootstrap::run(cmd.args(args))?;
         }
-        Cmd::Demo => {
+        Cmd::Demo { keep } => {
             if !bootstrap::is_root() {
                 bail!(
                     "the demo loads eBPF programs and creates network namespaces: run it as root"
@@ -98,7 +103,7 @@ fn run(cli: Cli) -> Result<()> {
             }
             let path = bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: true })?;
             let bin_dir = cargo::build(path.as_deref(), false)?;
-            demo::run(&bin_dir)?;
+            demo::run(&bin_dir, keep)?;
         }
     }
     Ok(())

@@ -66,6 +66,23 @@ impl Datapath {
         Ok(dp)
     }
 
+    /// Opens a datapath some agent already loaded under `root`, without loading or attaching
+    /// anything (what the proxy needs to register its listeners): an error if nothing is pinned.
+    pub fn open_existing(root: &Path) -> Result<Self> {
+        let dir =
+            File::open(root).map_err(|e| Error::io(format!("opening {}", root.display()), e))?;
+        let lock = Flock::lock(dir, FlockArg::LockExclusive)
+            .map_err(|(_, e)| Error::io(format!("locking {}", root.display()), e.into()))?;
+        let dp = Self { root: root.to_owned(), _lock: lock };
+        if !dp.maps_pinned() {
+            return Err(Error::io(
+                format!("the datapath at {}", root.display()),
+                io::Error::new(io::ErrorKind::NotFound, "not loaded: no node agent has pinned it"),
+            ));
+        }
+        Ok(dp)
+    }
+
     /// The pin root.
     pub fn root(&self) -> &Path {
         &self.root

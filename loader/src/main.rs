@@ -119,6 +119,10 @@ struct AgentArgs {
     /// /healthz and /readyz.
     #[arg(long)]
     health_addr: Option<std::net::SocketAddr>,
+    /// Make kubelet's probes of pods leave from Istio's probe source addresses (added to lo of
+    /// this netns, which must be the node's).
+    #[arg(long)]
+    probe_source: bool,
     /// Seconds the proxy has to acknowledge a pod.
     #[arg(long, default_value_t = 10)]
     ack_timeout_seconds: u64,
@@ -253,7 +257,11 @@ fn run(cli: Cli) -> Result<()> {
                 proxy_cgroup_from_zds_peer: a.proxy_cgroup_from_zds_peer,
                 health_addr: a.health_addr,
                 ack_timeout: std::time::Duration::from_secs(a.ack_timeout_seconds),
+                probe_source: a.probe_source,
             };
+            if meshpath_loader::agent::enter_host_cgroup_ns()? {
+                tracing::info!("entered the host's cgroup namespace");
+            }
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()

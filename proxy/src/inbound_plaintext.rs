@@ -21,7 +21,7 @@ use crate::{
 /// Opens the pod's 15006 listener, registers it with the datapath under `pin_root`, serves it.
 pub fn start(pod: Arc<Pod>, pin_root: &Path) -> anyhow::Result<()> {
     let listener = pod.sockets.listen(SocketAddr::from(([0u16; 8], ports::INBOUND_PLAINTEXT)))?;
-    Datapath::open_or_load(pin_root)?.register_inbound_listener(pod.netns.cookie(), &listener)?;
+    Datapath::open_existing(pin_root)?.register_inbound_listener(pod.netns.cookie(), &listener)?;
     let proxy = pod.proxy.clone();
     proxy.drain.serve(
         listener,

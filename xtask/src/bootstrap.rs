@@ -53,6 +53,7 @@ pub fn ensure(needs: Needs) -> Result<Option<PathBuf>> {
     if needs.runtime {
         ensure_debian_packages()?;
         ensure_bpffs()?;
+        ensure_kubernetes_validate()?;
     }
     Ok(path_dir)
 }
@@ -173,6 +174,43 @@ fn package_installed(pkg: &str) -> bool {
         .args(["-W", "-f=${Status}", pkg])
         .output()
         .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+}
+
+/// The PyPI package the manifest test validates deploy/ with, offline.
+const KUBERNETES_VALIDATE: &str = "kubernetes-validate";
+
+fn python_has(module: &str) -> bool {
+    Command::new("python3")
+        .args(["-c", &format!("import {module}")])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn ensure_kubernetes_validate() -> Result<()> {
+    if python_has("kubernetes_validate") {
+        return Ok(());
+    }
+    println!("setup: pip install {KUBERNETES_VALIDATE}");
+    let pip = |extra: &[&str]| {
+        Command::new("python3")
+            .args(["-m", "pip", "install", "--quiet", KUBERNETES_VALIDATE])
+            .args(extra)
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if pip(&[]) || pip(&["--break-system-packages"]) {
+        return Ok(());
+    }
+    // Debian's python3 comes without pip.
+    run(Command::new("apt-get")
+        .args(["install", "-y", "-qq", "python3-pip"])
+        .stdout(Stdio::null()))
+    .context("installing python3-pip")?;
+    if pip(&["--break-system-packages"]) {
+        return Ok(());
+    }
+    bail!("could not install {KUBERNETES_VALIDATE}: run `python3 -m pip install {KUBERNETES_VALIDATE}`")
 }
 
 fn ensure_debian_packages() -> Result<()> {

@@ -276,6 +276,7 @@ impl Demo {
             .arg("--cni-conf-dir")
             .arg(node.conf())
             .arg("--proxy-cgroup-from-zds-peer")
+            .arg("--probe-source")
             .arg("--health-addr")
             .arg("127.0.0.1:8000");
         let log = node.dir.join("agent.log");

@@ -60,6 +60,30 @@ pub struct AgentConfig {
     pub health_addr: Option<SocketAddr>,
     /// How long the proxy has to ack a request.
     pub ack_timeout: Duration,
+    /// Make node processes probing pods (kubelet) leave from Istio's probe source addresses,
+    /// this process's netns being the node's.
+    pub probe_source: bool,
+}
+
+/// Enters the host's cgroup namespace when this process runs in another one (a container):
+/// the cgroup paths the agent reads from /proc/PID/cgroup, and registers as the proxy's, must
+/// be the host's, not relative to a container's view. Call before any thread is started (the
+/// threads started afterwards inherit it).
+pub fn enter_host_cgroup_ns() -> anyhow::Result<bool> {
+    use std::os::unix::fs::MetadataExt as _;
+    let (Ok(host), Ok(me)) =
+        (std::fs::metadata("/proc/1/ns/cgroup"), std::fs::metadata("/proc/self/ns/cgroup"))
+    else {
+        return Ok(false);
+    };
+    if host.ino() == me.ino() {
+        return Ok(false);
+    }
+    let f =
+        std::fs::File::open("/proc/1/ns/cgroup").context("opening the host's cgroup namespace")?;
+    nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWCGROUP)
+        .context("entering the host's cgroup namespace (hostPID and CAP_SYS_ADMIN needed)")?;
+    Ok(true)
 }
 
 /// A pod the agent serves now.
@@ -110,6 +134,10 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
         for cg in &agent.cfg.proxy_cgroups {
             dp.register_proxy_cgroup(cg)
                 .with_context(|| format!("proxy cgroup {}", cg.display()))?;
+        }
+        if agent.cfg.probe_source {
+            let me = Netns::open(std::path::Path::new("/proc/self/ns/net"))?;
+            dp.set_probe_source(Some(&me)).context("setting the probe source")?;
         }
         let report = pods::reconcile(dp)?;
         info!(

@@ -1,7 +1,8 @@
 //! `meshpath-bench proxy`: pod to pod directly vs through two meshpath-proxy processes (two
 //! "nodes") over HBONE with mutual TLS, on the eBPF capture. Per scenario: iperf3 1 and 4
 //! streams, request/response latency, connection rate; for HBONE also the proxies' CPU seconds
-//! per GB carried and the resident memory each open stream costs node 1's proxy.
+//! per GB carried and the resident memory node 1's proxy spends per open stream and per idle
+//! pooled HTTP/2 connection.
 
 use std::{
     io::{Read as _, Write as _},
@@ -37,7 +38,7 @@ impl Drop for Hbone {
     }
 }
 
-fn start_hbone(pods: &PodPair) -> Result<Hbone> {
+fn start_hbone(pods: &PodPair, extra: &[&str]) -> Result<Hbone> {
     let (root, cgroup) = (PinRoot::new(), CgroupGuard::new()?);
     {
         let dp = root.datapath()?;
@@ -63,6 +64,11 @@ fn start_hbone(pods: &PodPair) -> Result<Hbone> {
         cmd.arg("--workloads").arg(dir.join("workloads.yaml"));
         cmd.arg("--ca-cert").arg(dir.join("ca.pem")).arg("--ca-key").arg(dir.join("ca-key.pem"));
         cmd.arg("--pod").arg(format!("{pod}={}", ns.path().display()));
+        // Both proxies share this netns: their node-wide endpoints take any free port.
+        for flag in ["--admin-addr", "--stats-addr", "--readiness-addr"] {
+            cmd.arg(flag).arg("127.0.0.1:0");
+        }
+        cmd.args(extra);
         cmd.env("RUST_LOG", "error").stderr(Stdio::null());
         proxies.push(TestProxy::spawn(cmd, &cgroup)?);
     }
@@ -110,7 +116,7 @@ fn scenario(name: &str, secs: f64) -> Result<Value> {
     stats::start_rr_server(&b, rr)?;
     stats::start_oneshot_server(&b, oneshot)?;
     let _iperf = pods.b.iperf3_server(pods.b_ip.into(), IPERF_PORT, false)?;
-    let hbone = if name == "hbone" { Some(start_hbone(&pods)?) } else { None };
+    let mut hbone = if name == "hbone" { Some(start_hbone(&pods, &[])?) } else { None };
     let pids: Vec<u32> = hbone.iter().flat_map(|h| h.proxies.iter().map(TestProxy::pid)).collect();
     let cpu = |pids: &[u32]| -> Result<f64> { pids.iter().map(|&p| usage(p).map(|u| u.0)).sum() };
 
@@ -121,22 +127,26 @@ fn scenario(name: &str, secs: f64) -> Result<Value> {
     let (gbps4, _) = iperf3(&pods, secs, 4)?;
     let cps = stats::conn_per_s(&a, oneshot, secs)?;
     let (p50, p99) = stats::rr_latency(&a, rr, 2_000, 20_000)?;
-    // Memory per open stream: node 1's proxy before and after 100 connections are held open.
+    let hold = |n: usize| -> Result<Vec<TcpStream>> {
+        (0..n)
+            .map(|_| {
+                a.run(|| -> std::io::Result<TcpStream> {
+                    let mut c = TcpStream::connect(rr)?;
+                    let mut buf = [0u8; stats::MESSAGE];
+                    c.write_all(&buf)?;
+                    c.read_exact(&mut buf)?;
+                    Ok(c)
+                })?
+                .map_err(anyhow::Error::from)
+            })
+            .collect()
+    };
+    // Memory per open stream: node 1's proxy before and after 100 connections are held open
+    // (all streams of one pooled HTTP/2 connection).
     let rss_kib_per_conn = match pids.first() {
         Some(&pid) => {
             let before = usage(pid)?.1;
-            let held: Vec<TcpStream> = (0..100)
-                .map(|_| {
-                    a.run(|| -> std::io::Result<TcpStream> {
-                        let mut c = TcpStream::connect(rr)?;
-                        let mut buf = [0u8; stats::MESSAGE];
-                        c.write_all(&buf)?;
-                        c.read_exact(&mut buf)?;
-                        Ok(c)
-                    })?
-                    .map_err(anyhow::Error::from)
-                })
-                .collect::<Result<_>>()?;
+            let held = hold(100)?;
             std::thread::sleep(Duration::from_millis(300));
             let after = usage(pid)?.1;
             drop(held);
@@ -144,10 +154,30 @@ fn scenario(name: &str, secs: f64) -> Result<Value> {
         }
         None => None,
     };
-    eprintln!("bench: {name}: {gbps:.2} Gbit/s (4 streams {gbps4:.2}), {cps:.0} conn/s, rr p50 {p50:.1} us p99 {p99:.1} us, cpu {cpu_s_per_gb:?} s/GB, rss {rss_kib_per_conn:?} KiB/conn");
+    // Memory per idle pooled connection: fresh proxies allowing one stream per connection, 100
+    // connections opened (100 HTTP/2 connections) and closed; what node 1's proxy holds with
+    // the 100 idle pooled connections, over what it held before. An upper bound: memory freed
+    // by the closed streams that the allocator keeps counts too.
+    let rss_kib_per_idle_conn = if let Some(old) = hbone.take() {
+        drop(old);
+        let fresh = start_hbone(&pods, &["--pool-max-streams", "1"])?;
+        let pid = fresh.proxies[0].pid();
+        drop(hold(1)?);
+        std::thread::sleep(Duration::from_millis(300));
+        let before = usage(pid)?.1;
+        drop(hold(101)?);
+        std::thread::sleep(Duration::from_millis(500));
+        let after = usage(pid)?.1;
+        drop(fresh);
+        Some((after - before) / 100.0)
+    } else {
+        None
+    };
+    eprintln!("bench: {name}: {gbps:.2} Gbit/s (4 streams {gbps4:.2}), {cps:.0} conn/s, rr p50 {p50:.1} us p99 {p99:.1} us, cpu {cpu_s_per_gb:?} s/GB, rss {rss_kib_per_conn:?} KiB/stream, {rss_kib_per_idle_conn:?} KiB/idle conn");
     Ok(json!({
         "throughput_gbps": gbps, "throughput_4_gbps": gbps4, "rr_p50_us": p50, "rr_p99_us": p99,
         "conn_per_s": cps, "cpu_s_per_gb": cpu_s_per_gb, "rss_kib_per_conn": rss_kib_per_conn,
+        "rss_kib_per_idle_conn": rss_kib_per_idle_conn,
     }))
 }
 
@@ -170,6 +200,7 @@ pub fn run(out: &Path, secs: f64, rounds: usize) -> Result<()> {
         "conn_per_s",
         "cpu_s_per_gb",
         "rss_kib_per_conn",
+        "rss_kib_per_idle_conn",
     ];
     let mut scenarios = json!({});
     for (i, name) in names.iter().enumerate() {
@@ -188,19 +219,20 @@ pub fn run(out: &Path, secs: f64, rounds: usize) -> Result<()> {
     }
     std::fs::write(out, serde_json::to_string_pretty(&result)? + "\n")?;
     let f = |v: &Value| v.as_f64().map_or("n/a".to_owned(), |x| format!("{x:.2}"));
-    println!("| scenario | Gbit/s 1 stream | Gbit/s 4 streams | RR p50 µs | RR p99 µs | conn/s | proxy CPU s/GB | RSS KiB/conn |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| scenario | Gbit/s 1 stream | Gbit/s 4 streams | RR p50 µs | RR p99 µs | conn/s | proxy CPU s/GB | RSS KiB/open stream | RSS KiB/idle pooled conn |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for name in names {
         let x = &scenarios[name];
         println!(
-            "| {name} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {name} | {} | {} | {} | {} | {} | {} | {} | {} |",
             f(&x["throughput_gbps"]),
             f(&x["throughput_4_gbps"]),
             f(&x["rr_p50_us"]),
             f(&x["rr_p99_us"]),
             f(&x["conn_per_s"]),
             f(&x["cpu_s_per_gb"]),
-            f(&x["rss_kib_per_conn"])
+            f(&x["rss_kib_per_conn"]),
+            f(&x["rss_kib_per_idle_conn"])
         );
     }
     let (d, h) = (&scenarios["direct"], &scenarios["hbone"]);

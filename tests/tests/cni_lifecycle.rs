@@ -222,3 +222,47 @@ fn a_hundred_pods_added_and_removed_concurrently_leave_nothing_behind() {
     }
     assert!(proxy_fds() <= baseline, "the proxy holds {} fds, {baseline} before", proxy_fds());
 }
+
+#[test]
+fn adding_and_removing_another_pod_leaves_open_connections_alone() {
+    let node = CniNode::start(&workloads(3)).expect("node");
+    let (p0, p1) = two_pods(&node);
+    let mut conn = connect_from(&p0, SocketAddr::new(p1.ip, 8080)).expect("connect");
+    let mut back = [0u8; 4];
+    conn.write_all(b"one.").expect("send");
+    conn.read_exact(&mut back).expect("echo");
+    let p2 = node.add_pod("p2").expect("ADD p2");
+    node.del_pod(&p2, &p2.netns.path().display().to_string()).expect("DEL").expect("DEL ok");
+    conn.write_all(b"two.").expect("send after another pod came and went");
+    conn.read_exact(&mut back).expect("echo after another pod came and went");
+    assert_eq!(&back, b"two.");
+}
+
+#[test]
+fn a_pod_removed_with_connections_open_has_them_closed_and_is_no_longer_served() {
+    let node = CniNode::start(&workloads(2)).expect("node");
+    let (p0, p1) = two_pods(&node);
+    let dst = SocketAddr::new(p1.ip, 8080);
+    let mut conn = connect_from(&p0, dst).expect("connect");
+    let mut back = [0u8; 4];
+    conn.write_all(b"one.").expect("send");
+    conn.read_exact(&mut back).expect("echo");
+    node.del_pod(&p0, &p0.netns.path().display().to_string()).expect("DEL").expect("DEL ok");
+    // The proxy ended the pod's connections: the app sees its connection end.
+    let mut ended = false;
+    for _ in 0..50 {
+        match conn.read(&mut back) {
+            Ok(0) | Err(_) => {
+                ended = true;
+                break;
+            }
+            Ok(_) => {}
+        }
+    }
+    assert!(ended, "a removed pod's connection stayed open");
+    let mut pods = node.proxy_pods().expect("pods");
+    pods.sort();
+    assert_eq!(pods, vec!["uid-p1"]);
+    // Not enrolled any more: p0's traffic is no longer captured (it goes straight out).
+    assert_eq!(node.enrolled().len(), 1);
+}

@@ -38,7 +38,7 @@ impl Drop for Hbone {
     }
 }
 
-fn start_hbone(pods: &PodPair, extra: &[&str]) -> Result<Hbone> {
+fn start_hbone(pods: &PodPair, extra: &[&str], env: &[(&str, &str)]) -> Result<Hbone> {
     let (root, cgroup) = (PinRoot::new(), CgroupGuard::new()?);
     {
         let dp = root.datapath()?;
@@ -68,7 +68,7 @@ fn start_hbone(pods: &PodPair, extra: &[&str]) -> Result<Hbone> {
         for flag in ["--admin-addr", "--stats-addr", "--readiness-addr"] {
             cmd.arg(flag).arg("127.0.0.1:0");
         }
-        cmd.args(extra);
+        cmd.args(extra).envs(env.iter().copied());
         cmd.env("RUST_LOG", "error").stderr(Stdio::null());
         proxies.push(TestProxy::spawn(cmd, &cgroup)?);
     }
@@ -116,7 +116,7 @@ fn scenario(name: &str, secs: f64) -> Result<Value> {
     stats::start_rr_server(&b, rr)?;
     stats::start_oneshot_server(&b, oneshot)?;
     let _iperf = pods.b.iperf3_server(pods.b_ip.into(), IPERF_PORT, false)?;
-    let mut hbone = if name == "hbone" { Some(start_hbone(&pods, &[])?) } else { None };
+    let mut hbone = if name == "hbone" { Some(start_hbone(&pods, &[], &[])?) } else { None };
     let pids: Vec<u32> = hbone.iter().flat_map(|h| h.proxies.iter().map(TestProxy::pid)).collect();
     let cpu = |pids: &[u32]| -> Result<f64> { pids.iter().map(|&p| usage(p).map(|u| u.0)).sum() };
 
@@ -156,11 +156,13 @@ fn scenario(name: &str, secs: f64) -> Result<Value> {
     };
     // Memory per idle pooled connection: fresh proxies allowing one stream per connection, 100
     // connections opened (100 HTTP/2 connections) and closed; what node 1's proxy holds with
-    // the 100 idle pooled connections, over what it held before. An upper bound: memory freed
-    // by the closed streams that the allocator keeps counts too.
+    // the 100 idle pooled connections, over what it held before. glibc's malloc is told to give
+    // freed memory back at once (MALLOC_TRIM_THRESHOLD_=0): otherwise the buffers of the 100
+    // closed streams, freed but kept by the allocator, would be counted as the connections'.
     let rss_kib_per_idle_conn = if let Some(old) = hbone.take() {
         drop(old);
-        let fresh = start_hbone(&pods, &["--pool-max-streams", "1"])?;
+        let fresh =
+            start_hbone(&pods, &["--pool-max-streams", "1"], &[("MALLOC_TRIM_THRESHOLD_", "0")])?;
         let pid = fresh.proxies[0].pid();
         drop(hold(1)?);
         std::thread::sleep(Duration::from_millis(300));

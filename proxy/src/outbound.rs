@@ -22,7 +22,6 @@ use crate::{
     inpod::Pod,
     metrics::{ConnGuard, ConnInfo, Direction, Meter},
     pool::PoolKey,
-    tls,
 };
 
 /// Serves one pod's outbound listeners (127.0.0.1:15001 and [::1]:15001 in its netns).
@@ -159,10 +158,8 @@ async fn via_hbone(
                 .await
                 .map_err(|_| hbone::HboneError::Connect(gateway, io::ErrorKind::TimedOut.into()))?
                 .map_err(|e| hbone::HboneError::Connect(gateway, e))?;
-            let cert = pod.cert().ok_or_else(|| {
-                hbone::HboneError::Tls(gateway, io::Error::other("no certificate"))
-            })?;
-            let config = tls::client_config(&cert, &proxy.certs.roots(), vec![dst.identity()])
+            let config = pod
+                .client_tls(&dst.identity())
                 .map_err(|e| hbone::HboneError::Tls(gateway, io::Error::other(e)))?;
             hbone::handshake(tcp, gateway, config).await
         })

@@ -18,8 +18,10 @@ use crate::identity::{Identity, WorkloadCert};
 /// ALPN protocol of HBONE.
 pub const ALPN_H2: &[u8] = b"h2";
 
+/// One crypto provider for every configuration.
 fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+    static PROVIDER: std::sync::OnceLock<Arc<CryptoProvider>> = std::sync::OnceLock::new();
+    PROVIDER.get_or_init(|| Arc::new(rustls::crypto::ring::default_provider())).clone()
 }
 
 /// The URI SANs that are SPIFFE identities in a DER certificate.

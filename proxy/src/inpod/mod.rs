@@ -7,6 +7,7 @@
 pub mod zds;
 
 use std::{
+    collections::HashMap,
     future::Future,
     sync::{Arc, RwLock},
     time::SystemTime,
@@ -14,7 +15,7 @@ use std::{
 
 use anyhow::Context as _;
 use meshpath_loader::netns::Netns;
-use rustls::ServerConfig;
+use rustls::{ClientConfig, ServerConfig};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -34,6 +35,10 @@ struct PodTls {
     fetched: SystemTime,
     stamp: Vec<Option<SystemTime>>,
     server: Arc<ServerConfig>,
+    /// Client configurations by expected peer identity, made once per certificate: every
+    /// pooled connection holds its configuration, so sharing it is memory each connection
+    /// does not cost (and a key not parsed per connection).
+    clients: HashMap<Identity, Arc<ClientConfig>>,
 }
 
 /// One pod served by this proxy.
@@ -62,6 +67,20 @@ impl Pod {
     /// The pod's certificate now.
     pub fn cert(&self) -> Option<Arc<WorkloadCert>> {
         self.tls.read().ok().map(|t| t.cert.clone())
+    }
+
+    /// The TLS client configuration for connections to a peer that must be `peer`.
+    pub fn client_tls(&self, peer: &Identity) -> anyhow::Result<Arc<ClientConfig>> {
+        if let Some(c) = self.tls.read().ok().and_then(|t| t.clients.get(peer).cloned()) {
+            return Ok(c);
+        }
+        let mut t = self.tls.write().map_err(|_| anyhow::anyhow!("TLS state lock poisoned"))?;
+        if let Some(c) = t.clients.get(peer) {
+            return Ok(c.clone());
+        }
+        let c = tls::client_config(&t.cert, &self.proxy.certs.roots(), vec![peer.clone()])?;
+        t.clients.insert(peer.clone(), c.clone());
+        Ok(c)
     }
 
     /// The TLS server configuration of its HBONE port now.
@@ -112,7 +131,13 @@ fn fetch_tls(proxy: &Proxy, id: &Identity) -> anyhow::Result<PodTls> {
     // Fails if the key does not match the certificate (files caught between two writes).
     let server = tls::server_config(&cert, &proxy.certs.roots())
         .with_context(|| format!("certificate for {id}"))?;
-    Ok(PodTls { cert: Arc::new(cert), fetched: SystemTime::now(), stamp, server })
+    Ok(PodTls {
+        cert: Arc::new(cert),
+        fetched: SystemTime::now(),
+        stamp,
+        server,
+        clients: HashMap::new(),
+    })
 }
 
 /// Starts serving a pod: `workload` is what the store (or the node agent) says about it,

@@ -13,7 +13,10 @@ use std::{
 use meshpath_loader::netns::Netns;
 use tokio::net::{TcpListener, TcpSocket, UdpSocket};
 
-type Request = (socket2::Domain, socket2::Type, mpsc::Sender<io::Result<socket2::Socket>>);
+enum Request {
+    Socket(socket2::Domain, socket2::Type, mpsc::Sender<io::Result<socket2::Socket>>),
+    Addresses(mpsc::Sender<io::Result<Vec<std::net::IpAddr>>>),
+}
 
 /// Creates sockets inside one pod's netns.
 #[derive(Debug)]
@@ -35,8 +38,15 @@ impl SocketFactory {
                 return;
             }
             // Ends when the factory (the sender) is dropped.
-            for (domain, ty, reply) in rx {
-                let _ = reply.send(socket2::Socket::new(domain, ty, None));
+            for req in rx {
+                match req {
+                    Request::Socket(domain, ty, reply) => {
+                        let _ = reply.send(socket2::Socket::new(domain, ty, None));
+                    }
+                    Request::Addresses(reply) => {
+                        let _ = reply.send(addresses());
+                    }
+                }
             }
         })?;
         ready_rx.recv().map_err(io::Error::other)??;
@@ -49,7 +59,18 @@ impl SocketFactory {
         self.requests
             .lock()
             .map_err(|_| io::Error::other("socket thread lock poisoned"))?
-            .send((domain, ty, tx))
+            .send(Request::Socket(domain, ty, tx))
+            .map_err(|_| io::Error::other("the pod's socket thread is gone"))?;
+        rx.recv().map_err(|_| io::Error::other("the pod's socket thread is gone"))?
+    }
+
+    /// The pod's addresses (not loopback, not link-local IPv6).
+    pub fn addresses(&self) -> io::Result<Vec<std::net::IpAddr>> {
+        let (tx, rx) = mpsc::channel();
+        self.requests
+            .lock()
+            .map_err(|_| io::Error::other("socket thread lock poisoned"))?
+            .send(Request::Addresses(tx))
             .map_err(|_| io::Error::other("the pod's socket thread is gone"))?;
         rx.recv().map_err(|_| io::Error::other("the pod's socket thread is gone"))?
     }
@@ -85,4 +106,25 @@ impl SocketFactory {
         s.bind(&addr.into())?;
         UdpSocket::from_std(s.into())
     }
+}
+
+/// The calling thread's netns addresses, as the pod's.
+fn addresses() -> io::Result<Vec<std::net::IpAddr>> {
+    let mut out = Vec::new();
+    for ifa in nix::ifaddrs::getifaddrs()? {
+        let Some(addr) = ifa.address else { continue };
+        let ip = if let Some(v4) = addr.as_sockaddr_in() {
+            std::net::IpAddr::V4(v4.ip())
+        } else if let Some(v6) = addr.as_sockaddr_in6() {
+            std::net::IpAddr::V6(v6.ip())
+        } else {
+            continue;
+        };
+        let link_local =
+            matches!(ip, std::net::IpAddr::V6(v6) if (v6.segments()[0] & 0xffc0) == 0xfe80);
+        if !ip.is_loopback() && !link_local && !out.contains(&ip) {
+            out.push(ip);
+        }
+    }
+    Ok(out)
 }

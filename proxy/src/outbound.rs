@@ -84,9 +84,15 @@ fn random_index(n: usize) -> usize {
     (u64::from_ne_bytes(b) % n as u64) as usize
 }
 
-async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<()> {
+async fn handle(conn: TcpStream, loopback_peer: SocketAddr, pod: &Pod) -> anyhow::Result<()> {
     let proxy = &pod.proxy;
     let orig = original_dst(&conn)?;
+    // The app's socket was steered to loopback, so its address here is 127.0.0.1 / ::1; the
+    // app's own address (as under iptables REDIRECT, and as ztunnel reports it) is the pod's,
+    // with the app's port.
+    let peer = pod
+        .address_for(orig.ip())
+        .map_or(loopback_peer, |ip| SocketAddr::new(ip, loopback_peer.port()));
     if [ports::OUTBOUND, ports::INBOUND_PLAINTEXT, ports::HBONE].contains(&orig.port()) {
         proxy.metrics.error(Direction::Outbound, "loop");
         anyhow::bail!("refusing {orig}: a proxy port as destination would loop");

@@ -293,3 +293,105 @@ fn an_idle_pooled_connection_is_released() {
     }
     assert_eq!(hbone_connections(&nodes), 0, "the released connection is still open");
 }
+
+/// What a peer proxy sees of one CONNECT from node 1's proxy.
+#[derive(Debug)]
+struct Seen {
+    sni: Option<String>,
+    alpn: Option<Vec<u8>>,
+    version: Option<rustls::ProtocolVersion>,
+    client: Vec<Identity>,
+    method: http::Method,
+    authority: String,
+    headers: http::HeaderMap,
+}
+
+#[tokio::test]
+async fn the_connect_request_is_what_ztunnel_sends() {
+    let mut nodes = TwoNodes::new(MESHED);
+    // Node 2's proxy stands down; a bare HTTP/2-over-TLS server takes pod b's port 15008.
+    nodes.proxies[1].proxy.stop();
+    let server_cert = nodes
+        .ca
+        .issue(&Identity::new("cluster.local", "default", "sa-b"), Duration::from_secs(600))
+        .expect("cert");
+    let config = tls::server_config(&server_cert, std::slice::from_ref(&nodes.ca.cert_der))
+        .expect("server config");
+    let listener = nodes.pods.b.listen(nodes.b(false, 15008)).expect("bind 15008");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let listener = tokio::net::TcpListener::from_std(listener).expect("tokio");
+    let server = tokio::spawn(async move {
+        let (tcp, _) = listener.accept().await.expect("accept");
+        let tls = tokio_rustls::TlsAcceptor::from(config).accept(tcp).await.expect("TLS");
+        let (_, conn) = tls.get_ref();
+        let (sni, alpn, version) = (
+            conn.server_name().map(str::to_owned),
+            conn.alpn_protocol().map(<[u8]>::to_vec),
+            conn.protocol_version(),
+        );
+        let client = conn
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .map(tls::spiffe_ids)
+            .unwrap_or_default();
+        let mut h2 = h2::server::handshake(tls).await.expect("h2");
+        let (req, mut respond) = h2.accept().await.expect("a stream").expect("stream");
+        let seen = Seen {
+            sni,
+            alpn,
+            version,
+            client,
+            method: req.method().clone(),
+            authority: req.uri().authority().map(|a| a.to_string()).unwrap_or_default(),
+            headers: req.headers().clone(),
+        };
+        let mut send = respond.send_response(http::Response::new(()), false).expect("200");
+        send.send_data(bytes::Bytes::from_static(b"hello from b"), true).expect("data");
+        tokio::spawn(async move { while h2.accept().await.is_some() {} });
+        seen
+    });
+    let dst = nodes.b(false, 8110);
+    let app = tokio::task::spawn_blocking(move || {
+        let mut c = nodes
+            .pods
+            .a
+            .open()
+            .expect("a")
+            .run(|| std::net::TcpStream::connect_timeout(&dst, Duration::from_secs(5)))
+            .expect("netns")
+            .expect("connect");
+        c.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        let mut buf = [0u8; 12];
+        c.read_exact(&mut buf).expect("the server's bytes");
+        let local = c.local_addr().expect("local");
+        (buf, local, nodes)
+    });
+    let seen = server.await.expect("server");
+    let (buf, app_addr, nodes) = app.await.expect("app");
+    assert_eq!(&buf, b"hello from b");
+    assert_eq!(seen.sni, None, "SNI was sent");
+    assert_eq!(seen.alpn.as_deref(), Some(&b"h2"[..]));
+    assert_eq!(seen.version, Some(rustls::ProtocolVersion::TLSv1_3));
+    assert_eq!(seen.client, vec![Identity::new("cluster.local", "default", "sa-a")]);
+    assert_eq!(seen.method, http::Method::CONNECT);
+    assert_eq!(seen.authority, dst.to_string());
+    let header =
+        |n: &str| seen.headers.get(n).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
+    // The app's address as under iptables: the pod's, with the app's port (its socket itself
+    // was steered to loopback).
+    assert_eq!(header("forwarded"), format!("for=\"{}:{}\"", nodes.pods.a_ip, app_addr.port()));
+    let baggage = header("baggage");
+    for kv in ["k8s.namespace.name=default", "k8s.cluster.name=", "service.name="] {
+        assert!(baggage.contains(kv), "baggage {baggage:?} lacks {kv}");
+    }
+    let tp = header("traceparent");
+    let parts: Vec<&str> = tp.split('-').collect();
+    assert!(
+        parts.len() == 4
+            && parts[0] == "00"
+            && parts[1].len() == 32
+            && parts[2].len() == 16
+            && parts[1..3].iter().all(|p| p.bytes().all(|b| b.is_ascii_hexdigit())),
+        "traceparent {tp:?}"
+    );
+}

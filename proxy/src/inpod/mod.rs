@@ -109,6 +109,12 @@ impl Pod {
         Ok(true)
     }
 
+    /// The pod's address of `dst`'s family (v4 or v6), if it has one.
+    pub fn address_for(&self, dst: std::net::IpAddr) -> Option<std::net::IpAddr> {
+        let ips = &self.workload.workload_ips;
+        ips.iter().find(|ip| ip.is_ipv4() == dst.is_ipv4()).copied()
+    }
+
     /// Runs `task` as one of the pod's connections: tracked by the drain, ended if the pod is
     /// removed.
     pub fn spawn(&self, task: impl Future<Output = ()> + Send + 'static) {
@@ -146,12 +152,16 @@ pub fn add(
     proxy: &Arc<Proxy>,
     uid: &str,
     netns: Netns,
-    workload: Workload,
+    mut workload: Workload,
 ) -> anyhow::Result<Arc<Pod>> {
     let identity = workload.identity();
     let tls = fetch_tls(proxy, &identity)?;
     let sockets =
         SocketFactory::new(&netns).with_context(|| format!("entering the netns of pod {uid}"))?;
+    if workload.workload_ips.is_empty() {
+        // Not in the store (a pod the agent just added): its addresses are in its netns.
+        workload.workload_ips = sockets.addresses().unwrap_or_default();
+    }
     if let Some(old) = proxy.take_pod(uid) {
         stop(&old);
     }

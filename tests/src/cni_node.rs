@@ -154,6 +154,11 @@ impl CniNode {
 
     /// Starts (or restarts) the agent; waits until it serves.
     pub fn start_agent(&mut self) -> Result<()> {
+        self.start_agent_with(&[])
+    }
+
+    /// `start_agent` with more arguments.
+    pub fn start_agent_with(&mut self, extra: &[String]) -> Result<()> {
         self.agent = None;
         let mut cmd = Command::new("nsenter");
         cmd.arg(format!("--net={}", self.node.path().display()))
@@ -172,6 +177,7 @@ impl CniNode {
             .arg("--proxy-cgroup-from-zds-peer")
             .arg("--health-addr")
             .arg("127.0.0.1:0")
+            .args(extra)
             .env("RUST_LOG", "info");
         self.agent = Some(TestProxy::spawn(cmd, &self._agent_cgroup)?);
         Ok(())

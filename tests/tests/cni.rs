@@ -254,3 +254,63 @@ fn malformed_cni_input_gets_a_precise_error_and_the_spec_error_code() {
         "{out}"
     );
 }
+
+#[test]
+fn the_agent_installs_its_plugin_repairs_its_chain_entry_and_uninstall_removes_both() {
+    let mut node = CniNode::bare(WORKLOADS).expect("node");
+    let (bin, conf) = (node.dir.join("opt-cni-bin"), node.dir.join("etc-cni-net.d"));
+    std::fs::create_dir_all(&bin).expect("bin dir");
+    std::fs::create_dir_all(&conf).expect("conf dir");
+    let bridge_only = json!({"cniVersion": "1.0.0", "name": "k8s", "plugins": [{"type": "bridge", "bridge": "cni0"}]});
+    let list = conf.join("10-k8s.conflist");
+    std::fs::write(&list, bridge_only.to_string()).expect("conflist");
+    node.start_agent_with(&[
+        "--cni-bin-dir".into(),
+        bin.display().to_string(),
+        "--cni-conf-dir".into(),
+        conf.display().to_string(),
+        "--cni-plugin".into(),
+        meshpath_tests::sibling_bin("meshpath-cni").display().to_string(),
+    ])
+    .expect("agent");
+    let chained = |want: bool| {
+        (0..100).any(|_| {
+            let text = std::fs::read_to_string(&list).unwrap_or_default();
+            if text.contains("meshpath-cni") == want {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+            false
+        })
+    };
+    assert!(chained(true), "the agent did not chain its plugin");
+    assert!(bin.join("meshpath-cni").exists(), "the plugin binary was not installed");
+    let types = |v: &serde_json::Value| -> Vec<String> {
+        v["plugins"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p["type"].as_str().map(str::to_owned))
+            .collect()
+    };
+    let now: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&list).expect("read")).expect("json");
+    assert_eq!(types(&now), ["bridge", "meshpath-cni"]);
+    // Another agent rewrites the file without our entry: it comes back.
+    std::fs::write(&list, bridge_only.to_string()).expect("rewrite");
+    assert!(chained(true), "the entry was not repaired");
+    // Uninstall (the agent stopped first, or it would put the entry back).
+    node.agent = None;
+    let out = std::process::Command::new(meshpath_tests::loader_bin())
+        .args(["cni-uninstall", "--cni-bin-dir"])
+        .arg(&bin)
+        .arg("--cni-conf-dir")
+        .arg(&conf)
+        .output()
+        .expect("cni-uninstall");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let after: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&list).expect("read")).expect("json");
+    assert_eq!(types(&after), ["bridge"]);
+    assert!(!bin.join("meshpath-cni").exists(), "the plugin binary is left");
+}

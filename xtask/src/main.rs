@@ -39,6 +39,8 @@ enum Cmd {
         #[arg(long)]
         keep: bool,
     },
+    /// Make a CA for the proxies (DIR/ca.pem, DIR/ca-key.pem), as the demo and tests do.
+    Ca { dir: std::path::PathBuf },
     /// Run a benchmark (not a test; prints a table, writes results/NAME.json).
     Bench {
         /// Which: `capture` (meshpath capture vs istio-cni's iptables rules vs direct) or
@@ -94,6 +96,13 @@ fn run(cli: Cli) -> Result<()> {
                 cmd.arg("--out").arg(out);
             }
             bootstrap::run(cmd.args(args))?;
+        }
+        Cmd::Ca { dir } => {
+            let path = bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: false })?;
+            let bin_dir = cargo::build(path.as_deref(), false)?;
+            bootstrap::run(
+                std::process::Command::new(bin_dir.join("meshpath-proxy")).arg("new-ca").arg(&dir),
+            )?;
         }
         Cmd::Demo { keep } => {
             if !bootstrap::is_root() {

@@ -36,8 +36,13 @@ pub mod probe {
 /// Socket marks istio-cni uses. meshpath does not trust marks for bypass (an app with
 /// CAP_NET_ADMIN can set them); they are named here so tests and docs can refer to them.
 pub mod marks {
-    /// The mark ztunnel sets on its own sockets under istio-cni.
+    /// The mark ztunnel sets on its own sockets under istio-cni; meshpath's proxy sets it on
+    /// its transparent sockets to the app, and the pod's replies to them carry it too
+    /// (`tcp_fwmark_accept`), which routes them back to the proxy (see [`REPLY_TABLE`]).
     pub const PROXY_SOCKET: u32 = 0x539;
+    /// The routing table, in a pod's netns, that delivers marked replies locally (istio-cni's
+    /// table number for the same job).
+    pub const REPLY_TABLE: u32 = 133;
     /// Mask istio-cni applies to [`PROXY_SOCKET`].
     pub const PROXY_SOCKET_MASK: u32 = 0xfff;
     /// istio-cni's reply-routing connmark.
@@ -130,6 +135,10 @@ pub mod map_names {
     /// listener's port, [`crate::direction::INBOUND`]). The proxy inserts its own sockets; the
     /// kernel removes them when they close.
     pub const INBOUND_LISTENERS: &str = "INBOUND_LISTENERS";
+    /// Connections the proxy is opening transparently (client's address as source):
+    /// [`crate::TransparentKey`] → unused (LRU). The proxy inserts before connecting and
+    /// removes once connected.
+    pub const PROXY_TRANSPARENT: &str = "PROXY_TRANSPARENT";
 }
 
 /// meshpath's bpffs layout. Every path is relative to a pin root, [`pins::DEFAULT_ROOT`] unless

@@ -238,6 +238,22 @@ pub mod direction {
     pub const INBOUND: u16 = 2;
 }
 
+/// A connection the proxy is opening to an app with the client's address as its source
+/// (transparent): sk_lookup lets its SYN reach the app instead of steering it back to the proxy.
+/// Addresses as in [`PodIpKey`] (IPv4 v4-mapped); ports host order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TransparentKey {
+    /// The app's address (the pod's).
+    pub local: [u32; 4],
+    /// The client's address the proxy connects from.
+    pub remote: [u32; 4],
+    /// The app's port.
+    pub local_port: u16,
+    /// The proxy socket's port.
+    pub remote_port: u16,
+}
+
 #[cfg(feature = "user")]
 mod user {
     // SAFETY: #[repr(C)] integers with explicit padding fields: every bit pattern is valid.
@@ -247,6 +263,7 @@ mod user {
     unsafe impl aya::Pod for super::PodIpKey {}
     unsafe impl aya::Pod for super::CidrKey {}
     unsafe impl aya::Pod for super::SockKey {}
+    unsafe impl aya::Pod for super::TransparentKey {}
     // SAFETY: both types are #[repr(C)], made only of integers and byte arrays, with no padding
     // (u32+u32+u64+[u8;64] and 4×u64), so every bit pattern is valid.
     unsafe impl aya::Pod for super::PodCounters {}

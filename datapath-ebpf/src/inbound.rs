@@ -20,11 +20,11 @@ use aya_ebpf::{bindings::bpf_sk_lookup, macros::sk_lookup, programs::SkLookupCon
 use core::ptr::{addr_of, read_volatile};
 use datapath_common::{
     consts::{ports, probe},
-    direction, pod_flags, PodIpKey, PortKey, AF_INET,
+    direction, pod_flags, PodIpKey, PortKey, TransparentKey, AF_INET,
 };
 
 use crate::{
-    maps::{EXCLUDED_PORTS, INBOUND_LISTENERS, PODS, POD_IPS},
+    maps::{EXCLUDED_PORTS, INBOUND_LISTENERS, PODS, POD_IPS, PROXY_TRANSPARENT},
     net::{cidr_excluded, is_loopback4, is_v4_mapped, LOOPBACK6},
 };
 
@@ -41,6 +41,8 @@ struct Lookup {
     family: u32,
     protocol: u32,
     local_port: u16,
+    /// Host order.
+    remote_port: u16,
     ifindex: u32,
     local: PodIpKey,
     remote: PodIpKey,
@@ -56,6 +58,8 @@ impl Lookup {
             let family = read_volatile(addr_of!((*l).family));
             let protocol = read_volatile(addr_of!((*l).protocol));
             let local_port = read_volatile(addr_of!((*l).local_port));
+            // `remote_port` is in network order (the kernel pads it to 32 bits).
+            let remote_port = u16::from_be(read_volatile(addr_of!((*l).remote_port)));
             let ifindex = read_volatile(addr_of!((*l).ingress_ifindex));
             let local4 = read_volatile(addr_of!((*l).local_ip4));
             let remote4 = read_volatile(addr_of!((*l).remote_ip4));
@@ -76,6 +80,7 @@ impl Lookup {
                 family,
                 protocol,
                 local_port: local_port as u16,
+                remote_port,
                 ifindex,
                 local: if v4 { PodIpKey::v4(local4) } else { PodIpKey { addr: local6 } },
                 remote: if v4 { PodIpKey::v4(remote4) } else { PodIpKey { addr: remote6 } },
@@ -99,6 +104,17 @@ pub fn mp_sk_lookup(ctx: SkLookupContext) -> u32 {
     }
     let port = l.local_port;
     if port == ports::HBONE || port == ports::INBOUND_PLAINTEXT {
+        return SK_PASS;
+    }
+    // The proxy connecting to the app with the client's address: never recaptured.
+    let transparent = TransparentKey {
+        local: l.local.addr,
+        remote: l.remote.addr,
+        local_port: port,
+        remote_port: l.remote_port,
+    };
+    // SAFETY: as below.
+    if unsafe { PROXY_TRANSPARENT.get(&transparent) }.is_some() {
         return SK_PASS;
     }
     // SAFETY: map values are plain data owned by the map.

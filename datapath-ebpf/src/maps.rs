@@ -9,6 +9,7 @@ use aya_ebpf::{
 use datapath_common::{
     consts::{MAX_PODS, MAX_TRACKED_CONNECTIONS},
     CidrKey, ConnKey, NetnsCookie, OrigDst, PodCounters, PodInfo, PodIpKey, PortKey, SockKey,
+    TransparentKey,
 };
 
 /// Per pod, per CPU counters, created at enrolment and removed at unenrolment.
@@ -36,6 +37,11 @@ pub static ORIG_DST_BY_SOCKET: LruHashMap<u64, OrigDst> =
 /// Original destination by (netns, IP version, app port), for the proxy's getsockopt.
 #[map]
 pub static ORIG_DST_BY_CONN: LruHashMap<ConnKey, OrigDst> =
+    LruHashMap::pinned(MAX_TRACKED_CONNECTIONS, 0);
+
+/// Connections the proxy is opening to an app from the client's address: not captured inbound.
+#[map]
+pub static PROXY_TRANSPARENT: LruHashMap<TransparentKey, u8> =
     LruHashMap::pinned(MAX_TRACKED_CONNECTIONS, 0);
 
 /// Both ends of captured app↔proxy connections, when acceleration is on.

@@ -333,6 +333,13 @@ impl Datapath {
         self.hash_map(map_names::POD_IPS)
     }
 
+    /// The connections the proxy is opening transparently (see `TransparentKey`).
+    pub fn proxy_transparent(
+        &self,
+    ) -> Result<HashMap<MapData, datapath_common::TransparentKey, u8>> {
+        self.hash_map(map_names::PROXY_TRANSPARENT)
+    }
+
     fn hash_map<K: aya::Pod, V: aya::Pod>(&self, name: &str) -> Result<HashMap<MapData, K, V>> {
         HashMap::try_from(self.map(name)?).map_err(|e| Error::bpf(format!("map {name}"), e))
     }
@@ -393,6 +400,49 @@ pub fn inbound_listener_key(cookie: NetnsCookie) -> PortKey {
 /// A program load result, with a rejection turned into [`Error::Verifier`].
 pub(crate) fn load(res: Result<(), ProgramError>, name: &str) -> Result<()> {
     res.map_err(|e| verifier_error(name, e))
+}
+
+/// The connections the proxy is opening to apps with their clients' addresses as source; the
+/// datapath's sk_lookup lets exactly these reach the app instead of capturing them. Opened once
+/// by the proxy; thread-safe.
+#[derive(Debug)]
+pub struct TransparentConns(
+    std::sync::Mutex<HashMap<MapData, datapath_common::TransparentKey, u8>>,
+);
+
+impl TransparentConns {
+    /// Opens the pinned map of the datapath under `root` (which must be loaded already).
+    pub fn open(root: &Path) -> Result<Self> {
+        Ok(Self(std::sync::Mutex::new(Datapath::open_existing(root)?.proxy_transparent()?)))
+    }
+
+    fn key(
+        app: std::net::SocketAddr,
+        from: std::net::SocketAddr,
+    ) -> datapath_common::TransparentKey {
+        datapath_common::TransparentKey {
+            local: crate::pods::ip_key(app.ip()).addr,
+            remote: crate::pods::ip_key(from.ip()).addr,
+            local_port: app.port(),
+            remote_port: from.port(),
+        }
+    }
+
+    /// Lets a connection from `from` to the app at `app` through.
+    pub fn insert(&self, app: std::net::SocketAddr, from: std::net::SocketAddr) -> Result<()> {
+        let mut m = self
+            .0
+            .lock()
+            .map_err(|_| Error::io("PROXY_TRANSPARENT", io::Error::other("lock poisoned")))?;
+        m.insert(Self::key(app, from), 1, 0).map_err(|e| Error::bpf("writing PROXY_TRANSPARENT", e))
+    }
+
+    /// Forgets it (once connected: only the SYN needs it).
+    pub fn remove(&self, app: std::net::SocketAddr, from: std::net::SocketAddr) {
+        if let Ok(mut m) = self.0.lock() {
+            let _ = m.remove(&Self::key(app, from));
+        }
+    }
 }
 
 /// The cgroup v2 mount point (`MESHPATH_CGROUP_ROOT` overrides): where node-wide programs

@@ -176,18 +176,17 @@ async fn serve_stream(
         dst_service: None,
     };
     let guard = ConnGuard::open(&proxy.metrics, info);
-    let connect = pod.sockets.socket(target)?.connect(target);
-    let app = match tokio::time::timeout(proxy.settings.connect_timeout, connect).await {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) => {
-            proxy.metrics.error(Direction::Inbound, "upstream_refused");
+    let limit = proxy.settings.connect_timeout;
+    let app = match crate::transparent::connect_app(pod, src.ip(), target, limit).await {
+        Ok(s) => s,
+        Err(e) => {
+            let timeout = e.kind() == io::ErrorKind::TimedOut;
+            proxy.metrics.error(
+                Direction::Inbound,
+                if timeout { "upstream_timeout" } else { "upstream_refused" },
+            );
             warn!(%target, error = %e, "app unreachable: 503");
             guard.finish(Some(&e.to_string()));
-            return reply(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
-        }
-        Err(_) => {
-            proxy.metrics.error(Direction::Inbound, "upstream_timeout");
-            guard.finish(Some("connect timed out"));
             return reply(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
         }
     };

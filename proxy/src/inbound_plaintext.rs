@@ -65,7 +65,8 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
         dst_service: None,
     };
     let guard = ConnGuard::open(&proxy.metrics, info);
-    let app = match pod.sockets.socket(dst)?.connect(dst).await {
+    let limit = proxy.settings.connect_timeout;
+    let app = match crate::transparent::connect_app(pod, peer.ip(), dst, limit).await {
         Ok(a) => a,
         Err(e) => {
             proxy.metrics.error(Direction::Inbound, "upstream_refused");

@@ -3,6 +3,7 @@
 //! - `state` — the node-wide state; `inpod` — the pods served (add, remove, certificates);
 //! - `outbound` — a pod's captured connections (15001) → HBONE or passthrough, services resolved;
 //! - `inbound` — HBONE (15008) → the pod's app; `inbound_plaintext` — 15006 → the app;
+//!   `transparent` — connecting to the app with the client's address;
 //! - `dns` — 15053; `admin` — 15000 / 15020 / 15021;
 //! - `hbone` — the protocol; `tls` — mTLS with SPIFFE checks; `pool` — shared HTTP/2 connections;
 //! - `identity`, `certs` — identities and where certificates come from;
@@ -30,3 +31,4 @@ pub mod pool;
 pub mod reload;
 pub mod state;
 pub mod tls;
+pub mod transparent;

@@ -56,6 +56,10 @@ struct Cli {
     /// opened and registered there.
     #[arg(long)]
     pin_root: Option<PathBuf>,
+    /// Connect to apps from the pod's own address rather than the client's (by default the
+    /// client's is kept, when the datapath is known: `--pin-root`).
+    #[arg(long)]
+    no_preserve_source: bool,
     /// DNS upstreams for names not in the store (repeatable; default: /etc/resolv.conf's).
     #[arg(long = "dns-upstream", value_name = "IP:PORT")]
     dns_upstreams: Vec<SocketAddr>,
@@ -157,6 +161,8 @@ fn certs(cli: &Cli) -> Result<Certs> {
 }
 
 fn run(cli: Cli, log: LogControl) -> Result<()> {
+    // Stamped before reading: a change written meanwhile is reloaded, not missed.
+    let stamp = reload::mtime(&cli.workloads);
     let store = WorkloadStore::load(&cli.workloads)?;
     let dns_upstreams = if cli.dns_upstreams.is_empty() {
         dns::resolv_conf_upstreams(&std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default())
@@ -170,8 +176,9 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
         pool_idle: Duration::from_secs(cli.pool_idle_seconds),
         handshake_timeout: Duration::from_secs(cli.handshake_timeout_seconds),
         connect_timeout: Duration::from_secs(cli.connect_timeout_seconds),
+        preserve_source: !cli.no_preserve_source,
     };
-    let proxy = Proxy::new(store, certs(&cli)?, settings);
+    let proxy = Proxy::new(store, certs(&cli)?, settings)?;
     let mut pods = Vec::new();
     for spec in &cli.pods {
         let (uid, path) =
@@ -200,6 +207,7 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
             reload::spawn(
                 proxy.clone(),
                 cli.workloads.clone(),
+                stamp,
                 Duration::from_millis(cli.refresh_ms.max(10)),
             );
             match &cli.zds_socket {

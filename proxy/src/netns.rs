@@ -13,9 +13,12 @@ use std::{
 use meshpath_loader::netns::Netns;
 use tokio::net::{TcpListener, TcpSocket, UdpSocket};
 
+type Job = Box<dyn FnOnce() -> io::Result<()> + Send>;
+
 enum Request {
     Socket(socket2::Domain, socket2::Type, mpsc::Sender<io::Result<socket2::Socket>>),
     Addresses(mpsc::Sender<io::Result<Vec<std::net::IpAddr>>>),
+    Run(Job, mpsc::Sender<io::Result<()>>),
 }
 
 /// Creates sockets inside one pod's netns.
@@ -46,6 +49,9 @@ impl SocketFactory {
                     Request::Addresses(reply) => {
                         let _ = reply.send(addresses());
                     }
+                    Request::Run(job, reply) => {
+                        let _ = reply.send(job());
+                    }
                 }
             }
         })?;
@@ -62,6 +68,48 @@ impl SocketFactory {
             .send(Request::Socket(domain, ty, tx))
             .map_err(|_| io::Error::other("the pod's socket thread is gone"))?;
         rx.recv().map_err(|_| io::Error::other("the pod's socket thread is gone"))?
+    }
+
+    /// Runs `job` on the pod's thread (inside its netns); children it starts run there too.
+    pub fn run(&self, job: impl FnOnce() -> io::Result<()> + Send + 'static) -> io::Result<()> {
+        let (tx, rx) = mpsc::channel();
+        self.requests
+            .lock()
+            .map_err(|_| io::Error::other("socket thread lock poisoned"))?
+            .send(Request::Run(Box::new(job), tx))
+            .map_err(|_| io::Error::other("the pod's socket thread is gone"))?;
+        rx.recv().map_err(|_| io::Error::other("the pod's socket thread is gone"))?
+    }
+
+    /// A TCP socket inside the pod bound to `from`, an address that is not the pod's (the
+    /// client's): IP_TRANSPARENT, and marked so that the app's replies are routed back to it.
+    pub fn transparent(&self, from: std::net::IpAddr) -> io::Result<TcpSocket> {
+        use std::os::fd::AsRawFd as _;
+        let addr = SocketAddr::new(from, 0);
+        let s = self.raw(addr, socket2::Type::STREAM)?;
+        if from.is_ipv4() {
+            s.set_ip_transparent(true)?;
+        } else {
+            let on: libc::c_int = 1;
+            // SAFETY: a c_int option value of the right size.
+            let rc = unsafe {
+                libc::setsockopt(
+                    s.as_raw_fd(),
+                    libc::SOL_IPV6,
+                    libc::IPV6_TRANSPARENT,
+                    std::ptr::addr_of!(on).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+            if rc != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        s.set_mark(datapath_common::consts::marks::PROXY_SOCKET)?;
+        s.set_nonblocking(true)?;
+        s.set_nodelay(true)?;
+        s.bind(&addr.into())?;
+        Ok(TcpSocket::from_std_stream(s.into()))
     }
 
     /// The pod's addresses (not loopback, not link-local IPv6).

@@ -14,14 +14,16 @@ use tracing::{error, info};
 
 use crate::{config::WorkloadStore, metrics::ErrorLabels, state::Proxy};
 
-fn mtime(p: &Path) -> Option<SystemTime> {
+/// A file's modification time (what a change is detected by).
+pub fn mtime(p: &Path) -> Option<SystemTime> {
     std::fs::metadata(p).and_then(|m| m.modified()).ok()
 }
 
-/// Runs the refresh loop until the process ends.
-pub fn spawn(proxy: Arc<Proxy>, workloads: PathBuf, every: Duration) {
+/// Runs the refresh loop until the process ends; `seen` is the workload file's modification
+/// time when the store in force was read.
+pub fn spawn(proxy: Arc<Proxy>, workloads: PathBuf, seen: Option<SystemTime>, every: Duration) {
     tokio::spawn(async move {
-        let mut seen = mtime(&workloads);
+        let mut seen = seen;
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {

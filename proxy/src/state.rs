@@ -31,6 +31,8 @@ pub struct Settings {
     pub handshake_timeout: Duration,
     /// Limit on an upstream TCP connect.
     pub connect_timeout: Duration,
+    /// Connect to apps with the client's address as source (needs `pin_root`).
+    pub preserve_source: bool,
 }
 
 impl Default for Settings {
@@ -42,6 +44,7 @@ impl Default for Settings {
             pool_idle: Duration::from_secs(300),
             handshake_timeout: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(10),
+            preserve_source: true,
         }
     }
 }
@@ -57,12 +60,26 @@ pub struct Proxy {
     pub settings: Settings,
     pods: Mutex<BTreeMap<String, Arc<Pod>>>,
     ready: AtomicBool,
+    /// The datapath's `PROXY_TRANSPARENT` map, when source preservation is on.
+    pub transparent: Option<meshpath_loader::datapath::TransparentConns>,
 }
 
 impl Proxy {
-    pub fn new(store: WorkloadStore, certs: Certs, settings: Settings) -> Arc<Self> {
+    /// The proxy. With a pin root and `preserve_source`, the datapath's `PROXY_TRANSPARENT` map
+    /// is opened (the datapath must be loaded).
+    pub fn new(
+        store: WorkloadStore,
+        certs: Certs,
+        settings: Settings,
+    ) -> anyhow::Result<Arc<Self>> {
         let metrics = Arc::new(Metrics::new());
-        Arc::new(Self {
+        let transparent = match &settings.pin_root {
+            Some(root) if settings.preserve_source => {
+                Some(meshpath_loader::datapath::TransparentConns::open(root)?)
+            }
+            _ => None,
+        };
+        Ok(Arc::new(Self {
             store: RwLock::new(Arc::new(store)),
             certs,
             drain: Drain::new(),
@@ -71,7 +88,8 @@ impl Proxy {
             settings,
             pods: Mutex::new(BTreeMap::new()),
             ready: AtomicBool::new(false),
-        })
+            transparent,
+        }))
     }
 
     /// The workload store now (a snapshot: a reload does not change it under a connection).

@@ -25,9 +25,14 @@ fn hbone_round_trip(v6: bool) {
     let payload: Vec<u8> = (0..200_000u32).map(|i| (i % 253) as u8).collect();
     let back = nodes.app_round_trip(dst, &payload).expect("round trip");
     assert_eq!(back, payload);
-    // The app was reached by node 2's proxy from inside pod b, not by pod a directly.
+    // The app was reached through node 2's proxy (it counted the connection), which kept the
+    // client's address: the app sees pod a.
     let from = server.join().expect("server").expect("server io");
-    assert_eq!(from.ip(), dst.ip(), "the app was not reached through HBONE (v6={v6})");
+    assert_eq!(from.ip(), nodes.a(v6, 0).ip(), "the client's address was not kept (v6={v6})");
+    let carried = nodes.proxies[1]
+        .metric("istio_tcp_connections_opened_total", &[("reporter", "destination")])
+        .expect("metrics");
+    assert_eq!(carried, 1.0, "the app was not reached through node 2's proxy (v6={v6})");
 }
 
 #[test]
@@ -145,7 +150,25 @@ fn plaintext_to_a_pod_captured_inbound_goes_through_its_proxy() {
     let server = nodes.echo_in_b(dst);
     assert_eq!(nodes.app_round_trip(dst, b"plain in").expect("round trip"), b"plain in");
     let from = server.join().expect("server").expect("server io");
-    assert_eq!(from.ip(), dst.ip(), "the app was not reached through node 2's proxy");
+    assert_eq!(from.ip(), IpAddr::from(nodes.pods.a_ip), "the client's address was not kept");
+    let carried = nodes.proxies[1]
+        .metric(
+            "istio_tcp_connections_opened_total",
+            &[("reporter", "destination"), ("connection_security_policy", "unknown")],
+        )
+        .expect("metrics");
+    assert_eq!(carried, 1.0, "the app was not reached through node 2's proxy");
+}
+
+#[test]
+fn without_source_preservation_the_app_sees_the_pods_own_address() {
+    let nodes =
+        TwoNodes::start(Setup { args: vec!["--no-preserve-source".into()], ..Setup::default() });
+    let dst = nodes.b(false, 8111);
+    let server = nodes.echo_in_b(dst);
+    assert_eq!(nodes.app_round_trip(dst, b"plain src").expect("round trip"), b"plain src");
+    let from = server.join().expect("server").expect("server io");
+    assert_eq!(from.ip(), dst.ip());
 }
 
 #[test]

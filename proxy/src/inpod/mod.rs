@@ -55,6 +55,9 @@ pub struct Pod {
     pub listening: CancellationToken,
     /// Cancelled to end the pod's connections (removal only: shutdown lets them drain).
     pub gone: CancellationToken,
+    /// Whether its netns routes the app's replies to transparent connections back (see
+    /// `transparent`).
+    reply_routing: bool,
 }
 
 impl std::fmt::Debug for Pod {
@@ -107,6 +110,11 @@ impl Pod {
         self.proxy.metrics.cert_rotations.inc();
         info!(pod = %self.uid, identity = %self.identity, serial, "certificate renewed");
         Ok(true)
+    }
+
+    /// Whether connections to its app keep the client's address.
+    pub fn preserves_source(&self) -> bool {
+        self.reply_routing
     }
 
     /// The pod's address of `dst`'s family (v4 or v6), if it has one.
@@ -162,6 +170,14 @@ pub fn add(
         // Not in the store (a pod the agent just added): its addresses are in its netns.
         workload.workload_ips = sockets.addresses().unwrap_or_default();
     }
+    let reply_routing = proxy.transparent.is_some()
+        && match sockets.run(crate::transparent::setup_reply_routing) {
+            Ok(()) => true,
+            Err(e) => {
+                warn!(pod = %uid, error = %e, "no reply routing in the pod: its apps will see the pod's address as the client's");
+                false
+            }
+        };
     if let Some(old) = proxy.take_pod(uid) {
         stop(&old);
     }
@@ -175,6 +191,7 @@ pub fn add(
         proxy: proxy.clone(),
         listening: proxy.drain.child_token(),
         gone: CancellationToken::new(),
+        reply_routing,
     });
     let started = (|| -> anyhow::Result<()> {
         outbound::start(pod.clone())?;

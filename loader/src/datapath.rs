@@ -51,11 +51,7 @@ impl Datapath {
             fs::create_dir_all(root.join(dir))
                 .map_err(|e| Error::io(format!("creating {}", root.join(dir).display()), e))?;
         }
-        let dir =
-            File::open(root).map_err(|e| Error::io(format!("opening {}", root.display()), e))?;
-        let lock = Flock::lock(dir, FlockArg::LockExclusive)
-            .map_err(|(_, e)| Error::io(format!("locking {}", root.display()), e.into()))?;
-        let dp = Self { root: root.to_owned(), _lock: lock };
+        let dp = Self::locked(root)?;
         if !dp.maps_pinned() {
             // Parsing the object creates and pins every map it declares `pinned`.
             dp.load_object(0)?;
@@ -69,11 +65,7 @@ impl Datapath {
     /// Opens a datapath some agent already loaded under `root`, without loading or attaching
     /// anything (what the proxy needs to register its listeners): an error if nothing is pinned.
     pub fn open_existing(root: &Path) -> Result<Self> {
-        let dir =
-            File::open(root).map_err(|e| Error::io(format!("opening {}", root.display()), e))?;
-        let lock = Flock::lock(dir, FlockArg::LockExclusive)
-            .map_err(|(_, e)| Error::io(format!("locking {}", root.display()), e.into()))?;
-        let dp = Self { root: root.to_owned(), _lock: lock };
+        let dp = Self::locked(root)?;
         if !dp.maps_pinned() {
             return Err(Error::io(
                 format!("the datapath at {}", root.display()),
@@ -81,6 +73,15 @@ impl Datapath {
             ));
         }
         Ok(dp)
+    }
+
+    /// The root, its exclusive lock held.
+    fn locked(root: &Path) -> Result<Self> {
+        let dir =
+            File::open(root).map_err(|e| Error::io(format!("opening {}", root.display()), e))?;
+        let lock = Flock::lock(dir, FlockArg::LockExclusive)
+            .map_err(|(_, e)| Error::io(format!("locking {}", root.display()), e.into()))?;
+        Ok(Self { root: root.to_owned(), _lock: lock })
     }
 
     /// The pin root.

@@ -88,6 +88,20 @@ pub struct CniPod {
     pub ip: IpAddr,
 }
 
+impl CniPod {
+    /// A connection from the pod (its app) to `dst`, captured as the pod's traffic is.
+    pub fn connect(&self, dst: SocketAddr) -> std::io::Result<std::net::TcpStream> {
+        let c = self
+            .netns
+            .open()
+            .map_err(std::io::Error::other)?
+            .run(|| std::net::TcpStream::connect_timeout(&dst, Duration::from_secs(5)))
+            .map_err(std::io::Error::other)??;
+        c.set_read_timeout(Some(Duration::from_secs(10)))?;
+        Ok(c)
+    }
+}
+
 /// The node.
 #[derive(Debug)]
 pub struct CniNode {

@@ -74,6 +74,21 @@ fn still_serves(nodes: &TwoNodes) -> bool {
     })
 }
 
+/// `n` CONNECT streams to `dst`, each sent and dropped at once (the client resets it), until
+/// the server stops taking them.
+async fn reset_flood(conn: hbone::Connection, dst: std::net::SocketAddr, n: usize) {
+    for _ in 0..n {
+        let Ok(mut c) = conn.clone().ready().await else { break };
+        let req = http::Request::builder()
+            .method(http::Method::CONNECT)
+            .uri(dst.to_string())
+            .body(())
+            .expect("request");
+        let Ok(sent) = c.send_request(req, false) else { break };
+        drop(sent);
+    }
+}
+
 fn closed_without_answer(mut c: impl std::io::Read) -> bool {
     let mut buf = [0u8; 256];
     match c.read(&mut buf) {
@@ -163,17 +178,8 @@ fn a_flood_of_reset_streams_does_not_take_the_proxy_down() {
     let nodes = nodes();
     nodes.echo_server_in_b(nodes.b(false, 8101));
     rt().block_on(async {
-        let Ok(conn) = hbone_conn(&nodes).await else { return };
-        for _ in 0..500 {
-            let Ok(mut c) = conn.clone().ready().await else { break };
-            let req = http::Request::builder()
-                .method(http::Method::CONNECT)
-                .uri(nodes.b(false, 8101).to_string())
-                .body(())
-                .expect("request");
-            // Sent and dropped at once: the client resets the stream.
-            let Ok(sent) = c.send_request(req, false) else { break };
-            drop(sent);
+        if let Ok(conn) = hbone_conn(&nodes).await {
+            reset_flood(conn, nodes.b(false, 8101), 500).await;
         }
     });
     assert!(still_serves(&nodes), "the proxy stopped serving after the flood");
@@ -216,16 +222,7 @@ fn bad_input_leaves_no_socket_or_task_behind() {
             .connect(name, tcp)
             .await;
         if let Ok(conn) = hbone_conn(&nodes).await {
-            for _ in 0..200 {
-                let Ok(mut c) = conn.clone().ready().await else { break };
-                let req = http::Request::builder()
-                    .method(http::Method::CONNECT)
-                    .uri(nodes.b(false, 8101).to_string())
-                    .body(())
-                    .expect("request");
-                let Ok(sent) = c.send_request(req, false) else { break };
-                drop(sent);
-            }
+            reset_flood(conn, nodes.b(false, 8101), 200).await;
         }
     });
     drop((plain, silent));

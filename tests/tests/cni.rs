@@ -3,7 +3,7 @@
 
 use std::{
     io::{Read as _, Write as _},
-    net::{SocketAddr, TcpStream},
+    net::SocketAddr,
     time::Duration,
 };
 
@@ -15,19 +15,8 @@ const WORKLOADS: &str = "workloads:\n\
 - {uid: uid-web, name: web, namespace: default, serviceAccount: web, protocol: HBONE}\n\
 - {uid: uid-db, name: db, namespace: default, serviceAccount: db, protocol: HBONE}\n";
 
-fn connect_from(pod: &CniPod, dst: SocketAddr) -> std::io::Result<TcpStream> {
-    let c = pod
-        .netns
-        .open()
-        .expect("netns")
-        .run(|| TcpStream::connect_timeout(&dst, Duration::from_secs(5)))
-        .expect("netns")?;
-    c.set_read_timeout(Some(Duration::from_secs(10)))?;
-    Ok(c)
-}
-
 fn echo_once(pod: &CniPod, dst: SocketAddr, msg: &[u8]) -> std::io::Result<Vec<u8>> {
-    let mut c = connect_from(pod, dst)?;
+    let mut c = pod.connect(dst)?;
     c.write_all(msg)?;
     let mut back = vec![0u8; msg.len()];
     c.read_exact(&mut back)?;

@@ -5,7 +5,7 @@
 
 use std::{
     io::{Read as _, Write as _},
-    net::{SocketAddr, TcpStream},
+    net::SocketAddr,
     sync::Arc,
     time::Duration,
 };
@@ -20,17 +20,6 @@ fn workloads(n: usize) -> String {
         ));
     }
     s
-}
-
-fn connect_from(pod: &CniPod, dst: SocketAddr) -> std::io::Result<TcpStream> {
-    let c = pod
-        .netns
-        .open()
-        .expect("netns")
-        .run(|| TcpStream::connect_timeout(&dst, Duration::from_secs(5)))
-        .expect("netns")?;
-    c.set_read_timeout(Some(Duration::from_secs(10)))?;
-    Ok(c)
 }
 
 /// Meshed pods p0 → p1 (p1 known to the store with its address), an echo server in p1.
@@ -53,7 +42,7 @@ fn a_proxy_killed_mid_transfer_fails_the_connection_and_nothing_bypasses_it() {
     let mut node = CniNode::start(&workloads(2)).expect("node");
     let (p0, p1) = two_pods(&node);
     let dst = SocketAddr::new(p1.ip, 8080);
-    let mut conn = connect_from(&p0, dst).expect("connect");
+    let mut conn = p0.connect(dst).expect("connect");
     conn.write_all(b"before").expect("send");
     let mut buf = [0u8; 6];
     conn.read_exact(&mut buf).expect("echo");
@@ -69,11 +58,11 @@ fn a_proxy_killed_mid_transfer_fails_the_connection_and_nothing_bypasses_it() {
     }
     assert!(failed, "the connection outlived its proxy");
     // ...and new ones are refused, not carried in plaintext around the mesh.
-    let refused = connect_from(&p0, dst).expect_err("connected with no proxy");
+    let refused = p0.connect(dst).expect_err("connected with no proxy");
     assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused);
     // A new proxy gets the snapshot and serves again.
     node.start_proxy().expect("proxy restarted");
-    let mut c = connect_from(&p0, dst).expect("connect after restart");
+    let mut c = p0.connect(dst).expect("connect after restart");
     c.write_all(b"after").expect("send");
     let mut back = [0u8; 5];
     c.read_exact(&mut back).expect("echo after restart");
@@ -89,7 +78,7 @@ fn an_agent_restart_keeps_traffic_flowing_and_removes_pods_that_vanished_meanwhi
     let (p0, p1) = two_pods(&node);
     let p2 = node.add_pod("p2").expect("ADD p2");
     let dst = SocketAddr::new(p1.ip, 8080);
-    let mut conn = connect_from(&p0, dst).expect("connect");
+    let mut conn = p0.connect(dst).expect("connect");
     node.agent.as_ref().expect("agent").signal(libc::SIGKILL).expect("kill -9 agent");
     assert!(node.agent.as_mut().expect("agent").wait_exit(Duration::from_secs(10)));
     // While the agent is down: the open connection still works, p2's netns is deleted.
@@ -227,7 +216,7 @@ fn a_hundred_pods_added_and_removed_concurrently_leave_nothing_behind() {
 fn adding_and_removing_another_pod_leaves_open_connections_alone() {
     let node = CniNode::start(&workloads(3)).expect("node");
     let (p0, p1) = two_pods(&node);
-    let mut conn = connect_from(&p0, SocketAddr::new(p1.ip, 8080)).expect("connect");
+    let mut conn = p0.connect(SocketAddr::new(p1.ip, 8080)).expect("connect");
     let mut back = [0u8; 4];
     conn.write_all(b"one.").expect("send");
     conn.read_exact(&mut back).expect("echo");
@@ -243,7 +232,7 @@ fn a_pod_removed_with_connections_open_has_them_closed_and_is_no_longer_served()
     let node = CniNode::start(&workloads(2)).expect("node");
     let (p0, p1) = two_pods(&node);
     let dst = SocketAddr::new(p1.ip, 8080);
-    let mut conn = connect_from(&p0, dst).expect("connect");
+    let mut conn = p0.connect(dst).expect("connect");
     let mut back = [0u8; 4];
     conn.write_all(b"one.").expect("send");
     conn.read_exact(&mut back).expect("echo");

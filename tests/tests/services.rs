@@ -35,8 +35,13 @@ fn a_service_vip_is_carried_to_a_healthy_endpoint_on_its_target_port() {
     let server = nodes.echo_in_b(nodes.b(false, 8090));
     let vip: SocketAddr = "10.96.0.10:80".parse().expect("vip");
     assert_eq!(nodes.app_round_trip(vip, b"via the VIP").expect("round trip"), b"via the VIP");
+    // Reached through node 2's proxy, which kept pod a's address as the client's.
     let from = server.join().expect("server").expect("io");
-    assert_eq!(from.ip(), IpAddr::from(nodes.pods.b_ip), "not reached through node 2's proxy");
+    assert_eq!(from.ip(), IpAddr::from(nodes.pods.a_ip));
+    let carried = nodes.proxies[1]
+        .metric("istio_tcp_connections_opened_total", &[("reporter", "destination")])
+        .expect("metrics");
+    assert_eq!(carried, 1.0, "not reached through node 2's proxy");
     let counted = nodes.proxies[0]
         .metric(
             "istio_tcp_connections_opened_total",

@@ -176,3 +176,82 @@ fn webpki_error(e: webpki::Error) -> rustls::CertificateError {
         other => C::Other(rustls::OtherError(Arc::new(other))),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::{process::Command, time::Duration};
+
+    use rustls::{ClientConnection, ServerConnection};
+
+    use super::*;
+    use crate::identity::LocalCa;
+
+    /// Drives a client and a server connection to the end of the handshake in memory.
+    fn handshake(
+        client: Arc<ClientConfig>,
+        server: Arc<ServerConfig>,
+    ) -> Result<(), rustls::Error> {
+        let name = ServerName::IpAddress(std::net::Ipv4Addr::new(10, 0, 0, 2).into());
+        let mut c = ClientConnection::new(client, name)?;
+        let mut s = ServerConnection::new(server)?;
+        for _ in 0..10 {
+            let mut buf = Vec::new();
+            c.write_tls(&mut buf).map_err(|e| rustls::Error::General(e.to_string()))?;
+            s.read_tls(&mut buf.as_slice()).map_err(|e| rustls::Error::General(e.to_string()))?;
+            s.process_new_packets()?;
+            let mut buf = Vec::new();
+            s.write_tls(&mut buf).map_err(|e| rustls::Error::General(e.to_string()))?;
+            c.read_tls(&mut buf.as_slice()).map_err(|e| rustls::Error::General(e.to_string()))?;
+            c.process_new_packets()?;
+            if !c.is_handshaking() && !s.is_handshaking() {
+                return Ok(());
+            }
+        }
+        Err(rustls::Error::General("handshake did not finish".into()))
+    }
+
+    #[test]
+    fn a_ca_with_an_rsa_key_made_by_openssl_issues_certificates_both_sides_accept() {
+        let dir = std::env::temp_dir().join(format!("meshpath-rsa-ca-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let (key, cert) = (dir.join("ca-key.pem"), dir.join("ca.pem"));
+        let ok = Command::new("openssl")
+            .args([
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/O=rsa test CA",
+            ])
+            .args([
+                "-addext",
+                "basicConstraints=critical,CA:TRUE",
+                "-addext",
+                "keyUsage=critical,keyCertSign,cRLSign",
+            ])
+            .arg("-keyout")
+            .arg(&key)
+            .arg("-out")
+            .arg(&cert)
+            .output()
+            .expect("openssl");
+        assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+        let read = |p: &std::path::Path| std::fs::read_to_string(p).expect("read");
+        let ca = LocalCa::from_pem(&read(&cert), &read(&key)).expect("RSA CA");
+        let _ = std::fs::remove_dir_all(&dir);
+        let (a, b) = (Identity::new("td", "ns", "a"), Identity::new("td", "ns", "b"));
+        let ca_a = ca.issue(&a, Duration::from_secs(60)).expect("a");
+        let ca_b = ca.issue(&b, Duration::from_secs(60)).expect("b");
+        let roots = [ca.cert_der.clone()];
+        let server = server_config(&ca_b, &roots).expect("server");
+        handshake(client_config(&ca_a, &roots, vec![b.clone()]).expect("client"), server.clone())
+            .expect("handshake with the expected identity");
+        // And the identity check still bites.
+        let wrong = handshake(client_config(&ca_a, &roots, vec![a]).expect("client"), server);
+        assert!(wrong.is_err(), "a server with another identity was accepted");
+    }
+}

@@ -31,6 +31,8 @@ pub const DEBIAN_PACKAGES: &[(&str, &str)] = &[
     ("nftables", "nft"),
     // The real CNI plugins the CNI chain runs (bridge, host-local, loopback in /usr/lib/cni).
     ("containernetworking-plugins", "/usr/lib/cni/bridge"),
+    // A CA made outside meshpath (RSA key) in the proxy's tests.
+    ("openssl", "openssl"),
 ];
 
 /// What `ensure` should make sure of.

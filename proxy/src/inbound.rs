@@ -5,8 +5,9 @@
 //! 503 when the app cannot be reached; 200 only once the connection to the app is up. The
 //! connection to the app is made from inside the pod's netns.
 //!
-//! Limits: the TLS and HTTP/2 handshakes must finish within the handshake timeout; at most 200
-//! concurrent streams and 64 KiB of headers per connection; h2's reset-flood protections on.
+//! Limits: the TLS and HTTP/2 handshakes, and then the first CONNECT's headers, must each come
+//! within the handshake timeout; at most 200 concurrent streams and 64 KiB of headers per
+//! connection; h2's reset-flood protections on.
 
 use std::{io, net::SocketAddr, sync::Arc};
 
@@ -98,7 +99,23 @@ async fn serve_connection(tcp: TcpStream, peer: SocketAddr, pod: &Arc<Pod>) -> a
             anyhow::bail!("HTTP/2 handshake not done within {limit:?}");
         }
     };
-    while let Some(stream) = conn.accept().await {
+    // A peer opens an HBONE connection to send a CONNECT: the first one must come within the
+    // handshake timeout too (a connection that never asks for anything is closed).
+    let mut first = true;
+    loop {
+        let next = if first {
+            match tokio::time::timeout(limit, conn.accept()).await {
+                Ok(n) => n,
+                Err(_) => {
+                    proxy.metrics.error(Direction::Inbound, "header_timeout");
+                    anyhow::bail!("no CONNECT within {limit:?} of the handshake");
+                }
+            }
+        } else {
+            conn.accept().await
+        };
+        first = false;
+        let Some(stream) = next else { break };
         let (req, respond) = match stream {
             Ok(s) => s,
             Err(e) => {

@@ -251,3 +251,16 @@ fn an_hbone_destination_whose_app_is_down_closes_the_app_connection_and_is_count
     assert_eq!(errors(&nodes, 0, "hbone_status"), 1.0);
     assert_eq!(errors(&nodes, 1, "upstream_refused"), 1.0);
 }
+
+#[test]
+fn a_client_that_never_sends_a_connect_is_disconnected() {
+    let nodes = nodes();
+    let closed = rt().block_on(async {
+        let conn = hbone_conn(&nodes).await.expect("TLS and HTTP/2 handshakes");
+        // Nothing asked; the proxy closes the connection after its timeout (1 s here).
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        conn.ready().await.is_err()
+    });
+    assert!(closed, "an idle connection that never sent a CONNECT stayed open");
+    assert_eq!(errors(&nodes, 1, "header_timeout"), 1.0);
+}

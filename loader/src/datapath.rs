@@ -357,7 +357,11 @@ impl Datapath {
 
     /// Forgets a proxy cgroup.
     pub fn unregister_proxy_cgroup(&self, cgroup: &Path) -> Result<()> {
-        let id = cgroup_id(cgroup)?;
+        self.unregister_proxy_cgroup_id(cgroup_id(cgroup)?)
+    }
+
+    /// Forgets a proxy cgroup by id (its directory may be gone: a proxy that exited).
+    pub fn unregister_proxy_cgroup_id(&self, id: u64) -> Result<()> {
         match self.hash_map::<u64, u32>(map_names::PROXY_CGROUPS)?.remove(&id) {
             Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
             Err(e) => Err(Error::bpf("unregistering the proxy cgroup", e)),
@@ -436,6 +440,12 @@ impl TransparentConns {
             .lock()
             .map_err(|_| Error::io("PROXY_TRANSPARENT", io::Error::other("lock poisoned")))?;
         m.insert(Self::key(app, from), 1, 0).map_err(|e| Error::bpf("writing PROXY_TRANSPARENT", e))
+    }
+
+    /// Whether a connection from `from` to `app` is one the proxy is opening (a datapath that
+    /// captured it anyway would send the proxy its own connection).
+    pub fn contains(&self, app: std::net::SocketAddr, from: std::net::SocketAddr) -> bool {
+        self.0.lock().is_ok_and(|m| m.get(&Self::key(app, from), 0).is_ok())
     }
 
     /// Forgets it (once connected: only the SYN needs it).

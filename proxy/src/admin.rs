@@ -149,6 +149,7 @@ pub fn serve(listener: TcpListener, which: Endpoints, proxy: Arc<Proxy>, log: Lo
                 Ok(c) => c,
                 Err(e) => {
                     warn!(error = %e, "admin accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                     continue;
                 }
             };

@@ -174,11 +174,7 @@ fn parse_prefix(s: &str) -> Option<(IpAddr, u8)> {
 }
 
 fn in_prefix(ip: IpAddr, net: IpAddr, len: u8) -> bool {
-    let canon = |ip: IpAddr| match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
-        v4 => v4,
-    };
-    match (canon(ip), net) {
+    match (crate::inbound::canonical(ip), net) {
         (IpAddr::V4(a), IpAddr::V4(n)) => {
             let mask = u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0);
             u32::from(a) & mask == u32::from(n) & mask

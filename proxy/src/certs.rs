@@ -18,6 +18,7 @@ use rustls::pki_types::{pem::PemObject as _, CertificateDer, PrivateKeyDer};
 
 use crate::{
     identity::{Identity, IdentityError, LocalCa, WorkloadCert},
+    reload::mtime,
     tls,
 };
 
@@ -49,10 +50,6 @@ impl std::fmt::Debug for Certs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.mode())
     }
-}
-
-fn mtime(p: &Path) -> Option<SystemTime> {
-    std::fs::metadata(p).and_then(|m| m.modified()).ok()
 }
 
 fn read_chain(path: &Path) -> Result<Vec<CertificateDer<'static>>, CertError> {

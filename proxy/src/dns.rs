@@ -31,6 +31,8 @@ use crate::{config::WorkloadStore, inpod::Pod, metrics::Direction};
 
 /// TTL of answers made from the store.
 const TTL: u32 = 30;
+/// UDP queries answered at once per pod and listener; more are dropped (the client retries).
+const MAX_IN_FLIGHT: usize = 256;
 /// How long an upstream has to answer.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -61,17 +63,26 @@ pub fn start(pod: Arc<Pod>) -> anyhow::Result<()> {
 
 async fn serve_udp(sock: Arc<UdpSocket>, pod: Arc<Pod>) {
     let mut buf = vec![0u8; 65535];
+    // Queries in flight per pod and listener: a pod flooding its resolver is dropped beyond
+    // this, not given every socket and task of the node.
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
     loop {
         let (n, from) = match sock.recv_from(&mut buf).await {
             Ok(r) => r,
             Err(e) => {
                 warn!(pod = %pod.uid, error = %e, "DNS receive failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
+        };
+        let Ok(permit) = in_flight.clone().try_acquire_owned() else {
+            pod.proxy.metrics.error(Direction::Outbound, "dns_overload");
+            continue;
         };
         let query = buf[..n].to_vec();
         let (sock, p) = (sock.clone(), pod.clone());
         pod.spawn(async move {
+            let _permit = permit;
             match answer(&p, &query, false).await {
                 Ok(Some(reply)) => {
                     if let Err(e) = sock.send_to(&reply, from).await {

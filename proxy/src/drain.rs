@@ -72,7 +72,11 @@ impl Drain {
                                 }
                             });
                         }
-                        Err(e) => tracing::warn!(error = %e, "{what}: accept failed"),
+                        Err(e) => {
+                            // EMFILE and the like: retry after a pause, not in a hot loop.
+                            tracing::warn!(error = %e, "{what}: accept failed");
+                            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        }
                     },
                 }
             }

@@ -100,19 +100,33 @@ async fn serve_connection(tcp: TcpStream, peer: SocketAddr, pod: &Arc<Pod>) -> a
         }
     };
     // A peer opens an HBONE connection to send a CONNECT: the first one must come within the
-    // handshake timeout too (a connection that never asks for anything is closed).
+    // handshake timeout too (a connection that never asks for anything is closed). When the
+    // proxy drains, the peer is told with GOAWAY to open no new stream here; the streams it has
+    // finish.
     let mut first = true;
+    let stopping = proxy.drain.stopping();
+    tokio::pin!(stopping);
+    let mut going_away = false;
     loop {
-        let next = if first {
-            match tokio::time::timeout(limit, conn.accept()).await {
-                Ok(n) => n,
-                Err(_) => {
-                    proxy.metrics.error(Direction::Inbound, "header_timeout");
-                    anyhow::bail!("no CONNECT within {limit:?} of the handshake");
-                }
+        let accept = async {
+            if first {
+                tokio::time::timeout(limit, conn.accept()).await.ok()
+            } else {
+                Some(conn.accept().await)
             }
-        } else {
-            conn.accept().await
+        };
+        let next = tokio::select! {
+            n = accept => Some(n),
+            () = &mut stopping, if !going_away => None,
+        };
+        let Some(next) = next else {
+            conn.graceful_shutdown();
+            going_away = true;
+            continue;
+        };
+        let Some(next) = next else {
+            proxy.metrics.error(Direction::Inbound, "header_timeout");
+            anyhow::bail!("no CONNECT within {limit:?} of the handshake");
         };
         first = false;
         let Some(stream) = next else { break };
@@ -176,7 +190,8 @@ async fn serve_stream(
         src_ip: src.ip(),
         dst_port: target.port(),
     };
-    if let Err(denied) = authorization::check(&store.policies, &pod.workload, &conn) {
+    if let Err(denied) = authorization::check(&store.policies, pod.current_workload(&store), &conn)
+    {
         proxy.metrics.error(Direction::Inbound, "policy_denied");
         warn!(src = %client, %src, dst = %target, reason = %denied, "connection denied: 401");
         return reply(&mut respond, StatusCode::UNAUTHORIZED);

@@ -42,10 +42,16 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
     // sk_lookup does not rewrite: the original destination is the accepted socket's address
     // (SO_ORIGINAL_DST, answered by the datapath, agrees).
     let dst = original_dst(&conn)?;
+    if proxy.transparent.as_ref().is_some_and(|t| t.contains(dst, peer)) {
+        // Our own transparent connection to the app, captured by a datapath that does not know
+        // PROXY_TRANSPARENT (an older sk_lookup program): refuse rather than loop.
+        proxy.metrics.error(Direction::Inbound, "loop");
+        anyhow::bail!("refusing {peer} → {dst}: the proxy's own connection to the app came back");
+    }
     let store = proxy.store();
     let c =
         authorization::Connection { src_identity: None, src_ip: peer.ip(), dst_port: dst.port() };
-    if let Err(denied) = authorization::check(&store.policies, &pod.workload, &c) {
+    if let Err(denied) = authorization::check(&store.policies, pod.current_workload(&store), &c) {
         proxy.metrics.error(Direction::Inbound, "policy_denied");
         warn!(src = %peer, %dst, reason = %denied, "plaintext connection denied");
         // SO_LINGER 0: the close below sends RST, so the client sees a reset, not an EOF.

@@ -167,7 +167,10 @@ async fn via_hbone(
             let config = pod
                 .client_tls(&dst.identity())
                 .map_err(|e| hbone::HboneError::Tls(gateway, io::Error::other(e)))?;
-            hbone::handshake(tcp, gateway, config).await
+            // A peer that takes the TCP connection and then stalls must not hold the app.
+            tokio::time::timeout(timeout, hbone::handshake(tcp, gateway, config))
+                .await
+                .map_err(|_| hbone::HboneError::Tls(gateway, io::ErrorKind::TimedOut.into()))?
         })
         .await;
     let (h2conn, _permit) = match opened {
@@ -178,7 +181,18 @@ async fn via_hbone(
         }
     };
     let headers = StreamHeaders::for_source(peer, &pod.workload);
-    let (send, recv) = match hbone::open_stream(h2conn, gateway, target.addr, &headers).await {
+    let stream = tokio::time::timeout(
+        proxy.settings.connect_timeout,
+        hbone::open_stream(h2conn, gateway, target.addr, &headers),
+    )
+    .await
+    .unwrap_or_else(|_| {
+        Err(hbone::HboneError::Connect(
+            gateway,
+            io::Error::new(io::ErrorKind::TimedOut, "no answer to CONNECT"),
+        ))
+    });
+    let (send, recv) = match stream {
         Ok(s) => s,
         Err(e) => {
             proxy.metrics.error(Direction::Outbound, e.reason());
@@ -239,7 +253,7 @@ pub fn original_dst(conn: &TcpStream) -> io::Result<SocketAddr> {
             let mut a = [0u8; 16];
             a.copy_from_slice(&buf[8..24]);
             let ip = Ipv6Addr::from(a);
-            Ok(SocketAddr::new(ip.to_ipv4_mapped().map_or(IpAddr::V6(ip), IpAddr::V4), port))
+            Ok(SocketAddr::new(crate::inbound::canonical(IpAddr::V6(ip)), port))
         }
         f => Err(io::Error::other(format!("SO_ORIGINAL_DST answered family {f}"))),
     }

@@ -75,7 +75,13 @@ impl Proxy {
         let metrics = Arc::new(Metrics::new());
         let transparent = match &settings.pin_root {
             Some(root) if settings.preserve_source => {
-                Some(meshpath_loader::datapath::TransparentConns::open(root)?)
+                match meshpath_loader::datapath::TransparentConns::open(root) {
+                    Ok(t) => Some(t),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "client addresses will not be kept (the datapath lacks PROXY_TRANSPARENT: loaded by an older agent?)");
+                        None
+                    }
+                }
             }
             _ => None,
         };
@@ -94,14 +100,13 @@ impl Proxy {
 
     /// The workload store now (a snapshot: a reload does not change it under a connection).
     pub fn store(&self) -> Arc<WorkloadStore> {
-        self.store.read().map(|s| s.clone()).unwrap_or_default()
+        // A poisoned lock still holds the last store written (never an empty, policy-less one).
+        self.store.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
     /// Replaces the workload store.
     pub fn set_store(&self, store: WorkloadStore) {
-        if let Ok(mut s) = self.store.write() {
-            *s = Arc::new(store);
-        }
+        *self.store.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(store);
     }
 
     /// The pods served now.

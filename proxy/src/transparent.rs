@@ -22,48 +22,54 @@ use tracing::warn;
 
 use crate::inpod::Pod;
 
-/// Inside the pod's netns (on its socket thread): `tcp_fwmark_accept`, and the rule and routes
-/// that deliver marked packets locally, IPv4 and IPv6. Idempotent.
+/// Inside the pod's netns (on its socket thread): `tcp_fwmark_accept`, `fwmark_reflect`, and
+/// the rule and route that deliver marked packets locally. IPv4 is required; IPv6 is set up
+/// where the pod has it (a failure there is logged, IPv4 clients still keep their address).
+/// Idempotent.
 pub fn setup_reply_routing() -> io::Result<()> {
     // The app's accepted socket takes the SYN's mark; the kernel's own answers (a reset when
     // nothing listens, ICMP) reflect it.
-    for knob in [
-        "/proc/sys/net/ipv4/tcp_fwmark_accept",
-        "/proc/sys/net/ipv4/fwmark_reflect",
-        "/proc/sys/net/ipv6/fwmark_reflect",
-    ] {
+    for knob in ["/proc/sys/net/ipv4/tcp_fwmark_accept", "/proc/sys/net/ipv4/fwmark_reflect"] {
         std::fs::write(knob, "1").map_err(|e| io::Error::other(format!("{knob}: {e}")))?;
     }
-    let (mark, table) = (
-        format!("{:#x}/{:#x}", marks::PROXY_SOCKET, marks::PROXY_SOCKET_MASK),
-        marks::REPLY_TABLE.to_string(),
-    );
-    let rule =
-        format!("rule del fwmark {mark} lookup {table}\nrule add fwmark {mark} lookup {table}\n");
-    // `-force`: the first `rule del` fails when there is nothing to delete.
-    for (family, any) in [("-4", "0.0.0.0/0"), ("-6", "::/0")] {
-        let batch = format!("{rule}route replace local {any} dev lo table {table}\n");
-        let mut child = Command::new("ip")
-            .args([family, "-force", "-batch", "-"])
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()?;
-        if let Some(mut stdin) = child.stdin.take() {
-            io::Write::write_all(&mut stdin, batch.as_bytes())?;
-        }
-        let out = child.wait_with_output()?;
-        let err = String::from_utf8_lossy(&out.stderr);
-        // The expected failure of `rule del` aside, any error counts.
-        if err.lines().any(|l| {
-            !l.contains("No such file or directory")
-                && !l.trim().is_empty()
-                && !l.starts_with("Command failed")
-        }) {
-            return Err(io::Error::other(format!("ip {family}: {}", err.trim())));
-        }
+    ip_batch("-4", "0.0.0.0/0")?;
+    let v6 = std::fs::write("/proc/sys/net/ipv6/fwmark_reflect", "1")
+        .and_then(|()| ip_batch("-6", "::/0"));
+    if let Err(e) = v6 {
+        warn!(error = %e, "no IPv6 reply routing in the pod: IPv6 clients' addresses are not kept");
     }
     Ok(())
+}
+
+/// `ip FAMILY -force -batch -`: the rule (deleted first: `rule add` would duplicate it) and the
+/// `local` route of the reply table.
+fn ip_batch(family: &str, any: &str) -> io::Result<()> {
+    let (mark, table) =
+        (format!("{:#x}/{:#x}", marks::PROXY_SOCKET, marks::PROXY_SOCKET_MASK), marks::REPLY_TABLE);
+    let batch = format!(
+        "rule del fwmark {mark} lookup {table}\nrule add fwmark {mark} lookup {table}\nroute replace local {any} dev lo table {table}\n"
+    );
+    let mut child = Command::new("ip")
+        .args([family, "-force", "-batch", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    if let Some(mut stdin) = child.stdin.take() {
+        io::Write::write_all(&mut stdin, batch.as_bytes())?;
+    }
+    let out = child.wait_with_output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    // The expected failure of the first `rule del` (nothing to delete) aside, any error counts.
+    let real = err.lines().filter(|l| {
+        !l.trim().is_empty()
+            && !l.contains("No such file or directory")
+            && !l.starts_with("Command failed")
+    });
+    match real.collect::<Vec<_>>().join("; ") {
+        e if e.is_empty() => Ok(()),
+        e => Err(io::Error::other(format!("ip {family}: {e}"))),
+    }
 }
 
 /// Connects to the app at `target` inside the pod, from `client`'s address when the pod allows.
@@ -89,9 +95,22 @@ pub async fn connect_app(
     };
     let from = socket.local_addr()?;
     conns.insert(target, from).map_err(io::Error::other)?;
-    let result = timed(limit, socket.connect(target)).await;
-    conns.remove(target, from);
-    result
+    // Removed however this ends, also if the connection's task is cancelled mid-connect.
+    let _entry = Entry { conns, app: target, from };
+    timed(limit, socket.connect(target)).await
+}
+
+/// A `PROXY_TRANSPARENT` entry, removed on drop.
+struct Entry<'a> {
+    conns: &'a meshpath_loader::datapath::TransparentConns,
+    app: SocketAddr,
+    from: SocketAddr,
+}
+
+impl Drop for Entry<'_> {
+    fn drop(&mut self) {
+        self.conns.remove(self.app, self.from);
+    }
 }
 
 async fn timed(

@@ -299,12 +299,16 @@ fn a_connection_at_its_stream_limit_makes_the_pool_open_another() {
 #[test]
 fn an_idle_pooled_connection_is_released() {
     let nodes = TwoNodes::start(Setup {
-        args: vec!["--pool-idle-seconds".into(), "1".into()],
+        args: vec!["--pool-idle-seconds".into(), "2".into()],
         ..Setup::default()
     });
     let dst = nodes.b(false, 8105);
     nodes.echo_server_in_b(dst);
     assert_eq!(nodes.app_round_trip(dst, b"once").expect("round trip"), b"once");
+    // Pooled first (its stream is over, the connection stays)...
+    let pooled = nodes.proxies[0].metric("meshpath_pool_connections", &[]).expect("metrics");
+    assert_eq!(pooled, 1.0, "the connection was not pooled");
+    // ...then released once idle for 2 s.
     let released = nodes.proxies[0].wait_metrics(Duration::from_secs(15), |m| {
         m.contains("meshpath_pool_connections 0")
             && m.contains("meshpath_pool_connections_opened_total 1")

@@ -117,3 +117,25 @@ fn a_workload_file_that_does_not_parse_is_reported_and_the_previous_one_kept() {
     assert!(nodes.app_round_trip(nodes.b(false, 8091), b"x").unwrap_or_default().is_empty());
     assert!(!reached(&denied), "the policy from before the bad file was dropped");
 }
+
+#[test]
+fn a_workload_selecting_a_policy_after_a_reload_is_held_to_it() {
+    let policy = "policies:\n- {name: nobody, namespace: default, scope: WorkloadSelector, action: Allow, rules: [[[{principals: [\"cluster.local/ns/default/sa/nobody\"]}]]]}\n";
+    let nodes = with_policy(policy.trim_start_matches("policies:\n"));
+    let dst = nodes.b(false, 8096);
+    nodes.echo_server_in_b(dst);
+    // Pod b does not select the policy yet: allowed.
+    assert_eq!(nodes.app_round_trip(dst, b"before").expect("round trip"), b"before");
+    // Now it does (the store changed, the pod was not re-added): only `nobody` may connect.
+    let selecting = nodes.workloads(&MESHED, policy).replace(
+        "  services: {\"default/b.default.svc.cluster.local\": {80: 8090}}\n",
+        "  services: {\"default/b.default.svc.cluster.local\": {80: 8090}}\n  authorizationPolicies: [default/nobody]\n",
+    );
+    assert!(selecting.contains("authorizationPolicies"), "{selecting}");
+    nodes.write_workloads(2, &selecting);
+    let reloaded = nodes.proxies[1].wait_metrics(Duration::from_secs(10), |m| {
+        m.contains("meshpath_config_reloads_total{direction=\"-\",reason=\"ok\"} 1")
+    });
+    assert!(reloaded, "node 2 did not reload its workload file");
+    assert!(nodes.app_round_trip(dst, b"after").unwrap_or_default().is_empty(), "still allowed");
+}

@@ -1,8 +1,9 @@
 //! The agent's footprint in the host's CNI setup: the `meshpath-cni` binary in the CNI bin
 //! directory and a `{"type": "meshpath-cni"}` entry appended to the plugin chain of the
-//! configuration the runtime uses (the first `.conflist` by name, as kubelet and containerd
-//! pick). Checked every second: if another agent rewrites the file without our entry, it is put
-//! back. `uninstall` removes both.
+//! configuration the runtime uses: the first `.conf`, `.conflist` or `.json` by name, as libcni
+//! (containerd, CRI-O) picks; a single-plugin configuration is turned into a list (same name,
+//! `.conflist`), as istio-cni does. Checked every second: if another agent rewrites the file
+//! without our entry, it is put back. `uninstall` removes both.
 
 use std::{
     fs,
@@ -17,22 +18,27 @@ use tracing::{info, warn};
 /// The plugin's type (and binary name).
 pub const PLUGIN: &str = "meshpath-cni";
 
-/// The configuration list the runtime uses: the first `*.conflist` by name.
+/// The configuration the runtime uses: the first `*.conf`, `*.conflist` or `*.json` by name.
 pub fn primary_conflist(conf_dir: &Path) -> anyhow::Result<Option<PathBuf>> {
     let mut lists: Vec<PathBuf> = fs::read_dir(conf_dir)
         .with_context(|| format!("reading {}", conf_dir.display()))?
         .flatten()
         .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "conflist"))
+        .filter(|p| p.extension().is_some_and(|x| x == "conflist" || x == "conf" || x == "json"))
         .collect();
     lists.sort();
     Ok(lists.into_iter().next())
 }
 
-fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+/// Writes aside and renames into place; `mode`, if given, is set before the rename (a binary is
+/// never there without its execute bit).
+fn write_atomic(path: &Path, bytes: &[u8], mode: Option<u32>) -> anyhow::Result<()> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
     let tmp = path.with_file_name(format!(".{name}.meshpath-tmp"));
     fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    if let Some(mode) = mode {
+        fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(mode))?;
+    }
     fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))?;
     Ok(())
 }
@@ -47,6 +53,21 @@ pub fn ensure_entry(conflist: &Path, socket: &Path) -> anyhow::Result<bool> {
         fs::read_to_string(conflist).with_context(|| format!("reading {}", conflist.display()))?;
     let mut conf: Value = serde_json::from_str(&text)
         .with_context(|| format!("{} is not JSON; not touching it", conflist.display()))?;
+    if conf.get("plugins").is_none() && conf.get("type").is_some() {
+        // A single-plugin configuration: made a list (`<name>.conflist`), ending with ours.
+        let list = json!({
+            "cniVersion": conf.get("cniVersion").cloned().unwrap_or_else(|| json!("1.0.0")),
+            "name": conf.get("name").cloned().unwrap_or_else(|| json!("k8s-pod-network")),
+            "plugins": [conf, our_entry(socket)],
+        });
+        let to = conflist.with_extension("conflist");
+        write_atomic(&to, serde_json::to_string_pretty(&list)?.as_bytes(), None)?;
+        if to != conflist {
+            fs::remove_file(conflist)
+                .with_context(|| format!("removing {}", conflist.display()))?;
+        }
+        return Ok(true);
+    }
     let plugins = conf
         .get_mut("plugins")
         .and_then(Value::as_array_mut)
@@ -63,7 +84,7 @@ pub fn ensure_entry(conflist: &Path, socket: &Path) -> anyhow::Result<bool> {
     }
     plugins.retain(|p| p.get("type").and_then(Value::as_str) != Some(PLUGIN));
     plugins.push(want);
-    write_atomic(conflist, serde_json::to_string_pretty(&conf)?.as_bytes())?;
+    write_atomic(conflist, serde_json::to_string_pretty(&conf)?.as_bytes(), None)?;
     Ok(true)
 }
 
@@ -76,8 +97,7 @@ pub fn install_binary(plugin: &Path, bin_dir: &Path) -> anyhow::Result<bool> {
         return Ok(false);
     }
     fs::create_dir_all(bin_dir)?;
-    write_atomic(&dst, &bytes)?;
-    fs::set_permissions(&dst, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    write_atomic(&dst, &bytes, Some(0o755))?;
     Ok(true)
 }
 
@@ -115,7 +135,7 @@ pub fn uninstall(bin_dir: &Path, conf_dir: &Path) -> anyhow::Result<()> {
         fs::read_dir(conf_dir).with_context(|| format!("reading {}", conf_dir.display()))?.flatten()
     {
         let path = entry.path();
-        if path.extension().is_none_or(|x| x != "conflist") {
+        if path.extension().is_none_or(|x| x != "conflist" && x != "conf" && x != "json") {
             continue;
         }
         let Ok(mut conf) = fs::read_to_string(&path)
@@ -128,7 +148,7 @@ pub fn uninstall(bin_dir: &Path, conf_dir: &Path) -> anyhow::Result<()> {
         let before = plugins.len();
         plugins.retain(|p| p.get("type").and_then(Value::as_str) != Some(PLUGIN));
         if plugins.len() != before {
-            write_atomic(&path, serde_json::to_string_pretty(&conf)?.as_bytes())?;
+            write_atomic(&path, serde_json::to_string_pretty(&conf)?.as_bytes(), None)?;
             info!(conflist = %path.display(), "meshpath-cni entry removed");
         }
     }
@@ -192,12 +212,29 @@ mod tests {
     }
 
     #[test]
-    fn the_first_conflist_by_name_is_the_one_used() {
+    fn the_first_configuration_by_name_is_the_one_used_as_libcni_picks() {
         let d = dir();
         fs::write(d.join("20-b.conflist"), BRIDGE).expect("write");
         fs::write(d.join("10-a.conflist"), BRIDGE).expect("write");
         fs::write(d.join("05-x.conf"), "{}").expect("write");
-        assert_eq!(primary_conflist(&d).expect("list"), Some(d.join("10-a.conflist")));
+        fs::write(d.join("01-notes.txt"), "").expect("write");
+        assert_eq!(primary_conflist(&d).expect("list"), Some(d.join("05-x.conf")));
+        let _ = fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_single_plugin_configuration_becomes_a_list_ending_with_the_entry() {
+        let d = dir();
+        let conf = d.join("10-bridge.conf");
+        fs::write(&conf, r#"{"cniVersion":"1.0.0","name":"k8s","type":"bridge","bridge":"cni0"}"#)
+            .expect("write");
+        assert!(ensure_entry(&conf, Path::new("/run/m.sock")).expect("ensure"));
+        assert!(!conf.exists(), "the single-plugin file is still there");
+        let text = fs::read_to_string(d.join("10-bridge.conflist")).expect("read");
+        let list: Value = serde_json::from_str(&text).expect("json");
+        assert_eq!(list["name"], "k8s");
+        assert_eq!(list["plugins"][0]["type"], "bridge");
+        assert_eq!(list["plugins"][1]["type"], PLUGIN);
         let _ = fs::remove_dir_all(&d);
     }
 }

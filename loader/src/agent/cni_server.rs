@@ -55,7 +55,10 @@ pub fn spawn(agent: Arc<Agent>, listener: UnixListener) {
                         }
                     });
                 }
-                Err(e) => warn!(error = %e, "CNI accept failed"),
+                Err(e) => {
+                    warn!(error = %e, "CNI accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
             }
         }
     });
@@ -87,6 +90,7 @@ async fn serve(agent: &Arc<Agent>, conn: UnixStream) -> anyhow::Result<()> {
 }
 
 async fn handle(agent: &Arc<Agent>, req: Request) -> anyhow::Result<bool> {
+    let _one_at_a_time = agent.cni_lock.lock().await;
     match req.command {
         Command::Add => add(agent, req).await,
         Command::Del => del(agent, &req).await.map(|()| false),

@@ -28,7 +28,11 @@ pub async fn serve(agent: Arc<Agent>, addr: SocketAddr) -> anyhow::Result<Socket
     let listener = TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     tokio::spawn(async move {
-        while let Ok((conn, _)) = listener.accept().await {
+        loop {
+            let Ok((conn, _)) = listener.accept().await else {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            };
             let agent = agent.clone();
             tokio::spawn(async move {
                 let svc = service_fn(move |req| {

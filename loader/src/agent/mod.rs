@@ -103,6 +103,9 @@ pub struct Agent {
     pub pods: Mutex<BTreeMap<String, LivePod>>,
     pub zds: zds_server::ZdsHub,
     ready: AtomicBool,
+    /// One CNI request at a time: a retried ADD, or a DEL racing an ADD, must see the first
+    /// one's outcome, not its middle.
+    cni_lock: tokio::sync::Mutex<()>,
 }
 
 impl Agent {
@@ -129,6 +132,7 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
         dp_lock: Mutex::new(()),
         pods: Mutex::new(BTreeMap::new()),
         ready: AtomicBool::new(false),
+        cni_lock: tokio::sync::Mutex::new(()),
     });
     agent.with_datapath(|dp| {
         for cg in &agent.cfg.proxy_cgroups {

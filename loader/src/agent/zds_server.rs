@@ -24,11 +24,14 @@ use super::{Agent, LivePod};
 pub struct ZdsHub {
     conn: Mutex<Option<SeqPacket>>,
     ack_timeout: Duration,
+    /// The cgroup registered for the connected proxy (`--proxy-cgroup-from-zds-peer`): a
+    /// restarted proxy's replaces it, so restarts do not fill `PROXY_CGROUPS`.
+    peer_cgroup: std::sync::Mutex<Option<u64>>,
 }
 
 impl ZdsHub {
     pub fn new(ack_timeout: Duration) -> Self {
-        Self { conn: Mutex::new(None), ack_timeout }
+        Self { conn: Mutex::new(None), ack_timeout, peer_cgroup: std::sync::Mutex::new(None) }
     }
 
     /// Whether a proxy is connected (and took its snapshot).
@@ -121,7 +124,10 @@ pub fn spawn(agent: Arc<Agent>, listener: Listener) {
                         warn!(error = %format!("{e:#}"), "a node proxy connected but its session failed");
                     }
                 }
-                Err(e) => warn!(error = %e, "ZDS accept failed"),
+                Err(e) => {
+                    warn!(error = %e, "ZDS accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
             }
         }
     });
@@ -138,7 +144,17 @@ async fn welcome(agent: &Arc<Agent>, conn: SeqPacket) -> anyhow::Result<()> {
     if agent.cfg.proxy_cgroup_from_zds_peer {
         let pid = conn.peer_pid()?;
         let cg = cgroup_of(pid)?;
-        agent.with_datapath(|dp| Ok(dp.register_proxy_cgroup(&cg)?))?;
+        agent.with_datapath(|dp| {
+            let id = dp.register_proxy_cgroup(&cg)?;
+            let previous = hub.peer_cgroup.lock().ok().and_then(|mut p| p.replace(id));
+            if let Some(old) = previous.filter(|old| *old != id) {
+                // The previous proxy's cgroup (gone with its container, or being replaced).
+                if let Err(e) = dp.unregister_proxy_cgroup_id(old) {
+                    warn!(cgroup_id = old, error = %e, "previous proxy cgroup not unregistered");
+                }
+            }
+            Ok(())
+        })?;
         info!(pid, cgroup = %cg.display(), "registered the connected proxy's cgroup");
     }
     // Holding the connection lock for the whole snapshot: no add or delete interleaves.

@@ -112,6 +112,12 @@ impl Pod {
         Ok(true)
     }
 
+    /// What the store says about the pod now (policies select workloads by what the store
+    /// says, and it may have changed since the pod was added), else what it was added with.
+    pub fn current_workload<'a>(&'a self, store: &'a crate::config::WorkloadStore) -> &'a Workload {
+        store.by_uid(&self.uid).unwrap_or(&self.workload)
+    }
+
     /// Whether connections to its app keep the client's address.
     pub fn preserves_source(&self) -> bool {
         self.reply_routing

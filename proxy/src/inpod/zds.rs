@@ -61,7 +61,16 @@ async fn session(proxy: &Arc<Proxy>, conn: &SeqPacket) -> Result<(), ZdsError> {
     let mut named: HashSet<String> = HashSet::new();
     loop {
         let (req, fds) = conn.recv_msg::<WorkloadRequest>().await?;
-        let result = handle(proxy, req, fds, &mut named);
+        // Adding a pod does blocking work (a certificate, a thread entering its netns, `ip`,
+        // the datapath's lock): off the runtime's worker threads.
+        let (p, mut owned) = (proxy.clone(), std::mem::take(&mut named));
+        let (result, back) = tokio::task::spawn_blocking(move || {
+            let r = handle(&p, req, fds, &mut owned);
+            (r, owned)
+        })
+        .await
+        .map_err(|e| ZdsError::Protocol(format!("request handler: {e}")))?;
+        named = back;
         if let Err(e) = &result {
             warn!(error = %e, "ZDS request refused");
         }

@@ -1,8 +1,8 @@
 //! What changes while the proxy runs, checked every refresh interval: the workload file
 //! (reloaded when it changes; a file that does not parse is reported with its line and field and
 //! the previous store is kept), the trust bundle and per-identity files (files mode), each pod's
-//! certificate (renewed at half its remaining life in local-CA mode), and idle pooled
-//! connections (released).
+//! certificate (renewed at half its remaining life in local-CA mode), pods' reply routing that
+//! meshpath-cni set up after they were added, and idle pooled connections (released).
 
 use std::{
     path::{Path, PathBuf},
@@ -40,7 +40,15 @@ pub fn spawn(proxy: Arc<Proxy>, workloads: PathBuf, seen: Option<SystemTime>, ev
                     false
                 }
             };
-            for pod in proxy.pods() {
+            let pods = proxy.pods();
+            if !pods.is_empty() {
+                let recheck = pods.clone();
+                let _ = tokio::task::spawn_blocking(move || {
+                    recheck.iter().for_each(|p| p.recheck_reply_routing());
+                })
+                .await;
+            }
+            for pod in pods {
                 if let Err(e) = pod.refresh_cert(roots_changed) {
                     error!(pod = %pod.uid, error = %format!("{e:#}"), "certificate not renewed; keeping the current one");
                 }

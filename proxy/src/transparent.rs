@@ -10,65 +10,33 @@
 //!   sends marked packets to a table whose one route delivers everything locally, so the app's
 //!   replies come back to the proxy instead of leaving for the real client.
 //!
-//! The rule and route are set up when the pod is added (`setup_reply_routing`); a pod where
-//! that failed, a client of another family, or a client address that is the pod's own, gets a
+//! The rule, route and sysctls (`meshpath_cni::pod_setup`) are set up by meshpath-cni at ADD
+//! (it runs on the host as root) and again by the proxy when the pod is added, where it may; a
+//! pod where neither happened, a client of another family, or a client address that is the pod's own, gets a
 //! plain connection from the pod's address.
 
-use std::{io, net::SocketAddr, process::Command, time::Duration};
+use std::{io, net::SocketAddr, time::Duration};
 
-use datapath_common::consts::marks;
 use tokio::net::TcpStream;
 use tracing::warn;
 
 use crate::inpod::Pod;
 
-/// Inside the pod's netns (on its socket thread): `tcp_fwmark_accept`, `fwmark_reflect`, and
-/// the rule and route that deliver marked packets locally. IPv4 is required; IPv6 is set up
-/// where the pod has it (a failure there is logged, IPv4 clients still keep their address).
-/// Idempotent.
+/// Inside the pod's netns (on its socket thread): sets up the reply routing, or, where this
+/// process may not (a container's read-only `/proc/sys`), finds it set up already by
+/// meshpath-cni at ADD. An error means the pod's apps will see the pod's own address.
 pub fn setup_reply_routing() -> io::Result<()> {
-    // The app's accepted socket takes the SYN's mark; the kernel's own answers (a reset when
-    // nothing listens, ICMP) reflect it.
-    for knob in ["/proc/sys/net/ipv4/tcp_fwmark_accept", "/proc/sys/net/ipv4/fwmark_reflect"] {
-        std::fs::write(knob, "1").map_err(|e| io::Error::other(format!("{knob}: {e}")))?;
-    }
-    ip_batch("-4", "0.0.0.0/0")?;
-    let v6 = std::fs::write("/proc/sys/net/ipv6/fwmark_reflect", "1")
-        .and_then(|()| ip_batch("-6", "::/0"));
-    if let Err(e) = v6 {
-        warn!(error = %e, "no IPv6 reply routing in the pod: IPv6 clients' addresses are not kept");
-    }
-    Ok(())
-}
-
-/// `ip FAMILY -force -batch -`: the rule (deleted first: `rule add` would duplicate it) and the
-/// `local` route of the reply table.
-fn ip_batch(family: &str, any: &str) -> io::Result<()> {
-    let (mark, table) =
-        (format!("{:#x}/{:#x}", marks::PROXY_SOCKET, marks::PROXY_SOCKET_MASK), marks::REPLY_TABLE);
-    let batch = format!(
-        "rule del fwmark {mark} lookup {table}\nrule add fwmark {mark} lookup {table}\nroute replace local {any} dev lo table {table}\n"
-    );
-    let mut child = Command::new("ip")
-        .args([family, "-force", "-batch", "-"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()?;
-    if let Some(mut stdin) = child.stdin.take() {
-        io::Write::write_all(&mut stdin, batch.as_bytes())?;
-    }
-    let out = child.wait_with_output()?;
-    let err = String::from_utf8_lossy(&out.stderr);
-    // The expected failure of the first `rule del` (nothing to delete) aside, any error counts.
-    let real = err.lines().filter(|l| {
-        !l.trim().is_empty()
-            && !l.contains("No such file or directory")
-            && !l.starts_with("Command failed")
-    });
-    match real.collect::<Vec<_>>().join("; ") {
-        e if e.is_empty() => Ok(()),
-        e => Err(io::Error::other(format!("ip {family}: {e}"))),
+    match meshpath_cni::pod_setup::reply_routing() {
+        Ok(None) => Ok(()),
+        Ok(Some(v6)) => {
+            warn!(error = %v6, "no IPv6 reply routing in the pod: IPv6 clients' addresses are not kept");
+            Ok(())
+        }
+        Err(e) if meshpath_cni::pod_setup::reply_routing_ready() => {
+            tracing::debug!(error = %e, "reply routing set up by meshpath-cni already");
+            Ok(())
+        }
+        Err(e) => Err(e),
     }
 }
 

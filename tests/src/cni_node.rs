@@ -199,9 +199,30 @@ impl CniNode {
 
     /// Starts (or restarts) the proxy; waits until the agent's snapshot is applied.
     pub fn start_proxy(&mut self) -> Result<()> {
+        self.start_proxy_with(&[])
+    }
+
+    /// `start_proxy` with more arguments.
+    pub fn start_proxy_with(&mut self, extra: &[&str]) -> Result<()> {
+        self.start_proxy_in(&[], extra)
+    }
+
+    /// The proxy as a container runtime runs it: in a mount namespace of its own where
+    /// `/proc/sys` is read-only.
+    pub fn start_proxy_contained(&mut self) -> Result<()> {
+        let ro_proc_sys = "mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys && exec \"$0\" \"$@\"";
+        self.start_proxy_in(
+            &["unshare", "--mount", "--propagation", "private", "sh", "-c", ro_proc_sys],
+            &[],
+        )
+    }
+
+    /// `start_proxy` behind `wrapper` (a command that execs its arguments).
+    fn start_proxy_in(&mut self, wrapper: &[&str], extra: &[&str]) -> Result<()> {
         self.proxy = None;
         let mut cmd = Command::new("nsenter");
         cmd.arg(format!("--net={}", self.node.path().display()))
+            .args(wrapper)
             .arg(sibling_bin("meshpath-proxy"))
             .arg("--zds-socket")
             .arg(self.zds_socket())
@@ -215,6 +236,7 @@ impl CniNode {
             .arg(self.root.path())
             .arg("--refresh-ms")
             .arg("100")
+            .args(extra)
             .env("RUST_LOG", "info");
         let p = TestProxy::spawn(cmd, &self.proxy_cgroup)?;
         if !p.wait_for_text("snapshot from the node agent applied", Duration::from_secs(10)) {

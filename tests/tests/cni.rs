@@ -303,3 +303,70 @@ fn the_agent_installs_its_plugin_repairs_its_chain_entry_and_uninstall_removes_b
     assert_eq!(types(&after), ["bridge"]);
     assert!(!bin.join("meshpath-cni").exists(), "the plugin binary is left");
 }
+
+#[test]
+fn add_sets_up_the_reply_routing_of_a_meshed_pod_and_leaves_an_unmeshed_one_alone() {
+    // The proxy is told not to set it up itself: what is there comes from meshpath-cni.
+    let mut node = CniNode::bare(WORKLOADS).expect("node");
+    node.start_agent().expect("agent");
+    node.start_proxy_with(&["--no-preserve-source"]).expect("proxy");
+    let (db, legacy) =
+        (node.add_pod("db").expect("ADD db"), node.add_pod("legacy").expect("ADD legacy"));
+    let state = |pod: &CniPod| {
+        pod.netns
+            .open()
+            .expect("netns")
+            .run(|| {
+                let accept = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_fwmark_accept")
+                    .unwrap_or_default();
+                let rules = std::process::Command::new("ip")
+                    .args(["-4", "rule", "show"])
+                    .output()
+                    .expect("ip rule");
+                (accept.trim().to_owned(), String::from_utf8_lossy(&rules.stdout).into_owned())
+            })
+            .expect("run in netns")
+    };
+    let (accept, rules) = state(&db);
+    assert_eq!(accept, "1");
+    assert!(rules.contains("fwmark 0x539/0xfff lookup 133"), "{rules}");
+    let (accept, rules) = state(&legacy);
+    assert_eq!(accept, "0", "an unmeshed pod was changed");
+    assert!(!rules.contains("lookup 133"), "{rules}");
+}
+
+#[test]
+fn a_contained_proxy_keeps_client_addresses_with_the_reply_routing_the_plugin_set_up() {
+    // The proxy cannot write /proc/sys (read-only, as in an unprivileged container): the
+    // reply routing meshpath-cni wrote at ADD is what lets it keep the client's address.
+    let mut node = CniNode::bare(WORKLOADS).expect("node");
+    node.start_agent().expect("agent");
+    node.start_proxy_contained().expect("proxy");
+    let db = node.add_pod("db").expect("ADD db");
+    let known = WORKLOADS.replace(
+        "serviceAccount: db, protocol: HBONE}",
+        &format!("serviceAccount: db, protocol: HBONE, workloadIps: [{}]}}", db.ip),
+    );
+    std::fs::write(node.dir.join("workloads.yaml"), known).expect("workloads");
+    let proxy = node.proxy.as_ref().expect("proxy");
+    assert!(proxy.wait_for_text("workload store reloaded", Duration::from_secs(10)));
+    let web = node.add_pod("web").expect("ADD web");
+    assert!(
+        proxy.wait_for_text("reply routing found", Duration::from_secs(10)),
+        "the proxy did not find the routing meshpath-cni wrote:\n{}",
+        proxy.lines().join("\n")
+    );
+    let listener = db.netns.listen(SocketAddr::new(db.ip, 8081)).expect("listen");
+    let server = std::thread::spawn(move || {
+        let (mut c, peer) = listener.accept()?;
+        let mut buf = [0u8; 2];
+        c.read_exact(&mut buf)?;
+        c.write_all(&buf)?;
+        Ok::<_, std::io::Error>(peer)
+    });
+    assert_eq!(echo_once(&web, SocketAddr::new(db.ip, 8081), b"hi").expect("round trip"), b"hi");
+    let peer = server.join().expect("server").expect("server io");
+    assert_eq!(peer.ip(), web.ip, "the app did not see the client's address");
+    // And the proxy really could not write it itself.
+    assert!(proxy.lines().iter().any(|l| l.contains("Read-only file system")));
+}

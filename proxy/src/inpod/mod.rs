@@ -30,6 +30,11 @@ use crate::{
     tls,
 };
 
+/// Reply routing: not wanted (source preservation off), in place, or not yet.
+const ROUTING_OFF: u8 = 0;
+const ROUTING_READY: u8 = 1;
+const ROUTING_PENDING: u8 = 2;
+
 struct PodTls {
     cert: Arc<WorkloadCert>,
     fetched: SystemTime,
@@ -56,8 +61,8 @@ pub struct Pod {
     /// Cancelled to end the pod's connections (removal only: shutdown lets them drain).
     pub gone: CancellationToken,
     /// Whether its netns routes the app's replies to transparent connections back (see
-    /// `transparent`).
-    reply_routing: bool,
+    /// `transparent`): `ROUTING_*`.
+    reply_routing: std::sync::atomic::AtomicU8,
 }
 
 impl std::fmt::Debug for Pod {
@@ -120,7 +125,30 @@ impl Pod {
 
     /// Whether connections to its app keep the client's address.
     pub fn preserves_source(&self) -> bool {
-        self.reply_routing
+        self.reply_routing.load(std::sync::atomic::Ordering::Relaxed) == ROUTING_READY
+    }
+
+    /// Looks again for reply routing this proxy could not write (meshpath-cni writes it after
+    /// the pod was handed over). Blocking: run off the runtime threads.
+    pub fn recheck_reply_routing(&self) {
+        use std::sync::atomic::Ordering;
+        if self.reply_routing.load(Ordering::Relaxed) != ROUTING_PENDING {
+            return;
+        }
+        if self
+            .sockets
+            .run(|| {
+                if meshpath_cni::pod_setup::reply_routing_ready() {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::other("not there yet"))
+                }
+            })
+            .is_ok()
+        {
+            self.reply_routing.store(ROUTING_READY, Ordering::Relaxed);
+            info!(pod = %self.uid, "reply routing found: connections to the pod's apps keep client addresses");
+        }
     }
 
     /// The pod's address of `dst`'s family (v4 or v6), if it has one.
@@ -176,14 +204,18 @@ pub fn add(
         // Not in the store (a pod the agent just added): its addresses are in its netns.
         workload.workload_ips = sockets.addresses().unwrap_or_default();
     }
-    let reply_routing = proxy.transparent.is_some()
-        && match sockets.run(crate::transparent::setup_reply_routing) {
-            Ok(()) => true,
+    let reply_routing = if proxy.transparent.is_none() {
+        ROUTING_OFF
+    } else {
+        match sockets.run(crate::transparent::setup_reply_routing) {
+            Ok(()) => ROUTING_READY,
             Err(e) => {
-                warn!(pod = %uid, error = %e, "no reply routing in the pod: its apps will see the pod's address as the client's");
-                false
+                // Looked for again every refresh: meshpath-cni writes it after this ADD's ack.
+                warn!(pod = %uid, error = %e, "no reply routing in the pod yet: until there is, its apps see the pod's address as the client's");
+                ROUTING_PENDING
             }
-        };
+        }
+    };
     if let Some(old) = proxy.take_pod(uid) {
         stop(&old);
     }
@@ -197,7 +229,7 @@ pub fn add(
         proxy: proxy.clone(),
         listening: proxy.drain.child_token(),
         gone: CancellationToken::new(),
-        reply_routing,
+        reply_routing: std::sync::atomic::AtomicU8::new(reply_routing),
     });
     let started = (|| -> anyhow::Result<()> {
         outbound::start(pod.clone())?;

@@ -191,6 +191,32 @@ impl TwoNodes {
         SocketAddr::new(if v6 { self.pods.b_ip6.into() } else { self.pods.b_ip.into() }, port)
     }
 
+    /// One HBONE CONNECT to `dst`, as another node's proxy would send it: from pod b's netns (not
+    /// captured), presenting `cert`, expecting pod b to be `sa-b`.
+    pub async fn hbone_to_b(
+        &self,
+        cert: &meshpath_proxy::identity::WorkloadCert,
+        dst: SocketAddr,
+    ) -> Result<(), meshpath_proxy::hbone::HboneError> {
+        let gateway = self.b(false, 15008);
+        let roots = std::slice::from_ref(&self.ca.cert_der);
+        let config = meshpath_proxy::tls::client_config(cert, roots, vec![sa("sa-b")])
+            .expect("client config");
+        let std = self
+            .pods
+            .b
+            .open()
+            .expect("b")
+            .run(|| TcpStream::connect(gateway))
+            .expect("netns")
+            .expect("tcp");
+        std.set_nonblocking(true).expect("nonblocking");
+        let tcp = tokio::net::TcpStream::from_std(std).expect("tokio");
+        meshpath_proxy::hbone::connect(tcp, gateway, dst, config, &Default::default())
+            .await
+            .map(drop)
+    }
+
     /// An echo server in pod b for one connection; returns the address it was connected from.
     pub fn echo_in_b(&self, addr: SocketAddr) -> JoinHandle<std::io::Result<SocketAddr>> {
         let l = self.pods.b.listen(addr).expect("bind");

@@ -4,14 +4,12 @@
 
 use std::{
     io::{Read as _, Write as _},
-    sync::Arc,
     time::{Duration, Instant},
 };
 
 use meshpath_proxy::{
-    hbone::{self, HboneError},
+    hbone::HboneError,
     identity::{LocalCa, WorkloadCert},
-    tls,
 };
 use meshpath_tests::two_nodes::{sa, Setup, TwoNodes};
 
@@ -93,25 +91,9 @@ fn a_certificate_file_for_another_identity_is_refused_and_the_current_one_kept()
 }
 
 /// A client with `cert` opening HBONE to pod b (from pod b's netns).
-fn connect_with(nodes: &TwoNodes, cert: &WorkloadCert, roots: &LocalCa) -> Result<(), HboneError> {
-    let gateway = nodes.b(false, 15008);
-    let dst = nodes.b(false, 8100);
-    let config = tls::client_config(cert, std::slice::from_ref(&roots.cert_der), vec![sa("sa-b")])
-        .expect("client config");
-    let std = nodes
-        .pods
-        .b
-        .open()
-        .expect("b")
-        .run(|| std::net::TcpStream::connect(gateway))
-        .expect("netns")
-        .expect("tcp");
-    std.set_nonblocking(true).expect("nonblocking");
+fn connect_with(nodes: &TwoNodes, cert: &WorkloadCert) -> Result<(), HboneError> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
-    rt.block_on(async {
-        let tcp = tokio::net::TcpStream::from_std(std).expect("tokio");
-        hbone::connect(tcp, gateway, dst, Arc::clone(&config), &Default::default()).await.map(drop)
-    })
+    rt.block_on(nodes.hbone_to_b(cert, nodes.b(false, 8100)))
 }
 
 fn tls_refusals(nodes: &TwoNodes) -> f64 {
@@ -130,8 +112,8 @@ fn an_expired_client_certificate_is_refused() {
         .issue_between(&sa("sa-a"), now - time::Duration::hours(2), now - time::Duration::hours(1))
         .expect("cert");
     let valid = nodes.ca.issue(&sa("sa-a"), Duration::from_secs(600)).expect("cert");
-    assert!(connect_with(&nodes, &valid, &nodes.ca).is_ok(), "a valid client was refused");
-    let err = connect_with(&nodes, &expired, &nodes.ca).expect_err("expired accepted");
+    assert!(connect_with(&nodes, &valid).is_ok(), "a valid client was refused");
+    let err = connect_with(&nodes, &expired).expect_err("expired accepted");
     assert!(matches!(err, HboneError::Tls(..) | HboneError::H2(..)), "{err}");
     assert_eq!(tls_refusals(&nodes), 1.0);
 }
@@ -142,7 +124,7 @@ fn a_client_certificate_from_another_ca_is_refused() {
     nodes.echo_server_in_b(nodes.b(false, 8100));
     let other = LocalCa::generate("someone else's CA").expect("CA");
     let foreign = other.issue(&sa("sa-a"), Duration::from_secs(600)).expect("cert");
-    let err = connect_with(&nodes, &foreign, &nodes.ca).expect_err("foreign accepted");
+    let err = connect_with(&nodes, &foreign).expect_err("foreign accepted");
     assert!(matches!(err, HboneError::Tls(..) | HboneError::H2(..)), "{err}");
     assert_eq!(tls_refusals(&nodes), 1.0);
 }

@@ -7,15 +7,10 @@ use std::{
     io::{Read as _, Write as _},
     net::{IpAddr, SocketAddr},
     process::Command,
-    sync::Arc,
     time::Duration,
 };
 
-use meshpath_proxy::{
-    hbone::{self, HboneError},
-    identity::Identity,
-    tls,
-};
+use meshpath_proxy::{hbone::HboneError, identity::Identity, tls};
 use meshpath_tests::two_nodes::{Setup, TwoNodes, View, MESHED};
 
 fn hbone_round_trip(v6: bool) {
@@ -90,28 +85,11 @@ fn plaintext_to_the_hbone_port_is_refused() {
 /// A raw HBONE client in pod b's netns with a certificate from the mesh CA, as another node's
 /// proxy would be.
 async fn raw_connect(nodes: &TwoNodes, dst: SocketAddr) -> Result<(), HboneError> {
-    let gateway = nodes.b(false, 15008);
     let client = nodes
         .ca
         .issue(&Identity::new("cluster.local", "default", "sa-a"), Duration::from_secs(600))
         .expect("cert");
-    let config = tls::client_config(
-        &client,
-        std::slice::from_ref(&nodes.ca.cert_der),
-        vec![Identity::new("cluster.local", "default", "sa-b")],
-    )
-    .expect("client config");
-    let std = nodes
-        .pods
-        .b
-        .open()
-        .expect("b")
-        .run(|| std::net::TcpStream::connect(gateway))
-        .expect("netns")
-        .expect("tcp");
-    std.set_nonblocking(true).expect("nonblocking");
-    let tcp = tokio::net::TcpStream::from_std(std).expect("tokio");
-    hbone::connect(tcp, gateway, dst, Arc::clone(&config), &Default::default()).await.map(drop)
+    nodes.hbone_to_b(&client, dst).await
 }
 
 #[tokio::test]

@@ -187,7 +187,8 @@ fn wait_for(log: &Path, needle: &str, what: &str) -> Result<()> {
     )
 }
 
-/// Runs one CNI plugin as a runtime does.
+/// Runs one CNI plugin as a runtime does. (tests/src/cni_node.rs has the same runner: xtask
+/// builds before the eBPF toolchain exists, so it cannot depend on the tests crate.)
 fn cni(
     node_ns: &str,
     plugin: &Path,

@@ -15,6 +15,17 @@ const WORKLOADS: &str = "workloads:\n\
 - {uid: uid-web, name: web, namespace: default, serviceAccount: web, protocol: HBONE}\n\
 - {uid: uid-db, name: db, namespace: default, serviceAccount: db, protocol: HBONE}\n";
 
+/// The store learns db's address (as a control plane would); waits for the proxy's reload.
+fn publish_db_address(node: &CniNode, db: &CniPod) {
+    let known = WORKLOADS.replace(
+        "serviceAccount: db, protocol: HBONE}",
+        &format!("serviceAccount: db, protocol: HBONE, workloadIps: [{}]}}", db.ip),
+    );
+    std::fs::write(node.dir.join("workloads.yaml"), known).expect("workloads");
+    let proxy = node.proxy.as_ref().expect("proxy");
+    assert!(proxy.wait_for_text("workload store reloaded", Duration::from_secs(10)));
+}
+
 fn echo_once(pod: &CniPod, dst: SocketAddr, msg: &[u8]) -> std::io::Result<Vec<u8>> {
     let mut c = pod.connect(dst)?;
     c.write_all(msg)?;
@@ -28,14 +39,8 @@ fn a_meshed_pod_is_captured_from_its_first_connection() {
     let node = CniNode::start(WORKLOADS).expect("node");
     let db = node.add_pod("db").expect("ADD db");
     node.echo_server(&db, 8080).expect("echo");
-    // The store learns db's address (as a control plane would) before web exists.
-    let known = WORKLOADS.replace(
-        "serviceAccount: db, protocol: HBONE}",
-        &format!("serviceAccount: db, protocol: HBONE, workloadIps: [{}]}}", db.ip),
-    );
-    std::fs::write(node.dir.join("workloads.yaml"), known).expect("workloads");
-    let proxy = node.proxy.as_ref().expect("proxy");
-    assert!(proxy.wait_for_text("workload store reloaded", Duration::from_secs(10)));
+    // Before web exists.
+    publish_db_address(&node, &db);
     let web = node.add_pod("web").expect("ADD web");
     // The very first thing web does after ADD returned.
     let back = echo_once(&web, SocketAddr::new(db.ip, 8080), b"first").expect("first connection");
@@ -343,13 +348,8 @@ fn a_contained_proxy_keeps_client_addresses_with_the_reply_routing_the_plugin_se
     node.start_agent().expect("agent");
     node.start_proxy_contained().expect("proxy");
     let db = node.add_pod("db").expect("ADD db");
-    let known = WORKLOADS.replace(
-        "serviceAccount: db, protocol: HBONE}",
-        &format!("serviceAccount: db, protocol: HBONE, workloadIps: [{}]}}", db.ip),
-    );
-    std::fs::write(node.dir.join("workloads.yaml"), known).expect("workloads");
+    publish_db_address(&node, &db);
     let proxy = node.proxy.as_ref().expect("proxy");
-    assert!(proxy.wait_for_text("workload store reloaded", Duration::from_secs(10)));
     let web = node.add_pod("web").expect("ADD web");
     assert!(
         proxy.wait_for_text("reply routing found", Duration::from_secs(10)),

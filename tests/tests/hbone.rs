@@ -154,15 +154,7 @@ fn sigterm_stops_new_connections_and_lets_open_ones_finish() {
     let mut nodes = TwoNodes::new(MESHED);
     let dst = nodes.b(false, 8086);
     let server = nodes.echo_in_b(dst);
-    let mut open = nodes
-        .pods
-        .a
-        .open()
-        .expect("a")
-        .run(|| std::net::TcpStream::connect_timeout(&dst, Duration::from_secs(5)))
-        .expect("netns")
-        .expect("connect");
-    open.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let mut open = nodes.connect_from_a(dst).expect("connect");
     let mut buf = [0u8; 5];
     open.write_all(b"one..").expect("send");
     open.read_exact(&mut buf).expect("echo before SIGTERM");
@@ -357,15 +349,7 @@ async fn the_connect_request_is_what_ztunnel_sends() {
     });
     let dst = nodes.b(false, 8110);
     let app = tokio::task::spawn_blocking(move || {
-        let mut c = nodes
-            .pods
-            .a
-            .open()
-            .expect("a")
-            .run(|| std::net::TcpStream::connect_timeout(&dst, Duration::from_secs(5)))
-            .expect("netns")
-            .expect("connect");
-        c.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        let mut c = nodes.connect_from_a(dst).expect("connect");
         let mut buf = [0u8; 12];
         c.read_exact(&mut buf).expect("the server's bytes");
         let local = c.local_addr().expect("local");

@@ -6,7 +6,8 @@
 //! Addresses are not rewritten: the accepted socket's local address is the original destination
 //! and its peer the real client.
 //!
-//! Left alone: HBONE (15008) and the inbound listener's own port; traffic that stays inside the
+//! Left alone: HBONE (15008) and the inbound listener's own port; the proxy's transparent
+//! connections to the app (`PROXY_TRANSPARENT`, see proxy/src/transparent.rs); traffic that stays inside the
 //! pod (loopback addresses, or a source address equal to the destination, which is what the
 //! kernel picks when a pod connects to its own address: the app talking to itself, the outbound
 //! hop to the proxy, the proxy connecting to the app); kubelet probes when bypass is on;

@@ -154,7 +154,7 @@ fn setup(name: &str, pods: &PodPair) -> Result<Setup> {
                 &a,
                 &cgroup,
                 "forward",
-                None,
+                false,
                 &[("MESHPATH_TEST_PROXY_MARK", "0x539")],
             )?;
             Setup::Iptables { _proxy: proxy, _cgroup: cgroup }
@@ -168,8 +168,7 @@ fn setup(name: &str, pods: &PodPair) -> Result<Setup> {
                 pods::enrol(&dp, &pods.a.open()?, &capture_opts(false))?;
                 dp.set_acceleration(name == "ebpf_sockmap")?;
             }
-            let proxy =
-                TestProxy::start(&proxy_bin, &a, &cgroup, "forward", Some(root.path()), &[])?;
+            let proxy = TestProxy::start(&proxy_bin, &a, &cgroup, "forward", true, &[])?;
             Setup::Ebpf { _proxy: proxy, _cgroup: cgroup, _root: root }
         }
         other => bail!("unknown scenario {other}"),

@@ -64,8 +64,6 @@ fn start_hbone(pods: &PodPair, extra: &[&str], env: &[(&str, &str)]) -> Result<H
         cmd.arg("--workloads").arg(dir.join("workloads.yaml"));
         cmd.arg("--ca-cert").arg(dir.join("ca.pem")).arg("--ca-key").arg(dir.join("ca-key.pem"));
         cmd.arg("--pod").arg(format!("{pod}={}", ns.path().display()));
-        // As deployed: the datapath known, so apps are reached with the client's address.
-        cmd.arg("--pin-root").arg(root.path());
         // Both proxies share this netns: their node-wide endpoints take any free port.
         for flag in ["--admin-addr", "--stats-addr", "--readiness-addr"] {
             cmd.arg(flag).arg("127.0.0.1:0");

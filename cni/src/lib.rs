@@ -4,10 +4,7 @@
 //!
 //! - `spec`: the parts of the CNI specification the plugin reads and writes;
 //! - `agent`: the one request/response exchanged with the agent over its unix socket (one JSON
-//!   line each way), shared by both sides;
-//! - `pod_setup`: the reply routing a meshed pod's netns needs, written by the plugin (host,
-//!   root) at ADD.
+//!   line each way), shared by both sides.
 
 pub mod agent;
-pub mod pod_setup;
 pub mod spec;

@@ -17,8 +17,6 @@ pub mod code {
     pub const TRY_AGAIN_LATER: u32 = 11;
     /// meshpath's own: the agent refused the pod.
     pub const AGENT_REFUSED: u32 = 100;
-    /// meshpath's own: the pod's netns could not be set up (reply routing).
-    pub const POD_SETUP: u32 = 101;
 }
 
 /// The plugin's network configuration (stdin).

@@ -19,6 +19,17 @@ pub mod ports {
     pub const METRICS: u16 = 15020;
     /// `/healthz/ready`.
     pub const READINESS: u16 = 15021;
+
+    /// The ports the proxy itself listens on in every pod. A connection whose destination is
+    /// one of them would make the proxy dial its own listener (and that connection would be
+    /// proxied again, until the proxy runs out of file descriptors): every path refuses them,
+    /// as ztunnel does (`SelfCall`).
+    pub const PROXY_PORTS: [u16; 4] = [OUTBOUND, INBOUND_PLAINTEXT, HBONE, DNS];
+
+    /// Whether `port` is one of [`PROXY_PORTS`].
+    pub const fn is_proxy_port(port: u16) -> bool {
+        port == OUTBOUND || port == INBOUND_PLAINTEXT || port == HBONE || port == DNS
+    }
 }
 
 /// Kubelet health probes: istio-cni SNATs them on the host to these link-local sources, and the
@@ -33,20 +44,32 @@ pub mod probe {
     ];
 }
 
-/// Socket marks istio-cni uses. meshpath does not trust marks for bypass (an app with
-/// CAP_NET_ADMIN can set them); they are named here so tests and docs can refer to them.
+/// Socket marks. meshpath never trusts a mark for capture decisions (an app with CAP_NET_ADMIN
+/// can set any); the one mark it relies on is [`marks::REPLY`], which only the datapath sets.
 pub mod marks {
-    /// The mark ztunnel sets on its own sockets under istio-cni; meshpath's proxy sets it on
-    /// its transparent sockets to the app, and the pod's replies to them carry it too
-    /// (`tcp_fwmark_accept`), which routes them back to the proxy (see [`REPLY_TABLE`]).
+    /// The mark ztunnel sets on every socket it opens in a pod (istio-cni's rules let marked
+    /// packets bypass capture). meshpath's datapath ignores it: the proxy's sockets bypass by
+    /// cgroup, and its marked packets route like any other.
     pub const PROXY_SOCKET: u32 = 0x539;
-    /// The routing table, in a pod's netns, that delivers marked replies locally (istio-cni's
-    /// table number for the same job).
+    /// The mark the datapath puts on a transparent connection made inside a pod to the pod
+    /// itself (the proxy reaching the app with the client's address): the SYN carries it,
+    /// `tcp_fwmark_accept` hands it to the app's accepted socket, and the pod's rule
+    /// `fwmark 0x111/0xfff lookup 133` delivers the app's replies locally, back to the proxy,
+    /// instead of sending them to the real client. istio-cni uses the same value as the
+    /// connmark it restores on the app's replies.
+    pub const REPLY: u32 = 0x111;
+    /// Mask of the pod's reply rule (istio-cni's).
+    pub const REPLY_MASK: u32 = 0xfff;
+    /// The routing table, in a pod's netns, whose one route delivers everything locally.
     pub const REPLY_TABLE: u32 = 133;
-    /// Mask istio-cni applies to [`PROXY_SOCKET`].
-    pub const PROXY_SOCKET_MASK: u32 = 0xfff;
-    /// istio-cni's reply-routing connmark.
-    pub const REPLY_CONNMARK: u32 = 0x111;
+}
+
+/// Socket option numbers the datapath sets from eBPF.
+pub mod sol_socket {
+    /// `SOL_SOCKET`.
+    pub const SOL_SOCKET: i32 = 1;
+    /// `SO_MARK`.
+    pub const SO_MARK: i32 = 36;
 }
 
 /// Names of the programs in the eBPF object, as the loader looks them up. The TC programs are
@@ -131,13 +154,14 @@ pub mod map_names {
     pub const EXCLUDED_CIDRS: &str = "EXCLUDED_CIDRS";
     /// The pods' IP addresses: [`crate::PodIpKey`] → netns cookie.
     pub const POD_IPS: &str = "POD_IPS";
-    /// SOCKHASH of the proxy's inbound listeners, by [`crate::PortKey`] (the pod's netns, the
-    /// listener's port, [`crate::direction::INBOUND`]). The proxy inserts its own sockets; the
-    /// kernel removes them when they close.
+    /// Each pod's own addresses, by netns cookie: [`crate::PodAddrs`].
+    pub const POD_ADDRS: &str = "POD_ADDRS";
+    /// SOCKHASH of the proxy's inbound listeners, by [`crate::ListenerKey`]. `sock_ops` files
+    /// every socket that starts listening on 15006 in an enrolled pod; the kernel removes it
+    /// when it closes. The proxy never touches it.
     pub const INBOUND_LISTENERS: &str = "INBOUND_LISTENERS";
-    /// Connections the proxy is opening transparently (client's address as source):
-    /// [`crate::TransparentKey`] → unused (LRU). The proxy inserts before connecting and
-    /// removes once connected.
+    /// Transparent connections made inside a pod to the pod itself: [`crate::TransparentKey`]
+    /// → unused (LRU). Filed and removed by `sock_ops`; the proxy never touches it.
     pub const PROXY_TRANSPARENT: &str = "PROXY_TRANSPARENT";
 }
 

@@ -238,8 +238,11 @@ pub mod direction {
     pub const INBOUND: u16 = 2;
 }
 
-/// A connection the proxy is opening to an app with the client's address as its source
-/// (transparent): sk_lookup lets its SYN reach the app instead of steering it back to the proxy.
+/// A connection made inside a pod to one of the pod's own addresses from an address that is not
+/// the pod's (a transparent socket: what a proxy opens to reach the app with the client's
+/// address). `sock_ops` files it when the connection starts and removes it when it closes;
+/// sk_lookup lets its SYN reach the app instead of steering it back to the proxy, as
+/// istio-cni's rules never redirect a connection made inside the pod to the pod itself.
 /// Addresses as in [`PodIpKey`] (IPv4 v4-mapped); ports host order.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -254,6 +257,35 @@ pub struct TransparentKey {
     pub remote_port: u16,
 }
 
+/// A pod's own addresses, one per family (network-order words; all zero: the pod has none of
+/// that family). The outbound hook steers an app's connection to the proxy's outbound listener
+/// *at the pod's address*, so the connection's source is the pod's address, as under
+/// istio-cni's `REDIRECT` (where source selection happened on the original route).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PodAddrs {
+    /// The pod's IPv6 address.
+    pub v6: [u32; 4],
+    /// The pod's IPv4 address.
+    pub v4: u32,
+}
+
+/// The proxy's inbound (15006) listener of one pod and address family, as `sock_ops` files it
+/// when the listener starts listening. A dual-stack `[::]` listener is filed as [`AF_INET6`]
+/// and also serves IPv4 lookups when no [`AF_INET`] listener is filed.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ListenerKey {
+    /// The pod's netns cookie.
+    pub netns: NetnsCookie,
+    /// The listener's port, host order.
+    pub port: u16,
+    /// The listener socket's family: [`AF_INET`] or [`AF_INET6`].
+    pub family: u16,
+    /// Zero.
+    pub _pad: u32,
+}
+
 #[cfg(feature = "user")]
 mod user {
     // SAFETY: #[repr(C)] integers with explicit padding fields: every bit pattern is valid.
@@ -264,6 +296,8 @@ mod user {
     unsafe impl aya::Pod for super::CidrKey {}
     unsafe impl aya::Pod for super::SockKey {}
     unsafe impl aya::Pod for super::TransparentKey {}
+    unsafe impl aya::Pod for super::PodAddrs {}
+    unsafe impl aya::Pod for super::ListenerKey {}
     // SAFETY: both types are #[repr(C)], made only of integers and byte arrays, with no padding
     // (u32+u32+u64+[u8;64] and 4×u64), so every bit pattern is valid.
     unsafe impl aya::Pod for super::PodCounters {}
@@ -296,5 +330,7 @@ mod tests {
         assert_eq!(core::mem::size_of::<PortKey>(), 16);
         assert_eq!(core::mem::size_of::<SockKey>(), 48);
         assert_eq!(core::mem::size_of::<CidrKey>(), 28);
+        assert_eq!(core::mem::size_of::<PodAddrs>(), 20);
+        assert_eq!(core::mem::size_of::<ListenerKey>(), 16);
     }
 }

@@ -14,7 +14,10 @@ use aya_ebpf::{
 use core::ptr::{addr_of, read_volatile};
 use datapath_common::{node_flags, PodIpKey, SockKey, AF_INET};
 
-use crate::maps::{LOCAL_SOCKS, NODE_CONFIG};
+use crate::{
+    maps::{LOCAL_SOCKS, NODE_CONFIG},
+    net::{remote_port_host, sock_ops_key},
+};
 
 /// Whether the node has the shortcut on.
 #[inline(always)]
@@ -22,44 +25,12 @@ pub fn enabled() -> bool {
     NODE_CONFIG.get(0).is_some_and(|f| f & node_flags::ACCELERATE != 0)
 }
 
-/// A port as sock_ops and sk_msg store `remote_port`: the network-order u16 in the upper half.
-#[inline(always)]
-fn remote_port_host(raw: u32) -> u32 {
-    u32::from(u16::from_be((raw >> 16) as u16))
-}
-
 /// Puts this established socket (an end of a captured app↔proxy connection) into the map.
 #[inline(always)]
 pub fn add(ctx: &SockOpsContext, netns: u64) {
-    let o = ctx.ops;
-    // One load per field at a constant offset, both families (see inbound.rs for why).
-    // SAFETY: fields of the kernel's bpf_sock_ops, readable in the established callbacks.
-    let key = unsafe {
-        let v4 = read_volatile(addr_of!((*o).family)) == u32::from(AF_INET);
-        let l4 = read_volatile(addr_of!((*o).local_ip4));
-        let r4 = read_volatile(addr_of!((*o).remote_ip4));
-        let l6 = [
-            read_volatile(addr_of!((*o).local_ip6[0])),
-            read_volatile(addr_of!((*o).local_ip6[1])),
-            read_volatile(addr_of!((*o).local_ip6[2])),
-            read_volatile(addr_of!((*o).local_ip6[3])),
-        ];
-        let r6 = [
-            read_volatile(addr_of!((*o).remote_ip6[0])),
-            read_volatile(addr_of!((*o).remote_ip6[1])),
-            read_volatile(addr_of!((*o).remote_ip6[2])),
-            read_volatile(addr_of!((*o).remote_ip6[3])),
-        ];
-        SockKey {
-            netns,
-            local: if v4 { PodIpKey::v4(l4).addr } else { l6 },
-            remote: if v4 { PodIpKey::v4(r4).addr } else { r6 },
-            local_port: read_volatile(addr_of!((*o).local_port)),
-            remote_port: remote_port_host(read_volatile(addr_of!((*o).remote_port))),
-        }
-    };
+    let key = sock_ops_key(ctx.ops, netns);
     // SAFETY: the context is the kernel's bpf_sock_ops for this callback.
-    let _ = LOCAL_SOCKS.update(key, unsafe { &mut *o }, u64::from(BPF_ANY));
+    let _ = LOCAL_SOCKS.update(key, unsafe { &mut *ctx.ops }, u64::from(BPF_ANY));
 }
 
 #[sk_msg]

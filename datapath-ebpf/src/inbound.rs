@@ -6,8 +6,12 @@
 //! Addresses are not rewritten: the accepted socket's local address is the original destination
 //! and its peer the real client.
 //!
-//! Left alone: HBONE (15008) and the inbound listener's own port; the proxy's transparent
-//! connections to the app (`PROXY_TRANSPARENT`, see proxy/src/transparent.rs); traffic that stays inside the
+//! The listener is the one `sock_ops` saw start listening on 15006 in the pod
+//! (`proxy_sockets.rs`): of the lookup's family first, then a dual-stack IPv6 one.
+//!
+//! Left alone: HBONE (15008) and the inbound listener's own port; transparent connections made
+//! inside the pod to the pod itself (`PROXY_TRANSPARENT`, filed by sock_ops: the proxy reaching
+//! the app with the client's address); traffic that stays inside the
 //! pod (loopback addresses, or a source address equal to the destination, which is what the
 //! kernel picks when a pod connects to its own address: the app talking to itself, the outbound
 //! hop to the proxy, the proxy connecting to the app); kubelet probes when bypass is on;
@@ -21,7 +25,7 @@ use aya_ebpf::{bindings::bpf_sk_lookup, macros::sk_lookup, programs::SkLookupCon
 use core::ptr::{addr_of, read_volatile};
 use datapath_common::{
     consts::{ports, probe},
-    direction, pod_flags, PodIpKey, PortKey, TransparentKey, AF_INET,
+    direction, pod_flags, ListenerKey, PodIpKey, PortKey, TransparentKey, AF_INET, AF_INET6,
 };
 
 use crate::{
@@ -107,7 +111,8 @@ pub fn mp_sk_lookup(ctx: SkLookupContext) -> u32 {
     if port == ports::HBONE || port == ports::INBOUND_PLAINTEXT {
         return SK_PASS;
     }
-    // The proxy connecting to the app with the client's address: never recaptured.
+    // A transparent connection made inside the pod to the pod (the proxy connecting to the app
+    // with the client's address): never recaptured.
     let transparent = TransparentKey {
         local: l.local.addr,
         remote: l.remote.addr,
@@ -140,9 +145,17 @@ pub fn mp_sk_lookup(ctx: SkLookupContext) -> u32 {
     if cidr_excluded(netns, direction::INBOUND, l.remote.addr) {
         return SK_PASS;
     }
-    let listener =
-        PortKey { netns, port: ports::INBOUND_PLAINTEXT, direction: direction::INBOUND, _pad: 0 };
-    match INBOUND_LISTENERS.redirect_sk_lookup(&ctx, listener, 0) {
+    let port = ports::INBOUND_PLAINTEXT;
+    if l.family == u32::from(AF_INET) {
+        let v4 = ListenerKey { netns, port, family: AF_INET, _pad: 0 };
+        if INBOUND_LISTENERS.redirect_sk_lookup(&ctx, v4, 0).is_ok() {
+            return SK_PASS;
+        }
+    }
+    // A dual-stack [::]:15006 (ztunnel's) serves both families; the kernel refuses to assign a
+    // v6-only one to an IPv4 lookup.
+    let v6 = ListenerKey { netns, port, family: AF_INET6, _pad: 0 };
+    match INBOUND_LISTENERS.redirect_sk_lookup(&ctx, v6, 0) {
         Ok(()) => SK_PASS,
         Err(_) => SK_DROP,
     }

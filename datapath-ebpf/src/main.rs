@@ -8,6 +8,8 @@
 //! - `accelerate`: sockops + sk_msg shortcut for the local app↔proxy hop (off unless turned on).
 //! - `dns`: cgroup sendmsg4/6 and recvmsg4/6: DNS over UDP to the proxy's DNS listener.
 //! - `inbound`: sk_lookup in each pod's netns: inbound TCP to the proxy's inbound listener.
+//! - `proxy_sockets`: what sock_ops learns of the proxy with no help from it: its inbound
+//!   listeners and its transparent connections to the app (with their reply mark).
 //! - `probes`: node side of the kubelet probe contract (probe source address, no SNAT).
 //! - `original_dst`: cgroup getsockopt answering SO_ORIGINAL_DST for the proxy.
 
@@ -23,6 +25,7 @@ mod original_dst;
 mod outbound;
 mod pod_traffic;
 mod probes;
+mod proxy_sockets;
 
 #[cfg(not(test))]
 #[panic_handler]

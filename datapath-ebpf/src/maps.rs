@@ -8,8 +8,8 @@ use aya_ebpf::{
 };
 use datapath_common::{
     consts::{MAX_PODS, MAX_TRACKED_CONNECTIONS},
-    CidrKey, ConnKey, NetnsCookie, OrigDst, PodCounters, PodInfo, PodIpKey, PortKey, SockKey,
-    TransparentKey,
+    CidrKey, ConnKey, ListenerKey, NetnsCookie, OrigDst, PodAddrs, PodCounters, PodInfo, PodIpKey,
+    PortKey, SockKey, TransparentKey,
 };
 
 /// Per pod, per CPU counters, created at enrolment and removed at unenrolment.
@@ -39,7 +39,8 @@ pub static ORIG_DST_BY_SOCKET: LruHashMap<u64, OrigDst> =
 pub static ORIG_DST_BY_CONN: LruHashMap<ConnKey, OrigDst> =
     LruHashMap::pinned(MAX_TRACKED_CONNECTIONS, 0);
 
-/// Connections the proxy is opening to an app from the client's address: not captured inbound.
+/// Transparent connections made inside a pod to the pod itself (filed by sock_ops while they
+/// live): not captured inbound.
 #[map]
 pub static PROXY_TRANSPARENT: LruHashMap<TransparentKey, u8> =
     LruHashMap::pinned(MAX_TRACKED_CONNECTIONS, 0);
@@ -64,9 +65,13 @@ pub static EXCLUDED_CIDRS: LpmTrie<CidrKey, u32> = LpmTrie::pinned(MAX_PODS * 8,
 #[map]
 pub static POD_IPS: HashMap<PodIpKey, NetnsCookie> = HashMap::pinned(MAX_PODS * 4, 0);
 
-/// The proxy's inbound listeners, inserted by the proxy itself.
+/// The proxy's inbound listeners, filed by sock_ops when they start listening.
 #[map]
-pub static INBOUND_LISTENERS: SockHash<PortKey> = SockHash::pinned(MAX_PODS * 2, 0);
+pub static INBOUND_LISTENERS: SockHash<ListenerKey> = SockHash::pinned(MAX_PODS * 2, 0);
+
+/// Each pod's own addresses: where the outbound hook sends the app's connections.
+#[map]
+pub static POD_ADDRS: HashMap<NetnsCookie, PodAddrs> = HashMap::pinned(MAX_PODS, 0);
 
 /// The netns cookie of the pod a per-pod program instance (TC counters) serves; set by the
 /// loader at load time (`datapath_common::consts::globals::POD_COOKIE`). Zero in the node-wide

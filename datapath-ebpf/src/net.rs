@@ -1,8 +1,11 @@
 //! Address helpers shared by the socket programs. Addresses are as the kernel hands them to
 //! programs: `u32` words holding network-order bytes, read on a little-endian machine.
 
-use aya_ebpf::maps::lpm_trie::Key;
-use datapath_common::{cidr_action, CidrKey, NetnsCookie, CIDR_KEY_BITS};
+use aya_ebpf::{bindings::bpf_sock_ops, maps::lpm_trie::Key};
+use core::ptr::{addr_of, read_volatile};
+use datapath_common::{
+    cidr_action, CidrKey, NetnsCookie, PodIpKey, SockKey, AF_INET, CIDR_KEY_BITS,
+};
 
 use crate::maps::EXCLUDED_CIDRS;
 
@@ -57,4 +60,43 @@ pub fn is_loopback4(addr: u32) -> bool {
 #[inline(always)]
 pub fn is_v4_mapped(addr: &[u32; 4]) -> bool {
     addr[0] == 0 && addr[1] == 0 && addr[2] == V4_MAPPED_PREFIX
+}
+
+/// A port as sock_ops and sk_msg store `remote_port`: the network-order u16 in the upper half.
+#[inline(always)]
+pub fn remote_port_host(raw: u32) -> u32 {
+    u32::from(u16::from_be((raw >> 16) as u16))
+}
+
+/// A sock_ops socket's addresses (IPv4 v4-mapped) and ports (host order), as a [`SockKey`] of
+/// `netns`.
+#[inline(always)]
+pub fn sock_ops_key(o: *const bpf_sock_ops, netns: NetnsCookie) -> SockKey {
+    // One load per field at a constant offset, both families (see inbound.rs for why).
+    // SAFETY: fields of the kernel's bpf_sock_ops, readable for a full socket in the listen,
+    // connect, established and state callbacks.
+    unsafe {
+        let v4 = read_volatile(addr_of!((*o).family)) == u32::from(AF_INET);
+        let l4 = read_volatile(addr_of!((*o).local_ip4));
+        let r4 = read_volatile(addr_of!((*o).remote_ip4));
+        let l6 = [
+            read_volatile(addr_of!((*o).local_ip6[0])),
+            read_volatile(addr_of!((*o).local_ip6[1])),
+            read_volatile(addr_of!((*o).local_ip6[2])),
+            read_volatile(addr_of!((*o).local_ip6[3])),
+        ];
+        let r6 = [
+            read_volatile(addr_of!((*o).remote_ip6[0])),
+            read_volatile(addr_of!((*o).remote_ip6[1])),
+            read_volatile(addr_of!((*o).remote_ip6[2])),
+            read_volatile(addr_of!((*o).remote_ip6[3])),
+        ];
+        SockKey {
+            netns,
+            local: if v4 { PodIpKey::v4(l4).addr } else { l6 },
+            remote: if v4 { PodIpKey::v4(r4).addr } else { r6 },
+            local_port: read_volatile(addr_of!((*o).local_port)),
+            remote_port: remote_port_host(read_volatile(addr_of!((*o).remote_port))),
+        }
+    }
 }

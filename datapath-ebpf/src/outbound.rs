@@ -3,13 +3,18 @@
 //! enrolled, whatever cgroup its containers land in.
 //!
 //! - connect4/connect6: a captured pod's TCP connect() to any destination goes to the proxy's
-//!   outbound listener on loopback instead (like istio-cni's `REDIRECT --to-ports 15001`); TCP
-//!   and connected UDP to port 53 go to the DNS listener (15053) when DNS is captured. The
+//!   outbound listener instead (like istio-cni's `REDIRECT --to-ports 15001`), at the pod's own
+//!   address of that family (`POD_ADDRS`), so that the connection's source is the pod's
+//!   address as under REDIRECT: the proxy's `peer_addr()` and the app's `getsockname()` both
+//!   show the pod, never 127.0.0.1 (loopback only for a family the pod has no address of). TCP
+//!   and connected UDP to port 53 go to the DNS listener on loopback (15053) when DNS is
+//!   captured. The
 //!   destination asked for is kept under the socket's cookie. Sockets of the proxy's cgroup are
 //!   never captured: an app cannot join another cgroup from inside its pod, whereas it can set
 //!   any socket mark with CAP_NET_ADMIN.
 //! - sock_ops: once such a connection is established, its local port is known; the original
-//!   destination is filed under (netns, IP version, port) for the proxy's getsockopt.
+//!   destination is filed under (netns, IP version, port) for the proxy's getsockopt. The same
+//!   program learns the proxy's listeners and transparent connections (`proxy_sockets.rs`).
 //! - getpeername4/6: the app sees the destination it asked for, not the proxy.
 //!
 //! DNS over unconnected UDP (sendmsg/recvmsg) is in `dns.rs`; it shares [`steer4`]/[`steer6`].
@@ -17,6 +22,7 @@
 use aya_ebpf::{
     bindings::{
         bpf_sock_addr, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB,
+        BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_SOCK_OPS_TCP_LISTEN_CB,
     },
     helpers::{bpf_get_current_cgroup_id, bpf_get_netns_cookie, bpf_get_socket_cookie},
     macros::{cgroup_sock_addr, sock_ops},
@@ -25,14 +31,18 @@ use aya_ebpf::{
 };
 use core::ptr::{addr_of_mut, write_volatile};
 use datapath_common::{
-    consts::ports, direction, pod_flags, ConnKey, OrigDst, PodIpKey, PortKey, AF_INET, AF_INET6,
+    consts::ports, direction, pod_flags, ConnKey, NetnsCookie, OrigDst, PodIpKey, PortKey, AF_INET,
+    AF_INET6,
 };
 
 use crate::{
     accelerate,
-    maps::{EXCLUDED_PORTS, ORIG_DST_BY_CONN, ORIG_DST_BY_SOCKET, PODS, POD_IPS, PROXY_CGROUPS},
+    maps::{
+        EXCLUDED_PORTS, ORIG_DST_BY_CONN, ORIG_DST_BY_SOCKET, PODS, POD_ADDRS, POD_IPS,
+        PROXY_CGROUPS,
+    },
     net::{cidr_excluded, is_loopback4, is_v4_mapped, LOOPBACK4, LOOPBACK6, V4_MAPPED_PREFIX},
-    probes,
+    probes, proxy_sockets,
 };
 
 /// sock_addr verdicts.
@@ -43,9 +53,10 @@ const IPPROTO_UDP: u32 = 17;
 
 /// The proxy port this socket's traffic to `port_be` must go to, if any: DNS (TCP or UDP to
 /// port 53) when the pod's DNS is captured, else the outbound listener for TCP when its outbound
-/// is captured and the port is not excluded. None for the proxy's own sockets.
+/// is captured and the port is not excluded. None for the proxy's own sockets. Also returns the
+/// pod's netns cookie.
 #[inline(always)]
-fn target(ctx: &SockAddrContext, addr: [u32; 4], port_be: u16) -> Option<u16> {
+fn target(ctx: &SockAddrContext, addr: [u32; 4], port_be: u16) -> Option<(u16, NetnsCookie)> {
     // SAFETY: the context pointer is the kernel's bpf_sock_addr for this call.
     let protocol = unsafe { (*ctx.sock_addr).protocol };
     if protocol != IPPROTO_TCP && protocol != IPPROTO_UDP {
@@ -66,7 +77,7 @@ fn target(ctx: &SockAddrContext, addr: [u32; 4], port_be: u16) -> Option<u16> {
     }
     let port = u16::from_be(port_be);
     if port == ports::DNS_UPSTREAM && pod.flags & pod_flags::CAPTURE_DNS != 0 {
-        return Some(ports::DNS);
+        return Some((ports::DNS, netns));
     }
     if protocol != IPPROTO_TCP || pod.flags & pod_flags::CAPTURE_OUTBOUND == 0 {
         return None;
@@ -84,7 +95,35 @@ fn target(ctx: &SockAddrContext, addr: [u32; 4], port_be: u16) -> Option<u16> {
     if cidr_excluded(netns, direction::OUTBOUND, addr) {
         return None;
     }
-    Some(ports::OUTBOUND)
+    Some((ports::OUTBOUND, netns))
+}
+
+/// Where a captured connection is sent: the DNS listener on loopback, the outbound listener at
+/// the pod's own address of the family (`v4`: IPv4 or v4-mapped), or on loopback if the pod
+/// has none. A network-order word for IPv4, words for IPv6 (v4-mapped for `v4`).
+#[inline(always)]
+fn proxy_addr4(to: u16, netns: NetnsCookie) -> u32 {
+    if to != ports::OUTBOUND {
+        return LOOPBACK4;
+    }
+    // SAFETY: map values are plain data owned by the map.
+    match unsafe { POD_ADDRS.get(&netns) } {
+        Some(a) if a.v4 != 0 => a.v4,
+        _ => LOOPBACK4,
+    }
+}
+
+/// As [`proxy_addr4`] for a native IPv6 destination.
+#[inline(always)]
+fn proxy_addr6(to: u16, netns: NetnsCookie) -> [u32; 4] {
+    if to != ports::OUTBOUND {
+        return LOOPBACK6;
+    }
+    // SAFETY: as above.
+    match unsafe { POD_ADDRS.get(&netns) } {
+        Some(a) if a.v6 != [0; 4] => a.v6,
+        _ => LOOPBACK6,
+    }
 }
 
 /// Files the original destination under the socket's cookie. A full map is a refusal, not a
@@ -96,7 +135,7 @@ fn remember(ctx: &SockAddrContext, orig: &OrigDst) -> bool {
     ORIG_DST_BY_SOCKET.insert(&cookie, orig, 0).is_ok()
 }
 
-/// Rewrites an IPv4 destination (connect4, sendmsg4) to the proxy on 127.0.0.1 if captured.
+/// Rewrites an IPv4 destination (connect4, sendmsg4) to the proxy if captured.
 #[inline(always)]
 pub fn steer4(ctx: &SockAddrContext) -> i32 {
     let sa = ctx.sock_addr;
@@ -106,23 +145,24 @@ pub fn steer4(ctx: &SockAddrContext) -> i32 {
     if is_loopback4(ip) || ip == 0 {
         return ALLOW;
     }
-    let Some(to) = target(ctx, PodIpKey::v4(ip).addr, port) else {
+    let Some((to, netns)) = target(ctx, PodIpKey::v4(ip).addr, port) else {
         return ALLOW;
     };
     if !remember(ctx, &OrigDst { addr: [ip, 0, 0, 0], port, family: AF_INET }) {
         return REFUSE;
     }
+    let proxy = proxy_addr4(to, netns);
     // Volatile, one field at a time: merged into one 8-byte store the verifier rejects the
     // write ("invalid bpf_context access").
     // SAFETY: writable fields of the context.
     unsafe {
-        write_volatile(addr_of_mut!((*sa).user_ip4), LOOPBACK4);
+        write_volatile(addr_of_mut!((*sa).user_ip4), proxy);
         write_volatile(addr_of_mut!((*sa).user_port), u32::from(to.to_be()));
     }
     ALLOW
 }
 
-/// Rewrites an IPv6 (or v4-mapped) destination to the proxy on ::1 (::ffff:127.0.0.1).
+/// Rewrites an IPv6 (or v4-mapped) destination to the proxy (v4-mapped for a v4-mapped one).
 #[inline(always)]
 pub fn steer6(ctx: &SockAddrContext) -> i32 {
     let sa = ctx.sock_addr;
@@ -137,16 +177,16 @@ pub fn steer6(ctx: &SockAddrContext) -> i32 {
     if (mapped && (is_loopback4(ip[3]) || ip[3] == 0)) || ip == LOOPBACK6 || ip == [0; 4] {
         return ALLOW;
     }
-    let Some(to) = target(ctx, ip, port) else {
+    let Some((to, netns)) = target(ctx, ip, port) else {
         return ALLOW;
     };
     let (orig, lo) = if mapped {
         (
             OrigDst { addr: [ip[3], 0, 0, 0], port, family: AF_INET },
-            [0, 0, V4_MAPPED_PREFIX, LOOPBACK4],
+            [0, 0, V4_MAPPED_PREFIX, proxy_addr4(to, netns)],
         )
     } else {
-        (OrigDst { addr: ip, port, family: AF_INET6 }, LOOPBACK6)
+        (OrigDst { addr: ip, port, family: AF_INET6 }, proxy_addr6(to, netns))
     };
     if !remember(ctx, &orig) {
         return REFUSE;
@@ -243,6 +283,18 @@ pub fn mp_getpeername6(ctx: SockAddrContext) -> i32 {
 #[sock_ops]
 pub fn mp_sock_ops(ctx: SockOpsContext) -> u32 {
     let op = ctx.op();
+    if op == BPF_SOCK_OPS_TCP_LISTEN_CB {
+        proxy_sockets::listening(&ctx);
+        return 1;
+    }
+    if op == BPF_SOCK_OPS_TCP_CONNECT_CB {
+        proxy_sockets::connecting(&ctx);
+        return 1;
+    }
+    if op == BPF_SOCK_OPS_STATE_CB {
+        proxy_sockets::state_changed(&ctx);
+        return 1;
+    }
     if op == BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB {
         // The proxy's end of an app↔proxy connection: accepted on the outbound listener in an
         // enrolled pod.

@@ -19,10 +19,10 @@ use aya::{
 };
 use datapath_common::{
     consts::{globals, map_names, pins, probe, programs},
-    node_flags, CidrKey, NetnsCookie, PodCounters, PodInfo, PodIpKey, PortKey,
+    node_flags, CidrKey, ListenerKey, NetnsCookie, PodAddrs, PodCounters, PodInfo, PodIpKey,
+    PortKey,
 };
 use nix::fcntl::{Flock, FlockArg};
-use std::os::fd::AsRawFd;
 use tracing::{debug, info};
 
 use crate::{netns::Netns, Error, Result};
@@ -121,22 +121,8 @@ impl Datapath {
         self.load_object(pod_cookie)
     }
 
-    /// Inserts the proxy's inbound listener for the pod with `cookie`. The kernel removes it
-    /// when the socket closes; until another is inserted, the pod's inbound TCP is refused.
-    pub fn register_inbound_listener(
-        &self,
-        cookie: NetnsCookie,
-        listener: &impl AsRawFd,
-    ) -> Result<()> {
-        self.inbound_listeners()?
-            .insert(inbound_listener_key(cookie), listener.as_raw_fd(), 0)
-            .map_err(|e| {
-                Error::bpf(format!("registering the inbound listener of netns cookie {cookie}"), e)
-            })
-    }
-
-    /// The proxy's inbound listeners.
-    pub fn inbound_listeners(&self) -> Result<SockHash<MapData, PortKey>> {
+    /// The proxy's inbound listeners, as sock_ops filed them.
+    pub fn inbound_listeners(&self) -> Result<SockHash<MapData, ListenerKey>> {
         SockHash::try_from(self.map(map_names::INBOUND_LISTENERS)?)
             .map_err(|e| Error::bpf(format!("map {}", map_names::INBOUND_LISTENERS), e))
     }
@@ -334,7 +320,13 @@ impl Datapath {
         self.hash_map(map_names::POD_IPS)
     }
 
-    /// The connections the proxy is opening transparently (see `TransparentKey`).
+    /// The pods' own addresses, one per family.
+    pub fn pod_addrs(&self) -> Result<HashMap<MapData, NetnsCookie, PodAddrs>> {
+        self.hash_map(map_names::POD_ADDRS)
+    }
+
+    /// The transparent connections inside pods to the pods themselves (see `TransparentKey`),
+    /// as sock_ops filed them.
     pub fn proxy_transparent(
         &self,
     ) -> Result<HashMap<MapData, datapath_common::TransparentKey, u8>> {
@@ -392,68 +384,20 @@ impl Datapath {
     }
 }
 
-/// The SOCKHASH key of a pod's inbound listener.
-pub fn inbound_listener_key(cookie: NetnsCookie) -> PortKey {
-    PortKey {
+/// The SOCKHASH keys a pod's inbound listeners may be filed under (one per family).
+pub fn inbound_listener_keys(cookie: NetnsCookie) -> [ListenerKey; 2] {
+    let key = |family| ListenerKey {
         netns: cookie,
         port: datapath_common::consts::ports::INBOUND_PLAINTEXT,
-        direction: datapath_common::direction::INBOUND,
+        family,
         _pad: 0,
-    }
+    };
+    [key(datapath_common::AF_INET), key(datapath_common::AF_INET6)]
 }
 
 /// A program load result, with a rejection turned into [`Error::Verifier`].
 pub(crate) fn load(res: Result<(), ProgramError>, name: &str) -> Result<()> {
     res.map_err(|e| verifier_error(name, e))
-}
-
-/// The connections the proxy is opening to apps with their clients' addresses as source; the
-/// datapath's sk_lookup lets exactly these reach the app instead of capturing them. Opened once
-/// by the proxy; thread-safe.
-#[derive(Debug)]
-pub struct TransparentConns(
-    std::sync::Mutex<HashMap<MapData, datapath_common::TransparentKey, u8>>,
-);
-
-impl TransparentConns {
-    /// Opens the pinned map of the datapath under `root` (which must be loaded already).
-    pub fn open(root: &Path) -> Result<Self> {
-        Ok(Self(std::sync::Mutex::new(Datapath::open_existing(root)?.proxy_transparent()?)))
-    }
-
-    fn key(
-        app: std::net::SocketAddr,
-        from: std::net::SocketAddr,
-    ) -> datapath_common::TransparentKey {
-        datapath_common::TransparentKey {
-            local: crate::pods::ip_key(app.ip()).addr,
-            remote: crate::pods::ip_key(from.ip()).addr,
-            local_port: app.port(),
-            remote_port: from.port(),
-        }
-    }
-
-    /// Lets a connection from `from` to the app at `app` through.
-    pub fn insert(&self, app: std::net::SocketAddr, from: std::net::SocketAddr) -> Result<()> {
-        let mut m = self
-            .0
-            .lock()
-            .map_err(|_| Error::io("PROXY_TRANSPARENT", io::Error::other("lock poisoned")))?;
-        m.insert(Self::key(app, from), 1, 0).map_err(|e| Error::bpf("writing PROXY_TRANSPARENT", e))
-    }
-
-    /// Whether a connection from `from` to `app` is one the proxy is opening (a datapath that
-    /// captured it anyway would send the proxy its own connection).
-    pub fn contains(&self, app: std::net::SocketAddr, from: std::net::SocketAddr) -> bool {
-        self.0.lock().is_ok_and(|m| m.get(&Self::key(app, from), 0).is_ok())
-    }
-
-    /// Forgets it (once connected: only the SYN needs it).
-    pub fn remove(&self, app: std::net::SocketAddr, from: std::net::SocketAddr) {
-        if let Ok(mut m) = self.0.lock() {
-            let _ = m.remove(&Self::key(app, from));
-        }
-    }
 }
 
 /// The cgroup v2 mount point (`MESHPATH_CGROUP_ROOT` overrides): where node-wide programs

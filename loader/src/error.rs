@@ -6,8 +6,8 @@ use std::{io, path::PathBuf};
 /// Everything that can go wrong in the loader library.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{path} is not a network namespace ({reason})")]
-    NotANetns { path: PathBuf, reason: String },
+    #[error(transparent)]
+    Netns(#[from] meshpath_podnet::Error),
 
     #[error("pod {pod} (netns cookie {cookie}) is already enrolled; unenrol it first")]
     AlreadyEnrolled { pod: String, cookie: u64 },

@@ -6,7 +6,7 @@ pub mod agent;
 pub mod datapath;
 pub mod doctor;
 pub mod error;
-pub mod netns;
+pub use meshpath_podnet::netns;
 pub mod pods;
 pub(crate) mod sys;
 

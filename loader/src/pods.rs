@@ -14,14 +14,15 @@ use aya::{
     util::nr_cpus,
 };
 use datapath_common::{
-    cidr_action, consts::programs, direction, pod_flags, CidrKey, NetnsCookie, PodCounters,
-    PodInfo, PodIpKey, PortKey, CIDR_FIXED_BITS,
+    cidr_action, consts::programs, direction, pod_flags, CidrKey, NetnsCookie, PodAddrs,
+    PodCounters, PodInfo, PodIpKey, PortKey, CIDR_FIXED_BITS,
 };
 use ipnet::IpNet;
+use meshpath_podnet::reply_routing;
 use tracing::{info, warn};
 
 use crate::{
-    datapath::{inbound_listener_key, load, Datapath},
+    datapath::{inbound_listener_keys, load, Datapath},
     netns::Netns,
     Error, Result,
 };
@@ -147,6 +148,17 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
             .insert(ip_key(ip), cookie, 0)
             .map_err(|e| Error::bpf(format!("pod {pod}: recording address {ip}"), e))?;
     }
+    dp.pod_addrs()?
+        .insert(cookie, pod_addrs(&ips), 0)
+        .map_err(|e| Error::bpf(format!("pod {pod}: recording its own addresses"), e))?;
+    // The app's replies to the proxy's transparent connections must come back to the proxy:
+    // without this they would leave for the real client, so a pod that cannot have it is not
+    // enrolled.
+    match netns.run(reply_routing::set_up)? {
+        Ok(None) => {}
+        Ok(Some(v6)) => warn!(%pod, error = %v6, "no IPv6 reply routing in the pod"),
+        Err(e) => return Err(Error::io(format!("pod {pod}: setting up its reply routing"), e)),
+    }
     let mut excluded = dp.excluded_ports()?;
     let outbound = opts.exclude_outbound_ports.iter().map(|&p| (p, direction::OUTBOUND));
     let inbound = opts.exclude_inbound_ports.iter().map(|&p| (p, direction::INBOUND));
@@ -221,6 +233,19 @@ fn pod_addresses() -> Result<Vec<IpAddr>> {
     ips.sort();
     ips.dedup();
     Ok(ips)
+}
+
+/// The pod's own address of each family (the first of each), as the outbound hook steers to
+/// them.
+fn pod_addrs(ips: &[IpAddr]) -> PodAddrs {
+    let mut addrs = PodAddrs::default();
+    if let Some(v4) = ips.iter().find(|ip| ip.is_ipv4()) {
+        addrs.v4 = ip_key(*v4).addr[3];
+    }
+    if let Some(v6) = ips.iter().find(|ip| ip.is_ipv6()) {
+        addrs.v6 = ip_key(*v6).addr;
+    }
+    addrs
 }
 
 /// The `POD_IPS` key of an address (IPv4 v4-mapped).
@@ -387,10 +412,12 @@ fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
             keys.iter().map(|k| m.remove(k)).collect()
         }),
     );
+    map_step(&mut failed, "POD_ADDRS", dp.pod_addrs().map(|mut m| vec![m.remove(&cookie)]));
     map_step(
         &mut failed,
         "INBOUND_LISTENERS",
-        dp.inbound_listeners().map(|mut m| vec![m.remove(&inbound_listener_key(cookie))]),
+        dp.inbound_listeners()
+            .map(|mut m| inbound_listener_keys(cookie).iter().map(|k| m.remove(k)).collect()),
     );
     if failed.is_empty() {
         Ok(())

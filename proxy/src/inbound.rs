@@ -179,6 +179,12 @@ async fn serve_stream(
     if canonical(target.ip()) != canonical(dialed.ip()) {
         return bad(&mut respond, "authority is not the address dialed");
     }
+    // Before policy: CONNECT to one of the proxy's own ports would have the proxy dial itself.
+    if ports::is_proxy_port(target.port()) {
+        proxy.metrics.error(Direction::Inbound, crate::outbound::SELF_CALL);
+        warn!(src = %client, dst = %target, "HBONE request refused: 400 (a proxy port)");
+        return reply(&mut respond, StatusCode::BAD_REQUEST);
+    }
     // The peer's address is the source pod's own (its proxy connects from inside the pod), so
     // policy and telemetry trust it; `forwarded: for=` only adds the app's port, when it agrees.
     let peer = SocketAddr::new(canonical(peer.ip()), peer.port());

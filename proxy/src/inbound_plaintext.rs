@@ -1,13 +1,12 @@
 //! Inbound plaintext: TCP that the datapath steered to the pod's `[::]:15006` (sk_lookup, any
 //! port but 15008) is authorized — with no peer identity, so a pod whose policy requires mTLS
 //! refuses it — and forwarded to the app it was addressed to, connecting from inside the pod.
-//! The listener is registered in the datapath's `INBOUND_LISTENERS`, as the datapath requires;
-//! while no proxy has it registered, the pod refuses such connections (fail closed).
+//! The datapath finds the listener by itself when it starts listening; while no proxy listens,
+//! the pod refuses such connections (fail closed).
 
-use std::{net::SocketAddr, path::Path, sync::Arc};
+use std::{net::SocketAddr, sync::Arc};
 
 use datapath_common::consts::ports;
-use meshpath_loader::datapath::Datapath;
 use tokio::net::TcpStream;
 use tracing::{info_span, warn, Instrument as _};
 
@@ -18,10 +17,9 @@ use crate::{
     outbound::original_dst,
 };
 
-/// Opens the pod's 15006 listener, registers it with the datapath under `pin_root`, serves it.
-pub fn start(pod: Arc<Pod>, pin_root: &Path) -> anyhow::Result<()> {
+/// Opens the pod's `[::]:15006` listener and serves it.
+pub fn start(pod: Arc<Pod>) -> anyhow::Result<()> {
     let listener = pod.sockets.listen(SocketAddr::from(([0u16; 8], ports::INBOUND_PLAINTEXT)))?;
-    Datapath::open_existing(pin_root)?.register_inbound_listener(pod.netns.cookie(), &listener)?;
     let proxy = pod.proxy.clone();
     proxy.drain.serve(
         listener,
@@ -42,11 +40,20 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
     // sk_lookup does not rewrite: the original destination is the accepted socket's address
     // (SO_ORIGINAL_DST, answered by the datapath, agrees).
     let dst = original_dst(&conn)?;
-    if proxy.transparent.as_ref().is_some_and(|t| t.contains(dst, peer)) {
-        // Our own transparent connection to the app, captured by a datapath that does not know
-        // PROXY_TRANSPARENT (an older sk_lookup program): refuse rather than loop.
+    if proxy.transparent.contains(dst, peer) {
+        // Our own transparent connection to the app, steered back here by a datapath that did
+        // not recognise it (an older one, or its map full): refuse rather than loop.
         proxy.metrics.error(Direction::Inbound, "loop");
         anyhow::bail!("refusing {peer} → {dst}: the proxy's own connection to the app came back");
+    }
+    // Checked before policy: a connection to one of the proxy's own ports would be proxied
+    // to that port, inside the pod, and so come back here (a pod connecting to its own
+    // address on 15006 needs only one connection to exhaust the proxy's descriptors).
+    if ports::is_proxy_port(dst.port()) {
+        proxy.metrics.error(Direction::Inbound, crate::outbound::SELF_CALL);
+        warn!(src = %peer, %dst, "refused: the destination is one of the proxy's own ports");
+        let _ = socket2::SockRef::from(&conn).set_linger(Some(std::time::Duration::ZERO));
+        return Ok(());
     }
     let store = proxy.store();
     let c =

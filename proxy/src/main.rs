@@ -9,7 +9,7 @@ use std::{
 
 use anyhow::{Context as _, Result};
 use clap::Parser;
-use meshpath_loader::netns::Netns;
+use meshpath_podnet::netns::Netns;
 use meshpath_proxy::{
     admin::{self, Endpoints, LogControl},
     certs::Certs,
@@ -52,12 +52,12 @@ struct Cli {
     /// running without an agent).
     #[arg(long)]
     zds_socket: Option<PathBuf>,
-    /// The datapath's pin root: when given, each pod's inbound plaintext listener (15006) is
-    /// opened and registered there.
-    #[arg(long)]
+    /// Deprecated, ignored: the proxy no longer opens the datapath (it finds the proxy's
+    /// sockets by itself).
+    #[arg(long, hide = true)]
     pin_root: Option<PathBuf>,
     /// Connect to apps from the pod's own address rather than the client's (by default the
-    /// client's is kept, when the datapath is known: `--pin-root`).
+    /// client's is kept, with `IP_TRANSPARENT`, as ztunnel does).
     #[arg(long)]
     no_preserve_source: bool,
     /// DNS upstreams for names not in the store (repeatable; default: /etc/resolv.conf's).
@@ -169,8 +169,12 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
     } else {
         cli.dns_upstreams.clone()
     };
+    if cli.pin_root.is_some() {
+        tracing::warn!(
+            "--pin-root is deprecated and ignored: the datapath needs nothing from the proxy"
+        );
+    }
     let settings = Settings {
-        pin_root: cli.pin_root.clone(),
         dns_upstreams,
         pool_max_streams: cli.pool_max_streams,
         pool_idle: Duration::from_secs(cli.pool_idle_seconds),

@@ -24,26 +24,27 @@ use crate::{
     pool::PoolKey,
 };
 
-/// Serves one pod's outbound listeners (127.0.0.1:15001 and [::1]:15001 in its netns).
+/// Serves one pod's outbound listener, `[::]:15001` (dual-stack) in its netns, as ztunnel: the
+/// datapath sends the app's connections to the pod's own address on that port.
 pub fn start(pod: Arc<Pod>) -> io::Result<()> {
-    for addr in [
-        SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), ports::OUTBOUND),
-        SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), ports::OUTBOUND),
-    ] {
-        let listener = pod.sockets.listen(addr)?;
-        pod.proxy.drain.serve(
-            listener,
-            (pod.listening.clone(), pod.gone.clone()),
-            pod.clone(),
-            "outbound",
-            |conn, peer, pod: Arc<Pod>| async move {
-                let span = info_span!("outbound", pod = %pod.uid, %peer);
-                handle(conn, peer, &pod).instrument(span).await
-            },
-        );
-    }
+    let listener =
+        pod.sockets.listen(SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), ports::OUTBOUND))?;
+    pod.proxy.drain.serve(
+        listener,
+        (pod.listening.clone(), pod.gone.clone()),
+        pod.clone(),
+        "outbound",
+        |conn, peer, pod: Arc<Pod>| async move {
+            let span = info_span!("outbound", pod = %pod.uid, %peer);
+            handle(conn, peer, &pod).instrument(span).await
+        },
+    );
     Ok(())
 }
+
+/// The `reason` label of connections refused because their destination is one of the proxy's
+/// own ports (`ports::PROXY_PORTS`), on every path.
+pub const SELF_CALL: &str = "self_call";
 
 /// Where a connection goes after service resolution.
 struct Target {
@@ -84,17 +85,14 @@ fn random_index(n: usize) -> usize {
     (u64::from_ne_bytes(b) % n as u64) as usize
 }
 
-async fn handle(conn: TcpStream, loopback_peer: SocketAddr, pod: &Pod) -> anyhow::Result<()> {
+async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<()> {
     let proxy = &pod.proxy;
     let orig = original_dst(&conn)?;
-    // The app's socket was steered to loopback, so its address here is 127.0.0.1 / ::1; the
-    // app's own address (as under iptables REDIRECT, and as ztunnel reports it) is the pod's,
-    // with the app's port.
-    let peer = pod
-        .address_for(orig.ip())
-        .map_or(loopback_peer, |ip| SocketAddr::new(ip, loopback_peer.port()));
-    if [ports::OUTBOUND, ports::INBOUND_PLAINTEXT, ports::HBONE].contains(&orig.port()) {
-        proxy.metrics.error(Direction::Outbound, "loop");
+    // The app's address, as under REDIRECT: the datapath steered it to the pod's own address,
+    // so the source is the pod's (the listener is dual-stack: IPv4 arrives v4-mapped).
+    let peer = SocketAddr::new(crate::inbound::canonical(peer.ip()), peer.port());
+    if ports::is_proxy_port(orig.port()) {
+        proxy.metrics.error(Direction::Outbound, SELF_CALL);
         anyhow::bail!("refusing {orig}: a proxy port as destination would loop");
     }
     conn.set_nodelay(true)?;

@@ -40,15 +40,7 @@ pub fn spawn(proxy: Arc<Proxy>, workloads: PathBuf, seen: Option<SystemTime>, ev
                     false
                 }
             };
-            let pods = proxy.pods();
-            if !pods.is_empty() {
-                let recheck = pods.clone();
-                let _ = tokio::task::spawn_blocking(move || {
-                    recheck.iter().for_each(|p| p.recheck_reply_routing());
-                })
-                .await;
-            }
-            for pod in pods {
+            for pod in proxy.pods() {
                 if let Err(e) = pod.refresh_cert(roots_changed) {
                     error!(pod = %pod.uid, error = %format!("{e:#}"), "certificate not renewed; keeping the current one");
                 }

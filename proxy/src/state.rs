@@ -4,7 +4,6 @@
 use std::{
     collections::BTreeMap,
     net::SocketAddr,
-    path::PathBuf,
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc, Mutex, RwLock,
@@ -19,8 +18,6 @@ use crate::{
 /// Tunables, from the command line.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    /// The datapath's pin root: when set, each pod's 15006 listener is registered there.
-    pub pin_root: Option<PathBuf>,
     /// Where DNS queries not answered from the store go.
     pub dns_upstreams: Vec<SocketAddr>,
     /// Streams per pooled HBONE connection before another is opened.
@@ -31,14 +28,13 @@ pub struct Settings {
     pub handshake_timeout: Duration,
     /// Limit on an upstream TCP connect.
     pub connect_timeout: Duration,
-    /// Connect to apps with the client's address as source (needs `pin_root`).
+    /// Connect to apps with the client's address as source (`IP_TRANSPARENT`, as ztunnel).
     pub preserve_source: bool,
 }
 
 impl Default for Settings {
     fn default() -> Self {
         Self {
-            pin_root: None,
             dns_upstreams: Vec::new(),
             pool_max_streams: 100,
             pool_idle: Duration::from_secs(300),
@@ -60,31 +56,18 @@ pub struct Proxy {
     pub settings: Settings,
     pods: Mutex<BTreeMap<String, Arc<Pod>>>,
     ready: AtomicBool,
-    /// The datapath's `PROXY_TRANSPARENT` map, when source preservation is on.
-    pub transparent: Option<meshpath_loader::datapath::TransparentConns>,
+    /// The transparent connections to apps being opened now (see `transparent`).
+    pub transparent: crate::transparent::InFlight,
 }
 
 impl Proxy {
-    /// The proxy. With a pin root and `preserve_source`, the datapath's `PROXY_TRANSPARENT` map
-    /// is opened (the datapath must be loaded).
+    /// The proxy.
     pub fn new(
         store: WorkloadStore,
         certs: Certs,
         settings: Settings,
     ) -> anyhow::Result<Arc<Self>> {
         let metrics = Arc::new(Metrics::new());
-        let transparent = match &settings.pin_root {
-            Some(root) if settings.preserve_source => {
-                match meshpath_loader::datapath::TransparentConns::open(root) {
-                    Ok(t) => Some(t),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "client addresses will not be kept (the datapath lacks PROXY_TRANSPARENT: loaded by an older agent?)");
-                        None
-                    }
-                }
-            }
-            _ => None,
-        };
         Ok(Arc::new(Self {
             store: RwLock::new(Arc::new(store)),
             certs,
@@ -94,7 +77,7 @@ impl Proxy {
             settings,
             pods: Mutex::new(BTreeMap::new()),
             ready: AtomicBool::new(false),
-            transparent,
+            transparent: Default::default(),
         }))
     }
 

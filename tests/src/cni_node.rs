@@ -232,8 +232,6 @@ impl CniNode {
             .arg(self.dir.join("ca.pem"))
             .arg("--ca-key")
             .arg(self.dir.join("ca-key.pem"))
-            .arg("--pin-root")
-            .arg(self.root.path())
             .arg("--refresh-ms")
             .arg("100")
             .args(extra)

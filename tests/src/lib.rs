@@ -375,17 +375,17 @@ pub struct TestProxy {
 
 impl TestProxy {
     /// Starts `meshpath-test-proxy` (`mode` is `echo` or `forward`) and waits until it
-    /// listens. With a pin root it also serves inbound capture (registering its listener there).
+    /// listens. With `inbound` it also listens on the inbound port (the datapath finds it).
     pub fn start(
         bin: &Path,
         netns: &Path,
         cgroup: &CgroupGuard,
         mode: &str,
-        pin_root: Option<&Path>,
+        inbound: bool,
         envs: &[(&str, &str)],
     ) -> Result<Self> {
         let mut cmd = Command::new(bin);
-        cmd.arg(netns).arg(mode).args(pin_root).envs(envs.iter().copied());
+        cmd.arg(netns).arg(mode).args(inbound.then_some("inbound")).envs(envs.iter().copied());
         Self::spawn(cmd, cgroup)
     }
 
@@ -564,7 +564,7 @@ mod mesh {
                 &self.pods.a.path(),
                 &self.cgroup,
                 mode,
-                Some(self.root.path()),
+                true,
                 &[],
             )
             .expect("test proxy");

@@ -41,6 +41,9 @@ pub struct Setup {
     pub cert_files: bool,
     /// Whether pod a's DNS is captured.
     pub capture_dns: bool,
+    /// Destination ports pod a's outbound capture leaves alone: pod a then plays a client
+    /// outside the mesh for them.
+    pub a_exclude_outbound_ports: Vec<u16>,
 }
 
 impl Default for Setup {
@@ -51,6 +54,7 @@ impl Default for Setup {
             yaml: String::new(),
             cert_files: false,
             capture_dns: false,
+            a_exclude_outbound_ports: Vec::new(),
         }
     }
 }
@@ -127,6 +131,7 @@ impl TwoNodes {
                 &EnrolOptions {
                     capture_outbound: true,
                     capture_dns: setup.capture_dns,
+                    exclude_outbound_ports: setup.a_exclude_outbound_ports.clone(),
                     ..no_counters.clone()
                 },
             )
@@ -170,8 +175,6 @@ impl TwoNodes {
             args.extend([
                 "--pod".into(),
                 format!("{pod}={}", ns.path().display()),
-                "--pin-root".into(),
-                p(nodes._root.path().to_path_buf()),
                 "--refresh-ms".into(),
                 "100".into(),
             ]);

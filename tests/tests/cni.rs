@@ -311,7 +311,8 @@ fn the_agent_installs_its_plugin_repairs_its_chain_entry_and_uninstall_removes_b
 
 #[test]
 fn add_sets_up_the_reply_routing_of_a_meshed_pod_and_leaves_an_unmeshed_one_alone() {
-    // The proxy is told not to set it up itself: what is there comes from meshpath-cni.
+    // The proxy never sets it up: what is there comes from the agent's enrolment, keyed on the
+    // datapath's reply mark (0x111), never on the proxy's own 0x539.
     let mut node = CniNode::bare(WORKLOADS).expect("node");
     node.start_agent().expect("agent");
     node.start_proxy_with(&["--no-preserve-source"]).expect("proxy");
@@ -334,16 +335,18 @@ fn add_sets_up_the_reply_routing_of_a_meshed_pod_and_leaves_an_unmeshed_one_alon
     };
     let (accept, rules) = state(&db);
     assert_eq!(accept, "1");
-    assert!(rules.contains("fwmark 0x539/0xfff lookup 133"), "{rules}");
+    assert!(rules.contains("fwmark 0x111/0xfff lookup 133"), "{rules}");
+    assert!(!rules.contains("0x539"), "a rule keyed on the proxy's own mark: {rules}");
     let (accept, rules) = state(&legacy);
     assert_eq!(accept, "0", "an unmeshed pod was changed");
     assert!(!rules.contains("lookup 133"), "{rules}");
 }
 
 #[test]
-fn a_contained_proxy_keeps_client_addresses_with_the_reply_routing_the_plugin_set_up() {
-    // The proxy cannot write /proc/sys (read-only, as in an unprivileged container): the
-    // reply routing meshpath-cni wrote at ADD is what lets it keep the client's address.
+fn a_contained_proxy_keeps_client_addresses_with_the_reply_routing_the_agent_set_up() {
+    // The proxy cannot write /proc/sys (read-only, as in an unprivileged container) and does
+    // not need to: the reply routing the agent wrote at enrolment is what lets it keep the
+    // client's address.
     let mut node = CniNode::bare(WORKLOADS).expect("node");
     node.start_agent().expect("agent");
     node.start_proxy_contained().expect("proxy");
@@ -351,11 +354,6 @@ fn a_contained_proxy_keeps_client_addresses_with_the_reply_routing_the_plugin_se
     publish_db_address(&node, &db);
     let proxy = node.proxy.as_ref().expect("proxy");
     let web = node.add_pod("web").expect("ADD web");
-    assert!(
-        proxy.wait_for_text("reply routing found", Duration::from_secs(10)),
-        "the proxy did not find the routing meshpath-cni wrote:\n{}",
-        proxy.lines().join("\n")
-    );
     let listener = db.netns.listen(SocketAddr::new(db.ip, 8081)).expect("listen");
     let server = std::thread::spawn(move || {
         let (mut c, peer) = listener.accept()?;
@@ -367,6 +365,11 @@ fn a_contained_proxy_keeps_client_addresses_with_the_reply_routing_the_plugin_se
     assert_eq!(echo_once(&web, SocketAddr::new(db.ip, 8081), b"hi").expect("round trip"), b"hi");
     let peer = server.join().expect("server").expect("server io");
     assert_eq!(peer.ip(), web.ip, "the app did not see the client's address");
-    // And the proxy really could not write it itself.
-    assert!(proxy.lines().iter().any(|l| l.contains("Read-only file system")));
+    // And the proxy really could not have written it itself.
+    let ro = std::process::Command::new("nsenter")
+        .arg(format!("--mount=/proc/{}/ns/mnt", proxy.pid()))
+        .args(["sh", "-c", "echo 1 > /proc/sys/net/ipv4/fwmark_reflect"])
+        .output()
+        .expect("nsenter");
+    assert!(!ro.status.success(), "the proxy's /proc/sys is writable");
 }

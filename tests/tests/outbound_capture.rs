@@ -50,6 +50,35 @@ fn app_getpeername_shows_the_destination_it_asked_for_v6() {
     app_sees_the_peer_it_asked_for(true);
 }
 
+/// As under istio-cni's REDIRECT, the app's connection to the proxy carries the pod's own
+/// address as its source: the app's getsockname() and the proxy's peer both show the pod,
+/// never loopback.
+fn the_hop_to_the_proxy_carries_the_pods_address(v6: bool) {
+    let mesh = Mesh::capturing().with_proxy("echo");
+    let dst = mesh.b(v6, 8086);
+    let conn = mesh.connect_from_a(dst, None).expect("connect");
+    assert_eq!(read_line(&conn), format!("ORIG_DST {dst}"));
+    let local = conn.local_addr().expect("getsockname");
+    assert_eq!(local.ip(), mesh.a(v6, 0).ip(), "the app's own address (v6={v6})");
+    let proxy = mesh.proxy.as_ref().expect("proxy");
+    let seen = format!("ACCEPTED {dst} FROM {local} AT ");
+    assert!(
+        proxy.wait_for_line(&seen, Duration::from_secs(5)),
+        "the proxy did not see the app at {local} (v6={v6}): {:?}",
+        proxy.lines()
+    );
+}
+
+#[test]
+fn the_app_and_the_proxy_see_the_pods_address_as_the_apps_v4() {
+    the_hop_to_the_proxy_carries_the_pods_address(false);
+}
+
+#[test]
+fn the_app_and_the_proxy_see_the_pods_address_as_the_apps_v6() {
+    the_hop_to_the_proxy_carries_the_pods_address(true);
+}
+
 fn forwarded_round_trip(v6: bool) {
     let mesh = Mesh::capturing().with_proxy("forward");
     let dst = mesh.b(v6, 8082);

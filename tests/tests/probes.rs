@@ -75,7 +75,7 @@ impl Node {
             &pod.path(),
             &cgroup,
             "echo",
-            Some(root.path()),
+            true,
             &[],
         )
         .expect("proxy");

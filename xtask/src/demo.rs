@@ -295,8 +295,6 @@ impl Demo {
             .arg(self.files.join("ca.pem"))
             .arg("--ca-key")
             .arg(self.files.join("ca-key.pem"))
-            .arg("--pin-root")
-            .arg(&node.pin_root)
             .arg("--refresh-ms")
             .arg("200")
             .env("RUST_LOG", "info");

@@ -128,18 +128,10 @@ fn run(command: &str, stdin: &str) -> Result<String, Failure> {
         ips,
     };
     let socket = conf.agent_socket.clone().unwrap_or_else(|| agent::DEFAULT_SOCKET.into());
-    let netns = req.netns.clone();
     match ask(&socket, &req) {
-        Ok(resp) if resp.error.is_empty() => {
-            if command == Command::Add && resp.enrolled {
-                // What the proxy, in its container, may not write in the pod's netns.
-                setup_pod(&netns).map_err(|details| Failure {
-                    code: code::POD_SETUP,
-                    msg: "setting up the pod's reply routing for the proxy".into(),
-                    details,
-                })?;
-            }
-        }
+        // The agent enrolled the pod (its datapath entries and its netns' reply routing) and
+        // the proxy acknowledged it.
+        Ok(resp) if resp.error.is_empty() => {}
         Ok(resp) => {
             return Err(Failure {
                 code: code::AGENT_REFUSED,
@@ -169,22 +161,6 @@ fn run(command: &str, stdin: &str) -> Result<String, Failure> {
             Ok(prev.to_string())
         }
         _ => Ok(String::new()),
-    }
-}
-
-/// Enters the pod's netns (this process is single-threaded and short-lived) and writes its reply
-/// routing (`meshpath_cni::pod_setup`).
-fn setup_pod(netns: &str) -> Result<(), String> {
-    let file = std::fs::File::open(netns).map_err(|e| format!("{netns}: {e}"))?;
-    nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET)
-        .map_err(|e| format!("entering {netns}: {e}"))?;
-    match meshpath_cni::pod_setup::reply_routing() {
-        Ok(None) => Ok(()),
-        Ok(Some(v6)) => {
-            eprintln!("meshpath-cni: no IPv6 reply routing in {netns}: {v6}");
-            Ok(())
-        }
-        Err(e) => Err(e.to_string()),
     }
 }
 

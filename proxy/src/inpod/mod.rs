@@ -1,6 +1,8 @@
 //! The pods this proxy serves. Adding a pod enters its network namespace once (a socket thread),
-//! fetches its certificate and opens its listeners there: 15001 outbound, 15008 HBONE, 15053
-//! DNS, and 15006 inbound plaintext when the datapath is known. Removing a pod closes its
+//! fetches its certificate and opens its listeners there, as ztunnel does: `[::]:15001`
+//! outbound, `[::]:15006` inbound plaintext, `[::]:15008` HBONE, 15053 DNS on loopback. That
+//! is all the datapath needs of the proxy: it finds the listeners and the proxy's
+//! transparent connections itself (no map, rule or route is written here). Removing a pod closes its
 //! listeners and ends its connections; other pods are not touched. Pods come from the command
 //! line or, at run time, from the node agent over ZDS (`zds`).
 
@@ -14,7 +16,7 @@ use std::{
 };
 
 use anyhow::Context as _;
-use meshpath_loader::netns::Netns;
+use meshpath_podnet::netns::Netns;
 use rustls::{ClientConfig, ServerConfig};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -29,11 +31,6 @@ use crate::{
     state::Proxy,
     tls,
 };
-
-/// Reply routing: not wanted (source preservation off), in place, or not yet.
-const ROUTING_OFF: u8 = 0;
-const ROUTING_READY: u8 = 1;
-const ROUTING_PENDING: u8 = 2;
 
 struct PodTls {
     cert: Arc<WorkloadCert>,
@@ -60,9 +57,6 @@ pub struct Pod {
     pub listening: CancellationToken,
     /// Cancelled to end the pod's connections (removal only: shutdown lets them drain).
     pub gone: CancellationToken,
-    /// Whether its netns routes the app's replies to transparent connections back (see
-    /// `transparent`): `ROUTING_*`.
-    reply_routing: std::sync::atomic::AtomicU8,
 }
 
 impl std::fmt::Debug for Pod {
@@ -125,36 +119,7 @@ impl Pod {
 
     /// Whether connections to its app keep the client's address.
     pub fn preserves_source(&self) -> bool {
-        self.reply_routing.load(std::sync::atomic::Ordering::Relaxed) == ROUTING_READY
-    }
-
-    /// Looks again for reply routing this proxy could not write (meshpath-cni writes it after
-    /// the pod was handed over). Blocking: run off the runtime threads.
-    pub fn recheck_reply_routing(&self) {
-        use std::sync::atomic::Ordering;
-        if self.reply_routing.load(Ordering::Relaxed) != ROUTING_PENDING {
-            return;
-        }
-        if self
-            .sockets
-            .run(|| {
-                if meshpath_cni::pod_setup::reply_routing_ready() {
-                    Ok(())
-                } else {
-                    Err(std::io::Error::other("not there yet"))
-                }
-            })
-            .is_ok()
-        {
-            self.reply_routing.store(ROUTING_READY, Ordering::Relaxed);
-            info!(pod = %self.uid, "reply routing found: connections to the pod's apps keep client addresses");
-        }
-    }
-
-    /// The pod's address of `dst`'s family (v4 or v6), if it has one.
-    pub fn address_for(&self, dst: std::net::IpAddr) -> Option<std::net::IpAddr> {
-        let ips = &self.workload.workload_ips;
-        ips.iter().find(|ip| ip.is_ipv4() == dst.is_ipv4()).copied()
+        self.proxy.settings.preserve_source
     }
 
     /// Runs `task` as one of the pod's connections: tracked by the drain, ended if the pod is
@@ -204,18 +169,6 @@ pub fn add(
         // Not in the store (a pod the agent just added): its addresses are in its netns.
         workload.workload_ips = sockets.addresses().unwrap_or_default();
     }
-    let reply_routing = if proxy.transparent.is_none() {
-        ROUTING_OFF
-    } else {
-        match sockets.run(crate::transparent::setup_reply_routing) {
-            Ok(()) => ROUTING_READY,
-            Err(e) => {
-                // Looked for again every refresh: meshpath-cni writes it after this ADD's ack.
-                warn!(pod = %uid, error = %e, "no reply routing in the pod yet: until there is, its apps see the pod's address as the client's");
-                ROUTING_PENDING
-            }
-        }
-    };
     if let Some(old) = proxy.take_pod(uid) {
         stop(&old);
     }
@@ -229,15 +182,12 @@ pub fn add(
         proxy: proxy.clone(),
         listening: proxy.drain.child_token(),
         gone: CancellationToken::new(),
-        reply_routing: std::sync::atomic::AtomicU8::new(reply_routing),
     });
     let started = (|| -> anyhow::Result<()> {
         outbound::start(pod.clone())?;
         inbound::start(pod.clone())?;
         dns::start(pod.clone())?;
-        if let Some(root) = &proxy.settings.pin_root {
-            inbound_plaintext::start(pod.clone(), root)?;
-        }
+        inbound_plaintext::start(pod.clone())?;
         Ok(())
     })();
     if let Err(e) = started {

@@ -11,7 +11,7 @@ use std::{
     time::Duration,
 };
 
-use meshpath_loader::netns::Netns;
+use meshpath_podnet::netns::Netns;
 use meshpath_zds::{
     proto::{
         workload_request::Payload, Version, WorkloadInfo, WorkloadRequest, WorkloadResponse,

@@ -1,5 +1,6 @@
 //! A minimal capture-side proxy for the datapath tests, written the way a proxy written for
-//! iptables REDIRECT is: listen on the outbound port inside the pod's netns, read each accepted
+//! iptables REDIRECT is: listen on the outbound port (`[::]:15001`, dual-stack, as ztunnel)
+//! inside the pod's netns, read each accepted
 //! connection's original destination with `getsockopt(SO_ORIGINAL_DST)`, then either
 //! - `echo`: answer `ORIG_DST <addr>\n` and close, or
 //! - `forward`: connect to the original destination and copy both ways.
@@ -7,15 +8,15 @@
 //! It also answers DNS on 15053: every UDP datagram with `ANSWER <datagram>`, TCP like any
 //! outbound connection.
 //!
-//! Given a pin root it also listens on the inbound port (`[::]:15006`, dual-stack) and inserts
-//! that listener into the datapath's INBOUND_LISTENERS map for the pod, as a real proxy must;
-//! inbound connections are answered or forwarded the same way (echo: `INBOUND <orig dst> FROM
-//! <peer>`).
+//! With `inbound` it also listens on the inbound port (`[::]:15006`, dual-stack); it touches no
+//! map: the datapath finds the listener by itself. Inbound connections are answered or
+//! forwarded the same way (echo: `INBOUND <orig dst> FROM <peer>`).
 //!
-//! It prints `READY` once listening, `ACCEPTED <orig dst>` per connection, and one
+//! It prints `READY` once listening, `ACCEPTED <orig dst> FROM <peer> AT <local>` per
+//! connection, and one
 //! `FORWARDED <bytes up> <bytes down>` line per closed forwarded connection. Event-driven
 //! (tokio), like the proxies it stands in for, so the benchmark measures capture, not threads.
-//! Usage: `meshpath-test-proxy NETNS_PATH echo|forward [PIN_ROOT]`.
+//! Usage: `meshpath-test-proxy NETNS_PATH echo|forward [inbound]`.
 
 use std::{
     io::{self, Write as _},
@@ -33,15 +34,18 @@ use tokio::{
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let (Some(netns), Some(mode)) = (args.get(1), args.get(2)) else {
-        bail!("usage: meshpath-test-proxy NETNS_PATH echo|forward [PIN_ROOT]");
+        bail!("usage: meshpath-test-proxy NETNS_PATH echo|forward [inbound]");
     };
     let forward = match mode.as_str() {
         "echo" => false,
         "forward" => true,
         other => bail!("unknown mode {other}"),
     };
-    let pin_root = args.get(3).cloned();
-    let cookie = meshpath_loader::netns::Netns::open(netns.as_ref())?.cookie();
+    let inbound = match args.get(3).map(String::as_str) {
+        None => false,
+        Some("inbound") => true,
+        Some(other) => bail!("unknown argument {other}"),
+    };
     // Before any thread exists, so the whole process (and the runtime's threads) enters it.
     let ns = std::fs::File::open(netns).with_context(|| format!("opening {netns}"))?;
     nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).context("setns")?;
@@ -49,23 +53,20 @@ fn main() -> Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?
-        .block_on(run(forward, pin_root, cookie))
+        .block_on(run(forward, inbound))
 }
 
-async fn run(forward: bool, pin_root: Option<String>, cookie: u64) -> Result<()> {
+async fn run(forward: bool, inbound: bool) -> Result<()> {
     let v4 = |port| SocketAddr::from(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port));
     let mut listeners = vec![
-        (TcpListener::bind(v4(ports::OUTBOUND)).await?, false),
-        (v6_only_listener(ports::OUTBOUND)?, false),
+        (TcpListener::bind((Ipv6Addr::UNSPECIFIED, ports::OUTBOUND)).await?, false),
         // DNS over TCP is answered like any outbound connection.
         (TcpListener::bind(v4(ports::DNS)).await?, false),
         (v6_only_listener(ports::DNS)?, false),
     ];
-    if let Some(root) = pin_root {
-        let inbound = TcpListener::bind((Ipv6Addr::UNSPECIFIED, ports::INBOUND_PLAINTEXT)).await?;
-        let dp = meshpath_loader::datapath::Datapath::open_or_load(root.as_ref())?;
-        dp.register_inbound_listener(cookie, &inbound)?;
-        listeners.push((inbound, true));
+    if inbound {
+        let l = TcpListener::bind((Ipv6Addr::UNSPECIFIED, ports::INBOUND_PLAINTEXT)).await?;
+        listeners.push((l, true));
     }
     // DNS over UDP: every datagram is answered with `ANSWER <datagram>`.
     for udp in [UdpSocket::bind(v4(ports::DNS)).await?, v6_only_udp(ports::DNS)?] {
@@ -200,7 +201,8 @@ fn canonical(a: SocketAddr) -> SocketAddr {
 async fn serve(mut conn: TcpStream, forward: bool, inbound: bool) -> Result<()> {
     let orig = original_dst(&conn).context("getsockopt(SO_ORIGINAL_DST)")?;
     conn.set_nodelay(true)?;
-    say(&format!("ACCEPTED {orig}"))?;
+    let (peer, local) = (canonical(conn.peer_addr()?), canonical(conn.local_addr()?));
+    say(&format!("ACCEPTED {orig} FROM {peer} AT {local}"))?;
     if !forward {
         let line = if inbound {
             // The same answer two ways: SO_ORIGINAL_DST and the socket's own address.

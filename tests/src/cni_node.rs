@@ -207,6 +207,19 @@ impl CniNode {
         self.start_proxy_in(&[], extra)
     }
 
+    /// Starts (or restarts) `ztunnel-like` as the node's proxy instead of meshpath-proxy (a
+    /// proxy written for istio-cni that gives the datapath no help); waits until the agent's
+    /// snapshot is applied.
+    pub fn start_ztunnel_like(&mut self) -> Result<()> {
+        self.proxy = None;
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net={}", self.node.path().display()))
+            .arg(sibling_bin("ztunnel-like"))
+            .arg(self.zds_socket());
+        self.proxy = Some(TestProxy::spawn(cmd, &self.proxy_cgroup)?);
+        Ok(())
+    }
+
     /// The proxy as a container runtime runs it: in a mount namespace of its own where
     /// `/proc/sys` is read-only.
     pub fn start_proxy_contained(&mut self) -> Result<()> {

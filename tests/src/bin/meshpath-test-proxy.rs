@@ -21,11 +21,10 @@
 use std::{
     io::{self, Write as _},
     net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6},
-    os::fd::AsRawFd,
 };
 
 use anyhow::{bail, Context as _, Result};
-use datapath_common::consts::{ports, sockopt};
+use datapath_common::consts::ports;
 use tokio::{
     io::AsyncWriteExt as _,
     net::{TcpListener, TcpSocket, TcpStream, UdpSocket},
@@ -119,58 +118,6 @@ fn v6_only_udp(port: u16) -> io::Result<UdpSocket> {
     UdpSocket::from_std(v6_only_socket(socket2::Type::DGRAM, port)?.into())
 }
 
-/// Written here again rather than taken from meshpath-proxy on purpose: this binary is the
-/// datapath tests' independent oracle, and must not share a bug with the proxy it checks.
-///
-/// The original destination, asked exactly as under iptables: SOL_IP/SO_ORIGINAL_DST for an
-/// IPv4 socket, SOL_IPV6/IP6T_SO_ORIGINAL_DST for an IPv6 one.
-fn original_dst(conn: &(impl AsRawFd + LocalAddr)) -> io::Result<SocketAddr> {
-    let v6 = conn.local_addr()?.is_ipv6();
-    let mut buf = [0u8; 28];
-    let mut len = buf.len() as libc::socklen_t;
-    let (level, name) = if v6 {
-        (sockopt::SOL_IPV6, sockopt::IP6T_SO_ORIGINAL_DST)
-    } else {
-        (sockopt::SOL_IP, sockopt::SO_ORIGINAL_DST)
-    };
-    // SAFETY: buf and len describe a writable buffer of len bytes.
-    let rc = unsafe {
-        libc::getsockopt(conn.as_raw_fd(), level, name, buf.as_mut_ptr().cast(), &mut len)
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let port = u16::from_be_bytes([buf[2], buf[3]]);
-    let family = u16::from_ne_bytes([buf[0], buf[1]]);
-    match (family as i32, len) {
-        // netfilter writes a sockaddr_in but leaves the length as passed: go by the family.
-        (libc::AF_INET, 16..) => {
-            Ok(SocketAddr::from((Ipv4Addr::new(buf[4], buf[5], buf[6], buf[7]), port)))
-        }
-        (libc::AF_INET6, 28) => {
-            let mut a = [0u8; 16];
-            a.copy_from_slice(&buf[8..24]);
-            let ip = Ipv6Addr::from(a);
-            Ok(match ip.to_ipv4_mapped() {
-                Some(v4) => SocketAddr::from((v4, port)),
-                None => SocketAddr::from((ip, port)),
-            })
-        }
-        _ => Err(io::Error::other(format!("unexpected answer: family {family}, {len} bytes"))),
-    }
-}
-
-/// What `original_dst` needs of a socket besides its fd.
-trait LocalAddr {
-    fn local_addr(&self) -> io::Result<SocketAddr>;
-}
-
-impl LocalAddr for TcpStream {
-    fn local_addr(&self) -> io::Result<SocketAddr> {
-        TcpStream::local_addr(self)
-    }
-}
-
 /// Connects to the original destination. Under iptables capture the proxy's sockets must carry
 /// istio's mark to escape the REDIRECT rules: `MESHPATH_TEST_PROXY_MARK=0x539` sets it (the
 /// benchmark's iptables scenario). meshpath capture needs no mark: the proxy's cgroup bypasses.
@@ -199,7 +146,7 @@ fn canonical(a: SocketAddr) -> SocketAddr {
 }
 
 async fn serve(mut conn: TcpStream, forward: bool, inbound: bool) -> Result<()> {
-    let orig = original_dst(&conn).context("getsockopt(SO_ORIGINAL_DST)")?;
+    let orig = meshpath_tests::original_dst(&conn).context("getsockopt(SO_ORIGINAL_DST)")?;
     conn.set_nodelay(true)?;
     let (peer, local) = (canonical(conn.peer_addr()?), canonical(conn.local_addr()?));
     say(&format!("ACCEPTED {orig} FROM {peer} AT {local}"))?;

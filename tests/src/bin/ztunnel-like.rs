@@ -1,0 +1,291 @@
+//! `ztunnel-like`: a stand-in for Istio's ztunnel in shared in-pod mode, for the tests of the
+//! proxy contract. It opens, in each pod's netns, exactly the sockets ztunnel opens (see the
+//! notes on ztunnel in-pod), and nothing else: it writes no map, opens no pin, installs no
+//! rule, route or sysctl. So a test that passes with it shows the datapath serving a proxy that
+//! gives it no help.
+//!
+//! - Pods come from the node agent over ZDS (hello, Add with the netns fd, Keep, Del,
+//!   SnapshotSent), each acked. One thread per pod enters its netns and runs a single-threaded
+//!   runtime there, so every socket it makes is the pod's.
+//! - Every socket carries mark 0x539. Listeners on the wildcard address: `[::]:15001`,
+//!   `[::]:15006`, `[::]:15008`; DNS on `127.0.0.1:15053` and `[::1]:15053` (UDP).
+//! - 15001: the original destination by `SO_ORIGINAL_DST`; refused if it is one of its own
+//!   ports; else a new, unbound, marked connection to it (passthrough), bytes copied.
+//! - 15006: the original destination is the local address; refused if one of its own ports;
+//!   else connects to it with `IP_TRANSPARENT` + `IP_FREEBIND`, bound to the client's address.
+//! - 15008: ztunnel terminates HBONE here. The stand-in echoes plain TCP instead: what the
+//!   tests check on this port is the kernel path (a marked listener's replies leave the pod),
+//!   not HBONE, which meshpath-proxy's own tests cover.
+//! - DNS: every datagram answered with `ANSWER <datagram>`.
+//!
+//! Prints `READY` after the agent's first snapshot, and one line per connection:
+//! `OUTBOUND <orig> FROM <peer>`, `INBOUND <dst> FROM <peer>`, `HBONE FROM <peer>`, `SELF_CALL
+//! <dst>`. Usage: `ztunnel-like ZDS_SOCKET`.
+
+use std::{
+    collections::HashMap,
+    io::{self, Write as _},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    os::fd::OwnedFd,
+};
+
+use anyhow::{bail, Context as _, Result};
+use datapath_common::consts::{marks, ports};
+use meshpath_zds::{
+    proto::{workload_request::Payload, Version, WorkloadRequest, WorkloadResponse, ZdsHello},
+    SeqPacket,
+};
+use tokio::{
+    net::{TcpListener, TcpSocket, TcpStream, UdpSocket},
+    sync::oneshot,
+};
+
+fn main() -> Result<()> {
+    let Some(socket) = std::env::args().nth(1) else {
+        bail!("usage: ztunnel-like ZDS_SOCKET");
+    };
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?
+        .block_on(zds(socket.into()))
+}
+
+fn say(line: &str) {
+    let mut out = io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+/// The ZDS session: pods added and removed as the agent says.
+async fn zds(path: std::path::PathBuf) -> Result<()> {
+    let conn = SeqPacket::connect(&path).with_context(|| format!("connecting to {path:?}"))?;
+    conn.send_msg(&ZdsHello { version: Version::V1 as i32 }, None).await?;
+    // Dropping a pod's sender stops its thread (its listeners close).
+    let mut pods: HashMap<String, oneshot::Sender<()>> = HashMap::new();
+    let mut ready = false;
+    loop {
+        let (req, mut fds) = conn.recv_msg::<WorkloadRequest>().await?;
+        let result = match req.payload {
+            Some(Payload::Add(add)) => match fds.pop() {
+                Some(fd) => serve_pod(add.uid.clone(), fd).map(|stop| {
+                    pods.insert(add.uid, stop);
+                }),
+                None => Err(anyhow::anyhow!("AddWorkload without a netns fd")),
+            },
+            Some(Payload::Keep(_)) => Ok(()),
+            Some(Payload::Del(del)) => {
+                pods.remove(&del.uid);
+                Ok(())
+            }
+            Some(Payload::SnapshotSent(_)) => {
+                if !ready {
+                    ready = true;
+                    say("READY");
+                }
+                Ok(())
+            }
+            None => Err(anyhow::anyhow!("empty request")),
+        };
+        conn.send_msg(&WorkloadResponse::ack(result.map_err(|e| format!("{e:#}"))), None).await?;
+    }
+}
+
+/// Starts the pod's thread: enters its netns, opens the listeners, serves until stopped.
+/// Returns once the listeners are open.
+fn serve_pod(uid: String, netns: OwnedFd) -> Result<oneshot::Sender<()>> {
+    let (stop_tx, stop_rx) = oneshot::channel();
+    let (open_tx, open_rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new().name(format!("pod-{uid}")).spawn(move || {
+        let run = || -> Result<()> {
+            nix::sched::setns(netns, nix::sched::CloneFlags::CLONE_NEWNET).context("setns")?;
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            rt.block_on(async {
+                let listeners = Listeners::open()?;
+                let _ = open_tx.send(Ok(()));
+                tokio::select! {
+                    _ = stop_rx => {}
+                    () = listeners.serve() => {}
+                }
+                Ok(())
+            })
+        };
+        if let Err(e) = run() {
+            let _ = open_tx.send(Err(format!("{e:#}")));
+        }
+    })?;
+    match open_rx.recv() {
+        Ok(Ok(())) => Ok(stop_tx),
+        Ok(Err(e)) => bail!("pod {uid}: {e}"),
+        Err(_) => bail!("pod {uid}: its thread ended"),
+    }
+}
+
+/// A socket marked 0x539, as every socket ztunnel opens in a pod.
+fn marked(domain: socket2::Domain, ty: socket2::Type) -> io::Result<socket2::Socket> {
+    let s = socket2::Socket::new(domain, ty, None)?;
+    s.set_mark(marks::PROXY_SOCKET)?;
+    s.set_nonblocking(true)?;
+    Ok(s)
+}
+
+fn wildcard_listener(port: u16) -> io::Result<TcpListener> {
+    let s = marked(socket2::Domain::IPV6, socket2::Type::STREAM)?;
+    s.set_only_v6(false)?;
+    s.set_reuse_address(true)?;
+    s.bind(&SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port).into())?;
+    s.listen(1024)?;
+    TcpListener::from_std(s.into())
+}
+
+fn dns_socket(ip: IpAddr) -> io::Result<UdpSocket> {
+    let domain = if ip.is_ipv4() { socket2::Domain::IPV4 } else { socket2::Domain::IPV6 };
+    let s = marked(domain, socket2::Type::DGRAM)?;
+    if ip.is_ipv6() {
+        s.set_only_v6(true)?;
+    }
+    s.bind(&SocketAddr::new(ip, ports::DNS).into())?;
+    UdpSocket::from_std(s.into())
+}
+
+struct Listeners {
+    outbound: TcpListener,
+    inbound: TcpListener,
+    hbone: TcpListener,
+    dns: [UdpSocket; 2],
+}
+
+impl Listeners {
+    fn open() -> io::Result<Self> {
+        Ok(Self {
+            outbound: wildcard_listener(ports::OUTBOUND)?,
+            inbound: wildcard_listener(ports::INBOUND_PLAINTEXT)?,
+            hbone: wildcard_listener(ports::HBONE)?,
+            dns: [
+                dns_socket(IpAddr::V4(Ipv4Addr::LOCALHOST))?,
+                dns_socket(IpAddr::V6(Ipv6Addr::LOCALHOST))?,
+            ],
+        })
+    }
+
+    async fn serve(self) {
+        let Self { outbound, inbound, hbone, dns } = self;
+        for udp in dns {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1500];
+                while let Ok((n, from)) = udp.recv_from(&mut buf).await {
+                    let mut reply = b"ANSWER ".to_vec();
+                    reply.extend_from_slice(&buf[..n]);
+                    let _ = udp.send_to(&reply, from).await;
+                }
+            });
+        }
+        tokio::join!(
+            accept_loop(outbound, Path::Outbound),
+            accept_loop(inbound, Path::Inbound),
+            accept_loop(hbone, Path::Hbone),
+        );
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Path {
+    Outbound,
+    Inbound,
+    Hbone,
+}
+
+async fn accept_loop(listener: TcpListener, path: Path) {
+    while let Ok((conn, peer)) = listener.accept().await {
+        tokio::spawn(async move {
+            if let Err(e) = handle(conn, canonical(peer), path).await {
+                eprintln!("ztunnel-like: {e:#}");
+            }
+        });
+    }
+}
+
+fn canonical(a: SocketAddr) -> SocketAddr {
+    match a {
+        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+            Some(v4) => SocketAddr::new(IpAddr::V4(v4), v6.port()),
+            None => a,
+        },
+        v4 => v4,
+    }
+}
+
+async fn handle(mut conn: TcpStream, peer: SocketAddr, path: Path) -> Result<()> {
+    let upstream = match path {
+        Path::Hbone => {
+            say(&format!("HBONE FROM {peer}"));
+            let (mut r, mut w) = conn.split();
+            tokio::io::copy(&mut r, &mut w).await?;
+            return Ok(());
+        }
+        Path::Outbound => {
+            let orig = meshpath_tests::original_dst(&conn).context("SO_ORIGINAL_DST")?;
+            if ports::is_proxy_port(orig.port()) {
+                say(&format!("SELF_CALL {orig}"));
+                return Ok(());
+            }
+            say(&format!("OUTBOUND {orig} FROM {peer}"));
+            connect(orig, None).await?
+        }
+        Path::Inbound => {
+            let dst = canonical(conn.local_addr()?);
+            if ports::is_proxy_port(dst.port()) {
+                say(&format!("SELF_CALL {dst}"));
+                return Ok(());
+            }
+            say(&format!("INBOUND {dst} FROM {peer}"));
+            connect(dst, Some(peer.ip())).await?
+        }
+    };
+    let mut upstream = upstream;
+    tokio::io::copy_bidirectional(&mut conn, &mut upstream).await?;
+    Ok(())
+}
+
+/// A marked connection to `to`: unbound (the kernel picks the source), or from `client` with
+/// `IP_TRANSPARENT` + `IP_FREEBIND`, as ztunnel's `freebind_connect`.
+async fn connect(to: SocketAddr, client: Option<IpAddr>) -> Result<TcpStream> {
+    let domain = if to.is_ipv4() { socket2::Domain::IPV4 } else { socket2::Domain::IPV6 };
+    let s = marked(domain, socket2::Type::STREAM)?;
+    if let Some(ip) = client {
+        if to.is_ipv4() {
+            s.set_ip_transparent(true)?;
+            s.set_freebind(true)?;
+        } else {
+            s.set_freebind_ipv6(true)?;
+            set_ipv6_transparent(&s)?;
+        }
+        s.bind(&SocketAddr::new(ip, 0).into())?;
+    }
+    let stream = TcpSocket::from_std_stream(s.into())
+        .connect(to)
+        .await
+        .with_context(|| format!("connecting to {to}"))?;
+    let _ = stream.set_nodelay(true);
+    Ok(stream)
+}
+
+fn set_ipv6_transparent(s: &socket2::Socket) -> io::Result<()> {
+    use std::os::fd::AsRawFd as _;
+    let on: libc::c_int = 1;
+    // SAFETY: a c_int option value of the right size.
+    let rc = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_IPV6,
+            libc::IPV6_TRANSPARENT,
+            (&raw const on).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}

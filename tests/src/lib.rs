@@ -848,3 +848,14 @@ impl LocalAddr for tokio::net::TcpStream {
         tokio::net::TcpStream::local_addr(self)
     }
 }
+
+/// The test proxies' DNS: every datagram on `udp` is answered with `ANSWER <datagram>`, until
+/// the socket fails.
+pub async fn answer_dns(udp: tokio::net::UdpSocket) {
+    let mut buf = [0u8; 1500];
+    while let Ok((n, from)) = udp.recv_from(&mut buf).await {
+        let mut reply = b"ANSWER ".to_vec();
+        reply.extend_from_slice(&buf[..n]);
+        let _ = udp.send_to(&reply, from).await;
+    }
+}

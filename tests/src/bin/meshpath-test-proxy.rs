@@ -69,14 +69,7 @@ async fn run(forward: bool, inbound: bool) -> Result<()> {
     }
     // DNS over UDP: every datagram is answered with `ANSWER <datagram>`.
     for udp in [UdpSocket::bind(v4(ports::DNS)).await?, v6_only_udp(ports::DNS)?] {
-        tokio::spawn(async move {
-            let mut buf = [0u8; 1500];
-            while let Ok((n, from)) = udp.recv_from(&mut buf).await {
-                let mut reply = b"ANSWER ".to_vec();
-                reply.extend_from_slice(&buf[..n]);
-                let _ = udp.send_to(&reply, from).await;
-            }
-        });
+        tokio::spawn(meshpath_tests::answer_dns(udp));
     }
     say("READY")?;
     for (listener, inbound) in listeners {

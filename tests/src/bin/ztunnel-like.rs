@@ -171,14 +171,7 @@ impl Listeners {
     async fn serve(self) {
         let Self { outbound, inbound, hbone, dns } = self;
         for udp in dns {
-            tokio::spawn(async move {
-                let mut buf = [0u8; 1500];
-                while let Ok((n, from)) = udp.recv_from(&mut buf).await {
-                    let mut reply = b"ANSWER ".to_vec();
-                    reply.extend_from_slice(&buf[..n]);
-                    let _ = udp.send_to(&reply, from).await;
-                }
-            });
+            tokio::spawn(meshpath_tests::answer_dns(udp));
         }
         tokio::join!(
             accept_loop(outbound, Path::Outbound),

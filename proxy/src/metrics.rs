@@ -261,6 +261,14 @@ impl Meter {
     }
 }
 
+/// A meter that counts into no exported metric (for callers of the HBONE copy loops that keep
+/// no telemetry, such as test tools).
+impl Default for Meter {
+    fn default() -> Self {
+        Self::new(Counter::default())
+    }
+}
+
 /// One connection's telemetry: counted open on creation, its bytes as they move (`from_client`,
 /// `to_client`), closed (with the access-log line) by `finish` — or, if dropped unfinished (its
 /// pod removed, the proxy stopping), as closed with the error "cancelled".

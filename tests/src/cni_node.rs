@@ -86,6 +86,8 @@ pub struct CniPod {
     /// The chain's final result (what the runtime caches for DEL).
     pub result: Value,
     pub ip: IpAddr,
+    /// Its IPv6 address, on a dual-stack node.
+    pub ip6: Option<IpAddr>,
 }
 
 impl CniPod {
@@ -114,6 +116,8 @@ pub struct CniNode {
     pub dir: PathBuf,
     pub network: String,
     pub subnet: u8,
+    /// Pods get an IPv6 address too (fd00:SUBNET::/64).
+    pub dual_stack: bool,
 }
 
 impl Drop for CniNode {
@@ -154,6 +158,7 @@ impl CniNode {
             root: PinRoot::new(),
             network: unique("mpnet"),
             subnet: 77,
+            dual_stack: false,
             dir,
         })
     }
@@ -215,7 +220,10 @@ impl CniNode {
         let mut cmd = Command::new("nsenter");
         cmd.arg(format!("--net={}", self.node.path().display()))
             .arg(sibling_bin("ztunnel-like"))
-            .arg(self.zds_socket());
+            .arg(self.zds_socket())
+            .arg(self.dir.join("ca.pem"))
+            .arg(self.dir.join("ca-key.pem"))
+            .arg(self.dir.join("workloads.yaml"));
         self.proxy = Some(TestProxy::spawn(cmd, &self.proxy_cgroup)?);
         Ok(())
     }
@@ -270,13 +278,21 @@ impl CniNode {
                     "ipMasq": false,
                     "ipam": {
                         "type": "host-local",
-                        "ranges": [[{"subnet": format!("10.{}.0.0/24", self.subnet)}]],
+                        "ranges": self.ranges(),
                         "dataDir": self.dir.join("ipam").display().to_string()
                     }
                 },
                 {"type": "meshpath-cni", "agentSocket": agent_socket.display().to_string()}
             ]
         })
+    }
+
+    fn ranges(&self) -> Value {
+        let mut ranges = vec![json!([{"subnet": format!("10.{}.0.0/24", self.subnet)}])];
+        if self.dual_stack {
+            ranges.push(json!([{"subnet": format!("fd00:{}::/64", self.subnet)}]));
+        }
+        Value::Array(ranges)
     }
 
     fn plugin_path(kind: &str) -> PathBuf {
@@ -364,12 +380,18 @@ impl CniNode {
         }
         match self.run_chain(list, "ADD", &env, None)? {
             Ok(result) => {
-                let ip = result["ips"][0]["address"]
-                    .as_str()
-                    .and_then(|a| a.split('/').next())
-                    .and_then(|a| a.parse().ok())
-                    .context("no address in the chain's result")?;
-                Ok(CniPod { name: name.into(), container_id, netns, result, ip })
+                let ips: Vec<IpAddr> = result["ips"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|i| i["address"].as_str()?.split('/').next()?.parse().ok())
+                    .collect();
+                let ip = *ips
+                    .iter()
+                    .find(|i| i.is_ipv4())
+                    .context("no IPv4 address in the chain's result")?;
+                let ip6 = ips.iter().find(|i| i.is_ipv6()).copied();
+                Ok(CniPod { name: name.into(), container_id, netns, result, ip, ip6 })
             }
             Err(run) => {
                 // As a runtime does after a failed ADD: DEL the whole chain, then drop the netns.

@@ -14,6 +14,11 @@
 //! mesh) by plain passthrough; and a connection to a port that policy denies. A summary from
 //! both proxies' /metrics follows. Everything is removed on exit, on error and on Ctrl-C;
 //! `--keep` leaves it running (until Ctrl-C) with the commands to look around.
+//!
+//! `--proxy ztunnel-like` runs the same nodes with `ztunnel-like` as both nodes' proxy (the
+//! tests' stand-in for Istio's ztunnel: it only opens sockets in the pods, marks them 0x539,
+//! and speaks HBONE); it has no policy and no metrics, so the demo shows its connection lines
+//! instead and skips the denial.
 
 use std::{
     fs,
@@ -37,6 +42,13 @@ const PODS: [(&str, usize, &str, bool); 3] =
     [("sleep", 1, "sleep", true), ("httpbin", 2, "httpbin", true), ("legacy", 2, "legacy", false)];
 /// The port policy denies on httpbin.
 const DENIED_PORT: u16 = 9090;
+
+/// Which node proxy the demo runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Proxy {
+    Meshpath,
+    ZtunnelLike,
+}
 
 /// One node's pieces.
 struct NodeDirs {
@@ -64,6 +76,7 @@ impl NodeDirs {
 /// Everything the demo made, removed on drop.
 struct Demo {
     tag: String,
+    proxy: Proxy,
     bin_dir: PathBuf,
     files: PathBuf,
     nodes: Vec<NodeDirs>,
@@ -284,23 +297,37 @@ impl Demo {
         self.children.push(spawn_logged(agent, None, &log)?);
         wait_for(&log, "agent serving", "the node agent")?;
         let mut proxy = Command::new("nsenter");
-        proxy
-            .arg(&netns)
-            .arg(self.bin_dir.join("meshpath-proxy"))
-            .arg("--zds-socket")
-            .arg(node.dir.join("zds.sock"))
-            .arg("--workloads")
-            .arg(self.files.join("workloads.yaml"))
-            .arg("--ca-cert")
-            .arg(self.files.join("ca.pem"))
-            .arg("--ca-key")
-            .arg(self.files.join("ca-key.pem"))
-            .arg("--refresh-ms")
-            .arg("200")
-            .env("RUST_LOG", "info");
+        proxy.arg(&netns);
+        let ready = match self.proxy {
+            Proxy::Meshpath => {
+                proxy
+                    .arg(self.bin_dir.join("meshpath-proxy"))
+                    .arg("--zds-socket")
+                    .arg(node.dir.join("zds.sock"))
+                    .arg("--workloads")
+                    .arg(self.files.join("workloads.yaml"))
+                    .arg("--ca-cert")
+                    .arg(self.files.join("ca.pem"))
+                    .arg("--ca-key")
+                    .arg(self.files.join("ca-key.pem"))
+                    .arg("--refresh-ms")
+                    .arg("200")
+                    .env("RUST_LOG", "info");
+                "snapshot from the node agent applied"
+            }
+            Proxy::ZtunnelLike => {
+                proxy
+                    .arg(self.bin_dir.join("ztunnel-like"))
+                    .arg(node.dir.join("zds.sock"))
+                    .arg(self.files.join("ca.pem"))
+                    .arg(self.files.join("ca-key.pem"))
+                    .arg(self.files.join("workloads.yaml"));
+                "READY"
+            }
+        };
         let log = node.dir.join("proxy.log");
         self.children.push(spawn_logged(proxy, Some(&node.cgroup), &log)?);
-        wait_for(&log, "snapshot from the node agent applied", "the node proxy")?;
+        wait_for(&log, ready, "the node proxy")?;
         // The agent appends meshpath-cni to the node's chain within a second.
         for _ in 0..100 {
             if fs::read_to_string(node.conf().join("10-demo.conflist"))
@@ -466,7 +493,7 @@ fn summary(metrics: &str) -> Vec<String> {
 }
 
 /// Runs the demo with the binaries in `bin_dir`.
-pub fn run(bin_dir: &Path, keep: bool) -> Result<()> {
+pub fn run(bin_dir: &Path, keep: bool, proxy: Proxy) -> Result<()> {
     let interrupted = Arc::new(AtomicBool::new(false));
     {
         let flag = interrupted.clone();
@@ -484,6 +511,7 @@ pub fn run(bin_dir: &Path, keep: bool) -> Result<()> {
     let mut demo = Demo {
         files: PathBuf::from(format!("/run/meshpath-demo-{tag}")),
         tag,
+        proxy,
         bin_dir: bin_dir.to_owned(),
         nodes: Vec::new(),
         namespaces: Vec::new(),
@@ -536,9 +564,12 @@ pub fn run(bin_dir: &Path, keep: bool) -> Result<()> {
     }
     // The control plane's part: the proxies learn the pods' addresses.
     fs::write(demo.files.join("workloads.yaml"), workloads(&ips))?;
-    for node in &demo.nodes {
-        let log = node.dir.join("proxy.log");
-        wait_for(&log, "workload store reloaded", "the workloads reload")?;
+    // ztunnel-like reads the file per connection.
+    if proxy == Proxy::Meshpath {
+        for node in &demo.nodes {
+            let log = node.dir.join("proxy.log");
+            wait_for(&log, "workload store reloaded", "the workloads reload")?;
+        }
     }
     let ns_of = |name: &str| format!("mp-demo-{}-{name}", demo.tag);
     let ip_of =
@@ -550,26 +581,26 @@ pub fn run(bin_dir: &Path, keep: bool) -> Result<()> {
     println!("demo: iperf3 sleep → legacy (node2, not meshed), 1 s: passthrough");
     println!("demo:   {}", iperf3(&ns_of("sleep"), &ns_of("legacy"), ip_of("legacy")?, 5201, 1)?);
     check()?;
-    println!("demo: sleep → httpbin:{DENIED_PORT}, which policy denies at node2's proxy:");
-    match iperf3(&ns_of("sleep"), &ns_of("httpbin"), ip_of("httpbin")?, DENIED_PORT, 1) {
-        Ok(line) => println!("demo:   NOT denied (unexpected): {line}"),
-        Err(e) => println!("demo:   refused as it should be: {e}"),
-    }
-    std::thread::sleep(Duration::from_millis(300));
-    for node in &demo.nodes {
-        let ns = format!("/var/run/netns/{}", node.ns("host"));
-        let metrics = http_get(&ns, "127.0.0.1:15020".parse()?, "/metrics")?;
-        println!("demo: node{} proxy /metrics:", node.n);
-        for line in summary(&metrics) {
-            println!("demo:   {line}");
+    if proxy == Proxy::ZtunnelLike {
+        println!("demo: ztunnel-like enforces no policy: the denial is not shown");
+        for node in &demo.nodes {
+            println!("demo: node{} ztunnel-like's connections:", node.n);
+            let log = fs::read_to_string(node.dir.join("proxy.log")).unwrap_or_default();
+            for line in log.lines().filter(|l| !l.starts_with("READY")) {
+                println!("demo:   {line}");
+            }
         }
+    } else {
+        show_denial_and_metrics(&demo, &ns_of("sleep"), &ns_of("httpbin"), ip_of("httpbin")?)?;
     }
     if keep {
         println!("demo: --keep: running until Ctrl-C. Look around:");
         for node in &demo.nodes {
             let ns = node.ns("host");
-            println!("  ip netns exec {ns} curl -s localhost:15000/config_dump     # node{} proxy: pods, certificates, pool", node.n);
-            println!("  ip netns exec {ns} curl -s localhost:15020/metrics");
+            if proxy == Proxy::Meshpath {
+                println!("  ip netns exec {ns} curl -s localhost:15000/config_dump     # node{} proxy: pods, certificates, pool", node.n);
+                println!("  ip netns exec {ns} curl -s localhost:15020/metrics");
+            }
             println!(
                 "  {} --pin-root {} list      # node{} datapath",
                 bin_dir.join("meshpath-loader").display(),
@@ -589,6 +620,25 @@ pub fn run(bin_dir: &Path, keep: bool) -> Result<()> {
         println!("  ip netns exec {} iperf3 -c {} -t 5", ns_of("sleep"), ip_of("httpbin")?);
         while !interrupted.load(Ordering::SeqCst) {
             std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    Ok(())
+}
+
+/// meshpath-proxy's part of the demo: a connection policy denies, then both proxies' metrics.
+fn show_denial_and_metrics(demo: &Demo, sleep: &str, httpbin: &str, ip: Ipv4Addr) -> Result<()> {
+    println!("demo: sleep → httpbin:{DENIED_PORT}, which policy denies at node2's proxy:");
+    match iperf3(sleep, httpbin, ip, DENIED_PORT, 1) {
+        Ok(line) => println!("demo:   NOT denied (unexpected): {line}"),
+        Err(e) => println!("demo:   refused as it should be: {e}"),
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    for node in &demo.nodes {
+        let ns = format!("/var/run/netns/{}", node.ns("host"));
+        let metrics = http_get(&ns, "127.0.0.1:15020".parse()?, "/metrics")?;
+        println!("demo: node{} proxy /metrics:", node.n);
+        for line in summary(&metrics) {
+            println!("demo:   {line}");
         }
     }
     Ok(())

@@ -38,6 +38,10 @@ enum Cmd {
         /// Leave it running for exploration (until Ctrl-C).
         #[arg(long)]
         keep: bool,
+        /// The node proxy: meshpath's, or `ztunnel-like`, a proxy that only opens sockets in
+        /// the pods as Istio's ztunnel does (the datapath serves it with no help from it).
+        #[arg(long, default_value = "meshpath-proxy", value_parser = ["meshpath-proxy", "ztunnel-like"])]
+        proxy: String,
     },
     /// Make a CA for the proxies (DIR/ca.pem, DIR/ca-key.pem), as the demo and tests do.
     Ca { dir: std::path::PathBuf },
@@ -104,7 +108,7 @@ fn run(cli: Cli) -> Result<()> {
                 std::process::Command::new(bin_dir.join("meshpath-proxy")).arg("new-ca").arg(&dir),
             )?;
         }
-        Cmd::Demo { keep } => {
+        Cmd::Demo { keep, proxy } => {
             if !bootstrap::is_root() {
                 bail!(
                     "the demo loads eBPF programs and creates network namespaces: run it as root"
@@ -112,7 +116,12 @@ fn run(cli: Cli) -> Result<()> {
             }
             let path = bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: true })?;
             let bin_dir = cargo::build(path.as_deref(), false)?;
-            demo::run(&bin_dir, keep)?;
+            let proxy = if proxy == "ztunnel-like" {
+                demo::Proxy::ZtunnelLike
+            } else {
+                demo::Proxy::Meshpath
+            };
+            demo::run(&bin_dir, keep, proxy)?;
         }
     }
     Ok(())

@@ -10,27 +10,44 @@
 //! - Every socket carries mark 0x539. Listeners on the wildcard address: `[::]:15001`,
 //!   `[::]:15006`, `[::]:15008`; DNS on `127.0.0.1:15053` and `[::1]:15053` (UDP).
 //! - 15001: the original destination by `SO_ORIGINAL_DST`; refused if it is one of its own
-//!   ports; else a new, unbound, marked connection to it (passthrough), bytes copied.
+//!   ports. A destination the workloads file names as an HBONE workload is reached by HTTP/2
+//!   CONNECT over mutual TLS to its `ip:15008` (the pod's certificate minted from the CA for
+//!   the identity ZDS gave); anything else by passthrough. Either way over a new, unbound,
+//!   marked connection (the kernel picks the source).
 //! - 15006: the original destination is the local address; refused if one of its own ports;
 //!   else connects to it with `IP_TRANSPARENT` + `IP_FREEBIND`, bound to the client's address.
-//! - 15008: ztunnel terminates HBONE here. The stand-in echoes plain TCP instead: what the
-//!   tests check on this port is the kernel path (a marked listener's replies leave the pod),
-//!   not HBONE, which meshpath-proxy's own tests cover.
+//! - 15008: HBONE: mutual TLS with the pod's certificate (client certificate required), each
+//!   CONNECT to one of its own ports answered 400, else connected to the app like 15006, from
+//!   the HBONE client's address, then 200 and bytes both ways.
+//!
+//! The TLS configurations and HTTP/2 copy loops are meshpath-proxy's library (they are the
+//! wire format, not the kernel contract this stand-in is the oracle of).
 //! - DNS: every datagram answered with `ANSWER <datagram>`.
 //!
 //! Prints `READY` after the agent's first snapshot, and one line per connection:
-//! `OUTBOUND <orig> FROM <peer>`, `INBOUND <dst> FROM <peer>`, `HBONE FROM <peer>`, `SELF_CALL
-//! <dst>`. Usage: `ztunnel-like ZDS_SOCKET`.
+//! `OUTBOUND <orig> FROM <peer>` (with ` VIA HBONE` when it was), `INBOUND <dst> FROM <peer>`,
+//! `HBONE <dst> FROM <peer>` (a CONNECT served), `SELF_CALL <dst>`. Usage:
+//! `ztunnel-like ZDS_SOCKET CA_CERT CA_KEY WORKLOADS_FILE`.
 
 use std::{
     collections::HashMap,
     io::{self, Write as _},
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     os::fd::OwnedFd,
+    path::PathBuf,
+    sync::Arc,
+    time::Duration,
 };
 
 use anyhow::{bail, Context as _, Result};
 use datapath_common::consts::{marks, ports};
+use meshpath_proxy::{
+    config::{Protocol, WorkloadStore},
+    hbone,
+    identity::{Identity, LocalCa, WorkloadCert},
+    metrics::Meter,
+    tls,
+};
 use meshpath_zds::{
     proto::{workload_request::Payload, Version, WorkloadRequest, WorkloadResponse, ZdsHello},
     SeqPacket,
@@ -40,15 +57,25 @@ use tokio::{
     sync::oneshot,
 };
 
+/// What every pod's thread shares: the CA certificates are minted from, the workloads file.
+struct Node {
+    ca: LocalCa,
+    workloads: PathBuf,
+}
+
 fn main() -> Result<()> {
-    let Some(socket) = std::env::args().nth(1) else {
-        bail!("usage: ztunnel-like ZDS_SOCKET");
+    let args: Vec<String> = std::env::args().collect();
+    let [_, socket, ca_cert, ca_key, workloads] = args.as_slice() else {
+        bail!("usage: ztunnel-like ZDS_SOCKET CA_CERT CA_KEY WORKLOADS_FILE");
     };
+    let ca =
+        LocalCa::from_pem(&std::fs::read_to_string(ca_cert)?, &std::fs::read_to_string(ca_key)?)?;
+    let node = Arc::new(Node { ca, workloads: workloads.into() });
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?
-        .block_on(zds(socket.into()))
+        .block_on(zds(socket.into(), node))
 }
 
 fn say(line: &str) {
@@ -58,7 +85,7 @@ fn say(line: &str) {
 }
 
 /// The ZDS session: pods added and removed as the agent says.
-async fn zds(path: std::path::PathBuf) -> Result<()> {
+async fn zds(path: PathBuf, node: Arc<Node>) -> Result<()> {
     let conn = SeqPacket::connect(&path).with_context(|| format!("connecting to {path:?}"))?;
     conn.send_msg(&ZdsHello { version: Version::V1 as i32 }, None).await?;
     // Dropping a pod's sender stops its thread (its listeners close).
@@ -67,11 +94,14 @@ async fn zds(path: std::path::PathBuf) -> Result<()> {
     loop {
         let (req, mut fds) = conn.recv_msg::<WorkloadRequest>().await?;
         let result = match req.payload {
-            Some(Payload::Add(add)) => match fds.pop() {
-                Some(fd) => serve_pod(add.uid.clone(), fd).map(|stop| {
-                    pods.insert(add.uid, stop);
-                }),
-                None => Err(anyhow::anyhow!("AddWorkload without a netns fd")),
+            Some(Payload::Add(add)) => match (fds.pop(), add.workload_info) {
+                (Some(fd), Some(info)) => {
+                    let id = Identity::new("cluster.local", &info.namespace, &info.service_account);
+                    serve_pod(add.uid.clone(), fd, Pod::new(&node, id)?).map(|stop| {
+                        pods.insert(add.uid, stop);
+                    })
+                }
+                _ => Err(anyhow::anyhow!("AddWorkload without a netns fd or workload info")),
             },
             Some(Payload::Keep(_)) => Ok(()),
             Some(Payload::Del(del)) => {
@@ -91,9 +121,24 @@ async fn zds(path: std::path::PathBuf) -> Result<()> {
     }
 }
 
+/// One pod: its identity and certificate, and the node's workloads.
+struct Pod {
+    node: Arc<Node>,
+    cert: WorkloadCert,
+    server: Arc<rustls::ServerConfig>,
+}
+
+impl Pod {
+    fn new(node: &Arc<Node>, id: Identity) -> Result<Arc<Self>> {
+        let cert = node.ca.issue(&id, Duration::from_secs(3600))?;
+        let server = tls::server_config(&cert, std::slice::from_ref(&node.ca.cert_der))?;
+        Ok(Arc::new(Self { node: node.clone(), cert, server }))
+    }
+}
+
 /// Starts the pod's thread: enters its netns, opens the listeners, serves until stopped.
 /// Returns once the listeners are open.
-fn serve_pod(uid: String, netns: OwnedFd) -> Result<oneshot::Sender<()>> {
+fn serve_pod(uid: String, netns: OwnedFd, pod: Arc<Pod>) -> Result<oneshot::Sender<()>> {
     let (stop_tx, stop_rx) = oneshot::channel();
     let (open_tx, open_rx) = std::sync::mpsc::channel();
     std::thread::Builder::new().name(format!("pod-{uid}")).spawn(move || {
@@ -105,7 +150,7 @@ fn serve_pod(uid: String, netns: OwnedFd) -> Result<oneshot::Sender<()>> {
                 let _ = open_tx.send(Ok(()));
                 tokio::select! {
                     _ = stop_rx => {}
-                    () = listeners.serve() => {}
+                    () = listeners.serve(pod) => {}
                 }
                 Ok(())
             })
@@ -168,15 +213,15 @@ impl Listeners {
         })
     }
 
-    async fn serve(self) {
+    async fn serve(self, pod: Arc<Pod>) {
         let Self { outbound, inbound, hbone, dns } = self;
         for udp in dns {
             tokio::spawn(meshpath_tests::answer_dns(udp));
         }
         tokio::join!(
-            accept_loop(outbound, Path::Outbound),
-            accept_loop(inbound, Path::Inbound),
-            accept_loop(hbone, Path::Hbone),
+            accept_loop(outbound, Path::Outbound, pod.clone()),
+            accept_loop(inbound, Path::Inbound, pod.clone()),
+            accept_loop(hbone, Path::Hbone, pod),
         );
     }
 }
@@ -188,10 +233,11 @@ enum Path {
     Hbone,
 }
 
-async fn accept_loop(listener: TcpListener, path: Path) {
+async fn accept_loop(listener: TcpListener, path: Path, pod: Arc<Pod>) {
     while let Ok((conn, peer)) = listener.accept().await {
+        let pod = pod.clone();
         tokio::spawn(async move {
-            if let Err(e) = handle(conn, canonical(peer), path).await {
+            if let Err(e) = handle(conn, canonical(peer), path, &pod).await {
                 eprintln!("ztunnel-like: {e:#}");
             }
         });
@@ -208,18 +254,26 @@ fn canonical(a: SocketAddr) -> SocketAddr {
     }
 }
 
-async fn handle(mut conn: TcpStream, peer: SocketAddr, path: Path) -> Result<()> {
+async fn handle(mut conn: TcpStream, peer: SocketAddr, path: Path, pod: &Pod) -> Result<()> {
     let upstream = match path {
-        Path::Hbone => {
-            say(&format!("HBONE FROM {peer}"));
-            let (mut r, mut w) = conn.split();
-            tokio::io::copy(&mut r, &mut w).await?;
-            return Ok(());
-        }
+        Path::Hbone => return serve_hbone(conn, peer, pod).await,
         Path::Outbound => {
             let orig = meshpath_tests::original_dst(&conn).context("SO_ORIGINAL_DST")?;
             if ports::is_proxy_port(orig.port()) {
                 say(&format!("SELF_CALL {orig}"));
+                return Ok(());
+            }
+            let store = WorkloadStore::load(&pod.node.workloads)?;
+            if let Some(w) = store.by_ip(orig.ip()).filter(|w| w.protocol == Protocol::Hbone) {
+                say(&format!("OUTBOUND {orig} FROM {peer} VIA HBONE"));
+                let gateway = SocketAddr::new(orig.ip(), ports::HBONE);
+                let roots = std::slice::from_ref(&pod.node.ca.cert_der);
+                let config = tls::client_config(&pod.cert, roots, vec![w.identity()])?;
+                let tcp = connect(gateway, None).await?;
+                let headers = hbone::StreamHeaders::default();
+                let (send, recv) = hbone::connect(tcp, gateway, orig, config, &headers).await?;
+                let meters = (&Meter::default(), &Meter::default());
+                hbone::splice(conn, send, recv, meters).await?;
                 return Ok(());
             }
             say(&format!("OUTBOUND {orig} FROM {peer}"));
@@ -237,6 +291,48 @@ async fn handle(mut conn: TcpStream, peer: SocketAddr, path: Path) -> Result<()>
     };
     let mut upstream = upstream;
     tokio::io::copy_bidirectional(&mut conn, &mut upstream).await?;
+    Ok(())
+}
+
+/// Inbound HBONE: mutual TLS with the pod's certificate, then each CONNECT served.
+async fn serve_hbone(tcp: TcpStream, peer: SocketAddr, pod: &Pod) -> Result<()> {
+    let tls = tokio_rustls::TlsAcceptor::from(pod.server.clone()).accept(tcp).await?;
+    // ztunnel's HTTP/2 windows (the defaults, 64 KiB, would throttle a stream to a trickle).
+    let mut conn = h2::server::Builder::new()
+        .initial_window_size(hbone::STREAM_WINDOW)
+        .initial_connection_window_size(hbone::CONNECTION_WINDOW)
+        .max_frame_size(hbone::MAX_FRAME)
+        .handshake(tls)
+        .await?;
+    while let Some(stream) = conn.accept().await {
+        let (req, mut respond) = stream?;
+        tokio::spawn(async move {
+            let reply = |status: http::StatusCode| {
+                http::Response::builder().status(status).body(()).unwrap_or_default()
+            };
+            let dst: Option<SocketAddr> =
+                req.uri().authority().and_then(|a| a.as_str().parse().ok()).map(canonical);
+            let Some(dst) = dst.filter(|d| !ports::is_proxy_port(d.port())) else {
+                say(&format!("SELF_CALL {:?}", req.uri().authority()));
+                let _ = respond.send_response(reply(http::StatusCode::BAD_REQUEST), true);
+                return;
+            };
+            say(&format!("HBONE {dst} FROM {peer}"));
+            let app = match connect(dst, Some(peer.ip())).await {
+                Ok(a) => a,
+                Err(_) => {
+                    let _ =
+                        respond.send_response(reply(http::StatusCode::SERVICE_UNAVAILABLE), true);
+                    return;
+                }
+            };
+            let Ok(send) = respond.send_response(reply(http::StatusCode::OK), false) else {
+                return;
+            };
+            let meters = (&Meter::default(), &Meter::default());
+            let _ = hbone::splice(app, send, req.into_body(), meters).await;
+        });
+    }
     Ok(())
 }
 

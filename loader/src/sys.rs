@@ -24,10 +24,12 @@ const BPF_CGROUP_GETSOCKOPT: u32 = 21;
 #[repr(C, align(8))]
 struct Attr([u32; 32]);
 
-fn bpf(cmd: libc::c_long, attr: &Attr) -> io::Result<i64> {
-    // SAFETY: `attr` is a zero-padded bpf_attr of the size we pass; the kernel reads (and for
-    // GET_INFO writes through a pointer we set) only within it.
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *const Attr, size_of::<Attr>()) };
+/// `&mut`: the kernel writes into the attribute union for some commands (GET_INFO_BY_FD writes
+/// the info length back).
+fn bpf(cmd: libc::c_long, attr: &mut Attr) -> io::Result<i64> {
+    // SAFETY: `attr` is a zero-padded bpf_attr of the size we pass, exclusively borrowed; the
+    // kernel reads and writes only within it (and, for GET_INFO, through a pointer we set).
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut Attr, size_of::<Attr>()) };
     if rc < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -46,7 +48,7 @@ pub fn link_cgroup_getsockopt(prog: &CgroupSockopt, cgroup: &File, pin: &Path) -
     attr.0[0] = prog_fd as u32;
     attr.0[1] = cgroup.as_raw_fd() as u32;
     attr.0[2] = BPF_CGROUP_GETSOCKOPT;
-    let fd = bpf(BPF_LINK_CREATE, &attr)?;
+    let fd = bpf(BPF_LINK_CREATE, &mut attr)?;
     // SAFETY: the kernel just returned this descriptor to us.
     let link = unsafe { OwnedFd::from_raw_fd(fd as i32) };
     let path = path_cstring(pin)?;
@@ -56,7 +58,7 @@ pub fn link_cgroup_getsockopt(prog: &CgroupSockopt, cgroup: &File, pin: &Path) -
     attr.0[0] = ptr as u32;
     attr.0[1] = (ptr >> 32) as u32;
     attr.0[2] = link.as_raw_fd() as u32;
-    bpf(BPF_OBJ_PIN, &attr)?;
+    bpf(BPF_OBJ_PIN, &mut attr)?;
     Ok(())
 }
 
@@ -74,7 +76,7 @@ pub fn sk_msg_on_map(prog_fd: i32, map_fd: i32, attach: bool) -> io::Result<()> 
     attr.0[0] = map_fd as u32;
     attr.0[1] = prog_fd as u32;
     attr.0[2] = BPF_SK_MSG_VERDICT;
-    bpf(if attach { BPF_PROG_ATTACH } else { BPF_PROG_DETACH }, &attr).map(drop)
+    bpf(if attach { BPF_PROG_ATTACH } else { BPF_PROG_DETACH }, &mut attr).map(drop)
 }
 
 /// The target of the bpf link pinned at `pin`: the interface index of a TCX link, the netns
@@ -85,7 +87,7 @@ pub fn pinned_link_target(pin: &Path) -> io::Result<u32> {
     let ptr = path.as_ptr() as u64;
     attr.0[0] = ptr as u32;
     attr.0[1] = (ptr >> 32) as u32;
-    let fd = bpf(BPF_OBJ_GET, &attr)?;
+    let fd = bpf(BPF_OBJ_GET, &mut attr)?;
     // SAFETY: the kernel just returned this descriptor to us.
     let link = unsafe { OwnedFd::from_raw_fd(fd as i32) };
     // struct bpf_link_info: type, id, prog_id, then (8-aligned, at byte 16) a union whose first
@@ -97,6 +99,6 @@ pub fn pinned_link_target(pin: &Path) -> io::Result<u32> {
     attr.0[1] = size_of_val(&info) as u32;
     attr.0[2] = info_ptr as u32;
     attr.0[3] = (info_ptr >> 32) as u32;
-    bpf(BPF_OBJ_GET_INFO_BY_FD, &attr)?;
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
     Ok(info[4])
 }

@@ -141,6 +141,11 @@ fn route(
     }
 }
 
+/// How long a client of the node-wide endpoints has to send its request headers. hyper applies
+/// no such limit unless it is given a timer: a client sending headers a byte at a time (or
+/// never) would otherwise hold its connection forever.
+pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Serves `which` on `listener` until the process ends.
 pub fn serve(listener: TcpListener, which: Endpoints, proxy: Arc<Proxy>, log: LogControl) {
     tokio::spawn(async move {
@@ -160,6 +165,8 @@ pub fn serve(listener: TcpListener, which: Endpoints, proxy: Arc<Proxy>, log: Lo
                     async move { Ok::<_, Infallible>(resp) }
                 });
                 if let Err(e) = hyper::server::conn::http1::Builder::new()
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(HEADER_READ_TIMEOUT)
                     .serve_connection(TokioIo::new(conn), svc)
                     .await
                 {

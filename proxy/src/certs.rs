@@ -31,6 +31,8 @@ pub enum CertError {
     Empty(PathBuf),
     #[error("{path}: the certificate is for {found}, not {wanted}")]
     WrongIdentity { path: PathBuf, found: String, wanted: Identity },
+    #[error("{path}: the certificate expired at {not_after}")]
+    Expired { path: PathBuf, not_after: time::OffsetDateTime },
     #[error("minting: {0}")]
     Mint(#[from] IdentityError),
 }
@@ -124,10 +126,10 @@ impl Certs {
                 let chain = read_chain(&cert_path)?;
                 let key = PrivateKeyDer::from_pem_file(&key_path)
                     .map_err(|e| CertError::Read(key_path.clone(), e.to_string()))?;
-                let found = tls::spiffe_ids(&chain[0]);
-                if !found.contains(id) {
-                    let found =
-                        found.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
+                // Our own certificate must name exactly the identity peers will check.
+                let found = tls::peer_identity(&chain[0]);
+                if found.as_ref() != Ok(id) {
+                    let found = found.map_or_else(|why| why, |f| f.to_string());
                     return Err(CertError::WrongIdentity {
                         path: cert_path,
                         found,
@@ -142,6 +144,11 @@ impl Certs {
                         )
                     })
                     .map_err(|e| CertError::Read(cert_path.clone(), e.to_string()))?;
+                // An expired file is refused: the certificate in use is kept (and, if it has
+                // expired too, readiness says so) rather than replaced by one no peer accepts.
+                if not_after <= time::OffsetDateTime::now_utc() {
+                    return Err(CertError::Expired { path: cert_path, not_after });
+                }
                 Ok(WorkloadCert { chain, key, not_before, not_after })
             }
         }

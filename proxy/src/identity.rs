@@ -145,9 +145,22 @@ impl LocalCa {
         not_before: time::OffsetDateTime,
         not_after: time::OffsetDateTime,
     ) -> Result<WorkloadCert, IdentityError> {
+        self.issue_with_uris(&[id.to_string()], not_before, not_after)
+    }
+
+    /// Mints a certificate whose URI SANs are `uris`, as given (tests make certificates with
+    /// several identities, or none, with it).
+    pub fn issue_with_uris(
+        &self,
+        uris: &[String],
+        not_before: time::OffsetDateTime,
+        not_after: time::OffsetDateTime,
+    ) -> Result<WorkloadCert, IdentityError> {
         let mut params = CertificateParams::default();
-        let uri = rcgen::Ia5String::try_from(id.to_string())?;
-        params.subject_alt_names = vec![SanType::URI(uri)];
+        params.subject_alt_names = uris
+            .iter()
+            .map(|u| rcgen::Ia5String::try_from(u.clone()).map(SanType::URI))
+            .collect::<Result<_, _>>()?;
         params.extended_key_usages =
             vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];

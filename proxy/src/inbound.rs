@@ -63,16 +63,16 @@ async fn serve_connection(tcp: TcpStream, peer: SocketAddr, pod: &Arc<Pod>) -> a
             anyhow::bail!("TLS handshake not done within {limit:?}");
         }
     };
-    let client = tls
-        .get_ref()
-        .1
-        .peer_certificates()
-        .and_then(|c| c.first())
-        .map(tls::spiffe_ids)
-        .unwrap_or_default();
-    let Some(client) = client.into_iter().next() else {
-        proxy.metrics.error(Direction::Inbound, "no_identity");
-        anyhow::bail!("client certificate has no SPIFFE identity");
+    let client = match tls.get_ref().1.peer_certificates().and_then(|c| c.first()) {
+        Some(cert) => tls::peer_identity(cert),
+        None => Err("no client certificate".into()),
+    };
+    let client = match client {
+        Ok(id) => id,
+        Err(why) => {
+            proxy.metrics.error(Direction::Inbound, "no_identity");
+            anyhow::bail!("the client certificate names no identity: {why}");
+        }
     };
     if client.trust_domain != pod.identity.trust_domain {
         proxy.metrics.error(Direction::Inbound, "trust_domain");

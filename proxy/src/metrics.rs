@@ -62,6 +62,9 @@ pub struct Metrics {
     pub pool_opened: Counter,
     pub cert_rotations: Counter,
     pub config_reloads: Family<ErrorLabels, Counter>,
+    /// Unix time at which the first of the served pods' certificates expires (0: no pod).
+    pub cert_earliest_expiry: Gauge,
+    pub refresh_restarts: Counter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -93,6 +96,8 @@ impl Metrics {
             pool_opened: Counter::default(),
             cert_rotations: Counter::default(),
             config_reloads: Family::default(),
+            cert_earliest_expiry: Gauge::default(),
+            refresh_restarts: Counter::default(),
         };
         r.register("istio_tcp_connections_opened", "TCP connections opened", m.opened.clone());
         r.register("istio_tcp_connections_closed", "TCP connections closed", m.closed.clone());
@@ -129,6 +134,16 @@ impl Metrics {
             "meshpath_config_reloads",
             "Workload store reloads, by result",
             m.config_reloads.clone(),
+        );
+        r.register(
+            "meshpath_certificate_earliest_expiry_seconds",
+            "Unix time at which the first served pod's certificate expires",
+            m.cert_earliest_expiry.clone(),
+        );
+        r.register(
+            "meshpath_refresh_restarts",
+            "Times the refresh loop (reload, renewal, pool release) panicked and was restarted",
+            m.refresh_restarts.clone(),
         );
         if let Ok(mut reg) = m.registry.lock() {
             *reg = r;

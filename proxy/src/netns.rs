@@ -19,8 +19,16 @@ use tokio::net::{TcpListener, TcpSocket, UdpSocket};
 
 type Job = Box<dyn FnOnce() -> io::Result<()> + Send>;
 
+/// Where the socket thread sends a new socket: to a caller blocked on a channel (set-up code,
+/// off the runtime's workers) or to a task that awaits it (connection paths: a worker thread
+/// must never block on a pod's socket thread, or one slow pod would stall every pod).
+enum Reply {
+    Blocking(mpsc::Sender<io::Result<socket2::Socket>>),
+    Async(tokio::sync::oneshot::Sender<io::Result<socket2::Socket>>),
+}
+
 enum Request {
-    Socket(socket2::Domain, socket2::Type, mpsc::Sender<io::Result<socket2::Socket>>),
+    Socket(socket2::Domain, socket2::Type, Reply),
     Addresses(mpsc::Sender<io::Result<Vec<std::net::IpAddr>>>),
     Run(Job, mpsc::Sender<io::Result<()>>),
 }
@@ -48,7 +56,11 @@ impl SocketFactory {
             for req in rx {
                 match req {
                     Request::Socket(domain, ty, reply) => {
-                        let _ = reply.send(socket2::Socket::new(domain, ty, None));
+                        let s = socket2::Socket::new(domain, ty, None);
+                        match reply {
+                            Reply::Blocking(tx) => drop(tx.send(s)),
+                            Reply::Async(tx) => drop(tx.send(s)),
+                        }
                     }
                     Request::Addresses(reply) => {
                         let _ = reply.send(addresses());
@@ -63,15 +75,36 @@ impl SocketFactory {
         Ok(Self { requests: Mutex::new(tx) })
     }
 
-    fn raw(&self, addr: SocketAddr, ty: socket2::Type) -> io::Result<socket2::Socket> {
-        let domain = if addr.is_ipv4() { socket2::Domain::IPV4 } else { socket2::Domain::IPV6 };
-        let (tx, rx) = mpsc::channel();
+    fn request(&self, req: Request) -> io::Result<()> {
         self.requests
             .lock()
             .map_err(|_| io::Error::other("socket thread lock poisoned"))?
-            .send(Request::Socket(domain, ty, tx))
-            .map_err(|_| io::Error::other("the pod's socket thread is gone"))?;
+            .send(req)
+            .map_err(|_| io::Error::other("the pod's socket thread is gone"))
+    }
+
+    fn domain(addr: SocketAddr) -> socket2::Domain {
+        if addr.is_ipv4() {
+            socket2::Domain::IPV4
+        } else {
+            socket2::Domain::IPV6
+        }
+    }
+
+    /// A socket made in the pod, waited for by blocking (set-up code only).
+    fn raw(&self, addr: SocketAddr, ty: socket2::Type) -> io::Result<socket2::Socket> {
+        let (tx, rx) = mpsc::channel();
+        self.request(Request::Socket(Self::domain(addr), ty, Reply::Blocking(tx)))?;
         let s = rx.recv().map_err(|_| io::Error::other("the pod's socket thread is gone"))??;
+        s.set_mark(datapath_common::consts::marks::PROXY_SOCKET)?;
+        Ok(s)
+    }
+
+    /// A socket made in the pod, awaited (connection paths).
+    async fn raw_async(&self, addr: SocketAddr, ty: socket2::Type) -> io::Result<socket2::Socket> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.request(Request::Socket(Self::domain(addr), ty, Reply::Async(tx)))?;
+        let s = rx.await.map_err(|_| io::Error::other("the pod's socket thread is gone"))??;
         s.set_mark(datapath_common::consts::marks::PROXY_SOCKET)?;
         Ok(s)
     }
@@ -90,10 +123,10 @@ impl SocketFactory {
     /// A TCP socket inside the pod bound to `from`, an address that is not the pod's (the
     /// client's): `IP_TRANSPARENT` and `IP_FREEBIND`, as ztunnel's. The datapath recognises
     /// its connect to the app and marks it so that the app's replies come back to it.
-    pub fn transparent(&self, from: std::net::IpAddr) -> io::Result<TcpSocket> {
+    pub async fn transparent(&self, from: std::net::IpAddr) -> io::Result<TcpSocket> {
         use std::os::fd::AsRawFd as _;
         let addr = SocketAddr::new(from, 0);
-        let s = self.raw(addr, socket2::Type::STREAM)?;
+        let s = self.raw_async(addr, socket2::Type::STREAM).await?;
         if from.is_ipv4() {
             s.set_ip_transparent(true)?;
             s.set_freebind(true)?;
@@ -145,16 +178,27 @@ impl SocketFactory {
     }
 
     /// An unconnected TCP socket of `addr`'s family inside the pod.
-    pub fn socket(&self, addr: SocketAddr) -> io::Result<TcpSocket> {
-        let s = self.raw(addr, socket2::Type::STREAM)?;
+    pub async fn socket(&self, addr: SocketAddr) -> io::Result<TcpSocket> {
+        let s = self.raw_async(addr, socket2::Type::STREAM).await?;
         s.set_nonblocking(true)?;
         s.set_nodelay(true)?;
         Ok(TcpSocket::from_std_stream(s.into()))
     }
 
-    /// A UDP socket inside the pod bound to `addr` (port 0: any).
+    /// A UDP socket inside the pod bound to `addr` (port 0: any), waited for by blocking (the
+    /// pod's listeners, at set-up).
     pub fn udp(&self, addr: SocketAddr) -> io::Result<UdpSocket> {
         let s = self.raw(addr, socket2::Type::DGRAM)?;
+        Self::bind_udp(s, addr)
+    }
+
+    /// `udp`, awaited (upstream queries on a connection path).
+    pub async fn udp_async(&self, addr: SocketAddr) -> io::Result<UdpSocket> {
+        let s = self.raw_async(addr, socket2::Type::DGRAM).await?;
+        Self::bind_udp(s, addr)
+    }
+
+    fn bind_udp(s: socket2::Socket, addr: SocketAddr) -> io::Result<UdpSocket> {
         if addr.is_ipv6() {
             s.set_only_v6(true)?;
         }

@@ -153,11 +153,7 @@ async fn via_hbone(
     let opened = proxy
         .pool
         .get(&key, || async {
-            let connect = pod
-                .sockets
-                .socket(gateway)
-                .map_err(|e| hbone::HboneError::Connect(gateway, e))?
-                .connect(gateway);
+            let connect = async { pod.sockets.socket(gateway).await?.connect(gateway).await };
             let tcp = tokio::time::timeout(timeout, connect)
                 .await
                 .map_err(|_| hbone::HboneError::Connect(gateway, io::ErrorKind::TimedOut.into()))?
@@ -208,7 +204,7 @@ async fn passthrough(
     meters: (&Meter, &Meter),
 ) -> anyhow::Result<()> {
     let proxy = &pod.proxy;
-    let connect = pod.sockets.socket(dst)?.connect(dst);
+    let connect = async { pod.sockets.socket(dst).await?.connect(dst).await };
     let upstream = match tokio::time::timeout(proxy.settings.connect_timeout, connect).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {

@@ -1,8 +1,8 @@
 //! What changes while the proxy runs, checked every refresh interval: the workload file
 //! (reloaded when it changes; a file that does not parse is reported with its line and field and
 //! the previous store is kept), the trust bundle and per-identity files (files mode), each pod's
-//! certificate (renewed at half its remaining life in local-CA mode), pods' reply routing that
-//! meshpath-cni set up after they were added, and idle pooled connections (released).
+//! certificate (renewed at half its remaining life in local-CA mode; the earliest expiry
+//! exported), and idle pooled connections (released).
 
 use std::{
     path::{Path, PathBuf},
@@ -20,37 +20,59 @@ pub fn mtime(p: &Path) -> Option<SystemTime> {
 }
 
 /// Runs the refresh loop until the process ends; `seen` is the workload file's modification
-/// time when the store in force was read.
+/// time when the store in force was read. Supervised: if an iteration panics, the loop is
+/// started again (counted in `meshpath_refresh_restarts_total`), so certificates keep being
+/// renewed and readiness keeps telling the truth.
 pub fn spawn(proxy: Arc<Proxy>, workloads: PathBuf, seen: Option<SystemTime>, every: Duration) {
     tokio::spawn(async move {
         let mut seen = seen;
-        let mut tick = tokio::time::interval(every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            tick.tick().await;
-            let now = mtime(&workloads);
-            if now != seen {
-                seen = now;
-                reload_store(&proxy, &workloads);
-            }
-            let roots_changed = match proxy.certs.reload_roots() {
-                Ok(changed) => changed,
-                Err(e) => {
-                    error!(error = %e, "trust bundle not reloaded; keeping the previous one");
-                    false
+            let run = tokio::spawn(refresh(proxy.clone(), workloads.clone(), seen, every));
+            match run.await {
+                Err(e) if e.is_panic() => {
+                    error!(error = %e, "the refresh loop panicked; restarting it");
+                    proxy.metrics.refresh_restarts.inc();
+                    // Read the file again: the panic may have come before its reload finished.
+                    seen = None;
+                    tokio::time::sleep(every).await;
                 }
-            };
-            for pod in proxy.pods() {
-                if let Err(e) = pod.refresh_cert(roots_changed) {
-                    error!(pod = %pod.uid, error = %format!("{e:#}"), "certificate not renewed; keeping the current one");
-                }
-            }
-            let released = proxy.pool.release_idle(proxy.settings.pool_idle);
-            if released > 0 {
-                info!(released, "idle pooled connections released");
+                _ => return,
             }
         }
     });
+}
+
+async fn refresh(proxy: Arc<Proxy>, workloads: PathBuf, seen: Option<SystemTime>, every: Duration) {
+    let mut seen = seen;
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let now = mtime(&workloads);
+        if now != seen {
+            seen = now;
+            reload_store(&proxy, &workloads);
+        }
+        let roots_changed = match proxy.certs.reload_roots() {
+            Ok(changed) => changed,
+            Err(e) => {
+                error!(error = %e, "trust bundle not reloaded; keeping the previous one");
+                false
+            }
+        };
+        let pods = proxy.pods();
+        for pod in &pods {
+            if let Err(e) = pod.refresh_cert(roots_changed) {
+                error!(pod = %pod.uid, error = %format!("{e:#}"), "certificate not renewed; keeping the current one");
+            }
+        }
+        let earliest = pods.iter().filter_map(|p| p.cert()).map(|c| c.not_after).min();
+        proxy.metrics.cert_earliest_expiry.set(earliest.map_or(0, |t| t.unix_timestamp()));
+        let released = proxy.pool.release_idle(proxy.settings.pool_idle);
+        if released > 0 {
+            info!(released, "idle pooled connections released");
+        }
+    }
 }
 
 fn reload_store(proxy: &Proxy, path: &Path) {

@@ -117,8 +117,22 @@ impl Proxy {
     }
 
     /// Ready: serving its pods and not draining.
+    /// Ready: the pods are served (the agent's snapshot applied), not draining, and no served
+    /// pod's certificate has expired (its peers would refuse every connection).
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::Relaxed) && !self.drain.is_stopping()
+        self.ready.load(Ordering::Relaxed)
+            && !self.drain.is_stopping()
+            && self.expired_certificates().is_empty()
+    }
+
+    /// The served pods whose certificate has expired.
+    pub fn expired_certificates(&self) -> Vec<String> {
+        let now = time::OffsetDateTime::now_utc();
+        self.pods()
+            .iter()
+            .filter(|p| p.cert().is_none_or(|c| c.not_after <= now))
+            .map(|p| p.uid.clone())
+            .collect()
     }
 
     pub fn set_ready(&self, ready: bool) {

@@ -24,6 +24,33 @@ fn provider() -> Arc<CryptoProvider> {
     PROVIDER.get_or_init(|| Arc::new(rustls::crypto::ring::default_provider())).clone()
 }
 
+/// The identity of a peer's certificate: its one URI SAN, a SPIFFE id. A certificate with no
+/// URI SAN, several, or one that is not a SPIFFE id names no identity (ztunnel's rule), so one
+/// certificate can never stand for two workloads. Inbound (client certificates) and outbound
+/// (server certificates) both check with this.
+pub fn peer_identity(cert: &CertificateDer<'_>) -> Result<Identity, String> {
+    let Ok((_, parsed)) = x509_parser::parse_x509_certificate(cert) else {
+        return Err("the certificate does not parse".into());
+    };
+    let uris: Vec<&str> = match parsed.subject_alternative_name() {
+        Ok(Some(san)) => san
+            .value
+            .general_names
+            .iter()
+            .filter_map(|n| match n {
+                x509_parser::extensions::GeneralName::URI(u) => Some(*u),
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    match uris.as_slice() {
+        [one] => Identity::parse(one).map_err(|e| format!("URI SAN {one}: {e}")),
+        [] => Err("no URI SAN".into()),
+        many => Err(format!("{} URI SANs, exactly one is allowed: {many:?}", many.len())),
+    }
+}
+
 /// The URI SANs that are SPIFFE identities in a DER certificate.
 pub fn spiffe_ids(cert: &CertificateDer<'_>) -> Vec<Identity> {
     let Ok((_, parsed)) = x509_parser::parse_x509_certificate(cert) else {
@@ -117,17 +144,18 @@ impl ServerCertVerifier for SpiffeServerVerifier {
             None,
         )
         .map_err(|e| rustls::Error::InvalidCertificate(webpki_error(e)))?;
-        let ids = spiffe_ids(end_entity);
-        if ids.iter().any(|id| self.expected.contains(id)) {
-            Ok(ServerCertVerified::assertion())
-        } else {
-            let want: Vec<String> = self.expected.iter().map(ToString::to_string).collect();
-            let got: Vec<String> = ids.iter().map(ToString::to_string).collect();
+        let wrong = |why: String| {
             Err(rustls::Error::InvalidCertificate(rustls::CertificateError::Other(
-                rustls::OtherError(Arc::new(WrongIdentity(format!(
-                    "server is {got:?}, expected one of {want:?}"
-                )))),
+                rustls::OtherError(Arc::new(WrongIdentity(why))),
             )))
+        };
+        match peer_identity(end_entity) {
+            Ok(id) if self.expected.contains(&id) => Ok(ServerCertVerified::assertion()),
+            Ok(id) => {
+                let want: Vec<String> = self.expected.iter().map(ToString::to_string).collect();
+                wrong(format!("server is {id}, expected one of {want:?}"))
+            }
+            Err(why) => wrong(format!("server certificate names no identity: {why}")),
         }
     }
 
@@ -253,5 +281,35 @@ mod tests {
         // And the identity check still bites.
         let wrong = handshake(client_config(&ca_a, &roots, vec![a]).expect("client"), server);
         assert!(wrong.is_err(), "a server with another identity was accepted");
+    }
+
+    fn uris_cert(ca: &LocalCa, uris: &[&str]) -> crate::identity::WorkloadCert {
+        let now = time::OffsetDateTime::now_utc();
+        let uris: Vec<String> = uris.iter().map(|u| (*u).to_owned()).collect();
+        ca.issue_with_uris(&uris, now - time::Duration::minutes(1), now + time::Duration::hours(1))
+            .expect("cert")
+    }
+
+    #[test]
+    fn a_peer_certificate_names_an_identity_only_with_exactly_one_spiffe_uri() {
+        let ca = LocalCa::generate("test CA").expect("CA");
+        let (b, c) = ("spiffe://td/ns/ns/sa/b", "spiffe://td/ns/ns/sa/c");
+        let leaf = |uris: &[&str]| uris_cert(&ca, uris).chain[0].clone();
+        assert_eq!(peer_identity(&leaf(&[b])), Ok(Identity::parse(b).expect("id")));
+        for uris in [&[b, c][..], &[], &[b, "https://example.invalid/x"], &["spiffe://td/ns/x"]] {
+            assert!(peer_identity(&leaf(uris)).is_err(), "{uris:?} named an identity");
+        }
+    }
+
+    #[test]
+    fn a_server_certificate_with_two_identities_is_refused_even_if_one_is_expected() {
+        let ca = LocalCa::generate("test CA").expect("CA");
+        let roots = [ca.cert_der.clone()];
+        let a = ca.issue(&Identity::new("td", "ns", "a"), Duration::from_secs(60)).expect("a");
+        let two = uris_cert(&ca, &["spiffe://td/ns/ns/sa/b", "spiffe://td/ns/ns/sa/c"]);
+        let server = server_config(&two, &roots).expect("server");
+        let b = Identity::new("td", "ns", "b");
+        let client = client_config(&a, &roots, vec![b]).expect("client");
+        assert!(handshake(client, server).is_err(), "a two-identity server was accepted");
     }
 }

@@ -87,17 +87,37 @@ impl NetnsGuard {
         Ok(ChildGuard(child))
     }
 
-    /// An iperf3 server on `ip:port` in this namespace (one test if `once`), given a moment to
-    /// listen.
+    /// An iperf3 server on `ip:port` in this namespace (one test if `once`), returned once it
+    /// listens.
     pub fn iperf3_server(&self, ip: IpAddr, port: u16, once: bool) -> Result<ChildGuard> {
-        let (ip, port) = (ip.to_string(), port.to_string());
-        let mut args = vec!["iperf3", "-s", "-B", &ip, "-p", &port];
+        let (ip_s, port_s) = (ip.to_string(), port.to_string());
+        let mut args = vec!["iperf3", "-s", "-B", &ip_s, "-p", &port_s];
         if once {
             args.push("-1");
         }
         let server = self.spawn(&args)?;
-        std::thread::sleep(std::time::Duration::from_millis(300));
+        self.wait_listening(port, std::time::Duration::from_secs(10))?;
         Ok(server)
+    }
+
+    /// Waits until a TCP socket listens on `port` in this namespace (as `ss` sees it), without
+    /// connecting to it.
+    pub fn wait_listening(&self, port: u16, timeout: std::time::Duration) -> Result<()> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let out = Command::new("ip")
+                .args(["netns", "exec", self.name(), "ss", "-Hltn"])
+                .arg(format!("sport = :{port}"))
+                .output()
+                .context("running ss")?;
+            if !String::from_utf8_lossy(&out.stdout).trim().is_empty() {
+                return Ok(());
+            }
+            if std::time::Instant::now() >= deadline {
+                bail!("nothing listens on port {port} in {} after {timeout:?}", self.name());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
     }
 
     /// Runs `iperf3 -c ip -p port -J EXTRA…` in this namespace; its JSON report.
@@ -694,6 +714,18 @@ mod node_proxy {
             Ok(Self { proxy, node })
         }
 
+        /// A TCP connection to the endpoint `name` (ADMIN, STATS, READINESS), from its node.
+        pub fn connect_endpoint(&self, name: &str) -> Result<TcpStream> {
+            let mut addr = endpoint(&self.proxy, name)?;
+            if addr.ip().is_unspecified() {
+                addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+            }
+            Ok(self
+                .node
+                .open()?
+                .run(|| TcpStream::connect_timeout(&addr, Duration::from_secs(5)))??)
+        }
+
         /// One HTTP/1.0 request to the endpoint `name` (ADMIN, STATS, READINESS); the status and
         /// the body.
         pub fn http(&self, name: &str, method: &str, path: &str) -> Result<(u16, String)> {
@@ -857,5 +889,32 @@ pub async fn answer_dns(udp: tokio::net::UdpSocket) {
         let mut reply = b"ANSWER ".to_vec();
         reply.extend_from_slice(&buf[..n]);
         let _ = udp.send_to(&reply, from).await;
+    }
+}
+
+/// A real listener behind a port that a test says must not be reached. Without one, a
+/// connection that leaked around the proxy would be refused all the same, and the check would
+/// pass whether or not capture works.
+#[derive(Debug)]
+pub struct Sentinel {
+    listener: TcpListener,
+    addr: SocketAddr,
+}
+
+impl Sentinel {
+    /// Listens on `addr` inside `ns`.
+    pub fn new(ns: &NetnsGuard, addr: SocketAddr) -> Self {
+        let listener = ns.listen(addr).expect("sentinel listener");
+        listener.set_nonblocking(true).expect("nonblocking");
+        Self { listener, addr }
+    }
+
+    /// Panics if any connection reached it.
+    pub fn assert_untouched(&self, what: &str) {
+        match self.listener.accept() {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Ok((_, peer)) => panic!("{what}: {} was reached from {peer}", self.addr),
+            Err(e) => panic!("{what}: sentinel on {}: {e}", self.addr),
+        }
     }
 }

@@ -107,7 +107,11 @@ impl TwoNodes {
 
     /// Writes `id`'s certificate files (files mode), valid for `validity`.
     pub fn write_cert_files(&self, id: &Identity, validity: Duration) {
-        let cert = self.ca.issue(id, validity).expect("cert");
+        self.write_cert(id, &self.ca.issue(id, validity).expect("cert"));
+    }
+
+    /// Writes `cert` as `id`'s certificate files (files mode).
+    pub fn write_cert(&self, id: &Identity, cert: &meshpath_proxy::identity::WorkloadCert) {
         let d = self.dir.join("certs").join(&id.namespace).join(&id.service_account);
         std::fs::create_dir_all(&d).expect("cert dir");
         let (chain, key) = cert.to_pem();

@@ -11,7 +11,7 @@
 use std::io::{Read as _, Write as _};
 
 use meshpath_loader::pods::EnrolOptions;
-use meshpath_tests::{read_line, Mesh};
+use meshpath_tests::{read_line, Mesh, Sentinel};
 
 fn accelerated() -> Mesh {
     let mesh = Mesh::new(EnrolOptions { capture_outbound: true, ..EnrolOptions::default() });
@@ -50,7 +50,9 @@ fn the_original_destination_is_still_reported_with_the_shortcut_on() {
 #[test]
 fn capture_still_fails_closed_with_the_shortcut_on() {
     let mesh = accelerated();
+    let sentinel = Sentinel::new(&mesh.pods.b, mesh.b(false, 8102));
     assert!(mesh.connect_from_a(mesh.b(false, 8102), None).is_err());
+    sentinel.assert_untouched("with the shortcut on and no proxy");
 }
 
 #[test]

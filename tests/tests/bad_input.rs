@@ -263,3 +263,23 @@ fn a_client_that_never_sends_a_connect_is_disconnected() {
     assert!(closed, "an idle connection that never sent a CONNECT stayed open");
     assert_eq!(errors(&nodes, 1, "header_timeout"), 1.0);
 }
+
+#[tokio::test]
+async fn a_client_certificate_with_two_identities_is_refused() {
+    // Both identities are allowed by pod b's (empty) policy: only the two-SAN rule refuses it.
+    let nodes = nodes();
+    let now = time::OffsetDateTime::now_utc();
+    let two = vec![sa("sa-a").to_string(), sa("sa-c").to_string()];
+    let cert = nodes
+        .ca
+        .issue_with_uris(&two, now - time::Duration::minutes(1), now + time::Duration::hours(1))
+        .expect("cert");
+    let dst = nodes.b(false, 8120);
+    let _app = nodes.echo_in_b(dst);
+    let refused = nodes.hbone_to_b(&cert, dst).await;
+    assert!(refused.is_err(), "a client with two identities was served");
+    assert_eq!(errors(&nodes, 1, "no_identity"), 1.0);
+    // The same client with one identity is served.
+    let one = nodes.ca.issue(&sa("sa-a"), Duration::from_secs(600)).expect("cert");
+    nodes.hbone_to_b(&one, dst).await.expect("one identity is served");
+}

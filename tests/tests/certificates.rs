@@ -128,3 +128,59 @@ fn a_client_certificate_from_another_ca_is_refused() {
     assert!(matches!(err, HboneError::Tls(..) | HboneError::H2(..)), "{err}");
     assert_eq!(tls_refusals(&nodes), 1.0);
 }
+
+fn readiness(nodes: &TwoNodes, node: usize) -> u16 {
+    nodes.proxies[node].http("READINESS", "GET", "/healthz/ready").map_or(0, |r| r.0)
+}
+
+/// Polls `cond` every 50 ms for up to `limit`; whether it held.
+fn eventually(limit: Duration, cond: impl Fn() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    cond()
+}
+
+#[test]
+fn readiness_fails_while_a_served_pods_certificate_is_expired() {
+    let nodes = TwoNodes::start(Setup { cert_files: true, ..Setup::default() });
+    assert_eq!(readiness(&nodes, 1), 200);
+    let before = serial(&nodes, 1);
+    // A certificate that expires 2 s from now, picked up as any new file is.
+    nodes.write_cert_files(&sa("sa-b"), Duration::from_secs(2));
+    assert!(eventually(Duration::from_secs(10), || serial(&nodes, 1) != before), "not picked up");
+    let expiry =
+        nodes.proxies[1].metric("meshpath_certificate_earliest_expiry_seconds", &[]).expect("m");
+    let now = time::OffsetDateTime::now_utc().unix_timestamp() as f64;
+    assert!(expiry > now - 5.0 && expiry < now + 5.0, "expiry exported as {expiry}, now {now}");
+    assert!(eventually(Duration::from_secs(10), || readiness(&nodes, 1) == 503), "still ready");
+    // A valid certificate again: ready again.
+    nodes.write_cert_files(&sa("sa-b"), Duration::from_secs(3600));
+    assert!(eventually(Duration::from_secs(10), || readiness(&nodes, 1) == 200), "not ready");
+}
+
+#[test]
+fn an_expired_certificate_file_is_refused_and_the_current_one_kept() {
+    let nodes = TwoNodes::start(Setup { cert_files: true, ..Setup::default() });
+    let dst = nodes.b(false, 8121);
+    nodes.echo_server_in_b(dst);
+    let before = serial(&nodes, 1);
+    let now = time::OffsetDateTime::now_utc();
+    let expired = nodes
+        .ca
+        .issue_between(&sa("sa-b"), now - time::Duration::hours(2), now - time::Duration::hours(1))
+        .expect("cert");
+    nodes.write_cert(&sa("sa-b"), &expired);
+    let proxy = &nodes.proxies[1].proxy;
+    assert!(
+        proxy.wait_for_text("the certificate expired at", Duration::from_secs(10)),
+        "the expired file was not refused"
+    );
+    assert_eq!(serial(&nodes, 1), before, "the expired certificate replaced the valid one");
+    assert_eq!(nodes.app_round_trip(dst, b"still").expect("round trip"), b"still");
+    assert_eq!(readiness(&nodes, 1), 200);
+}

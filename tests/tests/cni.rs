@@ -373,3 +373,17 @@ fn a_contained_proxy_keeps_client_addresses_with_the_reply_routing_the_agent_set
         .expect("nsenter");
     assert!(!ro.status.success(), "the proxy's /proc/sys is writable");
 }
+
+#[test]
+fn a_pod_uid_that_is_no_file_name_is_recorded_inside_the_state_directory() {
+    // A uid with `/` and `..` once made ADD fail writing ".../pods/.X//Pod/...tmp".
+    let workloads = "workloads:\n\
+- {uid: \"x/../Pod/..\", name: web, namespace: default, serviceAccount: web, protocol: HBONE}\n";
+    let node = CniNode::start(workloads).expect("node");
+    let web = node.add_pod("web").expect("ADD of a pod with that uid");
+    let records = node.records();
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!(records[0].parent(), Some(node.dir.join("state/pods").as_path()), "{records:?}");
+    node.del_pod(&web, &web.netns.path().display().to_string()).expect("DEL").expect("DEL ok");
+    assert!(node.records().is_empty(), "the record was not removed");
+}

@@ -9,7 +9,7 @@ use std::{
 
 use datapath_common::consts::ports;
 use meshpath_loader::pods::EnrolOptions;
-use meshpath_tests::{read_line, Mesh};
+use meshpath_tests::{read_line, Mesh, Sentinel};
 
 fn dns(capture_outbound: bool) -> Mesh {
     Mesh::new(EnrolOptions { capture_dns: true, capture_outbound, ..EnrolOptions::default() })
@@ -69,12 +69,19 @@ fn connected_udp_dns_reaches_the_dns_proxy() {
 
 #[test]
 fn tcp_dns_reaches_the_dns_proxy() {
-    // Outbound capture off: port 53 alone is steered, to 15053, not 15001.
+    // Outbound capture off: port 53 alone is steered, to 15053, not 15001 (the proxy says
+    // which of its listeners accepted it).
     let mesh = dns(false).with_proxy("echo");
+    let proxy = mesh.proxy.as_ref().expect("proxy");
     for v6 in [false, true] {
         let server = mesh.b(v6, ports::DNS_UPSTREAM);
         let conn = mesh.connect_from_a(server, None).expect("tcp dns connect");
         assert_eq!(read_line(&conn), format!("ORIG_DST {server}"));
+        let accepted = format!("ACCEPTED {server} FROM ");
+        assert!(proxy.wait_for_line(&accepted, Duration::from_secs(5)), "no ACCEPTED line");
+        let lines = proxy.lines();
+        let line = lines.iter().find(|l| l.starts_with(&accepted)).expect("the proxy's line");
+        assert!(line.ends_with(&format!(":{}", ports::DNS)), "not the DNS listener: {line}");
     }
 }
 
@@ -82,7 +89,9 @@ fn tcp_dns_reaches_the_dns_proxy() {
 fn dns_is_refused_when_the_proxy_is_not_running() {
     let mesh = dns(false);
     let server = mesh.b(false, ports::DNS_UPSTREAM);
+    let tcp_server = Sentinel::new(&mesh.pods.b, server);
     assert!(mesh.connect_from_a(server, None).is_err(), "tcp dns leaked");
+    tcp_server.assert_untouched("TCP DNS without a proxy");
     let sock = udp_in_a(&mesh, server);
     sock.set_read_timeout(Some(Duration::from_millis(300))).expect("timeout");
     // A real DNS server in pod b would answer a leaked query.

@@ -8,7 +8,7 @@ use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
 use datapath_common::consts::{ports, probe};
 use meshpath_loader::pods::EnrolOptions;
-use meshpath_tests::{read_line, Mesh};
+use meshpath_tests::{read_line, Mesh, Sentinel};
 
 fn inbound(opts: EnrolOptions) -> Mesh {
     Mesh::new(EnrolOptions { capture_inbound: true, ..opts })
@@ -63,12 +63,16 @@ fn inbound_connections_are_refused_when_the_proxy_is_not_running() {
 fn inbound_service_resumes_when_the_proxy_comes_back() {
     let mut mesh = inbound(EnrolOptions::default());
     let dst = mesh.a(false, 8082);
+    // The app listens: delivery around the proxy would reach it.
+    let sentinel = Sentinel::new(&mesh.pods.a, dst);
     assert!(mesh.connect_from_b(dst, None).is_err());
+    sentinel.assert_untouched("before the proxy started");
     mesh.start_proxy("echo");
     let conn = mesh.connect_from_b(dst, None).expect("connect after the proxy started");
     assert!(read_line(&conn).starts_with(&format!("INBOUND {dst}")));
     mesh.proxy.as_mut().expect("proxy").stop();
     assert!(mesh.connect_from_b(dst, None).is_err(), "connected after the proxy stopped");
+    sentinel.assert_untouched("after the proxy stopped");
 }
 
 /// Gives pod b the kubelet probe source address and pod a a route back to it.
@@ -124,7 +128,9 @@ fn excluded_inbound_ports_reach_the_app_directly() {
         let app = mesh.echo_server_in_a(mesh.a(v6, 2222));
         drop(mesh.connect_from_b(mesh.a(v6, 2222), None).expect("excluded port connects"));
         app.join().expect("app").expect("app accepted");
+        let sentinel = Sentinel::new(&mesh.pods.a, mesh.a(v6, 2223));
         assert!(mesh.connect_from_b(mesh.a(v6, 2223), None).is_err());
+        sentinel.assert_untouched("a port that is not excluded");
     }
 }
 
@@ -204,5 +210,7 @@ fn excluded_inbound_client_cidrs_reach_the_app_directly() {
     let app = mesh.echo_server_in_a(mesh.a(false, 8092));
     drop(mesh.connect_from_b(mesh.a(false, 8092), None).expect("excluded client connects"));
     app.join().expect("app").expect("app accepted");
+    let sentinel = Sentinel::new(&mesh.pods.a, mesh.a(true, 8093));
     assert!(mesh.connect_from_b(mesh.a(true, 8093), None).is_err());
+    sentinel.assert_untouched("a client that is not excluded");
 }

@@ -126,6 +126,8 @@ fn capture_carries_on_while_loader_processes_are_killed_and_restarted() {
         assert!(bytes > 0, "interval {i} (0.5 s) carried nothing: a stall");
     }
     assert!(mesh.proxy.as_ref().expect("proxy").wait_for_line("ACCEPTED", Duration::from_secs(5)));
+    // Without a loader killed while it was still working, this test would prove nothing.
+    assert!(kills > 0, "no loader process was killed mid-flight");
     eprintln!("killed {kills} loader processes mid-flight");
 }
 

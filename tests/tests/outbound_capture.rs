@@ -13,7 +13,7 @@ use std::{
 
 use datapath_common::consts::marks;
 use meshpath_loader::pods::{self, EnrolOptions};
-use meshpath_tests::{read_line, Mesh};
+use meshpath_tests::{read_line, Mesh, Sentinel};
 
 fn proxy_reports_the_original_destination(v6: bool) {
     let mesh = Mesh::capturing().with_proxy("echo");
@@ -150,12 +150,16 @@ fn outbound_connections_are_refused_when_the_proxy_is_not_running() {
 fn service_resumes_when_the_proxy_comes_back() {
     let mut mesh = Mesh::capturing();
     let dst = mesh.b(false, 8085);
+    // The destination listens: a connection that went around the proxy would reach it.
+    let sentinel = Sentinel::new(&mesh.pods.b, dst);
     assert!(mesh.connect_from_a(dst, None).is_err());
+    sentinel.assert_untouched("before the proxy started");
     mesh.start_proxy("echo");
     let conn = mesh.connect_from_a(dst, None).expect("connect after the proxy started");
     assert_eq!(read_line(&conn), format!("ORIG_DST {dst}"));
     mesh.proxy.as_mut().expect("proxy").stop();
     assert!(mesh.connect_from_a(dst, None).is_err(), "connected after the proxy stopped");
+    sentinel.assert_untouched("after the proxy stopped");
 }
 
 #[test]
@@ -172,7 +176,9 @@ fn excluded_outbound_ports_bypass_the_proxy() {
             mesh.connect_from_a(mesh.b(v6, 9090), None).expect("excluded port connects directly");
         drop(conn);
         server.join().expect("server").expect("server io");
+        let sentinel = Sentinel::new(&mesh.pods.b, mesh.b(v6, 9091));
         assert!(mesh.connect_from_a(mesh.b(v6, 9091), None).is_err());
+        sentinel.assert_untouched("a port that is not excluded");
     }
 }
 
@@ -191,7 +197,10 @@ fn pods_enrolled_without_capture_connect_directly() {
 fn unenrolled_pods_are_no_longer_captured() {
     let mesh = Mesh::capturing();
     let dst = mesh.b(false, 8087);
+    let sentinel = Sentinel::new(&mesh.pods.b, dst);
     assert!(mesh.connect_from_a(dst, None).is_err(), "captured pod without proxy connected");
+    sentinel.assert_untouched("while enrolled");
+    drop(sentinel);
     let dp = mesh.datapath();
     let cookie = mesh.pods.a.open().expect("netns").cookie();
     pods::unenrol(&dp, cookie).expect("unenrol");
@@ -289,10 +298,12 @@ fn excluded_outbound_cidrs_bypass_the_proxy_by_longest_prefix() {
         let server = mesh.echo_server_in_b(excluded);
         drop(mesh.connect_from_a(excluded, None).expect("excluded prefix connects directly"));
         server.join().expect("server").expect("server io");
+        let sentinel = Sentinel::new(&mesh.pods.b, mesh.b(v6, 8090));
         assert!(
             mesh.connect_from_a(mesh.b(v6, 8090), None).is_err(),
             "the longer captured prefix must win (v6={v6})"
         );
+        sentinel.assert_untouched("the longer captured prefix");
     }
 }
 

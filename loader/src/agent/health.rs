@@ -23,6 +23,10 @@ fn answer(agent: &Agent, req: &Request<Incoming>) -> Response<Full<Bytes>> {
     r
 }
 
+/// How long a probe client has to send its request headers (hyper sets no limit without a
+/// timer: a client that never finishes its headers would hold the connection forever).
+pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Serves the probes on `addr`; returns the address bound.
 pub async fn serve(agent: Arc<Agent>, addr: SocketAddr) -> anyhow::Result<SocketAddr> {
     let listener = TcpListener::bind(addr).await?;
@@ -40,6 +44,8 @@ pub async fn serve(agent: Arc<Agent>, addr: SocketAddr) -> anyhow::Result<Socket
                     async move { Ok::<_, Infallible>(r) }
                 });
                 let _ = hyper::server::conn::http1::Builder::new()
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(HEADER_READ_TIMEOUT)
                     .serve_connection(TokioIo::new(conn), svc)
                     .await;
             });

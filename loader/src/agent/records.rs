@@ -35,20 +35,37 @@ fn dir(state: &Path) -> PathBuf {
     state.join("pods")
 }
 
+/// The file name stem of `uid`'s record. A uid comes from outside (the workloads file, the
+/// API): anything but ASCII letters, digits, `-` and `_` is percent-encoded, so a uid with `/`,
+/// `.` or `..` can neither leave the directory nor collide with the temporary files. A
+/// Kubernetes uid (a UUID) is its own stem.
+pub fn file_stem(uid: &str) -> String {
+    let mut out = String::with_capacity(uid.len());
+    for b in uid.bytes() {
+        if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 /// Writes the record (atomically: written aside, then renamed).
 pub fn save(state: &Path, r: &PodRecord) -> anyhow::Result<()> {
     let d = dir(state);
     fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
-    let tmp = d.join(format!(".{}.tmp", r.uid));
+    let stem = file_stem(&r.uid);
+    let tmp = d.join(format!(".{stem}.tmp"));
     fs::write(&tmp, serde_json::to_vec_pretty(r)?)
         .with_context(|| format!("writing {}", tmp.display()))?;
-    fs::rename(&tmp, d.join(format!("{}.json", r.uid))).context("renaming the pod record")?;
+    fs::rename(&tmp, d.join(format!("{stem}.json"))).context("renaming the pod record")?;
     Ok(())
 }
 
 /// Removes the record of `uid` (absent is fine).
 pub fn delete(state: &Path, uid: &str) -> anyhow::Result<()> {
-    match fs::remove_file(dir(state).join(format!("{uid}.json"))) {
+    match fs::remove_file(dir(state).join(format!("{}.json", file_stem(uid)))) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.into()),
         _ => Ok(()),
     }
@@ -127,4 +144,24 @@ pub fn restore(agent: &Arc<Agent>) -> anyhow::Result<usize> {
         }
     }
     Ok(restored)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::file_stem;
+
+    #[test]
+    fn a_kubernetes_uid_is_its_own_file_name() {
+        let uid = "6f1c2a9e-3b7d-4c2a-9e51-0d7b8c1f2e3a";
+        assert_eq!(file_stem(uid), uid);
+    }
+
+    #[test]
+    fn a_uid_with_path_characters_stays_one_plain_file_name() {
+        for uid in ["../x", "a/b", "..", ".", "x/../../etc", ".hidden"] {
+            let stem = file_stem(uid);
+            assert!(!stem.contains('/') && !stem.contains('.'), "{uid} → {stem}");
+        }
+        assert_ne!(file_stem("a/b"), file_stem("a%2Fb"), "two uids, one file");
+    }
 }

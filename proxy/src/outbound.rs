@@ -223,7 +223,12 @@ async fn passthrough(
 /// The original destination, asked as under iptables: SOL_IP/SO_ORIGINAL_DST for an IPv4
 /// socket, SOL_IPV6/IP6T_SO_ORIGINAL_DST for an IPv6 one; falls back to the local address.
 pub fn original_dst(conn: &TcpStream) -> io::Result<SocketAddr> {
-    let v6 = conn.local_addr()?.is_ipv6();
+    // A v4-mapped address on a dual-stack listener is an IPv4 connection: netfilter answers
+    // it at SOL_IP only (the IPv6 level says ENOENT), as ztunnel asks.
+    let v6 = match conn.local_addr()?.ip() {
+        std::net::IpAddr::V6(ip) => ip.to_ipv4_mapped().is_none(),
+        std::net::IpAddr::V4(_) => false,
+    };
     let mut buf = [0u8; 28];
     let mut len = buf.len() as libc::socklen_t;
     let (level, name) = if v6 {

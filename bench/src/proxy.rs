@@ -46,6 +46,10 @@ fn start_hbone(pods: &PodPair, extra: &[&str], env: &[(&str, &str)]) -> Result<H
         let opts =
             EnrolOptions { capture_outbound: true, counters: false, ..EnrolOptions::default() };
         pods::enrol(&dp, &pods.a.open()?, &opts)?;
+        // As deployed, the destination pod is enrolled too (its reply routing, and the
+        // datapath's view of the proxy's transparent connections to its app).
+        let b = EnrolOptions { counters: false, ..EnrolOptions::default() };
+        pods::enrol(&dp, &pods.b.open()?, &b)?;
     }
     let dir = std::env::temp_dir().join(unique("meshpath-bench-"));
     std::fs::create_dir_all(&dir)?;

@@ -57,6 +57,8 @@ pub struct Pod {
     pub listening: CancellationToken,
     /// Cancelled to end the pod's connections (removal only: shutdown lets them drain).
     pub gone: CancellationToken,
+    /// Whether connections to its apps keep the client's address (see `add`).
+    transparent: bool,
 }
 
 impl std::fmt::Debug for Pod {
@@ -119,7 +121,7 @@ impl Pod {
 
     /// Whether connections to its app keep the client's address.
     pub fn preserves_source(&self) -> bool {
-        self.proxy.settings.preserve_source
+        self.transparent
     }
 
     /// Runs `task` as one of the pod's connections: tracked by the drain, ended if the pod is
@@ -169,6 +171,22 @@ pub fn add(
         // Not in the store (a pod the agent just added): its addresses are in its netns.
         workload.workload_ips = sockets.addresses().unwrap_or_default();
     }
+    // The client's address is kept only where the pod's reply routing is in place (the node
+    // agent writes it when it enrols the pod): a pod added by hand (`--pod`) to a node whose
+    // agent did not enrol it gets connections from its own address instead of broken ones.
+    let transparent = proxy.settings.preserve_source
+        && sockets
+            .run(|| {
+                if meshpath_podnet::reply_routing::is_set_up() {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::other("no reply routing"))
+                }
+            })
+            .is_ok();
+    if proxy.settings.preserve_source && !transparent {
+        warn!(pod = %uid, "no reply routing in the pod (not enrolled by a node agent?): its apps will see the pod's own address as the client's");
+    }
     if let Some(old) = proxy.take_pod(uid) {
         stop(&old);
     }
@@ -182,6 +200,7 @@ pub fn add(
         proxy: proxy.clone(),
         listening: proxy.drain.child_token(),
         gone: CancellationToken::new(),
+        transparent,
     });
     let started = (|| -> anyhow::Result<()> {
         outbound::start(pod.clone())?;

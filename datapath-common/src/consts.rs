@@ -64,6 +64,43 @@ pub mod marks {
     pub const REPLY_TABLE: u32 = 133;
 }
 
+/// Kubernetes labels and annotations the node agent reads and writes: Istio ambient's, and
+/// meshpath's own per-pod capture options.
+pub mod k8s {
+    /// On a namespace or a pod: `ambient` meshes it; on a pod, `none` opts it out.
+    pub const DATAPLANE_MODE: &str = "istio.io/dataplane-mode";
+    /// [`DATAPLANE_MODE`] value that meshes.
+    pub const DATAPLANE_MODE_AMBIENT: &str = "ambient";
+    /// [`DATAPLANE_MODE`] value with which a pod opts out.
+    pub const DATAPLANE_MODE_NONE: &str = "none";
+    /// Present on pods with an Istio sidecar: never meshed by the node.
+    pub const SIDECAR_STATUS: &str = "sidecar.istio.io/status";
+    /// Written by the agent once a pod is captured (istiod gives a pod HBONE only with it).
+    pub const REDIRECTION: &str = "ambient.istio.io/redirection";
+    /// [`REDIRECTION`]'s value.
+    pub const REDIRECTION_ENABLED: &str = "enabled";
+    /// `"true"`: inbound traffic is not captured.
+    pub const BYPASS_INBOUND_CAPTURE: &str = "ambient.istio.io/bypass-inbound-capture";
+    /// `"false"`: DNS is not captured.
+    pub const DNS_CAPTURE: &str = "ambient.istio.io/dns-capture";
+    /// Comma-separated destination ports outbound capture leaves alone.
+    pub const EXCLUDE_OUTBOUND_PORTS: &str = "meshpath.io/exclude-outbound-ports";
+    /// Comma-separated pod ports inbound capture leaves alone.
+    pub const EXCLUDE_INBOUND_PORTS: &str = "meshpath.io/exclude-inbound-ports";
+    /// Comma-separated destination prefixes outbound capture leaves alone.
+    pub const EXCLUDE_OUTBOUND_CIDRS: &str = "meshpath.io/exclude-outbound-cidrs";
+    /// Comma-separated client prefixes inbound capture leaves alone.
+    pub const EXCLUDE_INBOUND_CIDRS: &str = "meshpath.io/exclude-inbound-cidrs";
+    /// The label naming an application.
+    pub const APP_NAME: &str = "app.kubernetes.io/name";
+    /// [`APP_NAME`] of the node proxy's pods (deploy/), never meshed.
+    pub const PROXY_APP_NAME: &str = "meshpath-proxy";
+    /// The component named in the Events the agent writes.
+    pub const AGENT_COMPONENT: &str = "meshpath-agent";
+    /// Namespaces never meshed unless configured otherwise.
+    pub const DEFAULT_EXCLUDED_NAMESPACES: &[&str] = &["kube-system"];
+}
+
 /// Socket option numbers the datapath sets from eBPF.
 pub mod sol_socket {
     /// `SOL_SOCKET`.

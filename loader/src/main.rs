@@ -97,9 +97,23 @@ struct AgentArgs {
     /// Where the node proxy connects (ZDS, as Istio's ztunnel does).
     #[arg(long, default_value = meshpath_zds::DEFAULT_SOCKET)]
     zds_socket: PathBuf,
-    /// Which pods are meshed, and as whom (ztunnel's workloads file; stands in for the API).
+    /// Which pods are meshed, and as whom, from a workloads file (ztunnel's format), for
+    /// running without a cluster.
+    #[arg(long, required_unless_present = "kube", conflicts_with = "kube")]
+    workloads: Option<PathBuf>,
+    /// Which pods are meshed, from the Kubernetes API: the Pods of this node and the
+    /// Namespaces, watched (`istio.io/dataplane-mode`).
     #[arg(long)]
-    workloads: PathBuf,
+    kube: bool,
+    /// The kubeconfig to reach the API with (default: the pod's service account).
+    #[arg(long, requires = "kube")]
+    kubeconfig: Option<PathBuf>,
+    /// This node's name, as the Pods' `spec.nodeName` says it (the downward API's NODE_NAME).
+    #[arg(long, env = "NODE_NAME", required_if_eq("kube", "true"))]
+    node_name: Option<String>,
+    /// A namespace whose pods are never meshed (repeatable; default: kube-system).
+    #[arg(long = "exclude-namespace", requires = "kube")]
+    exclude_namespaces: Vec<String>,
     /// Install meshpath-cni here (with --cni-conf-dir).
     #[arg(long, requires = "cni_conf_dir")]
     cni_bin_dir: Option<PathBuf>,
@@ -249,7 +263,27 @@ fn run(cli: Cli) -> Result<()> {
                 state_dir: a.state_dir.clone(),
                 cni_socket: a.cni_socket.clone(),
                 zds_socket: a.zds_socket.clone(),
-                workloads: a.workloads.clone(),
+                directory: match (&a.workloads, &a.node_name) {
+                    (Some(w), _) => {
+                        meshpath_loader::agent::directory::DirectoryConfig::Workloads(w.clone())
+                    }
+                    (None, node) => meshpath_loader::agent::directory::DirectoryConfig::Kube(
+                        meshpath_loader::agent::directory::kube::KubeConfig {
+                            kubeconfig: a.kubeconfig.clone(),
+                            node_name: node
+                                .clone()
+                                .context("--node-name (or NODE_NAME) is required with --kube")?,
+                            excluded_namespaces: if a.exclude_namespaces.is_empty() {
+                                datapath_common::consts::k8s::DEFAULT_EXCLUDED_NAMESPACES
+                                    .iter()
+                                    .map(|s| (*s).to_owned())
+                                    .collect()
+                            } else {
+                                a.exclude_namespaces.clone()
+                            },
+                        },
+                    ),
+                },
                 cni_bin_dir: a.cni_bin_dir.clone(),
                 cni_conf_dir: a.cni_conf_dir.clone(),
                 cni_plugin: a.cni_plugin.clone(),

@@ -118,6 +118,8 @@ pub struct CniNode {
     pub subnet: u8,
     /// Pods get an IPv6 address too (fd00:SUBNET::/64).
     pub dual_stack: bool,
+    /// Whether the agent runs in the node's network namespace (its health endpoint is there).
+    agent_in_node_netns: bool,
 }
 
 impl Drop for CniNode {
@@ -159,6 +161,7 @@ impl CniNode {
             network: unique("mpnet"),
             subnet: 77,
             dual_stack: false,
+            agent_in_node_netns: true,
             dir,
         })
     }
@@ -179,6 +182,7 @@ impl CniNode {
     /// `start_agent` with more arguments.
     pub fn start_agent_with(&mut self, extra: &[String]) -> Result<()> {
         self.agent = None;
+        self.agent_in_node_netns = true;
         let mut cmd = Command::new("nsenter");
         cmd.arg(format!("--net={}", self.node.path().display()))
             .arg(loader_bin())
@@ -210,6 +214,62 @@ impl CniNode {
     /// `start_proxy` with more arguments.
     pub fn start_proxy_with(&mut self, extra: &[&str]) -> Result<()> {
         self.start_proxy_in(&[], extra)
+    }
+
+    /// Starts (or restarts) the agent in Kubernetes mode: it learns the node's pods from the API
+    /// server behind `kubeconfig`, as node `node_name`. It runs in the test's own network
+    /// namespace, where the API server listens (its CNI and ZDS sockets are unix sockets).
+    pub fn start_agent_kube(&mut self, kubeconfig: &Path, node_name: &str) -> Result<()> {
+        self.agent = None;
+        self.agent_in_node_netns = false;
+        let mut cmd = Command::new(loader_bin());
+        cmd.arg("--pin-root")
+            .arg(self.root.path())
+            .arg("agent")
+            .arg("--state-dir")
+            .arg(self.dir.join("state"))
+            .arg("--cni-socket")
+            .arg(self.cni_socket())
+            .arg("--zds-socket")
+            .arg(self.zds_socket())
+            .arg("--kube")
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .arg("--node-name")
+            .arg(node_name)
+            .arg("--proxy-cgroup-from-zds-peer")
+            .arg("--health-addr")
+            .arg("127.0.0.1:0")
+            .env("RUST_LOG", "info");
+        self.agent = Some(TestProxy::spawn(cmd, &self._agent_cgroup)?);
+        Ok(())
+    }
+
+    /// Creates pod `name` of `namespace`: loopback, then the chain's ADD.
+    pub fn add_pod_in(&self, namespace: &str, name: &str) -> Result<CniPod> {
+        self.add_pod_ns_with(namespace, name, &self.conflist(&self.cni_socket()))
+    }
+
+    /// The agent's `/readyz`: `Some(true)` 200, `Some(false)` anything else, `None` unreachable.
+    pub fn agent_ready(&self) -> Option<bool> {
+        let agent = self.agent.as_ref()?;
+        let addr: SocketAddr = agent
+            .lines()
+            .iter()
+            .find_map(|l| l.strip_prefix("HEALTH ").map(str::to_owned))?
+            .parse()
+            .ok()?;
+        let connect = || std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2));
+        let mut conn = if self.agent_in_node_netns {
+            self.node.open().ok()?.run(connect).ok()?.ok()?
+        } else {
+            connect().ok()?
+        };
+        conn.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        std::io::Write::write_all(&mut conn, b"GET /readyz HTTP/1.0\r\n\r\n").ok()?;
+        let mut resp = String::new();
+        std::io::Read::read_to_string(&mut conn, &mut resp).ok()?;
+        Some(resp.starts_with("HTTP/1.0 200") || resp.starts_with("HTTP/1.1 200"))
     }
 
     /// Starts (or restarts) `ztunnel-like` as the node's proxy instead of meshpath-proxy (a
@@ -362,10 +422,15 @@ impl CniNode {
     }
 
     pub fn add_pod_with(&self, name: &str, list: &Value) -> Result<CniPod> {
+        self.add_pod_ns_with("default", name, list)
+    }
+
+    /// Creates pod `name` of `namespace` with the chain `list`.
+    pub fn add_pod_ns_with(&self, namespace: &str, name: &str, list: &Value) -> Result<CniPod> {
         let netns = NetnsGuard::new("mp-cnipod")?;
         let container_id = unique("ctr");
         let path = netns.path().display().to_string();
-        let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name}");
+        let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name}");
         let env = Self::env(&container_id, &path, &args);
         let lo = json!({"cniVersion": "1.0.0", "name": "lo", "type": "loopback"});
         let run = run_plugin(

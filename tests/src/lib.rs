@@ -668,6 +668,7 @@ mod mesh {
 pub use node_proxy::{sum_metric, NodeProxy};
 
 pub mod cni_node;
+pub mod kube_api;
 pub mod two_nodes;
 
 mod node_proxy {

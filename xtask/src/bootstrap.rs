@@ -33,6 +33,9 @@ pub const DEBIAN_PACKAGES: &[(&str, &str)] = &[
     ("containernetworking-plugins", "/usr/lib/cni/bridge"),
     // A CA made outside meshpath (RSA key) in the proxy's tests.
     ("openssl", "openssl"),
+    // The real Kubernetes API server's store, and its readiness check, in the agent's tests.
+    ("etcd-server", "etcd"),
+    ("curl", "curl"),
 ];
 
 /// What `ensure` should make sure of.
@@ -56,6 +59,7 @@ pub fn ensure(needs: Needs) -> Result<Option<PathBuf>> {
         ensure_debian_packages()?;
         ensure_bpffs()?;
         ensure_kubernetes_validate()?;
+        crate::kube_api::ensure_kube_apiserver()?;
     }
     Ok(path_dir)
 }
@@ -75,7 +79,7 @@ fn ensure_nightly_rust_src() -> Result<()> {
 }
 
 /// Where bpf-linker is built and kept: survives `cargo clean` and checkouts.
-fn cache_dir() -> PathBuf {
+pub fn cache_dir() -> PathBuf {
     if let Some(dir) = env::var_os("MESHPATH_TOOL_CACHE") {
         return PathBuf::from(dir);
     }

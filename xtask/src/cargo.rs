@@ -99,6 +99,7 @@ pub fn test(extra_path: Option<&Path>, filter: Option<&str>) -> Result<()> {
     let mut test = cargo(extra_path)?;
     test.args(["test", "--no-fail-fast", "--all-targets"]);
     test.env("MESHPATH_LOADER", bin_dir.join("meshpath-loader"));
+    test.env("MESHPATH_KUBE_APISERVER", crate::kube_api::kube_apiserver_path());
     if let Some(f) = filter {
         test.args(["--", f]);
     }

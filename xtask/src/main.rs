@@ -4,6 +4,7 @@
 mod bootstrap;
 mod cargo;
 mod demo;
+mod kube_api;
 
 use std::process::ExitCode;
 

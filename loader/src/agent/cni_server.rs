@@ -1,10 +1,9 @@
 //! The CNI plugin's requests, one JSON line each way over a unix stream socket (types in
 //! `meshpath_cni::agent`).
 //!
-//! ADD: a pod the directory marks meshed is recorded (before anything else, so a crash leaves a
-//! trace reconcile finds), enrolled in the datapath (outbound, inbound and DNS capture, probe
-//! bypass), and sent to the proxy; the answer waits for the proxy's ack. If any step fails the
-//! earlier ones are undone and the error returned: nothing half-done. A repeated ADD for the
+//! ADD: a pod the directory marks meshed joins the mesh (`membership`: record, datapath with
+//! the capture its options say, proxy, annotation); the answer waits for the proxy's ack. If any
+//! step fails the earlier ones are undone and the error returned: nothing half-done. A repeated ADD for the
 //! same sandbox is answered from what is there. DEL tells the proxy, unenrols and forgets; it
 //! succeeds for a pod that is unknown or already gone. CHECK verifies the pod is enrolled and
 //! its netns alive.
@@ -19,14 +18,11 @@ use tokio::{
 use tracing::{info, warn};
 
 use super::{
-    directory,
-    records::{self, PodRecord},
-    Agent, LivePod,
+    directory::{Decision, Member},
+    membership::{self, Sandbox},
+    Agent,
 };
-use crate::{
-    netns::Netns,
-    pods::{self, EnrolOptions},
-};
+use crate::{netns::Netns, pods};
 
 /// Listens at `path` (a stale socket file is replaced; owner-only access).
 pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
@@ -94,7 +90,7 @@ async fn handle(agent: &Arc<Agent>, req: Request) -> anyhow::Result<bool> {
     match req.command {
         Command::Add => add(agent, req).await,
         Command::Del => del(agent, &req).await.map(|()| false),
-        Command::Check => check(agent, &req).map(|()| true),
+        Command::Check => check(agent, &req).await.map(|()| true),
     }
 }
 
@@ -109,18 +105,26 @@ fn find(agent: &Agent, req: &Request) -> Option<String> {
 }
 
 async fn add(agent: &Arc<Agent>, req: Request) -> anyhow::Result<bool> {
-    let Some(entry) =
-        directory::lookup(&agent.cfg.workloads, &req.pod_uid, &req.pod_namespace, &req.pod_name)?
-    else {
-        info!(pod = %format!("{}/{}", req.pod_namespace, req.pod_name), "not in the mesh: left alone");
-        return Ok(false);
-    };
-    if !entry.meshed() {
-        return Ok(false);
-    }
+    let pod = format!("{}/{}", req.pod_namespace, req.pod_name);
+    let member =
+        match agent.directory.lookup(&req.pod_uid, &req.pod_namespace, &req.pod_name).await? {
+            Decision::Meshed(m) => m,
+            Decision::NotMeshed(why) => {
+                info!(%pod, why, "not in the mesh: left alone");
+                return Ok(false);
+            }
+            Decision::Invalid(why) => {
+                // Left out rather than half in; the reconcile loop writes the Event.
+                warn!(%pod, %why, "not added to the mesh");
+                return Ok(false);
+            }
+        };
     let netns = Netns::open(Path::new(&req.netns))?;
-    // A repeated ADD for the same sandbox: already done.
-    if let Some(uid) = find(agent, &req) {
+    // A repeated ADD for the same sandbox, or a pod the reconcile loop found first: done.
+    let known = find(agent, &req).or_else(|| {
+        agent.pods.lock().ok().filter(|p| p.contains_key(&member.uid)).map(|_| member.uid.clone())
+    });
+    if let Some(uid) = known {
         let same = agent
             .pods
             .lock()
@@ -130,89 +134,32 @@ async fn add(agent: &Arc<Agent>, req: Request) -> anyhow::Result<bool> {
             return Ok(true);
         }
         // The same pod in a new sandbox: the old one goes first.
-        remove(agent, &uid).await?;
+        membership::leave(agent, &uid).await?;
     }
-    let record = PodRecord {
-        uid: entry.uid.clone(),
-        name: entry.name.clone(),
-        namespace: entry.namespace.clone(),
-        service_account: entry.service_account.clone(),
-        container_id: req.container_id.clone(),
+    // The runtime's addresses (the API does not have them yet at ADD).
+    let member = Member { ips: req.ips.clone(), ..member };
+    let sandbox = Sandbox {
+        netns,
         netns_path: req.netns.clone().into(),
-        netns_inode: netns.inode(),
-        cookie: netns.cookie(),
-        ips: req.ips.clone(),
+        container_id: req.container_id.clone(),
     };
-    let state = &agent.cfg.state_dir;
-    records::save(state, &record)?;
-    let opts = EnrolOptions {
-        name: Some(format!("{}/{}", entry.namespace, entry.name)),
-        capture_outbound: true,
-        capture_inbound: true,
-        capture_dns: true,
-        probe_bypass: true,
-        counters: false,
-        pod_ips: req.ips.clone(),
-        ..EnrolOptions::default()
-    };
-    if let Err(e) = agent.with_datapath(|dp| Ok(pods::enrol(dp, &netns, &opts)?)) {
-        records::delete(state, &record.uid)?;
-        return Err(e.context("enrolling the pod in the datapath"));
-    }
-    let pod = LivePod { record, netns: Arc::new(netns) };
-    if let Err(e) = agent.zds.add(&pod).await {
-        let cookie = pod.record.cookie;
-        agent.with_datapath(|dp| Ok(pods::unenrol(dp, cookie)?))?;
-        records::delete(state, &pod.record.uid)?;
-        anyhow::bail!("the node proxy did not take the pod: {e}");
-    }
-    info!(pod = %pod.record.uid, cookie = pod.record.cookie, "pod added to the mesh");
-    agent
-        .pods
-        .lock()
-        .map_err(|_| anyhow::anyhow!("pods lock"))?
-        .insert(pod.record.uid.clone(), pod);
+    membership::join(agent, &member, sandbox).await?;
     Ok(true)
-}
-
-/// Takes the pod out: proxy first (best effort: a proxy not connected gets the next snapshot
-/// without it), then the datapath, then the record.
-async fn remove(agent: &Arc<Agent>, uid: &str) -> anyhow::Result<()> {
-    if let Err(e) = agent.zds.del(uid).await {
-        warn!(pod = %uid, error = %e, "the proxy was not told of the removal");
-    }
-    let pod = agent.pods.lock().map_err(|_| anyhow::anyhow!("pods lock"))?.remove(uid);
-    if let Some(p) = pod {
-        let cookie = p.record.cookie;
-        agent.with_datapath(|dp| {
-            if pods::is_enrolled(dp, cookie)? {
-                pods::unenrol(dp, cookie)?;
-            }
-            Ok(())
-        })?;
-    }
-    records::delete(&agent.cfg.state_dir, uid)?;
-    info!(pod = %uid, "pod removed from the mesh");
-    Ok(())
 }
 
 async fn del(agent: &Arc<Agent>, req: &Request) -> anyhow::Result<()> {
     match find(agent, req) {
-        Some(uid) => remove(agent, &uid).await,
+        Some(uid) => membership::leave(agent, &uid).await,
         None => Ok(()),
     }
 }
 
-fn check(agent: &Arc<Agent>, req: &Request) -> anyhow::Result<()> {
+async fn check(agent: &Arc<Agent>, req: &Request) -> anyhow::Result<()> {
     let Some(uid) = find(agent, req) else {
-        let entry = directory::lookup(
-            &agent.cfg.workloads,
-            &req.pod_uid,
-            &req.pod_namespace,
-            &req.pod_name,
-        )?;
+        let decision =
+            agent.directory.lookup(&req.pod_uid, &req.pod_namespace, &req.pod_name).await?;
         anyhow::ensure!(
-            !entry.is_some_and(|e| e.meshed()),
+            !matches!(decision, Decision::Meshed(_)),
             "pod {}/{} should be in the mesh but is not",
             req.pod_namespace,
             req.pod_name

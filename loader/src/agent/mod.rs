@@ -6,8 +6,10 @@
 //! - `zds_server` — the proxy side of the node: ZDS, Istio's agent ↔ ztunnel protocol;
 //! - `records` — one file per pod under the state directory, so a restarted agent knows its
 //!   pods; the pods' netns are found again by inode;
-//! - `directory` — which pods are meshed and their service accounts (a workloads file standing
-//!   in for the Kubernetes API, which this agent does not watch);
+//! - `directory` — which pods are meshed and as whom: the Kubernetes API (Pods of this node and
+//!   Namespaces, watched), or a workloads file when there is no cluster;
+//! - `membership` — a pod joins or leaves the mesh (record, datapath, proxy, annotation);
+//! - `mesh_sync` — Kubernetes mode: running pods that become meshed, leave, or are deleted;
 //! - `cni_install` — the plugin binary and its entry in the host's CNI configuration, repaired
 //!   when another agent rewrites the file;
 //! - `health` — `/healthz` and `/readyz`.
@@ -20,6 +22,8 @@ pub mod cni_install;
 pub mod cni_server;
 pub mod directory;
 pub mod health;
+pub mod membership;
+pub mod mesh_sync;
 pub mod records;
 pub mod zds_server;
 
@@ -46,8 +50,8 @@ pub struct AgentConfig {
     pub state_dir: PathBuf,
     pub cni_socket: PathBuf,
     pub zds_socket: PathBuf,
-    /// The workloads file standing in for the Kubernetes API.
-    pub workloads: PathBuf,
+    /// Where the agent learns which pods are meshed.
+    pub directory: directory::DirectoryConfig,
     /// Where to install the plugin binary and the chained entry (both or neither).
     pub cni_bin_dir: Option<PathBuf>,
     pub cni_conf_dir: Option<PathBuf>,
@@ -102,6 +106,7 @@ pub struct Agent {
     dp_lock: Mutex<()>,
     pub pods: Mutex<BTreeMap<String, LivePod>>,
     pub zds: zds_server::ZdsHub,
+    pub directory: directory::Directory,
     ready: AtomicBool,
     /// One CNI request at a time: a retried ADD, or a DEL racing an ADD, must see the first
     /// one's outcome, not its middle.
@@ -119,15 +124,18 @@ impl Agent {
         f(&dp)
     }
 
+    /// Reconciled and serving, and (in Kubernetes mode) watching the API.
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::Relaxed)
+        self.ready.load(Ordering::Relaxed) && self.directory.healthy()
     }
 }
 
 /// Reconciles, then serves until SIGTERM.
 pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
+    let directory = directory::Directory::start(&cfg.directory).await?;
     let agent = Arc::new(Agent {
         zds: zds_server::ZdsHub::new(cfg.ack_timeout),
+        directory,
         cfg,
         dp_lock: Mutex::new(()),
         pods: Mutex::new(BTreeMap::new()),
@@ -169,6 +177,9 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
     if let Some(addr) = agent.cfg.health_addr {
         let bound = health::serve(agent.clone(), addr).await?;
         println!("HEALTH {bound}");
+    }
+    if let directory::Directory::Kube(k) = &agent.directory {
+        tokio::spawn(mesh_sync::run(agent.clone(), k.clone()));
     }
     agent.ready.store(true, Ordering::Relaxed);
     println!("READY");

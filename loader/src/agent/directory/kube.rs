@@ -1,0 +1,258 @@
+//! The agent's view of the Kubernetes API, as istio-cni's node agent has it: a reflector of the
+//! Pods of this node (field selector `spec.nodeName`) and one of all Namespaces, kept by
+//! kube-runtime watchers that relist on their own after a 410 Gone and retry with backoff while
+//! the API server is unreachable (the caches keep their last state meanwhile). Also what the
+//! agent writes back: the `ambient.istio.io/redirection` annotation, and an Event on a pod
+//! whose annotations do not parse.
+
+use std::{
+    collections::HashSet,
+    path::PathBuf,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
+};
+
+use datapath_common::consts::k8s;
+use futures::StreamExt as _;
+use k8s_openapi::api::core::v1::{Event, EventSource, Namespace, ObjectReference, Pod};
+use kube::{
+    api::{ListParams, Patch, PatchParams, PostParams},
+    runtime::{reflector, reflector::ObjectRef, watcher, WatchStreamExt as _},
+    Api, Client,
+};
+use tokio::sync::Notify;
+use tracing::{info, warn};
+
+use super::enablement::{decide, Decision};
+
+/// How the agent reaches the API and which pods are its node's.
+#[derive(Debug, Clone)]
+pub struct KubeConfig {
+    /// A kubeconfig file; none: the in-cluster service account.
+    pub kubeconfig: Option<PathBuf>,
+    /// This node's name (`spec.nodeName` of its pods; the downward API's `NODE_NAME`).
+    pub node_name: String,
+    /// Namespaces never meshed.
+    pub excluded_namespaces: Vec<String>,
+}
+
+/// The watched state.
+pub struct Kube {
+    pub client: Client,
+    pub cfg: KubeConfig,
+    pods: reflector::Store<Pod>,
+    namespaces: reflector::Store<Namespace>,
+    /// Each cache has been filled at least once (a watcher's `InitDone`).
+    pods_synced: AtomicBool,
+    namespaces_synced: AtomicBool,
+    /// The API server answered the last probe and no watch has failed since.
+    reachable: AtomicBool,
+    /// Signalled on every change the watchers see.
+    pub changed: Notify,
+    /// Pods an Event was already written for (uid and message): one Event per problem.
+    reported: Mutex<HashSet<(String, String)>>,
+}
+
+impl std::fmt::Debug for Kube {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kube").field("node", &self.cfg.node_name).finish_non_exhaustive()
+    }
+}
+
+impl Kube {
+    /// Connects (no request is made yet) and starts both watches.
+    pub async fn start(cfg: KubeConfig) -> anyhow::Result<Arc<Self>> {
+        let config = match &cfg.kubeconfig {
+            Some(path) => {
+                let file = kube::config::Kubeconfig::read_from(path)?;
+                kube::Config::from_custom_kubeconfig(file, &Default::default()).await?
+            }
+            None => kube::Config::incluster()?,
+        };
+        let client = Client::try_from(config)?;
+        let (pods, pods_writer) = reflector::store::<Pod>();
+        let (namespaces, ns_writer) = reflector::store::<Namespace>();
+        let kube = Arc::new(Self {
+            client: client.clone(),
+            cfg: cfg.clone(),
+            pods,
+            namespaces,
+            pods_synced: AtomicBool::new(false),
+            namespaces_synced: AtomicBool::new(false),
+            reachable: AtomicBool::new(false),
+            changed: Notify::new(),
+            reported: Mutex::new(HashSet::new()),
+        });
+        let selector = format!("spec.nodeName={}", cfg.node_name);
+        let pod_watch =
+            watcher(Api::<Pod>::all(client.clone()), watcher::Config::default().fields(&selector))
+                .default_backoff()
+                .reflect(pods_writer);
+        let ns_watch = watcher(Api::<Namespace>::all(client), watcher::Config::default())
+            .default_backoff()
+            .reflect(ns_writer);
+        let k = kube.clone();
+        tokio::spawn(async move {
+            let mut s = std::pin::pin!(pod_watch);
+            while let Some(ev) = s.next().await {
+                k.observe(&k.pods_synced, "pods", ev);
+            }
+        });
+        let k = kube.clone();
+        tokio::spawn(async move {
+            let mut s = std::pin::pin!(ns_watch);
+            while let Some(ev) = s.next().await {
+                k.observe(&k.namespaces_synced, "namespaces", ev);
+            }
+        });
+        // A watch that resumes after an outage says nothing until something changes: whether
+        // the API server answers is asked every two seconds.
+        let k = kube.clone();
+        tokio::spawn(async move {
+            let namespaces = Api::<Namespace>::all(k.client.clone());
+            loop {
+                let up = namespaces.list_metadata(&ListParams::default().limit(1)).await.is_ok();
+                if k.reachable.swap(up, Ordering::Relaxed) != up {
+                    if up {
+                        info!("Kubernetes API server reachable");
+                    } else {
+                        warn!("Kubernetes API server unreachable; serving the pods already known");
+                    }
+                    k.changed.notify_one();
+                }
+                tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+            }
+        });
+        Ok(kube)
+    }
+
+    fn observe<K>(
+        &self,
+        synced: &AtomicBool,
+        what: &str,
+        ev: Result<watcher::Event<K>, watcher::Error>,
+    ) {
+        match ev {
+            Ok(watcher::Event::InitDone) => {
+                if !synced.swap(true, Ordering::Relaxed) {
+                    info!(watch = what, "Kubernetes watch synced");
+                }
+                self.changed.notify_one();
+            }
+            Ok(_) => self.changed.notify_one(),
+            Err(e) => {
+                if self.reachable.swap(false, Ordering::Relaxed) {
+                    warn!(watch = what, error = %e, "Kubernetes watch failed; retrying with backoff");
+                }
+            }
+        }
+    }
+
+    /// Both caches have been filled and the API server answers.
+    pub fn healthy(&self) -> bool {
+        self.pods_synced.load(Ordering::Relaxed)
+            && self.namespaces_synced.load(Ordering::Relaxed)
+            && self.reachable.load(Ordering::Relaxed)
+    }
+
+    /// The decision for a pod of this node, from the caches.
+    pub fn decide_cached(&self, namespace: &str, name: &str) -> Option<Decision> {
+        let pod = self.pods.get(&ObjectRef::new(name).within(namespace))?;
+        Some(self.decide(&pod))
+    }
+
+    /// The decision for a pod, read from the API (a pod the cache has not seen yet: CNI ADD
+    /// can come before its watch event).
+    pub async fn decide_live(&self, namespace: &str, name: &str) -> anyhow::Result<Decision> {
+        let pod = Api::<Pod>::namespaced(self.client.clone(), namespace).get(name).await?;
+        Ok(self.decide(&pod))
+    }
+
+    fn decide(&self, pod: &Pod) -> Decision {
+        let ns =
+            pod.metadata.namespace.as_deref().and_then(|n| self.namespaces.get(&ObjectRef::new(n)));
+        decide(pod, ns.as_deref(), &self.cfg.excluded_namespaces)
+    }
+
+    /// Every pod of this node the cache holds, with its decision.
+    pub fn decisions(&self) -> Vec<(Arc<Pod>, Decision)> {
+        self.pods
+            .state()
+            .into_iter()
+            .map(|p| {
+                let d = self.decide(&p);
+                (p, d)
+            })
+            .collect()
+    }
+
+    /// Whether the cache holds a pod with this uid.
+    pub fn has_pod_uid(&self, uid: &str) -> bool {
+        self.pods.state().iter().any(|p| p.metadata.uid.as_deref() == Some(uid))
+    }
+
+    /// Sets (`true`) or removes the `ambient.istio.io/redirection: enabled` annotation.
+    pub async fn annotate(&self, namespace: &str, name: &str, on: bool) -> anyhow::Result<()> {
+        let value =
+            if on { serde_json::json!(k8s::REDIRECTION_ENABLED) } else { serde_json::Value::Null };
+        let patch = serde_json::json!({"metadata": {"annotations": {k8s::REDIRECTION: value}}});
+        Api::<Pod>::namespaced(self.client.clone(), namespace)
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
+        Ok(())
+    }
+
+    /// Writes a Warning Event on the pod, once per pod and message.
+    pub async fn warn_pod(&self, pod: &Pod, reason: &str, message: &str) {
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        let key = (uid.clone(), message.to_owned());
+        if let Ok(mut seen) = self.reported.lock() {
+            // Bounded by the pods of this node: entries of pods that are gone are dropped.
+            let live: HashSet<String> =
+                self.pods.state().iter().filter_map(|p| p.metadata.uid.clone()).collect();
+            seen.retain(|(u, _)| live.contains(u));
+            if !seen.insert(key) {
+                return;
+            }
+        }
+        let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            k8s_openapi::jiff::Timestamp::now(),
+        );
+        let event = Event {
+            metadata: kube::api::ObjectMeta {
+                generate_name: Some(format!("{name}.meshpath.")),
+                namespace: Some(namespace.clone()),
+                ..Default::default()
+            },
+            involved_object: ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Pod".into()),
+                name: Some(name),
+                namespace: Some(namespace.clone()),
+                uid: Some(uid),
+                ..Default::default()
+            },
+            reason: Some(reason.into()),
+            message: Some(message.into()),
+            type_: Some("Warning".into()),
+            source: Some(EventSource {
+                component: Some(k8s::AGENT_COMPONENT.into()),
+                host: Some(self.cfg.node_name.clone()),
+            }),
+            first_timestamp: Some(now.clone()),
+            last_timestamp: Some(now),
+            count: Some(1),
+            ..Default::default()
+        };
+        if let Err(e) = Api::<Event>::namespaced(self.client.clone(), &namespace)
+            .create(&PostParams::default(), &event)
+            .await
+        {
+            warn!(error = %e, "could not write an Event on the pod");
+        }
+    }
+}

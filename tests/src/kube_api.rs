@@ -1,0 +1,176 @@
+//! A real Kubernetes API server for the agent's tests: etcd (Debian's) and kube-apiserver (built
+//! once from Debian's source by `cargo xtask setup`), on loopback ports of their own, with a
+//! token for an administrator, a kubeconfig for the agent, and a kube-rs client for the test,
+//! which creates Namespaces and Pods as a user would with kubectl. There is no kubelet or
+//! scheduler: tests set `spec.nodeName` and write `status.podIPs` themselves. Dropping it stops
+//! both and removes their files.
+
+use std::{
+    net::TcpListener,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context as _, Result};
+
+use super::unique;
+
+/// Where `cargo xtask setup` keeps the kube-apiserver it built (MESHPATH_KUBE_APISERVER
+/// overrides).
+pub fn kube_apiserver_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("MESHPATH_KUBE_APISERVER") {
+        return p.into();
+    }
+    let base = std::env::var_os("MESHPATH_TOOL_CACHE").map(PathBuf::from).unwrap_or_else(|| {
+        std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .unwrap_or_else(|| PathBuf::from("/var/cache"))
+            .join("meshpath")
+    });
+    base.join("kube-apiserver").join("kube-apiserver")
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// The API server and its etcd.
+#[derive(Debug)]
+pub struct KubeApi {
+    etcd: Child,
+    apiserver: Option<Child>,
+    pub dir: PathBuf,
+    pub port: u16,
+    etcd_url: String,
+    token: String,
+    /// A kubeconfig with the administrator's token (what the agent is given).
+    pub kubeconfig: PathBuf,
+}
+
+impl Drop for KubeApi {
+    fn drop(&mut self) {
+        if let Some(mut a) = self.apiserver.take() {
+            let _ = a.kill();
+            let _ = a.wait();
+        }
+        let _ = self.etcd.kill();
+        let _ = self.etcd.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl KubeApi {
+    /// Starts etcd and the API server; returns once the API answers.
+    pub fn start() -> Result<Self> {
+        let dir = std::env::temp_dir().join(unique("meshpath-kube-"));
+        std::fs::create_dir_all(&dir)?;
+        let (client_port, peer_port, port) = (free_port()?, free_port()?, free_port()?);
+        let etcd_url = format!("http://127.0.0.1:{client_port}");
+        let peer_url = format!("http://127.0.0.1:{peer_port}");
+        let etcd = Command::new("etcd")
+            .args(["--name", "default", "--data-dir"])
+            .arg(dir.join("etcd"))
+            .args(["--listen-client-urls", &etcd_url, "--advertise-client-urls", &etcd_url])
+            .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
+            .args(["--initial-cluster", &format!("default={peer_url}")])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("etcd.log"))?)
+            .spawn()
+            .context("starting etcd (Debian's etcd-server; `cargo xtask setup` installs it)")?;
+        let token = format!("meshpath-test-{}", unique("t"));
+        std::fs::write(
+            dir.join("tokens.csv"),
+            format!("{token},admin,admin-uid,system:masters\n"),
+        )?;
+        let key = dir.join("sa.key");
+        let out =
+            Command::new("openssl").args(["genrsa", "-out"]).arg(&key).arg("2048").output()?;
+        if !out.status.success() {
+            bail!("openssl genrsa: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let kubeconfig = dir.join("kubeconfig");
+        std::fs::write(
+            &kubeconfig,
+            format!(
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: https://127.0.0.1:{port}\n    insecure-skip-tls-verify: true\nusers:\n- name: admin\n  user:\n    token: {token}\ncontexts:\n- name: test\n  context:\n    cluster: test\n    user: admin\ncurrent-context: test\n"
+            ),
+        )?;
+        let mut api = Self { etcd, apiserver: None, dir, port, etcd_url, token, kubeconfig };
+        api.start_apiserver()?;
+        Ok(api)
+    }
+
+    /// (Re)starts the API server on the same port and etcd; waits until it answers.
+    pub fn start_apiserver(&mut self) -> Result<()> {
+        let bin = kube_apiserver_bin();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("apiserver.log"))?;
+        let key = self.dir.join("sa.key");
+        let child = Command::new(&bin)
+            .args(["--etcd-servers", &self.etcd_url, "--bind-address", "127.0.0.1"])
+            .args(["--secure-port", &self.port.to_string(), "--insecure-port", "0"])
+            .arg("--cert-dir")
+            .arg(self.dir.join("certs"))
+            .arg("--token-auth-file")
+            .arg(self.dir.join("tokens.csv"))
+            .arg("--service-account-key-file")
+            .arg(&key)
+            .arg("--service-account-signing-key-file")
+            .arg(&key)
+            .args(["--service-account-issuer", "https://kubernetes.default.svc"])
+            .args(["--authorization-mode", "RBAC", "--service-cluster-ip-range", "10.96.0.0/16"])
+            .args(["--disable-admission-plugins", "ServiceAccount"])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| {
+                format!("starting {} (`cargo xtask setup` builds it)", bin.display())
+            })?;
+        self.apiserver = Some(child);
+        self.wait_ready(Duration::from_secs(60))
+    }
+
+    /// Kills the API server (etcd keeps the state).
+    pub fn stop_apiserver(&mut self) {
+        if let Some(mut a) = self.apiserver.take() {
+            let _ = a.kill();
+            let _ = a.wait();
+        }
+    }
+
+    fn wait_ready(&self, limit: Duration) -> Result<()> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let out = Command::new("curl")
+                .args(["-sk", "-o", "/dev/null", "-w", "%{http_code}", "-H"])
+                .arg(format!("Authorization: Bearer {}", self.token))
+                .arg(format!("https://127.0.0.1:{}/readyz", self.port))
+                .output();
+            if out.is_ok_and(|o| o.stdout == b"200") {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let log =
+                    std::fs::read_to_string(self.dir.join("apiserver.log")).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(20).collect();
+                bail!("the API server did not become ready:\n{}", tail.join("\n"));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// A kube-rs client as the administrator.
+    pub async fn client(&self) -> Result<kube::Client> {
+        let file = kube::config::Kubeconfig::read_from(&self.kubeconfig)?;
+        let config = kube::Config::from_custom_kubeconfig(file, &Default::default()).await?;
+        Ok(kube::Client::try_from(config)?)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+}

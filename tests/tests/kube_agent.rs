@@ -1,0 +1,233 @@
+//! The node agent against a real Kubernetes API server (etcd + kube-apiserver run here): it
+//! watches the Pods of its node and the Namespaces, meshes exactly the pods Istio ambient would
+//! (`istio.io/dataplane-mode`), through the real CNI chain or by finding a running pod's network
+//! namespace, writes `ambient.istio.io/redirection` back, releases pods that leave, and rides
+//! out the API server going away. Namespaces and Pods are made with kube-rs, as a user would
+//! with kubectl; there is no kubelet, so tests write `status.podIPs` themselves.
+
+use std::{net::IpAddr, time::Duration};
+
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use meshpath_tests::{
+    cni_node::{CniNode, CniPod},
+    kube_api::KubeApi,
+};
+use serde_json::json;
+
+const NODE: &str = "node-a";
+
+struct Cluster {
+    api: KubeApi,
+    node: CniNode,
+    client: kube::Client,
+}
+
+/// A node in kube mode on pod subnet 10.`subnet`.0.0/24 (one per test: the agent finds running
+/// pods by address, and tests run side by side).
+async fn cluster(subnet: u8, start_agent: bool) -> Cluster {
+    let api = KubeApi::start().expect("API server");
+    let client = api.client().await.expect("client");
+    let mut node = CniNode::bare("workloads: []\n").expect("node");
+    node.subnet = subnet;
+    if start_agent {
+        node.start_agent_kube(&api.kubeconfig, NODE).expect("agent");
+        node.start_proxy().expect("proxy");
+    }
+    Cluster { api, node, client }
+}
+
+async fn namespace(c: &Cluster, name: &str, ambient: bool) {
+    let mut ns: Namespace =
+        serde_json::from_value(json!({"metadata": {"name": name}})).expect("ns");
+    if ambient {
+        ns.metadata.labels = Some([("istio.io/dataplane-mode".into(), "ambient".into())].into());
+    }
+    Api::<Namespace>::all(c.client.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+        .expect("create ns");
+}
+
+async fn label_namespace(c: &Cluster, name: &str, value: Option<&str>) {
+    let patch = json!({"metadata": {"labels": {"istio.io/dataplane-mode": value}}});
+    Api::<Namespace>::all(c.client.clone())
+        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .expect("label ns");
+}
+
+/// A Pod object on this node (as the scheduler would have placed it).
+async fn pod(c: &Cluster, ns: &str, name: &str, labels: serde_json::Value) -> Pod {
+    let p: Pod = serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": ns, "labels": labels},
+        "spec": {"nodeName": NODE, "serviceAccountName": name, "containers": [{"name": "app", "image": "app"}]}
+    }))
+    .expect("pod");
+    Api::<Pod>::namespaced(c.client.clone(), ns)
+        .create(&PostParams::default(), &p)
+        .await
+        .expect("create pod")
+}
+
+/// Writes the pod's address, as the kubelet does once its sandbox is up.
+async fn set_ip(c: &Cluster, ns: &str, name: &str, ip: IpAddr) {
+    let patch = json!({"status": {"podIP": ip.to_string(), "podIPs": [{"ip": ip.to_string()}]}});
+    Api::<Pod>::namespaced(c.client.clone(), ns)
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .expect("status");
+}
+
+async fn redirection(c: &Cluster, ns: &str, name: &str) -> Option<String> {
+    let p = Api::<Pod>::namespaced(c.client.clone(), ns).get(name).await.expect("get pod");
+    p.metadata.annotations.and_then(|a| a.get("ambient.istio.io/redirection").cloned())
+}
+
+/// Polls `cond` for up to 20 s.
+async fn eventually<F: std::future::Future<Output = bool>>(mut cond: impl FnMut() -> F) -> bool {
+    for _ in 0..200 {
+        if cond().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
+/// The pod's sandbox made by the CNI chain without meshpath-cni (a pod that ran before the
+/// agent, or before its namespace was labelled).
+fn plain_sandbox(c: &Cluster, name: &str) -> CniPod {
+    let mut list = c.node.conflist(&c.node.cni_socket());
+    list["plugins"].as_array_mut().expect("plugins").retain(|p| p["type"] != "meshpath-cni");
+    c.node.add_pod_with(name, &list).expect("sandbox")
+}
+
+fn enrolled(c: &Cluster) -> usize {
+    c.node.enrolled().len()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_of_an_ambient_namespace_is_captured_through_the_cni_chain_and_annotated() {
+    let c = cluster(81, true).await;
+    namespace(&c, "shop", true).await;
+    pod(&c, "shop", "web", json!({})).await;
+    let web = tokio::task::block_in_place(|| c.node.add_pod_in("shop", "web")).expect("ADD");
+    assert_eq!(enrolled(&c), 1, "the pod was not enrolled");
+    assert!(c.node.proxy_pods().expect("proxy").iter().any(|u| !u.is_empty()));
+    assert!(
+        eventually(|| async { redirection(&c, "shop", "web").await.as_deref() == Some("enabled") })
+            .await
+    );
+    drop(web);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_opting_out_or_in_an_unlabelled_namespace_is_left_alone() {
+    let c = cluster(82, true).await;
+    namespace(&c, "shop", true).await;
+    namespace(&c, "plain", false).await;
+    pod(&c, "shop", "batch", json!({"istio.io/dataplane-mode": "none"})).await;
+    pod(&c, "plain", "web", json!({})).await;
+    tokio::task::block_in_place(|| {
+        c.node.add_pod_in("shop", "batch").expect("ADD batch");
+        c.node.add_pod_in("plain", "web").expect("ADD web");
+    });
+    assert_eq!(enrolled(&c), 0, "an opted-out or unlabelled pod was enrolled");
+    assert_eq!(redirection(&c, "shop", "batch").await, None);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_running_before_the_agent_started_is_enrolled_when_it_starts() {
+    let mut c = cluster(83, false).await;
+    namespace(&c, "shop", true).await;
+    pod(&c, "shop", "web", json!({})).await;
+    let sandbox = tokio::task::block_in_place(|| plain_sandbox(&c, "web"));
+    set_ip(&c, "shop", "web", sandbox.ip).await;
+    tokio::task::block_in_place(|| {
+        c.node.start_agent_kube(&c.api.kubeconfig, NODE).expect("agent");
+        c.node.start_proxy().expect("proxy");
+    });
+    assert!(eventually(|| async { enrolled(&c) == 1 }).await, "the running pod was not found");
+    assert!(
+        eventually(|| async { redirection(&c, "shop", "web").await.as_deref() == Some("enabled") })
+            .await
+    );
+    let _ = &mut c;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn labelling_a_namespace_meshes_its_running_pods_and_unlabelling_releases_them() {
+    let c = cluster(84, true).await;
+    namespace(&c, "shop", false).await;
+    pod(&c, "shop", "web", json!({})).await;
+    let sandbox = tokio::task::block_in_place(|| plain_sandbox(&c, "web"));
+    set_ip(&c, "shop", "web", sandbox.ip).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(enrolled(&c), 0);
+    label_namespace(&c, "shop", Some("ambient")).await;
+    assert!(eventually(|| async { enrolled(&c) == 1 }).await, "not meshed after the label");
+    assert!(
+        eventually(|| async { redirection(&c, "shop", "web").await.as_deref() == Some("enabled") })
+            .await
+    );
+    label_namespace(&c, "shop", None).await;
+    assert!(eventually(|| async { enrolled(&c) == 0 }).await, "not released after the label went");
+    assert!(
+        eventually(|| async { redirection(&c, "shop", "web").await.is_none() }).await,
+        "annotation left"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_malformed_annotation_leaves_the_pod_out_and_says_so_in_an_event() {
+    let c = cluster(85, true).await;
+    namespace(&c, "shop", true).await;
+    let p: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "web", "namespace": "shop",
+                     "annotations": {"meshpath.io/exclude-outbound-ports": "90x"}},
+        "spec": {"nodeName": NODE, "containers": [{"name": "app", "image": "app"}]}
+    }))
+    .expect("pod");
+    Api::<Pod>::namespaced(c.client.clone(), "shop")
+        .create(&PostParams::default(), &p)
+        .await
+        .expect("pod");
+    let sandbox = tokio::task::block_in_place(|| plain_sandbox(&c, "web"));
+    set_ip(&c, "shop", "web", sandbox.ip).await;
+    let events = Api::<k8s_openapi::api::core::v1::Event>::namespaced(c.client.clone(), "shop");
+    assert!(
+        eventually(|| async {
+            events.list(&Default::default()).await.is_ok_and(|l| {
+                l.items.iter().any(|e| {
+                    e.message.as_deref().is_some_and(|m| m.contains("exclude-outbound-ports"))
+                })
+            })
+        })
+        .await,
+        "no Event on the pod"
+    );
+    assert_eq!(enrolled(&c), 0, "a pod with a malformed annotation was enrolled");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_the_api_server_gone_the_agent_keeps_its_pods_and_reconciles_when_it_returns() {
+    let mut c = cluster(86, true).await;
+    namespace(&c, "shop", true).await;
+    pod(&c, "shop", "web", json!({})).await;
+    tokio::task::block_in_place(|| c.node.add_pod_in("shop", "web")).expect("ADD");
+    assert_eq!(enrolled(&c), 1);
+    c.api.stop_apiserver();
+    // Not ready while it cannot watch; the pod keeps its capture.
+    assert!(eventually(|| async { c.node.agent_ready() == Some(false) }).await, "still ready");
+    assert_eq!(enrolled(&c), 1, "a pod was dropped while the API was away");
+    tokio::task::block_in_place(|| c.api.start_apiserver()).expect("restart");
+    assert!(eventually(|| async { c.node.agent_ready() == Some(true) }).await, "not ready again");
+    assert_eq!(enrolled(&c), 1, "enrolled twice or dropped after the API came back");
+    // And it follows the API again.
+    label_namespace(&c, "shop", None).await;
+    assert!(
+        eventually(|| async { enrolled(&c) == 0 }).await,
+        "not released after the API came back"
+    );
+}

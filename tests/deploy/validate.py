@@ -12,7 +12,8 @@ no network). For every YAML document:
    volume mounts naming a volume, unique names and mount paths, host ports equal to container
    ports under hostNetwork, selectors matching the template, probes naming a declared port,
    Secret data that decodes, Job restart policy;
-3. meshpath's own rules: namespace meshpath-system, no ServiceAccount token, every
+3. meshpath's own rules: namespace meshpath-system, a ServiceAccount token only for a pod
+   that runs as a ServiceAccount defined under deploy/ (the agent's, for its API watch), every
    non-privileged container drops ALL capabilities, refuses privilege escalation and has a
    read-only root filesystem, a privileged container only as an init container, every
    absolute path in a container's args under one of its volume mounts (the root filesystem is
@@ -218,8 +219,10 @@ def pod_errors(doc: dict, pod: dict) -> list[str]:
     vols = [v.get("name") for v in pod.get("volumes") or []]
     for n in {n for n in vols if vols.count(n) > 1}:
         errs.append(f"volume name {n!r} is used twice")
-    if pod.get("automountServiceAccountToken") is not False:
-        errs.append("automountServiceAccountToken must be false (meshpath has no RBAC)")
+    if pod.get("automountServiceAccountToken") is not False and not pod.get("serviceAccountName"):
+        errs.append(
+            "automountServiceAccountToken must be false unless the pod runs as a ServiceAccount of its own"
+        )
     if doc.get("kind") == "Job" and pod.get("restartPolicy") not in ("OnFailure", "Never"):
         errs.append("a Job's restartPolicy must be OnFailure or Never")
     for field, c in containers_of(pod):
@@ -340,7 +343,8 @@ def document_errors(doc: Any, versions: Iterable[str] = VERSIONS) -> list[str]:
     for v in versions:
         errs += schema_errors(doc, v)
     meta = doc.get("metadata") or {}
-    if doc["kind"] != "Namespace" and meta.get("namespace") != NAMESPACE:
+    cluster_scoped = doc["kind"] in ("Namespace", "ClusterRole", "ClusterRoleBinding")
+    if not cluster_scoped and meta.get("namespace") != NAMESPACE:
         errs.append(f"metadata.namespace must be {NAMESPACE}")
     errs += enum_errors(doc)
     errs += selector_errors(doc)
@@ -354,7 +358,7 @@ def document_errors(doc: Any, versions: Iterable[str] = VERSIONS) -> list[str]:
 
 
 def reference_errors(docs: list[dict]) -> list[str]:
-    """ConfigMaps and Secrets the pods use must be defined under deploy/."""
+    """ConfigMaps, Secrets and ServiceAccounts the pods use must be defined under deploy/."""
     defined = {(d.get("kind"), (d.get("metadata") or {}).get("name")) for d in docs}
     errs = []
     for d in docs:
@@ -363,6 +367,9 @@ def reference_errors(docs: list[dict]) -> list[str]:
             continue
         meta = d.get("metadata") or {}
         who = f"{d['kind']} {meta.get('name') or meta.get('generateName')}"
+        sa = pod.get("serviceAccountName")
+        if sa and ("ServiceAccount", sa) not in defined:
+            errs.append(f"{who}: ServiceAccount {sa} is not defined under deploy/")
         for v in pod.get("volumes") or []:
             sources = [v] + list((v.get("projected") or {}).get("sources") or [])
             for s in sources:

@@ -146,7 +146,18 @@ impl KubeApi {
         let deadline = Instant::now() + limit;
         loop {
             let out = Command::new("curl")
-                .args(["-sk", "-o", "/dev/null", "-w", "%{http_code}", "-H"])
+                // Not curl's user agent: for it the API server pretty-prints, and this build's
+                // JSON encoder (json-iterator on Go 1.19) crashes the server doing so.
+                .args([
+                    "-sk",
+                    "-A",
+                    "meshpath-tests",
+                    "-o",
+                    "/dev/null",
+                    "-w",
+                    "%{http_code}",
+                    "-H",
+                ])
                 .arg(format!("Authorization: Bearer {}", self.token))
                 .arg(format!("https://127.0.0.1:{}/readyz", self.port))
                 .output();

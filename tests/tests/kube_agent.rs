@@ -231,3 +231,17 @@ async fn with_the_api_server_gone_the_agent_keeps_its_pods_and_reconciles_when_i
         "not released after the API came back"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_deleted_from_the_api_leaves_the_mesh() {
+    let c = cluster(87, true).await;
+    namespace(&c, "shop", true).await;
+    pod(&c, "shop", "web", json!({})).await;
+    let sandbox = tokio::task::block_in_place(|| plain_sandbox(&c, "web"));
+    set_ip(&c, "shop", "web", sandbox.ip).await;
+    assert!(eventually(|| async { enrolled(&c) == 1 }).await, "the running pod was not found");
+    // Deleted at once (no kubelet here to finish a graceful deletion).
+    let now = kube::api::DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
+    Api::<Pod>::namespaced(c.client.clone(), "shop").delete("web", &now).await.expect("delete");
+    assert!(eventually(|| async { enrolled(&c) == 0 }).await, "a deleted pod stayed in the mesh");
+}

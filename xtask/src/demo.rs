@@ -15,6 +15,12 @@
 //! both proxies' /metrics follows. Everything is removed on exit, on error and on Ctrl-C;
 //! `--keep` leaves it running (until Ctrl-C) with the commands to look around.
 //!
+//! `--kube` also runs a Kubernetes API server (etcd and kube-apiserver, on loopback): the
+//! agents run in Kubernetes mode (`--kube`), the `default` namespace is labelled
+//! `istio.io/dataplane-mode=ambient`, `legacy` lives in an unlabelled namespace, and every pod
+//! is made with the API before the runtime's CNI ADD; the demo shows the annotation the agents
+//! wrote back.
+//!
 //! `--proxy ztunnel-like` runs the same nodes with `ztunnel-like` as both nodes' proxy (the
 //! tests' stand-in for Istio's ztunnel: it only opens sockets in the pods, marks them 0x539,
 //! and speaks HBONE); it has no policy and no metrics, so the demo shows its connection lines
@@ -77,6 +83,8 @@ impl NodeDirs {
 struct Demo {
     tag: String,
     proxy: Proxy,
+    /// The API server when the demo runs with `--kube`.
+    api: Option<crate::kube_api::ApiServer>,
     bin_dir: PathBuf,
     files: PathBuf,
     nodes: Vec<NodeDirs>,
@@ -270,10 +278,16 @@ impl Demo {
         });
         fs::write(node.conf().join("10-demo.conflist"), serde_json::to_string_pretty(&list)?)?;
         let netns = format!("--net=/var/run/netns/{ns}");
-        let mut agent = Command::new("nsenter");
+        // With the API server (on this host's loopback) the agents run in the host's netns,
+        // where they reach it; their CNI and ZDS sockets are unix sockets either way.
+        let mut agent = if self.api.is_some() {
+            Command::new(self.bin_dir.join("meshpath-loader"))
+        } else {
+            let mut c = Command::new("nsenter");
+            c.arg(&netns).arg(self.bin_dir.join("meshpath-loader"));
+            c
+        };
         agent
-            .arg(&netns)
-            .arg(self.bin_dir.join("meshpath-loader"))
             .arg("--pin-root")
             .arg(&node.pin_root)
             .arg("agent")
@@ -283,16 +297,28 @@ impl Demo {
             .arg(node.dir.join("cni.sock"))
             .arg("--zds-socket")
             .arg(node.dir.join("zds.sock"))
-            .arg("--workloads")
-            .arg(self.files.join("workloads.yaml"))
             .arg("--cni-bin-dir")
             .arg(node.bin())
             .arg("--cni-conf-dir")
             .arg(node.conf())
-            .arg("--proxy-cgroup-from-zds-peer")
-            .arg("--probe-source")
-            .arg("--health-addr")
-            .arg("127.0.0.1:8000");
+            .arg("--proxy-cgroup-from-zds-peer");
+        match &self.api {
+            Some(api) => {
+                agent
+                    .arg("--kube")
+                    .arg("--kubeconfig")
+                    .arg(&api.kubeconfig)
+                    .args(["--node-name", &format!("node{n}")])
+                    .args(["--health-addr", "127.0.0.1:0"]);
+            }
+            None => {
+                agent
+                    .arg("--workloads")
+                    .arg(self.files.join("workloads.yaml"))
+                    .arg("--probe-source")
+                    .args(["--health-addr", "127.0.0.1:8000"]);
+            }
+        }
         let log = node.dir.join("agent.log");
         self.children.push(spawn_logged(agent, None, &log)?);
         wait_for(&log, "agent serving", "the node agent")?;
@@ -357,7 +383,21 @@ impl Demo {
             serde_json::from_str(&fs::read_to_string(conf.join("10-demo.conflist"))?)?;
         let cni_path = format!("/usr/lib/cni:{}", bin.display());
         let netns = format!("/var/run/netns/{pod_ns}");
-        let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name}");
+        let namespace = pod_namespace(name, self.api.is_some());
+        if let Some(api) = &self.api {
+            // As a user would: the Pod object first; the scheduler's part is spec.nodeName.
+            let sa = PODS.iter().find(|p| p.0 == name).map_or("default", |p| p.2);
+            api.request(
+                "POST",
+                &format!("/api/v1/namespaces/{namespace}/pods"),
+                Some(&json!({
+                    "metadata": {"name": name, "namespace": namespace},
+                    "spec": {"nodeName": format!("node{n}"), "serviceAccountName": sa,
+                             "containers": [{"name": "app", "image": "app"}]}
+                })),
+            )?;
+        }
+        let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name}");
         let id = format!("demo-{}-{name}", self.tag);
         let env = [
             ("CNI_CONTAINERID", id.as_str()),
@@ -493,7 +533,17 @@ fn summary(metrics: &str) -> Vec<String> {
 }
 
 /// Runs the demo with the binaries in `bin_dir`.
-pub fn run(bin_dir: &Path, keep: bool, proxy: Proxy) -> Result<()> {
+/// A pod's namespace: with the API server, the unmeshed pod lives in an unlabelled one.
+fn pod_namespace(name: &str, kube: bool) -> &'static str {
+    let meshed = PODS.iter().any(|p| p.0 == name && p.3);
+    if kube && !meshed {
+        "legacy"
+    } else {
+        "default"
+    }
+}
+
+pub fn run(bin_dir: &Path, keep: bool, proxy: Proxy, kube: bool) -> Result<()> {
     let interrupted = Arc::new(AtomicBool::new(false));
     {
         let flag = interrupted.clone();
@@ -512,6 +562,7 @@ pub fn run(bin_dir: &Path, keep: bool, proxy: Proxy) -> Result<()> {
         files: PathBuf::from(format!("/run/meshpath-demo-{tag}")),
         tag,
         proxy,
+        api: None,
         bin_dir: bin_dir.to_owned(),
         nodes: Vec::new(),
         namespaces: Vec::new(),
@@ -527,6 +578,24 @@ pub fn run(bin_dir: &Path, keep: bool, proxy: Proxy) -> Result<()> {
         bail!("meshpath-proxy new-ca: {}", String::from_utf8_lossy(&out.stderr).trim());
     }
     fs::write(demo.files.join("workloads.yaml"), workloads(&[]))?;
+    if kube {
+        let api = crate::kube_api::ApiServer::start(&demo.files.join("kube"))?;
+        println!("demo: a Kubernetes API server on 127.0.0.1:{} (etcd, kube-apiserver)", api.port);
+        // The API server makes the `default` namespace shortly after it is ready.
+        let label = json!({"metadata": {"labels": {"istio.io/dataplane-mode": "ambient"}}});
+        let mut labelled = api.request("PATCH", "/api/v1/namespaces/default", Some(&label));
+        for _ in 0..50 {
+            if labelled.is_ok() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+            labelled = api.request("PATCH", "/api/v1/namespaces/default", Some(&label));
+        }
+        labelled?;
+        api.request("POST", "/api/v1/namespaces", Some(&json!({"metadata": {"name": "legacy"}})))?;
+        println!("demo: namespace default labelled istio.io/dataplane-mode=ambient; namespace legacy not");
+        demo.api = Some(api);
+    }
     for n in [1, 2] {
         check()?;
         demo.start_node(n)?;
@@ -561,6 +630,17 @@ pub fn run(bin_dir: &Path, keep: bool, proxy: Proxy) -> Result<()> {
             if meshed { "enrolled and handed to the proxy" } else { "not in the mesh, left alone" }
         );
         ips.push((name, ip));
+    }
+    if let Some(api) = &demo.api {
+        for (name, ..) in PODS {
+            let ns = pod_namespace(name, true);
+            let pod = api.request("GET", &format!("/api/v1/namespaces/{ns}/pods/{name}"), None)?;
+            let r = &pod["metadata"]["annotations"]["ambient.istio.io/redirection"];
+            println!(
+                "demo: pod {ns}/{name}: ambient.istio.io/redirection = {}",
+                r.as_str().unwrap_or("(none)")
+            );
+        }
     }
     // The control plane's part: the proxies learn the pods' addresses.
     fs::write(demo.files.join("workloads.yaml"), workloads(&ips))?;

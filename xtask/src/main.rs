@@ -43,6 +43,10 @@ enum Cmd {
         /// the pods as Istio's ztunnel does (the datapath serves it with no help from it).
         #[arg(long, default_value = "meshpath-proxy", value_parser = ["meshpath-proxy", "ztunnel-like"])]
         proxy: String,
+        /// Run a Kubernetes API server too: pods are made with the API, and the agents learn
+        /// from it which are meshed (the `default` namespace is labelled for ambient).
+        #[arg(long)]
+        kube: bool,
     },
     /// Make a CA for the proxies (DIR/ca.pem, DIR/ca-key.pem), as the demo and tests do.
     Ca { dir: std::path::PathBuf },
@@ -109,7 +113,7 @@ fn run(cli: Cli) -> Result<()> {
                 std::process::Command::new(bin_dir.join("meshpath-proxy")).arg("new-ca").arg(&dir),
             )?;
         }
-        Cmd::Demo { keep, proxy } => {
+        Cmd::Demo { keep, proxy, kube } => {
             if !bootstrap::is_root() {
                 bail!(
                     "the demo loads eBPF programs and creates network namespaces: run it as root"
@@ -122,7 +126,7 @@ fn run(cli: Cli) -> Result<()> {
             } else {
                 demo::Proxy::Meshpath
             };
-            demo::run(&bin_dir, keep, proxy)?;
+            demo::run(&bin_dir, keep, proxy, kube)?;
         }
     }
     Ok(())

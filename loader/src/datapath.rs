@@ -347,6 +347,11 @@ impl Datapath {
         Ok(id)
     }
 
+    /// The cgroup ids registered as the proxy's.
+    pub fn proxy_cgroup_ids(&self) -> Result<Vec<u64>> {
+        Ok(self.hash_map::<u64, u32>(map_names::PROXY_CGROUPS)?.keys().flatten().collect())
+    }
+
     /// Forgets a proxy cgroup.
     pub fn unregister_proxy_cgroup(&self, cgroup: &Path) -> Result<()> {
         self.unregister_proxy_cgroup_id(cgroup_id(cgroup)?)

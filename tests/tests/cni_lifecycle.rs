@@ -255,3 +255,33 @@ fn a_pod_removed_with_connections_open_has_them_closed_and_is_no_longer_served()
     // Not enrolled any more: p0's traffic is no longer captured (it goes straight out).
     assert_eq!(node.enrolled().len(), 1);
 }
+
+#[test]
+fn a_new_proxy_takes_over_the_bypass_only_once_it_acknowledged_its_snapshot() {
+    let mut node = CniNode::bare(&workloads(1)).expect("node");
+    node.start_agent_with(&["--ack-timeout-seconds".into(), "2".into()]).expect("agent");
+    // ztunnel-like as the serving proxy: it does not reconnect (and re-register) when the agent
+    // drops its connection for the newcomer, so what the map holds is the agent's doing.
+    node.start_ztunnel_like().expect("proxy");
+    let _p0 = node.add_pod("p0").expect("ADD p0");
+    let dp = || node.root.datapath().expect("datapath");
+    let old = meshpath_loader::datapath::cgroup_id(node.proxy_cgroup.path()).expect("old cgroup");
+    // A second proxy, in a cgroup of its own, that connects and never acknowledges its snapshot.
+    let new_cgroup = meshpath_tests::CgroupGuard::new().expect("cgroup");
+    let new = meshpath_loader::datapath::cgroup_id(new_cgroup.path()).expect("new cgroup");
+    let mut cmd = std::process::Command::new("nsenter");
+    cmd.arg(format!("--net={}", node.node.path().display()))
+        .arg(meshpath_tests::sibling_bin("ztunnel-like"))
+        .arg(node.zds_socket())
+        .arg(node.dir.join("ca.pem"))
+        .arg(node.dir.join("ca-key.pem"))
+        .arg(node.dir.join("workloads.yaml"))
+        .env("ZTUNNEL_LIKE_NO_SNAPSHOT_ACK", "1");
+    let stalled = meshpath_tests::TestProxy::spawn(cmd, &new_cgroup).expect("stalled proxy");
+    // Past the agent's ack timeout: the snapshot was never acknowledged.
+    std::thread::sleep(Duration::from_secs(3));
+    let ids = dp().proxy_cgroup_ids().expect("PROXY_CGROUPS");
+    assert!(ids.contains(&old), "the serving proxy lost its bypass to one that never took over");
+    assert!(!ids.contains(&new), "a proxy that never acknowledged kept a bypass: {ids:?}");
+    drop(stalled);
+}

@@ -141,20 +141,14 @@ async fn welcome(agent: &Arc<Agent>, conn: SeqPacket) -> anyhow::Result<()> {
     if hello.version != Version::V1 as i32 {
         anyhow::bail!("the proxy speaks ZDS version {}, not V1", hello.version);
     }
+    // The new proxy's cgroup is registered now; the previous proxy's stays registered until the
+    // new one has acknowledged the snapshot: during a proxy upgrade the old one keeps serving,
+    // and its own connections must not be captured meanwhile.
+    let mut registered = None;
     if agent.cfg.proxy_cgroup_from_zds_peer {
         let pid = conn.peer_pid()?;
         let cg = cgroup_of(pid)?;
-        agent.with_datapath(|dp| {
-            let id = dp.register_proxy_cgroup(&cg)?;
-            let previous = hub.peer_cgroup.lock().ok().and_then(|mut p| p.replace(id));
-            if let Some(old) = previous.filter(|old| *old != id) {
-                // The previous proxy's cgroup (gone with its container, or being replaced).
-                if let Err(e) = dp.unregister_proxy_cgroup_id(old) {
-                    warn!(cgroup_id = old, error = %e, "previous proxy cgroup not unregistered");
-                }
-            }
-            Ok(())
-        })?;
+        registered = Some(agent.with_datapath(|dp| Ok(dp.register_proxy_cgroup(&cg)?))?);
         info!(pid, cgroup = %cg.display(), "registered the connected proxy's cgroup");
     }
     // Holding the connection lock for the whole snapshot: no add or delete interleaves.
@@ -175,7 +169,26 @@ async fn welcome(agent: &Arc<Agent>, conn: SeqPacket) -> anyhow::Result<()> {
         }
     }
     let sent = WorkloadRequest { payload: Some(Payload::SnapshotSent(SnapshotSent {})) };
-    hub.exchange(&conn, &sent, None).await.map_err(anyhow::Error::msg)?;
+    let acked = hub.exchange(&conn, &sent, None).await;
+    if let Some(id) = registered {
+        // Acknowledged: the new proxy is the proxy; the previous one's cgroup goes. Not
+        // acknowledged: the new one's goes, unless it is the current proxy's (it registers
+        // again when it reconnects).
+        let stale = if acked.is_ok() {
+            hub.peer_cgroup.lock().ok().and_then(|mut p| p.replace(id)).filter(|old| *old != id)
+        } else {
+            Some(id).filter(|id| hub.peer_cgroup.lock().ok().and_then(|p| *p) != Some(*id))
+        };
+        if let Some(old) = stale {
+            agent.with_datapath(|dp| {
+                if let Err(e) = dp.unregister_proxy_cgroup_id(old) {
+                    warn!(cgroup_id = old, error = %e, "proxy cgroup not unregistered");
+                }
+                Ok(())
+            })?;
+        }
+    }
+    acked.map_err(anyhow::Error::msg)?;
     info!(pods = snapshot.len(), "snapshot sent to the node proxy");
     *guard = Some(conn);
     Ok(())

@@ -108,6 +108,14 @@ async fn zds(path: PathBuf, node: Arc<Node>) -> Result<()> {
                 pods.remove(&del.uid);
                 Ok(())
             }
+            // A proxy that never acknowledges its snapshot (tests of the agent's side).
+            Some(Payload::SnapshotSent(_))
+                if std::env::var_os("ZTUNNEL_LIKE_NO_SNAPSHOT_ACK").is_some() =>
+            {
+                say("READY");
+                std::future::pending::<()>().await;
+                Ok(())
+            }
             Some(Payload::SnapshotSent(_)) => {
                 if !ready {
                     ready = true;

@@ -181,12 +181,22 @@ impl CniNode {
 
     /// `start_agent` with more arguments.
     pub fn start_agent_with(&mut self, extra: &[String]) -> Result<()> {
-        self.agent = None;
-        self.agent_in_node_netns = true;
-        let mut cmd = Command::new("nsenter");
-        cmd.arg(format!("--net={}", self.node.path().display()))
-            .arg(loader_bin())
-            .arg("--pin-root")
+        let mut cmd = self.agent_command(true);
+        cmd.arg("--workloads").arg(self.dir.join("workloads.yaml")).args(extra);
+        self.spawn_agent(cmd, true)
+    }
+
+    /// `meshpath-loader agent` with this node's pins, state, sockets and proxy cgroup rule, in
+    /// the node's network namespace or in the test's own.
+    fn agent_command(&self, in_node_netns: bool) -> Command {
+        let mut cmd = if in_node_netns {
+            let mut c = Command::new("nsenter");
+            c.arg(format!("--net={}", self.node.path().display())).arg(loader_bin());
+            c
+        } else {
+            Command::new(loader_bin())
+        };
+        cmd.arg("--pin-root")
             .arg(self.root.path())
             .arg("agent")
             .arg("--state-dir")
@@ -195,13 +205,16 @@ impl CniNode {
             .arg(self.cni_socket())
             .arg("--zds-socket")
             .arg(self.zds_socket())
-            .arg("--workloads")
-            .arg(self.dir.join("workloads.yaml"))
             .arg("--proxy-cgroup-from-zds-peer")
             .arg("--health-addr")
             .arg("127.0.0.1:0")
-            .args(extra)
             .env("RUST_LOG", "info");
+        cmd
+    }
+
+    fn spawn_agent(&mut self, cmd: Command, in_node_netns: bool) -> Result<()> {
+        self.agent = None;
+        self.agent_in_node_netns = in_node_netns;
         self.agent = Some(TestProxy::spawn(cmd, &self._agent_cgroup)?);
         Ok(())
     }
@@ -220,29 +233,9 @@ impl CniNode {
     /// server behind `kubeconfig`, as node `node_name`. It runs in the test's own network
     /// namespace, where the API server listens (its CNI and ZDS sockets are unix sockets).
     pub fn start_agent_kube(&mut self, kubeconfig: &Path, node_name: &str) -> Result<()> {
-        self.agent = None;
-        self.agent_in_node_netns = false;
-        let mut cmd = Command::new(loader_bin());
-        cmd.arg("--pin-root")
-            .arg(self.root.path())
-            .arg("agent")
-            .arg("--state-dir")
-            .arg(self.dir.join("state"))
-            .arg("--cni-socket")
-            .arg(self.cni_socket())
-            .arg("--zds-socket")
-            .arg(self.zds_socket())
-            .arg("--kube")
-            .arg("--kubeconfig")
-            .arg(kubeconfig)
-            .arg("--node-name")
-            .arg(node_name)
-            .arg("--proxy-cgroup-from-zds-peer")
-            .arg("--health-addr")
-            .arg("127.0.0.1:0")
-            .env("RUST_LOG", "info");
-        self.agent = Some(TestProxy::spawn(cmd, &self._agent_cgroup)?);
-        Ok(())
+        let mut cmd = self.agent_command(false);
+        cmd.arg("--kube").arg("--kubeconfig").arg(kubeconfig).arg("--node-name").arg(node_name);
+        self.spawn_agent(cmd, false)
     }
 
     /// Creates pod `name` of `namespace`: loopback, then the chain's ADD.

@@ -1,6 +1,6 @@
 //! `meshpath-proxy`: the HBONE node proxy. Serves the pods the node agent hands it over ZDS
 //! (`--zds-socket`), or those given with `--pod UID=NETNS`: their outbound captured traffic (15001), DNS (15053),
-//! HBONE (15008) and inbound plaintext (15006, with `--pin-root`), with workload certificates
+//! HBONE (15008) and inbound plaintext (15006), with workload certificates
 //! from a local CA or from files; node-wide admin, metrics and readiness endpoints.
 
 use std::{

@@ -453,12 +453,15 @@ fn verifier_error(program: &str, e: ProgramError) -> Error {
     match e {
         ProgramError::LoadError { io_error, verifier_log } => {
             let log = PathBuf::from(VERIFIER_LOG_DIR).join(format!("verifier-{program}.log"));
-            let written = fs::create_dir_all(VERIFIER_LOG_DIR)
-                .and_then(|()| fs::write(&log, verifier_log.to_string()));
+            let text = verifier_log.to_string();
+            let written =
+                fs::create_dir_all(VERIFIER_LOG_DIR).and_then(|()| fs::write(&log, &text));
             if let Err(w) = written {
                 debug!(error = %w, "could not write the verifier log");
             }
-            Error::Verifier { program: program.to_owned(), cause: io_error, log }
+            let kernel = aya::util::KernelVersion::current()
+                .map_or_else(|_| "unknown".to_owned(), |k| k.to_string());
+            Error::Verifier { program: program.to_owned(), kernel, cause: io_error, log, text }
         }
         other => Error::bpf(format!("loading program {program}"), other),
     }

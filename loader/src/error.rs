@@ -25,10 +25,11 @@ pub enum Error {
     Bpffs(PathBuf, io::Error),
 
     #[error(
-        "the kernel rejected eBPF program {program}: {cause}; the verifier's log is in {}",
+        "the kernel (Linux {kernel}) rejected eBPF program {program}: {cause}; the verifier's \
+         log (also in {}) follows:\n{text}",
         log.display()
     )]
-    Verifier { program: String, cause: io::Error, log: PathBuf },
+    Verifier { program: String, kernel: String, cause: io::Error, log: PathBuf, text: String },
 
     #[error("{what}: {source}")]
     Bpf {

@@ -254,6 +254,7 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<()> {
     let dp = || {
         Datapath::open_or_load(&cli.pin_root)
+            .map_err(meshpath_loader::doctor::explain)
             .with_context(|| format!("opening the datapath at {}", cli.pin_root.display()))
     };
     match &cli.command {
@@ -356,18 +357,21 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Doctor => {
             let checks = meshpath_loader::doctor::run();
-            let missing = checks.iter().filter(|c| c.fix.is_some()).count();
+            let missing = checks.iter().filter(|c| c.is_missing()).count();
+            let kernel = meshpath_loader::doctor::kernel();
+            println!("kernel   Linux {kernel}");
             for c in &checks {
-                match &c.fix {
-                    None => println!("ok       {}", c.what),
-                    Some(fix) => println!("MISSING  {}: {fix}", c.what),
-                }
+                println!("{}", c.line(&kernel));
             }
             anyhow::ensure!(missing == 0, "{missing} of {} checks failed", checks.len());
         }
         Cmd::Unenrol(pod) => {
             let cookie = pod.cookie()?;
-            pods::unenrol(&dp()?, cookie)?;
+            match &pod.netns {
+                // Inside the netns, filters that are not links (kernels without TCX) come off too.
+                Some(path) => pods::unenrol_netns(&dp()?, &Netns::open(path)?)?,
+                None => pods::unenrol(&dp()?, cookie)?,
+            }
             println!("unenrolled netns cookie {cookie}");
         }
         Cmd::List { json } => {

@@ -11,7 +11,7 @@ use std::{
 use aya::{
     maps::{lpm_trie::Key, MapError, PerCpuValues},
     programs::{links::FdLink, SchedClassifier, TcAttachType},
-    util::nr_cpus,
+    util::{nr_cpus, KernelVersion},
 };
 use datapath_common::{
     cidr_action, consts::programs, direction, pod_flags, CidrKey, NetnsCookie, PodAddrs,
@@ -290,10 +290,21 @@ fn link_sk_lookup(
     Ok(())
 }
 
+/// Whether this kernel has TCX links (6.6): aya attaches TC programs with TCX there and through
+/// netlink (a clsact qdisc and a filter) below it, the same test.
+pub fn tcx_supported() -> bool {
+    KernelVersion::current().is_ok_and(|k| k >= KernelVersion::new(6, 6, 0))
+}
+
 /// Loads the pod's instance of the TC counters (they key on a load-time constant), attaches
-/// them to `iface` in the calling thread's netns (the pod's) and pins the links in `dir`.
-/// Returns the interface index. TCX attachment costs the kernel an RCU grace period per link
-/// (~12 ms here): counters are optional.
+/// them to `iface` in the calling thread's netns (the pod's) and, with TCX, pins the links in
+/// `dir`. Returns the interface index. TCX attachment costs the kernel an RCU grace period per
+/// link (~12 ms here): counters are optional.
+///
+/// Below 6.6 (no TCX) the programs go in as netlink filters on a clsact qdisc, which is what the
+/// kernel has there. Such a filter is not a bpf link: it cannot be pinned and stays attached
+/// after this process exits (aya's link would detach it on drop, so it is forgotten), until
+/// `detach_tc_filters` removes it by name or the pod's interface goes away with its netns.
 fn attach_tc(
     dp: &Datapath,
     cookie: NetnsCookie,
@@ -303,26 +314,79 @@ fn attach_tc(
 ) -> Result<u32> {
     let ifindex = nix::net::if_::if_nametoindex(iface)
         .map_err(|_| Error::NoSuchInterface { pod: pod.to_owned(), iface: iface.to_owned() })?;
-    let mut ebpf = dp.load_pod_object(cookie)?;
-    for (program, attach_type, pin) in [
-        (programs::TC_POD_INGRESS, TcAttachType::Ingress, link_pins::TC_INGRESS),
-        (programs::TC_POD_EGRESS, TcAttachType::Egress, link_pins::TC_EGRESS),
-    ] {
-        let prog: &mut SchedClassifier = ebpf
-            .program_mut(program)
-            .and_then(|p| p.try_into().ok())
-            .ok_or_else(|| Error::bpf(program, io::Error::other("not a TC program")))?;
-        load(prog.load(), program)?;
-        let what = || format!("pod {pod}: attaching {program} to {iface}");
-        let id = prog.attach(iface, attach_type).map_err(|e| Error::bpf(what(), e))?;
-        let link: FdLink = prog
-            .take_link(id)
-            .map_err(|e| Error::bpf(what(), e))?
-            .try_into()
-            .map_err(|e| Error::bpf(what(), e))?;
-        link.pin(dir.join(pin)).map_err(|e| Error::bpf(format!("pod {pod}: pinning {pin}"), e))?;
+    let tcx = tcx_supported();
+    if !tcx {
+        // A filter left by an earlier enrolment of this netns would count twice.
+        detach_tc_filters(iface);
+        if let Err(e) = aya::programs::tc::qdisc_add_clsact(iface) {
+            // Usually "exists" (another tool or an earlier enrolment made it); if it is really
+            // missing, attaching says so next.
+            tracing::debug!(%pod, %iface, error = %e, "adding the clsact qdisc");
+        }
     }
-    Ok(ifindex)
+    let mut ebpf = dp.load_pod_object(cookie)?;
+    let attached = (|| {
+        for (program, attach_type, pin) in [
+            (programs::TC_POD_INGRESS, TcAttachType::Ingress, link_pins::TC_INGRESS),
+            (programs::TC_POD_EGRESS, TcAttachType::Egress, link_pins::TC_EGRESS),
+        ] {
+            let prog: &mut SchedClassifier = ebpf
+                .program_mut(program)
+                .and_then(|p| p.try_into().ok())
+                .ok_or_else(|| Error::bpf(program, io::Error::other("not a TC program")))?;
+            load(prog.load(), program)?;
+            let what = || format!("pod {pod}: attaching {program} to {iface}");
+            let id = prog.attach(iface, attach_type).map_err(|e| Error::bpf(what(), e))?;
+            let link = prog.take_link(id).map_err(|e| Error::bpf(what(), e))?;
+            if !tcx {
+                std::mem::forget(link);
+                continue;
+            }
+            let link: FdLink = link.try_into().map_err(|e| Error::bpf(what(), e))?;
+            link.pin(dir.join(pin))
+                .map_err(|e| Error::bpf(format!("pod {pod}: pinning {pin}"), e))?;
+        }
+        Ok(())
+    })();
+    if attached.is_err() && !tcx {
+        detach_tc_filters(iface);
+    }
+    attached.map(|()| ifindex)
+}
+
+/// Removes the counters' netlink filters (kernels without TCX) from `iface` in the calling
+/// thread's netns; nothing to do where there are none. With TCX, unpinning the links detaches.
+pub fn detach_tc_filters(iface: &str) {
+    for (attach_type, program) in [
+        (TcAttachType::Ingress, programs::TC_POD_INGRESS),
+        (TcAttachType::Egress, programs::TC_POD_EGRESS),
+    ] {
+        match aya::programs::tc::qdisc_detach_program(iface, attach_type, program) {
+            Ok(()) => {}
+            Err(aya::programs::tc::TcError::IoError(e)) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => warn!(%iface, %program, error = %e, "detaching the TC counters"),
+        }
+    }
+}
+
+/// Unenrols the pod whose netns is `netns`: as `unenrol`, and first, on kernels without TCX,
+/// takes the counters' filters off its interface (they are not links, so only something inside
+/// the netns can). Without this they would stay attached, counting nothing (their map entry is
+/// gone), until the netns goes away.
+pub fn unenrol_netns(dp: &Datapath, netns: &Netns) -> Result<()> {
+    let cookie = netns.cookie();
+    if !tcx_supported() {
+        if let Ok(info) = dp.pods()?.get(&cookie, 0) {
+            if info.ifindex != 0 {
+                netns.run(|| {
+                    if let Ok(name) = nix::net::if_::if_indextoname(info.ifindex) {
+                        detach_tc_filters(&name.to_string_lossy());
+                    }
+                })?;
+            }
+        }
+    }
+    unenrol(dp, cookie)
 }
 
 /// Removes everything enrolment made for the pod with this cookie. Works whether or not the

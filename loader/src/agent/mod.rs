@@ -120,7 +120,7 @@ impl Agent {
         f: impl FnOnce(&Datapath) -> anyhow::Result<T>,
     ) -> anyhow::Result<T> {
         let _one = self.dp_lock.lock().map_err(|_| anyhow::anyhow!("datapath lock poisoned"))?;
-        let dp = Datapath::open_or_load(&self.cfg.pin_root)?;
+        let dp = Datapath::open_or_load(&self.cfg.pin_root).map_err(crate::doctor::explain)?;
         f(&dp)
     }
 

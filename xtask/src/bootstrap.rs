@@ -38,6 +38,15 @@ pub const DEBIAN_PACKAGES: &[(&str, &str)] = &[
     ("curl", "curl"),
 ];
 
+/// Debian packages the kernel-matrix VMs need (`cargo xtask test --kernel …`): the emulator and
+/// its virtiofs daemon, a static busybox for the guest's initramfs, and depmod for the guest
+/// kernel's module index.
+pub const VM_PACKAGES: &[(&str, &str)] = &[
+    ("qemu-system-x86", "qemu-system-x86_64"),
+    ("busybox-static", "/bin/busybox"),
+    ("kmod", "depmod"),
+];
+
 /// What `ensure` should make sure of.
 #[derive(Debug, Clone, Copy)]
 pub struct Needs {
@@ -45,6 +54,9 @@ pub struct Needs {
     pub ebpf_toolchain: bool,
     /// Debian packages and a mounted bpffs (anything that runs programs or traffic).
     pub runtime: bool,
+    /// What booting Debian's kernels under QEMU needs (packages only; kernels are fetched by
+    /// vm.rs when a run asks for them).
+    pub vm: bool,
 }
 
 /// Brings the machine to what `needs` asks for. Returns the directory to put first on PATH so
@@ -56,10 +68,13 @@ pub fn ensure(needs: Needs) -> Result<Option<PathBuf>> {
         path_dir = Some(ensure_bpf_linker()?);
     }
     if needs.runtime {
-        ensure_debian_packages()?;
+        ensure_debian_packages(DEBIAN_PACKAGES)?;
         ensure_bpffs()?;
         ensure_kubernetes_validate()?;
         crate::kube_api::ensure_kube_apiserver()?;
+    }
+    if needs.vm {
+        ensure_debian_packages(VM_PACKAGES)?;
     }
     Ok(path_dir)
 }
@@ -219,12 +234,9 @@ fn ensure_kubernetes_validate() -> Result<()> {
     bail!("could not install {KUBERNETES_VALIDATE}: run `python3 -m pip install {KUBERNETES_VALIDATE}`")
 }
 
-fn ensure_debian_packages() -> Result<()> {
-    let missing: Vec<&str> = DEBIAN_PACKAGES
-        .iter()
-        .filter(|(pkg, _)| !package_installed(pkg))
-        .map(|(pkg, _)| *pkg)
-        .collect();
+fn ensure_debian_packages(packages: &[(&str, &str)]) -> Result<()> {
+    let missing: Vec<&str> =
+        packages.iter().filter(|(pkg, _)| !package_installed(pkg)).map(|(pkg, _)| *pkg).collect();
     if missing.is_empty() {
         return Ok(());
     }
@@ -280,7 +292,7 @@ fn ensure_bpffs() -> Result<()> {
         .context("could not mount bpffs at /sys/fs/bpf (needs root)")
 }
 
-fn output(program: &str, args: &[&str]) -> Result<String> {
+pub fn output(program: &str, args: &[&str]) -> Result<String> {
     let out = Command::new(program)
         .args(args)
         .stderr(Stdio::inherit())

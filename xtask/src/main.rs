@@ -5,6 +5,7 @@ mod bootstrap;
 mod cargo;
 mod demo;
 mod kube_api;
+mod vm;
 
 use std::process::ExitCode;
 
@@ -28,10 +29,18 @@ enum Cmd {
         #[arg(long)]
         release: bool,
     },
-    /// Run every check and test: rustfmt, clippy, unit and end-to-end tests (as root).
+    /// Run every check and test: rustfmt, clippy, unit and end-to-end tests (as root) on this
+    /// machine's kernel, then the capture tests on Debian's 6.1 kernel (the floor) under QEMU.
     Test {
-        /// Only run tests whose name contains this.
+        /// Only run tests whose name contains this (on this machine's kernel).
         filter: Option<String>,
+        /// Only this kernel: `host` (this machine's, every test) or a Debian series booted
+        /// under QEMU (the capture tests).
+        #[arg(long, value_parser = ["host", "6.1", "6.12"], conflicts_with = "kernels")]
+        kernel: Option<String>,
+        /// `all`: this machine's kernel, then every series in the matrix (6.1, 6.12).
+        #[arg(long, value_parser = ["all"])]
+        kernels: Option<String>,
     },
     /// Run two local nodes (agent and proxy each), pods made through the real CNI chain, real
     /// traffic across nodes over HBONE.
@@ -76,27 +85,38 @@ fn run(cli: Cli) -> Result<()> {
     use bootstrap::Needs;
     match cli.command {
         Cmd::Setup => {
-            bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: true })?;
+            bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: true, vm: true })?;
             println!("setup: everything meshpath needs is installed");
         }
         Cmd::Build { release } => {
-            let path = bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: false })?;
+            let path =
+                bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: false, vm: false })?;
             cargo::build(path.as_deref(), release)?;
         }
-        Cmd::Test { filter } => {
+        Cmd::Test { filter, kernel, kernels } => {
             if !bootstrap::is_root() {
                 bail!(
                     "the tests load eBPF programs and create network namespaces: run them as root"
                 );
             }
-            let path = bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: true })?;
-            cargo::test(path.as_deref(), filter.as_deref())?;
+            let (host, series): (bool, Vec<&str>) = match (kernel.as_deref(), kernels.is_some()) {
+                (_, true) => (true, vm::SERIES.to_vec()),
+                (Some("host"), _) => (true, vec![]),
+                (Some(one), _) => (false, vec![one]),
+                (None, _) => (true, vec![vm::FLOOR]),
+            };
+            let path = bootstrap::ensure(Needs {
+                ebpf_toolchain: true,
+                runtime: true,
+                vm: !series.is_empty(),
+            })?;
+            test(path.as_deref(), filter.as_deref(), host, &series)?;
         }
         Cmd::Bench { which, args } => {
             if !bootstrap::is_root() {
                 bail!("the benchmarks load eBPF programs and create network namespaces: run them as root");
             }
-            let path = bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: true })?;
+            let path = bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: true, vm: false })?;
             let bin_dir = cargo::build(path.as_deref(), true)?;
             let mut cmd = std::process::Command::new(bin_dir.join("meshpath-bench"));
             cmd.arg(&which);
@@ -107,7 +127,8 @@ fn run(cli: Cli) -> Result<()> {
             bootstrap::run(cmd.args(args))?;
         }
         Cmd::Ca { dir } => {
-            let path = bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: false })?;
+            let path =
+                bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: false, vm: false })?;
             let bin_dir = cargo::build(path.as_deref(), false)?;
             bootstrap::run(
                 std::process::Command::new(bin_dir.join("meshpath-proxy")).arg("new-ca").arg(&dir),
@@ -119,7 +140,7 @@ fn run(cli: Cli) -> Result<()> {
                     "the demo loads eBPF programs and creates network namespaces: run it as root"
                 );
             }
-            let path = bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: true })?;
+            let path = bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: true, vm: false })?;
             let bin_dir = cargo::build(path.as_deref(), false)?;
             let proxy = if proxy == "ztunnel-like" {
                 demo::Proxy::ZtunnelLike
@@ -128,6 +149,66 @@ fn run(cli: Cli) -> Result<()> {
             };
             demo::run(&bin_dir, keep, proxy, kube)?;
         }
+    }
+    Ok(())
+}
+
+/// Checks and tests on this machine's kernel (`host`), then the capture tests in a VM per
+/// kernel series; ends with one total line per kernel and one overall.
+fn test(
+    path: Option<&std::path::Path>,
+    filter: Option<&str>,
+    host: bool,
+    series: &[&str],
+) -> Result<()> {
+    let mut lines = Vec::new();
+    let mut total = cargo::Totals::default();
+    let mut bad = Vec::new();
+    if host {
+        cargo::checks(path)?;
+    }
+    // The end-to-end tests run the loader binary: build every binary first.
+    let bin_dir = cargo::build(path, false)?;
+    if host {
+        let t = cargo::test(path, &bin_dir, filter)?;
+        lines.push(format!("this machine's kernel: {} passed, {} failed", t.passed, t.failed));
+        total.passed += t.passed;
+        total.failed += t.failed;
+        if t.failed > 0 {
+            bad.push("this machine's kernel".to_owned());
+        }
+    }
+    if !series.is_empty() {
+        let bins = cargo::test_binaries(path)?;
+        for s in series {
+            let out = vm::run_matrix_entry(s, &bin_dir, &bins)?;
+            lines.push(format!(
+                "Linux {} (QEMU): {} passed, {} failed{}",
+                out.release,
+                out.passed,
+                out.failed,
+                if out.failed_suites.is_empty() {
+                    String::new()
+                } else {
+                    format!("; failing: {}", out.failed_suites.join(", "))
+                }
+            ));
+            total.passed += out.passed;
+            total.failed += out.failed;
+            if out.failed > 0 || !out.failed_suites.is_empty() {
+                bad.push(format!("Linux {}", out.release));
+            }
+        }
+    }
+    for l in &lines {
+        println!("tests on {l}");
+    }
+    println!("tests: {} passed, {} failed", total.passed, total.failed);
+    if !bad.is_empty() {
+        bail!("tests failed on {}", bad.join(", "));
+    }
+    if total.passed == 0 {
+        bail!("cargo test ran no test");
     }
     Ok(())
 }

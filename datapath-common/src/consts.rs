@@ -173,6 +173,10 @@ pub mod map_names {
     pub const POD_COUNTERS: &str = "POD_COUNTERS";
     /// [`crate::PodInfo`] per enrolled pod, keyed by the pod's netns cookie.
     pub const PODS: &str = "PODS";
+    /// Decision counts per pod and reason, per CPU: [`crate::decisions::DecisionKey`] → u64.
+    pub const DECISIONS: &str = "DECISIONS";
+    /// Ring buffer of [`crate::decisions::DecisionEvent`], written while a monitor watches.
+    pub const MONITOR_EVENTS: &str = "MONITOR_EVENTS";
     /// cgroup ids whose sockets are never captured (the proxy's), value unused.
     pub const PROXY_CGROUPS: &str = "PROXY_CGROUPS";
     /// [`crate::OrigDst`] by the app socket's cookie (LRU).

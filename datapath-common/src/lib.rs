@@ -8,6 +8,7 @@
 #![no_std]
 
 pub mod consts;
+pub mod decisions;
 pub mod maps;
 
 pub use maps::*;

@@ -228,6 +228,13 @@ impl SockKey {
 pub mod node_flags {
     /// Shortcut the app↔proxy hop with sockops + sk_msg (`LOCAL_SOCKS`).
     pub const ACCELERATE: u32 = 1 << 0;
+    /// Stop counting decisions in `DECISIONS` (counting is on by default; off only to measure
+    /// what it costs).
+    pub const DECISION_COUNTERS_OFF: u32 = 1 << 1;
+    /// A monitor is watching: send every decision to `MONITOR_EVENTS`.
+    pub const MONITOR: u32 = 1 << 2;
+    /// With `MONITOR`: only refusals and drops.
+    pub const MONITOR_DROPS_ONLY: u32 = 1 << 3;
 }
 
 /// Directions for [`PortKey::direction`].
@@ -298,6 +305,7 @@ mod user {
     unsafe impl aya::Pod for super::TransparentKey {}
     unsafe impl aya::Pod for super::PodAddrs {}
     unsafe impl aya::Pod for super::ListenerKey {}
+    unsafe impl aya::Pod for crate::decisions::DecisionKey {}
     // SAFETY: both types are #[repr(C)], made only of integers and byte arrays, with no padding
     // (u32+u32+u64+[u8;64] and 4×u64), so every bit pattern is valid.
     unsafe impl aya::Pod for super::PodCounters {}

@@ -12,17 +12,17 @@ use datapath_common::consts::ports;
 
 use crate::{
     net::{is_v4_mapped, LOOPBACK4, LOOPBACK6},
-    outbound::{orig_of, show4, show6, steer4, steer6, ALLOW},
+    outbound::{orig_of, show4, show6, steer4, steer6, Hook, ALLOW},
 };
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn mp_sendmsg4(ctx: SockAddrContext) -> i32 {
-    steer4(&ctx)
+    steer4(&ctx, Hook::Sendmsg)
 }
 
 #[cgroup_sock_addr(sendmsg6)]
 pub fn mp_sendmsg6(ctx: SockAddrContext) -> i32 {
-    steer6(&ctx)
+    steer6(&ctx, Hook::Sendmsg)
 }
 
 /// Whether the datagram's source (in the context's user address) is the DNS listener.

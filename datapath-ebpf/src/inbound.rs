@@ -25,10 +25,12 @@ use aya_ebpf::{bindings::bpf_sk_lookup, macros::sk_lookup, programs::SkLookupCon
 use core::ptr::{addr_of, read_volatile};
 use datapath_common::{
     consts::{ports, probe},
-    direction, pod_flags, ListenerKey, PodIpKey, PortKey, TransparentKey, AF_INET, AF_INET6,
+    decisions::{reason, NODE_WIDE},
+    direction, pod_flags, NetnsCookie, ListenerKey, PodIpKey, PortKey, TransparentKey, AF_INET, AF_INET6,
 };
 
 use crate::{
+    decisions::{record, Tuple},
     maps::{EXCLUDED_PORTS, INBOUND_LISTENERS, PODS, POD_IPS, PROXY_TRANSPARENT},
     net::{cidr_excluded, is_loopback4, is_v4_mapped, LOOPBACK6},
 };
@@ -104,12 +106,35 @@ impl Lookup {
 #[sk_lookup]
 pub fn mp_sk_lookup(ctx: SkLookupContext) -> u32 {
     let l = Lookup::read(ctx.lookup);
-    if l.protocol != IPPROTO_TCP || l.ifindex == LOOPBACK_IFINDEX || l.stays_in_pod() {
+    if l.protocol != IPPROTO_TCP {
         return SK_PASS;
+    }
+    let (verdict, netns, why) = decide(&ctx, &l);
+    record(netns, why, || Tuple {
+        src: l.remote.addr,
+        dst: l.local.addr,
+        src_port: l.remote_port,
+        dst_port: l.local_port,
+    });
+    verdict
+}
+
+/// The pod a lookup's destination address belongs to, or node-wide for none.
+#[inline(always)]
+fn pod_of(l: &Lookup) -> NetnsCookie {
+    // SAFETY: map values are plain data owned by the map.
+    unsafe { POD_IPS.get(&l.local) }.copied().unwrap_or(NODE_WIDE)
+}
+
+/// What to do with a TCP lookup: the verdict, the pod to count it under, and why.
+#[inline(always)]
+fn decide(ctx: &SkLookupContext, l: &Lookup) -> (u32, NetnsCookie, u32) {
+    if l.ifindex == LOOPBACK_IFINDEX || l.stays_in_pod() {
+        return (SK_PASS, pod_of(l), reason::IN_PASS_IN_POD);
     }
     let port = l.local_port;
     if port == ports::HBONE || port == ports::INBOUND_PLAINTEXT {
-        return SK_PASS;
+        return (SK_PASS, pod_of(l), reason::IN_PASS_PROXY_PORT);
     }
     // A transparent connection made inside the pod to the pod (the proxy connecting to the app
     // with the client's address): never recaptured.
@@ -121,43 +146,45 @@ pub fn mp_sk_lookup(ctx: SkLookupContext) -> u32 {
     };
     // SAFETY: as below.
     if unsafe { PROXY_TRANSPARENT.get(&transparent) }.is_some() {
-        return SK_PASS;
+        return (SK_PASS, pod_of(l), reason::IN_PASS_PROXY_CONNECTION);
     }
     // SAFETY: map values are plain data owned by the map.
     let Some(&netns) = (unsafe { POD_IPS.get(&l.local) }) else {
-        return SK_DROP;
+        return (SK_DROP, NODE_WIDE, reason::IN_DROP_UNKNOWN_ADDRESS);
     };
     // SAFETY: as above.
     let Some(pod) = (unsafe { PODS.get(&netns) }) else {
-        return SK_DROP;
+        // Addresses without a pod: an enrolment being made or removed. Counted node-wide: the
+        // cookie has no pod to be removed with.
+        return (SK_DROP, NODE_WIDE, reason::IN_DROP_UNKNOWN_ADDRESS);
     };
     if pod.flags & pod_flags::CAPTURE_INBOUND == 0 {
-        return SK_PASS;
+        return (SK_PASS, netns, reason::IN_PASS_NOT_CAPTURED);
     }
     if pod.flags & pod_flags::PROBE_BYPASS != 0 && l.remote == probe_source(l.family) {
-        return SK_PASS;
+        return (SK_PASS, netns, reason::IN_PASS_PROBE);
     }
     let excluded = PortKey { netns, port, direction: direction::INBOUND, _pad: 0 };
     // SAFETY: as above.
     if unsafe { EXCLUDED_PORTS.get(&excluded) }.is_some() {
-        return SK_PASS;
+        return (SK_PASS, netns, reason::IN_PASS_EXCLUDED_PORT);
     }
     if cidr_excluded(netns, direction::INBOUND, l.remote.addr) {
-        return SK_PASS;
+        return (SK_PASS, netns, reason::IN_PASS_EXCLUDED_CIDR);
     }
     let port = ports::INBOUND_PLAINTEXT;
     if l.family == u32::from(AF_INET) {
         let v4 = ListenerKey { netns, port, family: AF_INET, _pad: 0 };
-        if INBOUND_LISTENERS.redirect_sk_lookup(&ctx, v4, 0).is_ok() {
-            return SK_PASS;
+        if INBOUND_LISTENERS.redirect_sk_lookup(ctx, v4, 0).is_ok() {
+            return (SK_PASS, netns, reason::IN_STEERED);
         }
     }
     // A dual-stack [::]:15006 (ztunnel's) serves both families; the kernel refuses to assign a
     // v6-only one to an IPv4 lookup.
     let v6 = ListenerKey { netns, port, family: AF_INET6, _pad: 0 };
-    match INBOUND_LISTENERS.redirect_sk_lookup(&ctx, v6, 0) {
-        Ok(()) => SK_PASS,
-        Err(_) => SK_DROP,
+    match INBOUND_LISTENERS.redirect_sk_lookup(ctx, v6, 0) {
+        Ok(()) => (SK_PASS, netns, reason::IN_STEERED),
+        Err(_) => (SK_DROP, netns, reason::IN_DROP_NO_LISTENER),
     }
 }
 

@@ -2,6 +2,7 @@
 //! to the shared programs, and every per-pod fact is looked up by the pod's netns cookie.
 //!
 //! - `maps`: every map, pinned by name.
+//! - `decisions`: every decision counted per pod and reason, streamed while a monitor watches.
 //! - `pod_traffic`: TC (TCX) counters on the pod's interface (one instance per pod).
 //! - `outbound`: cgroup connect4/6, getpeername4/6 and sock_ops: capture of outbound TCP to the
 //!   proxy's outbound listener, without netfilter (node-wide, filtered by netns cookie).
@@ -17,6 +18,7 @@
 #![no_main]
 
 mod accelerate;
+mod decisions;
 mod dns;
 mod inbound;
 mod maps;

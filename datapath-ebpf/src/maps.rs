@@ -3,11 +3,12 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuHashMap, SockHash},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuHashMap, RingBuf, SockHash},
     Global,
 };
 use datapath_common::{
     consts::{MAX_PODS, MAX_TRACKED_CONNECTIONS},
+    decisions::{DecisionKey, MAX_DECISION_KEYS, MONITOR_RING_BYTES},
     CidrKey, ConnKey, ListenerKey, NetnsCookie, OrigDst, PodAddrs, PodCounters, PodInfo, PodIpKey,
     PortKey, SockKey, TransparentKey,
 };
@@ -16,6 +17,14 @@ use datapath_common::{
 #[map]
 pub static POD_COUNTERS: PerCpuHashMap<NetnsCookie, PodCounters> =
     PerCpuHashMap::pinned(MAX_PODS, 0);
+
+/// What the programs decided, per pod (or node-wide) and reason, per CPU.
+#[map]
+pub static DECISIONS: PerCpuHashMap<DecisionKey, u64> = PerCpuHashMap::pinned(MAX_DECISION_KEYS, 0);
+
+/// One event per decision while a monitor watches (`node_flags::MONITOR`).
+#[map]
+pub static MONITOR_EVENTS: RingBuf = RingBuf::pinned(MONITOR_RING_BYTES, 0);
 
 /// The enrolled pods and what to do for each (`PodInfo::flags`).
 #[map]

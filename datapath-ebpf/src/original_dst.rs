@@ -11,16 +11,18 @@ use aya_ebpf::{
     programs::SockoptContext,
     EbpfContext as _,
 };
-use core::ptr::{addr_of_mut, write_volatile};
+use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 use datapath_common::{
     consts::{
         ports,
         sockopt::{IP6T_SO_ORIGINAL_DST, SOL_IP, SOL_IPV6, SO_ORIGINAL_DST},
     },
+    decisions::{reason, NODE_WIDE},
     pod_flags, ConnKey, NetnsCookie, OrigDst, AF_INET, AF_INET6,
 };
 
 use crate::{
+    decisions::{mapped, record, Tuple},
     maps::{ORIG_DST_BY_CONN, PODS, PROXY_CGROUPS},
     net::{is_v4_mapped, words_to_bytes, SockaddrIn, SockaddrIn6, V4_MAPPED_PREFIX},
 };
@@ -58,7 +60,12 @@ unsafe fn answer(ctx: &SockoptContext) {
             [s.dst_ip6[0], s.dst_ip6[1], s.dst_ip6[2], s.dst_ip6[3]],
         )
     };
+    // Its own volatile load at a constant offset: read with the others, LLVM computed the
+    // field's address first ("pointer arithmetic on sock prohibited").
+    let peer_ip4 = unsafe { read_volatile(addr_of!((*sk).dst_ip4)) };
     let v4 = family == u32::from(AF_INET) || is_v4_mapped(&peer_ip6);
+    // The peer as the monitor shows it.
+    let peer_ip6 = if family == u32::from(AF_INET) { mapped(peer_ip4) } else { peer_ip6 };
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     // bpf_sock.src_port (the accepted socket's local port) is in host byte order. Accepted on
     // the outbound listener: an outbound capture; on any other port: an inbound one.
@@ -73,12 +80,12 @@ unsafe fn answer(ctx: &SockoptContext) {
         };
         match unsafe { ORIG_DST_BY_CONN.get(&key) } {
             Some(o) => *o,
-            None => return,
+            None => return refused(netns, peer_ip6, peer_port, local_port),
         }
     } else {
         match unsafe { inbound_orig(sk, netns) } {
             Some(o) => o,
-            None => return,
+            None => return refused(netns, peer_ip6, peer_port, local_port),
         }
     };
     let optval = unsafe { (*so).__bindgen_anon_2.optval } as *mut u8;
@@ -121,6 +128,35 @@ unsafe fn answer(ctx: &SockoptContext) {
     unsafe {
         write_volatile(addr_of_mut!((*so).optlen), len as i32);
         write_volatile(addr_of_mut!((*so).retval), 0);
+    }
+    let dst = if orig.family == AF_INET { mapped(orig.addr[0]) } else { orig.addr };
+    record(pod_or_node(netns), reason::ORIGINAL_DST_ANSWERED, || Tuple {
+        src: peer_ip6,
+        dst,
+        src_port: peer_port,
+        dst_port: u16::from_be(orig.port),
+    });
+}
+
+/// The proxy asked about a socket the datapath did not capture: it gets netfilter's ENOENT.
+#[inline(always)]
+fn refused(netns: NetnsCookie, peer: [u32; 4], peer_port: u16, local_port: u16) {
+    record(pod_or_node(netns), reason::ORIGINAL_DST_REFUSED, || Tuple {
+        src: peer,
+        src_port: peer_port,
+        dst_port: local_port,
+        ..Tuple::default()
+    });
+}
+
+/// `netns` if it is an enrolled pod's, else node-wide (keys stay bounded by the pods).
+#[inline(always)]
+fn pod_or_node(netns: NetnsCookie) -> NetnsCookie {
+    // SAFETY: map values are plain data owned by the map.
+    if unsafe { PODS.get(&netns) }.is_some() {
+        netns
+    } else {
+        NODE_WIDE
     }
 }
 

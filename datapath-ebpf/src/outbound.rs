@@ -31,12 +31,15 @@ use aya_ebpf::{
 };
 use core::ptr::{addr_of_mut, write_volatile};
 use datapath_common::{
-    consts::ports, direction, pod_flags, ConnKey, NetnsCookie, OrigDst, PodIpKey, PortKey, AF_INET,
+    consts::ports,
+    decisions::{reason, NODE_WIDE},
+    direction, pod_flags, ConnKey, NetnsCookie, OrigDst, PodIpKey, PortKey, AF_INET,
     AF_INET6,
 };
 
 use crate::{
     accelerate,
+    decisions::{mapped, record, Tuple},
     maps::{
         EXCLUDED_PORTS, ORIG_DST_BY_CONN, ORIG_DST_BY_SOCKET, PODS, POD_ADDRS, POD_IPS,
         PROXY_CGROUPS,
@@ -51,51 +54,105 @@ const REFUSE: i32 = 0;
 const IPPROTO_TCP: u32 = 6;
 const IPPROTO_UDP: u32 = 17;
 
-/// The proxy port this socket's traffic to `port_be` must go to, if any: DNS (TCP or UDP to
-/// port 53) when the pod's DNS is captured, else the outbound listener for TCP when its outbound
-/// is captured and the port is not excluded. None for the proxy's own sockets. Also returns the
-/// pod's netns cookie.
+/// The proxy port this socket's traffic to `port_be` must go to: DNS (TCP or UDP to port 53)
+/// when the pod's DNS is captured, else the outbound listener for TCP when its outbound is
+/// captured and the port is not excluded; with the pod's netns cookie. Otherwise the netns to
+/// count under and why not (reason 0: nothing worth counting, e.g. not TCP or UDP).
 #[inline(always)]
-fn target(ctx: &SockAddrContext, addr: [u32; 4], port_be: u16) -> Option<(u16, NetnsCookie)> {
+fn target(
+    ctx: &SockAddrContext,
+    addr: [u32; 4],
+    port_be: u16,
+) -> Result<(u16, NetnsCookie), (NetnsCookie, u32)> {
     // SAFETY: the context pointer is the kernel's bpf_sock_addr for this call.
     let protocol = unsafe { (*ctx.sock_addr).protocol };
     if protocol != IPPROTO_TCP && protocol != IPPROTO_UDP {
-        return None;
+        return Err((NODE_WIDE, 0));
     }
     // SAFETY: helpers called with this program's own context.
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     // SAFETY: map values are plain data owned by the map.
-    let pod = unsafe { PODS.get(&netns) }?;
+    let Some(pod) = (unsafe { PODS.get(&netns) }) else {
+        return Err((NODE_WIDE, reason::OUT_PASS_NOT_ENROLLED));
+    };
     if pod.flags & (pod_flags::CAPTURE_OUTBOUND | pod_flags::CAPTURE_DNS) == 0 {
-        return None;
+        return Err((netns, reason::OUT_PASS_NOT_CAPTURED));
     }
     // SAFETY: no arguments.
     let cgroup = unsafe { bpf_get_current_cgroup_id() };
     // SAFETY: as above.
     if unsafe { PROXY_CGROUPS.get(&cgroup) }.is_some() {
-        return None;
+        return Err((netns, reason::OUT_PASS_PROXY_CGROUP));
     }
     let port = u16::from_be(port_be);
     if port == ports::DNS_UPSTREAM && pod.flags & pod_flags::CAPTURE_DNS != 0 {
-        return Some((ports::DNS, netns));
+        return Ok((ports::DNS, netns));
     }
     if protocol != IPPROTO_TCP || pod.flags & pod_flags::CAPTURE_OUTBOUND == 0 {
-        return None;
+        return Err((netns, reason::OUT_PASS_NOT_CAPTURED));
     }
     let key = PortKey { netns, port, direction: direction::OUTBOUND, _pad: 0 };
     // SAFETY: as above.
     if unsafe { EXCLUDED_PORTS.get(&key) }.is_some() {
-        return None;
+        return Err((netns, reason::OUT_PASS_EXCLUDED_PORT));
     }
     // The pod talking to its own address stays in the pod (istio-cni: "via lo → ACCEPT").
     // SAFETY: as above.
     if unsafe { POD_IPS.get(&PodIpKey { addr }) } == Some(&netns) {
-        return None;
+        return Err((netns, reason::OUT_PASS_OWN_ADDRESS));
     }
     if cidr_excluded(netns, direction::OUTBOUND, addr) {
-        return None;
+        return Err((netns, reason::OUT_PASS_EXCLUDED_CIDR));
     }
-    Some((ports::OUTBOUND, netns))
+    Ok((ports::OUTBOUND, netns))
+}
+
+/// Which hook steers: connect (every decision counted) or sendmsg (only captured DNS counted:
+/// a node's every UDP datagram is not worth a count).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Hook {
+    Connect,
+    Sendmsg,
+}
+
+/// Counts a connect that stays on loopback: under its pod, or node-wide outside any pod.
+#[inline(always)]
+fn count_loopback(ctx: &SockAddrContext, hook: Hook, dst: [u32; 4], port_be: u16) {
+    if hook != Hook::Connect {
+        return;
+    }
+    // SAFETY: helper called with this program's own context; map values are plain data.
+    let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let (netns, why) = if unsafe { PODS.get(&netns) }.is_some() {
+        (netns, reason::OUT_PASS_LOOPBACK)
+    } else {
+        (NODE_WIDE, reason::OUT_PASS_NOT_ENROLLED)
+    };
+    record(netns, why, || to(dst, port_be));
+}
+
+/// A monitor tuple with only the destination known (connect and sendmsg run before the source
+/// port is chosen).
+#[inline(always)]
+fn to(dst: [u32; 4], port_be: u16) -> Tuple {
+    Tuple { dst, dst_port: u16::from_be(port_be), ..Tuple::default() }
+}
+
+/// Counts the outcome of [`target`] for a destination that was not steered.
+#[inline(always)]
+fn count_pass(hook: Hook, (netns, why): (NetnsCookie, u32), dst: [u32; 4], port_be: u16) {
+    if hook == Hook::Connect && why != 0 {
+        record(netns, why, || to(dst, port_be));
+    }
+}
+
+/// Counts a steered destination.
+#[inline(always)]
+fn count_steered(hook: Hook, to_port: u16, netns: NetnsCookie, dst: [u32; 4], port_be: u16) {
+    let why = if to_port == ports::DNS { reason::DNS_CAPTURED } else { reason::OUT_CAPTURED };
+    if hook == Hook::Connect || why == reason::DNS_CAPTURED {
+        record(netns, why, || to(dst, port_be));
+    }
 }
 
 /// Where a captured connection is sent: the DNS listener on loopback, the outbound listener at
@@ -137,20 +194,27 @@ fn remember(ctx: &SockAddrContext, orig: &OrigDst) -> bool {
 
 /// Rewrites an IPv4 destination (connect4, sendmsg4) to the proxy if captured.
 #[inline(always)]
-pub fn steer4(ctx: &SockAddrContext) -> i32 {
+pub fn steer4(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let sa = ctx.sock_addr;
     // SAFETY: fields of the kernel's bpf_sock_addr; user_port holds a network-order u16.
     let (ip, port) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
     // Loopback and the unspecified address (which connects to this host) stay in the pod.
     if is_loopback4(ip) || ip == 0 {
+        count_loopback(ctx, hook, mapped(ip), port);
         return ALLOW;
     }
-    let Some((to, netns)) = target(ctx, PodIpKey::v4(ip).addr, port) else {
-        return ALLOW;
+    let (to, netns) = match target(ctx, PodIpKey::v4(ip).addr, port) {
+        Ok(t) => t,
+        Err(not) => {
+            count_pass(hook, not, mapped(ip), port);
+            return ALLOW;
+        }
     };
     if !remember(ctx, &OrigDst { addr: [ip, 0, 0, 0], port, family: AF_INET }) {
+        record(netns, reason::OUT_REFUSED_NO_SLOT, || self::to(mapped(ip), port));
         return REFUSE;
     }
+    count_steered(hook, to, netns, mapped(ip), port);
     let proxy = proxy_addr4(to, netns);
     // Volatile, one field at a time: merged into one 8-byte store the verifier rejects the
     // write ("invalid bpf_context access").
@@ -164,7 +228,7 @@ pub fn steer4(ctx: &SockAddrContext) -> i32 {
 
 /// Rewrites an IPv6 (or v4-mapped) destination to the proxy (v4-mapped for a v4-mapped one).
 #[inline(always)]
-pub fn steer6(ctx: &SockAddrContext) -> i32 {
+pub fn steer6(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let sa = ctx.sock_addr;
     // SAFETY: fields of the kernel's bpf_sock_addr, read one word at a time.
     let (ip, port) = unsafe {
@@ -175,10 +239,15 @@ pub fn steer6(ctx: &SockAddrContext) -> i32 {
     };
     let mapped = is_v4_mapped(&ip);
     if (mapped && (is_loopback4(ip[3]) || ip[3] == 0)) || ip == LOOPBACK6 || ip == [0; 4] {
+        count_loopback(ctx, hook, ip, port);
         return ALLOW;
     }
-    let Some((to, netns)) = target(ctx, ip, port) else {
-        return ALLOW;
+    let (to, netns) = match target(ctx, ip, port) {
+        Ok(t) => t,
+        Err(not) => {
+            count_pass(hook, not, ip, port);
+            return ALLOW;
+        }
     };
     let (orig, lo) = if mapped {
         (
@@ -189,8 +258,10 @@ pub fn steer6(ctx: &SockAddrContext) -> i32 {
         (OrigDst { addr: ip, port, family: AF_INET6 }, proxy_addr6(to, netns))
     };
     if !remember(ctx, &orig) {
+        record(netns, reason::OUT_REFUSED_NO_SLOT, || self::to(ip, port));
         return REFUSE;
     }
+    count_steered(hook, to, netns, ip, port);
     // SAFETY: writable fields of the context (see steer4).
     unsafe {
         write_ip6(sa, lo);
@@ -215,7 +286,7 @@ pub unsafe fn write_ip6(sa: *mut bpf_sock_addr, ip: [u32; 4]) {
 pub fn mp_connect4(ctx: SockAddrContext) -> i32 {
     // SAFETY: a field of the kernel's bpf_sock_addr.
     probes::source4(&ctx, unsafe { (*ctx.sock_addr).user_ip4 });
-    steer4(&ctx)
+    steer4(&ctx, Hook::Connect)
 }
 
 #[cgroup_sock_addr(connect6)]
@@ -225,7 +296,7 @@ pub fn mp_connect6(ctx: SockAddrContext) -> i32 {
     let dst =
         unsafe { [(*sa).user_ip6[0], (*sa).user_ip6[1], (*sa).user_ip6[2], (*sa).user_ip6[3]] };
     probes::source6(&ctx, dst);
-    steer6(&ctx)
+    steer6(&ctx, Hook::Connect)
 }
 
 /// The original destination of a captured app socket, if this is one.

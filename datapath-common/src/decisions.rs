@@ -1,0 +1,140 @@
+//! What the datapath decided, for operators: every branch that matters has a reason code. The
+//! programs count each decision per pod in `DECISIONS` (per CPU) and, while a monitor watches,
+//! send one [`DecisionEvent`] per decision to `MONITOR_EVENTS`. [`REASONS`] is the one table
+//! that names them (hook, decision, reason) for `meshpath-loader show/list/monitor` and the
+//! agent's `meshpath_datapath_decisions_total` metric.
+
+use crate::NetnsCookie;
+
+/// Key of `DECISIONS`. `netns` is the pod's netns cookie, or [`NODE_WIDE`] for decisions about
+/// no enrolled pod (so the key set stays bounded by the pods enrolled).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct DecisionKey {
+    pub netns: NetnsCookie,
+    /// One of [`reason`].
+    pub reason: u32,
+    pub _pad: u32,
+}
+
+/// The `netns` of node-wide decisions (no enrolled pod is involved).
+pub const NODE_WIDE: NetnsCookie = 0;
+
+/// One decision, as the monitor streams it. Addresses are IPv6 or v4-mapped words in network
+/// order; a part the hook does not know yet (connect has no source port) is zero.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DecisionEvent {
+    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC).
+    pub ktime_ns: u64,
+    pub netns: NetnsCookie,
+    pub reason: u32,
+    /// Host order.
+    pub src_port: u16,
+    /// Host order.
+    pub dst_port: u16,
+    pub src: [u32; 4],
+    pub dst: [u32; 4],
+}
+
+/// Reason codes. Each names one branch of one hook; [`REASONS`] gives its labels.
+pub mod reason {
+    // Outbound: cgroup connect4/6 (TCP).
+    /// Sent to the proxy's outbound listener (15001).
+    pub const OUT_CAPTURED: u32 = 1;
+    /// The socket belongs to the proxy's cgroup.
+    pub const OUT_PASS_PROXY_CGROUP: u32 = 2;
+    /// The destination port is excluded for the pod.
+    pub const OUT_PASS_EXCLUDED_PORT: u32 = 3;
+    /// The destination is in a prefix excluded for the pod.
+    pub const OUT_PASS_EXCLUDED_CIDR: u32 = 4;
+    /// Loopback or unspecified destination: stays in the pod.
+    pub const OUT_PASS_LOOPBACK: u32 = 5;
+    /// The pod's own address: stays in the pod.
+    pub const OUT_PASS_OWN_ADDRESS: u32 = 6;
+    /// The pod is enrolled without outbound capture (or the protocol is not captured).
+    pub const OUT_PASS_NOT_CAPTURED: u32 = 7;
+    /// No original-destination slot could be filed: refused rather than leaked.
+    pub const OUT_REFUSED_NO_SLOT: u32 = 8;
+    /// The socket is in no enrolled pod (counted node-wide).
+    pub const OUT_PASS_NOT_ENROLLED: u32 = 9;
+    // DNS: connect (TCP, connected UDP) and sendmsg (UDP) to port 53.
+    /// Sent to the proxy's DNS listener (15053).
+    pub const DNS_CAPTURED: u32 = 20;
+    // Inbound: sk_lookup in the pod's netns (TCP).
+    /// Steered to the proxy's inbound listener (15006).
+    pub const IN_STEERED: u32 = 40;
+    /// To the proxy's own ports (15008 HBONE, 15006): not steered.
+    pub const IN_PASS_PROXY_PORT: u32 = 41;
+    /// From kubelet's probe source, with bypass on.
+    pub const IN_PASS_PROBE: u32 = 42;
+    /// To a port excluded for the pod.
+    pub const IN_PASS_EXCLUDED_PORT: u32 = 43;
+    /// From a client prefix excluded for the pod.
+    pub const IN_PASS_EXCLUDED_CIDR: u32 = 44;
+    /// The proxy's transparent connection to the app (its 4-tuple in `PROXY_TRANSPARENT`).
+    pub const IN_PASS_PROXY_CONNECTION: u32 = 45;
+    /// The pod is enrolled without inbound capture.
+    pub const IN_PASS_NOT_CAPTURED: u32 = 46;
+    /// No proxy listener for the pod (the proxy is down): refused.
+    pub const IN_DROP_NO_LISTENER: u32 = 47;
+    /// To an address no enrolled pod has: refused.
+    pub const IN_DROP_UNKNOWN_ADDRESS: u32 = 48;
+    /// Traffic that stays in the pod (loopback, or the pod to its own address).
+    pub const IN_PASS_IN_POD: u32 = 49;
+    // The proxy's getsockopt(SO_ORIGINAL_DST).
+    /// Answered with a captured connection's original destination.
+    pub const ORIGINAL_DST_ANSWERED: u32 = 60;
+    /// No captured connection matched: the proxy gets ENOENT, as from netfilter.
+    pub const ORIGINAL_DST_REFUSED: u32 = 61;
+}
+
+/// (code, hook, decision, reason) for every reason code: labels for people and metrics.
+pub const REASONS: &[(u32, &str, &str, &str)] = &[
+    (reason::OUT_CAPTURED, "outbound", "captured", "to proxy"),
+    (reason::OUT_PASS_PROXY_CGROUP, "outbound", "passed", "proxy cgroup"),
+    (reason::OUT_PASS_EXCLUDED_PORT, "outbound", "passed", "excluded port"),
+    (reason::OUT_PASS_EXCLUDED_CIDR, "outbound", "passed", "excluded cidr"),
+    (reason::OUT_PASS_LOOPBACK, "outbound", "passed", "loopback"),
+    (reason::OUT_PASS_OWN_ADDRESS, "outbound", "passed", "own address"),
+    (reason::OUT_PASS_NOT_CAPTURED, "outbound", "passed", "capture off"),
+    (reason::OUT_REFUSED_NO_SLOT, "outbound", "refused", "no original-destination slot"),
+    (reason::OUT_PASS_NOT_ENROLLED, "outbound", "passed", "not enrolled"),
+    (reason::DNS_CAPTURED, "dns", "captured", "to dns proxy"),
+    (reason::IN_STEERED, "inbound", "steered", "to proxy"),
+    (reason::IN_PASS_PROXY_PORT, "inbound", "passed", "proxy port"),
+    (reason::IN_PASS_PROBE, "inbound", "passed", "probe"),
+    (reason::IN_PASS_EXCLUDED_PORT, "inbound", "passed", "excluded port"),
+    (reason::IN_PASS_EXCLUDED_CIDR, "inbound", "passed", "excluded cidr"),
+    (reason::IN_PASS_PROXY_CONNECTION, "inbound", "passed", "proxy connection"),
+    (reason::IN_PASS_NOT_CAPTURED, "inbound", "passed", "capture off"),
+    (reason::IN_DROP_NO_LISTENER, "inbound", "dropped", "no listener"),
+    (reason::IN_DROP_UNKNOWN_ADDRESS, "inbound", "dropped", "unknown address"),
+    (reason::IN_PASS_IN_POD, "inbound", "passed", "in pod"),
+    (reason::ORIGINAL_DST_ANSWERED, "getsockopt", "answered", "original destination"),
+    (reason::ORIGINAL_DST_REFUSED, "getsockopt", "refused", "no captured connection"),
+];
+
+/// The labels of a reason code (`None` for a code this build does not know).
+pub fn labels(code: u32) -> Option<(&'static str, &'static str, &'static str)> {
+    REASONS.iter().find(|r| r.0 == code).map(|&(_, h, d, r)| (h, d, r))
+}
+
+/// Whether a reason is a refusal or drop (what `monitor --only drops` shows).
+pub fn is_drop(code: u32) -> bool {
+    matches!(
+        code,
+        reason::OUT_REFUSED_NO_SLOT
+            | reason::IN_DROP_NO_LISTENER
+            | reason::IN_DROP_UNKNOWN_ADDRESS
+            | reason::ORIGINAL_DST_REFUSED
+    )
+}
+
+/// Capacity of `DECISIONS`: every reason for every pod, and the node-wide ones.
+pub const MAX_DECISION_KEYS: u32 = (crate::consts::MAX_PODS + 1) * REASON_SLOTS;
+/// Reasons per pod the map is sized for (at least `REASONS.len()`).
+pub const REASON_SLOTS: u32 = 24;
+
+/// Size of the monitor's ring buffer (a power of two, a multiple of the page size).
+pub const MONITOR_RING_BYTES: u32 = 256 * 1024;

@@ -74,7 +74,8 @@ pub mod reason {
     pub const IN_PASS_EXCLUDED_CIDR: u32 = 44;
     /// The proxy's transparent connection to the app (its 4-tuple in `PROXY_TRANSPARENT`).
     pub const IN_PASS_PROXY_CONNECTION: u32 = 45;
-    /// The pod is enrolled without inbound capture.
+    /// The pod's record says no inbound capture (a pod enrolled so is linked to the program
+    /// that passes everything and counts nothing; this is the steering program's guard).
     pub const IN_PASS_NOT_CAPTURED: u32 = 46;
     /// No proxy listener for the pod (the proxy is down): refused.
     pub const IN_DROP_NO_LISTENER: u32 = 47;

@@ -19,6 +19,7 @@ use aya::{
 };
 use datapath_common::{
     consts::{globals, map_names, pins, probe, programs},
+    decisions::DecisionKey,
     node_flags, CidrKey, ListenerKey, NetnsCookie, PodAddrs, PodCounters, PodInfo, PodIpKey,
     PortKey,
 };
@@ -386,6 +387,34 @@ impl Datapath {
     pub fn counters(&self) -> Result<PerCpuHashMap<MapData, NetnsCookie, PodCounters>> {
         PerCpuHashMap::try_from(self.map(map_names::POD_COUNTERS)?)
             .map_err(|e| Error::bpf(format!("map {}", map_names::POD_COUNTERS), e))
+    }
+
+    /// Decision counts per pod and reason, per CPU.
+    pub fn decisions(&self) -> Result<PerCpuHashMap<MapData, DecisionKey, u64>> {
+        PerCpuHashMap::try_from(self.map(map_names::DECISIONS)?)
+            .map_err(|e| Error::bpf(format!("map {}", map_names::DECISIONS), e))
+    }
+
+    /// The monitor's ring buffer.
+    pub fn monitor_events(&self) -> Result<aya::maps::RingBuf<MapData>> {
+        aya::maps::RingBuf::try_from(self.map(map_names::MONITOR_EVENTS)?)
+            .map_err(|e| Error::bpf(format!("map {}", map_names::MONITOR_EVENTS), e))
+    }
+
+    /// The node-wide switches (`NODE_CONFIG[0]`, bits of `node_flags`).
+    pub fn node_flags(&self) -> Result<u32> {
+        let config: Array<MapData, u32> = Array::try_from(self.map(map_names::NODE_CONFIG)?)
+            .map_err(|e| Error::bpf("map NODE_CONFIG", e))?;
+        config.get(&0, 0).map_err(|e| Error::bpf("reading NODE_CONFIG", e))
+    }
+
+    /// Sets the bits `set` and clears the bits `clear` of the node-wide switches (others
+    /// unchanged; the agent and the CLI are the only writers and hold the datapath lock).
+    pub fn update_node_flags(&self, set: u32, clear: u32) -> Result<()> {
+        let mut config: Array<MapData, u32> = Array::try_from(self.map(map_names::NODE_CONFIG)?)
+            .map_err(|e| Error::bpf("map NODE_CONFIG", e))?;
+        let flags = config.get(&0, 0).map_err(|e| Error::bpf("reading NODE_CONFIG", e))?;
+        config.set(0, (flags | set) & !clear, 0).map_err(|e| Error::bpf("writing NODE_CONFIG", e))
     }
 }
 

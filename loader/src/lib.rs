@@ -4,8 +4,10 @@
 
 pub mod agent;
 pub mod datapath;
+pub mod decisions;
 pub mod doctor;
 pub mod error;
+pub mod monitor;
 pub use meshpath_podnet::netns;
 pub mod pods;
 pub(crate) mod sys;

@@ -83,6 +83,33 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Stream the datapath's decisions, one line each (time, pod, hook, addresses, decision,
+    /// reason), until interrupted. The programs send them only while a monitor runs.
+    Monitor {
+        /// Only this pod: its name as enrolled (NAMESPACE/NAME under the agent).
+        #[arg(long)]
+        pod: Option<String>,
+        /// Or by its netns path.
+        #[arg(long, conflicts_with = "pod")]
+        netns: Option<PathBuf>,
+        /// Or by its netns cookie.
+        #[arg(long, conflicts_with_all = ["pod", "netns"])]
+        cookie: Option<u64>,
+        /// `drops`: only refusals and drops.
+        #[arg(long, value_parser = ["drops"])]
+        only: Option<String>,
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+        /// Stop after this many decisions.
+        #[arg(long)]
+        count: Option<u64>,
+    },
+    /// Count the datapath's decisions (on by default) or stop counting (to measure the cost).
+    DecisionCounters {
+        #[arg(value_parser = ["on", "off"])]
+        state: String,
+    },
 }
 
 /// `agent`'s arguments.
@@ -436,7 +463,69 @@ fn run(cli: Cli) -> Result<()> {
                 }
                 println!("ingress:      {} packets, {} bytes", c.ingress_packets, c.ingress_bytes);
                 println!("egress:       {} packets, {} bytes", c.egress_packets, c.egress_bytes);
+                for d in &p.decisions {
+                    println!("decision:     {} {} ({}): {}", d.hook, d.decision, d.why, d.count);
+                }
             }
+        }
+        Cmd::Monitor { pod, netns, cookie, only, json, count } => {
+            let cookie = match pod {
+                Some(name) => {
+                    let all = pods::list(&dp()?)?;
+                    let found = all.iter().find(|p| p.info.name() == name.as_str());
+                    Some(found.with_context(|| format!("no enrolled pod is named {name}"))?.cookie)
+                }
+                None => match (netns, cookie) {
+                    (Some(path), _) => Some(Netns::open(path)?.cookie()),
+                    (None, c) => *c,
+                },
+            };
+            let filter =
+                meshpath_loader::monitor::Filter { pod: cookie, drops_only: only.is_some() };
+            monitor(&cli.pin_root, filter, *json, *count)?;
+        }
+        Cmd::DecisionCounters { state } => {
+            meshpath_loader::decisions::set_counting(&dp()?, state == "on")?;
+            println!("decision counters {state}");
+        }
+    }
+    Ok(())
+}
+
+/// Set by SIGINT/SIGTERM: the monitor stops and switches the stream off.
+static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_stop(_: libc::c_int) {
+    STOP.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn monitor(
+    root: &std::path::Path,
+    filter: meshpath_loader::monitor::Filter,
+    json: bool,
+    count: Option<u64>,
+) -> Result<()> {
+    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
+    use std::io::Write as _;
+    // No SA_RESTART: the wait for events returns at once on a signal.
+    let action = SigAction::new(SigHandler::Handler(on_stop), SaFlags::empty(), SigSet::empty());
+    for sig in [Signal::SIGINT, Signal::SIGTERM] {
+        // SAFETY: the handler only stores to an atomic.
+        unsafe { sigaction(sig, &action) }.context("installing the signal handler")?;
+    }
+    let mut m =
+        meshpath_loader::monitor::Monitor::start(root, filter).context("starting the monitor")?;
+    let mut out = std::io::stdout().lock();
+    // The first line says the stream is on (scripts and tests wait for it).
+    writeln!(out, "# monitoring datapath decisions (Ctrl-C to stop)")?;
+    out.flush()?;
+    let mut seen = 0u64;
+    while !STOP.load(std::sync::atomic::Ordering::Relaxed) && count.is_none_or(|n| seen < n) {
+        let Some(ev) = m.next(std::time::Duration::from_millis(500))? else { continue };
+        seen += 1;
+        let line = if json { ev.json().to_string() } else { ev.line() };
+        if writeln!(out, "{line}").and_then(|()| out.flush()).is_err() {
+            break; // the reader went away
         }
     }
     Ok(())
@@ -463,5 +552,6 @@ fn to_json(p: &PodStatus) -> serde_json::Value {
             "egress_packets": c.egress_packets,
             "egress_bytes": c.egress_bytes,
         },
+        "decisions": p.decisions.iter().map(|d| serde_json::json!({"hook": d.hook, "decision": d.decision, "reason": d.why, "count": d.count})).collect::<Vec<_>>(),
     })
 }

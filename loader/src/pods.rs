@@ -105,6 +105,8 @@ pub struct PodStatus {
     pub excluded_ports: Vec<(u16, &'static str)>,
     /// Prefix rules: (prefix, "outbound" | "inbound", "exclude" | "capture").
     pub cidr_rules: Vec<(IpNet, &'static str, &'static str)>,
+    /// What the datapath decided for the pod, per reason.
+    pub decisions: Vec<crate::decisions::DecisionCount>,
 }
 
 /// Enrols the pod whose netns is `netns`: records its addresses, links the node's sk_lookup
@@ -483,6 +485,8 @@ fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
         dp.inbound_listeners()
             .map(|mut m| inbound_listener_keys(cookie).iter().map(|k| m.remove(k)).collect()),
     );
+    // Last: a decision made while the entries above were going may still have been counted.
+    map_step(&mut failed, "DECISIONS", crate::decisions::remove_pod(dp, cookie));
     if failed.is_empty() {
         Ok(())
     } else {
@@ -549,6 +553,13 @@ pub fn reconcile(dp: &Datapath) -> Result<ReconcileReport> {
             remove_all(dp, cookie)?;
             info!(cookie, "removed a half-done enrolment");
             report.partial.push(cookie);
+        }
+    }
+    // Counts under a cookie no pod has (a decision raced an unenrolment).
+    let live: Vec<NetnsCookie> = report.kept.clone();
+    for r in crate::decisions::remove_orphans(dp, &live)? {
+        if let Err(e) = r {
+            warn!(error = %e, "removing a stale decision count");
         }
     }
     Ok(report)
@@ -634,7 +645,8 @@ fn status_of(dp: &Datapath, cookie: NetnsCookie, info: PodInfo) -> Result<PodSta
         cidr_rules.push((net, direction, action));
     }
     cidr_rules.sort();
-    Ok(PodStatus { cookie, info, counters, pins, ips, excluded_ports, cidr_rules })
+    let decisions = crate::decisions::of(dp, cookie)?;
+    Ok(PodStatus { cookie, info, counters, pins, ips, excluded_ports, cidr_rules, decisions })
 }
 
 /// The address a `POD_IPS` key stands for (v4-mapped back to IPv4).

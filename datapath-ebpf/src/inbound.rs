@@ -26,7 +26,8 @@ use core::ptr::{addr_of, read_volatile};
 use datapath_common::{
     consts::{ports, probe},
     decisions::{reason, NODE_WIDE},
-    direction, pod_flags, NetnsCookie, ListenerKey, PodIpKey, PortKey, TransparentKey, AF_INET, AF_INET6,
+    direction, pod_flags, ListenerKey, NetnsCookie, PodIpKey, PortKey, TransparentKey, AF_INET,
+    AF_INET6,
 };
 
 use crate::{

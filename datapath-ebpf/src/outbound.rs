@@ -33,8 +33,7 @@ use core::ptr::{addr_of_mut, write_volatile};
 use datapath_common::{
     consts::ports,
     decisions::{reason, NODE_WIDE},
-    direction, pod_flags, ConnKey, NetnsCookie, OrigDst, PodIpKey, PortKey, AF_INET,
-    AF_INET6,
+    direction, pod_flags, ConnKey, NetnsCookie, OrigDst, PodIpKey, PortKey, AF_INET, AF_INET6,
 };
 
 use crate::{

@@ -67,6 +67,34 @@ pub(crate) fn remove_orphans(
     Ok(keys.iter().map(|k| map.remove(k)).collect())
 }
 
+/// The counts in Prometheus text format: `meshpath_datapath_decisions_total` labelled by pod
+/// (its name as enrolled, `node` for node-wide decisions), hook, decision and reason. Pods that
+/// left are gone from the map, so from the metric.
+pub fn prometheus(dp: &Datapath) -> Result<String> {
+    use std::fmt::Write as _;
+    let names: std::collections::HashMap<NetnsCookie, String> =
+        dp.pods()?.iter().flatten().map(|(c, info)| (c, info.name().to_owned())).collect();
+    let mut out = String::from(
+        "# HELP meshpath_datapath_decisions_total Decisions the eBPF datapath made, by pod and reason.\n\
+         # TYPE meshpath_datapath_decisions_total counter\n",
+    );
+    for c in counts(dp)? {
+        let pod = if c.netns == NODE_WIDE {
+            "node".to_owned()
+        } else if let Some(name) = names.get(&c.netns) {
+            name.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+        } else {
+            continue; // a pod that is leaving
+        };
+        let _ = writeln!(
+            out,
+            "meshpath_datapath_decisions_total{{pod=\"{pod}\",hook=\"{}\",decision=\"{}\",reason=\"{}\"}} {}",
+            c.hook, c.decision, c.why, c.count
+        );
+    }
+    Ok(out)
+}
+
 /// Turns counting on (the default) or off (only to measure its cost).
 pub fn set_counting(dp: &Datapath, on: bool) -> Result<()> {
     if on {

@@ -432,6 +432,25 @@ fn run(cli: Cli) -> Result<()> {
                         c.egress_bytes
                     );
                 }
+                // What the datapath decided, per pod and node-wide.
+                let counts = meshpath_loader::decisions::counts(&dp()?)?;
+                if !counts.is_empty() {
+                    println!();
+                    println!(
+                        "{:<32} {:<10} {:<9} {:<28} {:>12}",
+                        "DECISIONS", "HOOK", "DECISION", "REASON", "COUNT"
+                    );
+                }
+                for d in &counts {
+                    let pod = all.iter().find(|p| p.cookie == d.netns).map_or_else(
+                        || if d.netns == 0 { "node".to_owned() } else { d.netns.to_string() },
+                        |p| p.info.name().to_owned(),
+                    );
+                    println!(
+                        "{:<32} {:<10} {:<9} {:<28} {:>12}",
+                        pod, d.hook, d.decision, d.why, d.count
+                    );
+                }
             }
         }
         Cmd::Show { pod, json } => {

@@ -245,6 +245,18 @@ impl CniNode {
 
     /// The agent's `/readyz`: `Some(true)` 200, `Some(false)` anything else, `None` unreachable.
     pub fn agent_ready(&self) -> Option<bool> {
+        self.agent_http("/readyz").map(|(ok, _)| ok)
+    }
+
+    /// The sum of the agent's metric `name` over series carrying `labels` (its `/metrics`).
+    pub fn agent_metric(&self, name: &str, labels: &[(&str, &str)]) -> Result<f64> {
+        let (ok, body) = self.agent_http("/metrics").context("the agent is unreachable")?;
+        anyhow::ensure!(ok, "/metrics answered: {body}");
+        Ok(super::sum_metric(&body, name, labels))
+    }
+
+    /// GET `path` from the agent's health endpoint: (200?, body).
+    fn agent_http(&self, path: &str) -> Option<(bool, String)> {
         let agent = self.agent.as_ref()?;
         let addr: SocketAddr = agent
             .lines()
@@ -259,10 +271,13 @@ impl CniNode {
             connect().ok()?
         };
         conn.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-        std::io::Write::write_all(&mut conn, b"GET /readyz HTTP/1.0\r\n\r\n").ok()?;
+        let req = format!("GET {path} HTTP/1.0\r\n\r\n");
+        std::io::Write::write_all(&mut conn, req.as_bytes()).ok()?;
         let mut resp = String::new();
         std::io::Read::read_to_string(&mut conn, &mut resp).ok()?;
-        Some(resp.starts_with("HTTP/1.0 200") || resp.starts_with("HTTP/1.1 200"))
+        let ok = resp.starts_with("HTTP/1.0 200") || resp.starts_with("HTTP/1.1 200");
+        let body = resp.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+        Some((ok, body))
     }
 
     /// Starts (or restarts) `ztunnel-like` as the node's proxy instead of meshpath-proxy (a

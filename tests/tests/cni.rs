@@ -59,6 +59,26 @@ fn a_meshed_pod_is_captured_from_its_first_connection() {
 }
 
 #[test]
+fn the_agent_exports_its_pods_datapath_decisions_and_drops_a_pod_that_left() {
+    let node = CniNode::start(WORKLOADS).expect("node");
+    let db = node.add_pod("db").expect("ADD db");
+    node.echo_server(&db, 8080).expect("echo");
+    publish_db_address(&node, &db);
+    let web = node.add_pod("web").expect("ADD web");
+    assert_eq!(echo_once(&web, SocketAddr::new(db.ip, 8080), b"hi").expect("connect"), b"hi");
+    let metric = "meshpath_datapath_decisions_total";
+    let web_captured = [("pod", "default/web"), ("hook", "outbound"), ("decision", "captured")];
+    // Over HBONE: the proxy's 15008 in db's netns is reached directly, not steered.
+    let db_steered = [("pod", "default/db"), ("hook", "inbound"), ("reason", "proxy port")];
+    assert_eq!(node.agent_metric(metric, &web_captured).expect("metrics"), 1.0);
+    assert_eq!(node.agent_metric(metric, &db_steered).expect("metrics"), 1.0);
+    let path = web.netns.path().display().to_string();
+    assert_eq!(node.del_pod(&web, &path).expect("DEL").map_err(|r| r.stdout), Ok(()));
+    assert_eq!(node.agent_metric(metric, &[("pod", "default/web")]).expect("metrics"), 0.0);
+    assert_eq!(node.agent_metric(metric, &db_steered).expect("metrics"), 1.0);
+}
+
+#[test]
 fn an_unmeshed_pod_passes_through_the_chain_untouched() {
     let node = CniNode::start(WORKLOADS).expect("node");
     let legacy = node.add_pod("legacy").expect("ADD legacy");

@@ -1,5 +1,5 @@
 //! `/healthz` (the agent is alive) and `/readyz` (reconciled and serving the CNI socket), for
-//! the DaemonSet's probes.
+//! the DaemonSet's probes, and `/metrics` (the datapath's decision counts, for Prometheus).
 
 use std::{convert::Infallible, net::SocketAddr, sync::Arc};
 
@@ -12,6 +12,23 @@ use tokio::net::TcpListener;
 use super::Agent;
 
 fn answer(agent: &Agent, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+    if req.uri().path() == "/metrics" {
+        return match agent.with_datapath(|dp| Ok(crate::decisions::prometheus(dp)?)) {
+            Ok(text) => {
+                let mut r = Response::new(Full::new(Bytes::from(text)));
+                r.headers_mut().insert(
+                    hyper::header::CONTENT_TYPE,
+                    hyper::header::HeaderValue::from_static("text/plain; version=0.0.4"),
+                );
+                r
+            }
+            Err(e) => {
+                let mut r = Response::new(Full::new(Bytes::from(format!("{e:#}\n"))));
+                *r.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+                r
+            }
+        };
+    }
     let (status, body) = match req.uri().path() {
         "/healthz" => (StatusCode::OK, "ok\n"),
         "/readyz" if agent.is_ready() => (StatusCode::OK, "ready\n"),

@@ -177,6 +177,9 @@ pub mod map_names {
     pub const DECISIONS: &str = "DECISIONS";
     /// Ring buffer of [`crate::decisions::DecisionEvent`], written while a monitor watches.
     pub const MONITOR_EVENTS: &str = "MONITOR_EVENTS";
+    /// aya-log's ring buffer (its name is aya-log's). Pinned so that every load of the object
+    /// shares one, which the agent forwards into its log.
+    pub const AYA_LOGS: &str = "AYA_LOGS";
     /// cgroup ids whose sockets are never captured (the proxy's), value unused.
     pub const PROXY_CGROUPS: &str = "PROXY_CGROUPS";
     /// [`crate::OrigDst`] by the app socket's cookie (LRU).

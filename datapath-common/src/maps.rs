@@ -235,6 +235,10 @@ pub mod node_flags {
     pub const MONITOR: u32 = 1 << 2;
     /// With `MONITOR`: only refusals and drops.
     pub const MONITOR_DROPS_ONLY: u32 = 1 << 3;
+    /// aya-log: refusals and drops at info level.
+    pub const EBPF_LOG_INFO: u32 = 1 << 4;
+    /// aya-log: every decision at debug level (and refusals and drops at info).
+    pub const EBPF_LOG_DEBUG: u32 = 1 << 5;
 }
 
 /// Directions for [`PortKey::direction`].

@@ -2,7 +2,8 @@
 //! One per-CPU increment per decision; the monitor's ring buffer is written only while a
 //! monitor has switched it on in `NODE_CONFIG`, so nobody watching costs one array read.
 
-use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns};
+use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns, EbpfContext};
+use aya_log_ebpf::{debug, info};
 use datapath_common::{
     decisions::{is_drop, DecisionEvent, DecisionKey},
     node_flags, NetnsCookie,
@@ -29,11 +30,15 @@ pub fn mapped(ip: u32) -> [u32; 4] {
     [0, 0, V4_MAPPED_PREFIX, ip]
 }
 
-/// Counts `reason` for `netns` and, if a monitor watches (and wants this one), streams it with
-/// the connection `tuple()` describes (built only then).
+/// Counts `reason` for `netns`; if a monitor watches (and wants this one), streams it with the
+/// connection `tuple()` describes (built only then); and logs it through aya-log when the agent
+/// asked for that (`--ebpf-log`), which forwards it into its own log.
 #[inline(always)]
-pub fn record(netns: NetnsCookie, reason: u32, tuple: impl FnOnce() -> Tuple) {
+pub fn record<C: EbpfContext>(ctx: &C, netns: NetnsCookie, reason: u32, tuple: impl Fn() -> Tuple) {
     let flags = NODE_CONFIG.get(0).copied().unwrap_or(0);
+    if flags & (node_flags::EBPF_LOG_INFO | node_flags::EBPF_LOG_DEBUG) != 0 {
+        log(ctx, flags, netns, reason, tuple().dst_port);
+    }
     if flags & node_flags::DECISION_COUNTERS_OFF == 0 {
         let key = DecisionKey { netns, reason, _pad: 0 };
         match DECISIONS.get_ptr_mut(&key) {
@@ -64,5 +69,17 @@ pub fn record(netns: NetnsCookie, reason: u32, tuple: impl FnOnce() -> Tuple) {
             dst: t.dst,
         });
         slot.submit(0);
+    }
+}
+
+/// One aya-log record per decision: drops at info, the rest at debug. Numbers only, parsed by
+/// the agent's forwarder (`decision=` is a reason code it names): strings from a table here
+/// would cost the verifier a variable-length read.
+#[inline(never)]
+fn log<C: EbpfContext>(ctx: &C, flags: u32, netns: NetnsCookie, reason: u32, dst_port: u16) {
+    if is_drop(reason) {
+        info!(ctx, "decision={} netns={} dst_port={}", reason, netns, dst_port);
+    } else if flags & node_flags::EBPF_LOG_DEBUG != 0 {
+        debug!(ctx, "decision={} netns={} dst_port={}", reason, netns, dst_port);
     }
 }

@@ -111,7 +111,7 @@ pub fn mp_sk_lookup(ctx: SkLookupContext) -> u32 {
         return SK_PASS;
     }
     let (verdict, netns, why) = decide(&ctx, &l);
-    record(netns, why, || Tuple {
+    record(&ctx, netns, why, || Tuple {
         src: l.remote.addr,
         dst: l.local.addr,
         src_port: l.remote_port,

@@ -80,12 +80,12 @@ unsafe fn answer(ctx: &SockoptContext) {
         };
         match unsafe { ORIG_DST_BY_CONN.get(&key) } {
             Some(o) => *o,
-            None => return refused(netns, peer_ip6, peer_port, local_port),
+            None => return refused(ctx, netns, peer_ip6, peer_port, local_port),
         }
     } else {
         match unsafe { inbound_orig(sk, netns) } {
             Some(o) => o,
-            None => return refused(netns, peer_ip6, peer_port, local_port),
+            None => return refused(ctx, netns, peer_ip6, peer_port, local_port),
         }
     };
     let optval = unsafe { (*so).__bindgen_anon_2.optval } as *mut u8;
@@ -130,7 +130,7 @@ unsafe fn answer(ctx: &SockoptContext) {
         write_volatile(addr_of_mut!((*so).retval), 0);
     }
     let dst = if orig.family == AF_INET { mapped(orig.addr[0]) } else { orig.addr };
-    record(pod_or_node(netns), reason::ORIGINAL_DST_ANSWERED, || Tuple {
+    record(ctx, pod_or_node(netns), reason::ORIGINAL_DST_ANSWERED, || Tuple {
         src: peer_ip6,
         dst,
         src_port: peer_port,
@@ -140,8 +140,14 @@ unsafe fn answer(ctx: &SockoptContext) {
 
 /// The proxy asked about a socket the datapath did not capture: it gets netfilter's ENOENT.
 #[inline(always)]
-fn refused(netns: NetnsCookie, peer: [u32; 4], peer_port: u16, local_port: u16) {
-    record(pod_or_node(netns), reason::ORIGINAL_DST_REFUSED, || Tuple {
+fn refused(
+    ctx: &SockoptContext,
+    netns: NetnsCookie,
+    peer: [u32; 4],
+    peer_port: u16,
+    local_port: u16,
+) {
+    record(ctx, pod_or_node(netns), reason::ORIGINAL_DST_REFUSED, || Tuple {
         src: peer,
         src_port: peer_port,
         dst_port: local_port,

@@ -127,7 +127,7 @@ fn count_loopback(ctx: &SockAddrContext, hook: Hook, dst: [u32; 4], port_be: u16
     } else {
         (NODE_WIDE, reason::OUT_PASS_NOT_ENROLLED)
     };
-    record(netns, why, || to(dst, port_be));
+    record(ctx, netns, why, || to(dst, port_be));
 }
 
 /// A monitor tuple with only the destination known (connect and sendmsg run before the source
@@ -139,18 +139,31 @@ fn to(dst: [u32; 4], port_be: u16) -> Tuple {
 
 /// Counts the outcome of [`target`] for a destination that was not steered.
 #[inline(always)]
-fn count_pass(hook: Hook, (netns, why): (NetnsCookie, u32), dst: [u32; 4], port_be: u16) {
+fn count_pass(
+    ctx: &SockAddrContext,
+    hook: Hook,
+    (netns, why): (NetnsCookie, u32),
+    dst: [u32; 4],
+    port_be: u16,
+) {
     if hook == Hook::Connect && why != 0 {
-        record(netns, why, || to(dst, port_be));
+        record(ctx, netns, why, || to(dst, port_be));
     }
 }
 
 /// Counts a steered destination.
 #[inline(always)]
-fn count_steered(hook: Hook, to_port: u16, netns: NetnsCookie, dst: [u32; 4], port_be: u16) {
+fn count_steered(
+    ctx: &SockAddrContext,
+    hook: Hook,
+    to_port: u16,
+    netns: NetnsCookie,
+    dst: [u32; 4],
+    port_be: u16,
+) {
     let why = if to_port == ports::DNS { reason::DNS_CAPTURED } else { reason::OUT_CAPTURED };
     if hook == Hook::Connect || why == reason::DNS_CAPTURED {
-        record(netns, why, || to(dst, port_be));
+        record(ctx, netns, why, || to(dst, port_be));
     }
 }
 
@@ -205,15 +218,15 @@ pub fn steer4(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let (to, netns) = match target(ctx, PodIpKey::v4(ip).addr, port) {
         Ok(t) => t,
         Err(not) => {
-            count_pass(hook, not, mapped(ip), port);
+            count_pass(ctx, hook, not, mapped(ip), port);
             return ALLOW;
         }
     };
     if !remember(ctx, &OrigDst { addr: [ip, 0, 0, 0], port, family: AF_INET }) {
-        record(netns, reason::OUT_REFUSED_NO_SLOT, || self::to(mapped(ip), port));
+        record(ctx, netns, reason::OUT_REFUSED_NO_SLOT, || self::to(mapped(ip), port));
         return REFUSE;
     }
-    count_steered(hook, to, netns, mapped(ip), port);
+    count_steered(ctx, hook, to, netns, mapped(ip), port);
     let proxy = proxy_addr4(to, netns);
     // Volatile, one field at a time: merged into one 8-byte store the verifier rejects the
     // write ("invalid bpf_context access").
@@ -244,7 +257,7 @@ pub fn steer6(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let (to, netns) = match target(ctx, ip, port) {
         Ok(t) => t,
         Err(not) => {
-            count_pass(hook, not, ip, port);
+            count_pass(ctx, hook, not, ip, port);
             return ALLOW;
         }
     };
@@ -257,10 +270,10 @@ pub fn steer6(ctx: &SockAddrContext, hook: Hook) -> i32 {
         (OrigDst { addr: ip, port, family: AF_INET6 }, proxy_addr6(to, netns))
     };
     if !remember(ctx, &orig) {
-        record(netns, reason::OUT_REFUSED_NO_SLOT, || self::to(ip, port));
+        record(ctx, netns, reason::OUT_REFUSED_NO_SLOT, || self::to(ip, port));
         return REFUSE;
     }
-    count_steered(hook, to, netns, ip, port);
+    count_steered(ctx, hook, to, netns, ip, port);
     // SAFETY: writable fields of the context (see steer4).
     unsafe {
         write_ip6(sa, lo);

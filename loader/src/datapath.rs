@@ -111,6 +111,7 @@ impl Datapath {
             // it), which was most of an enrolment's cost.
             .btf(None)
             .default_map_pin_directory(self.root.join(pins::MAPS_DIR))
+            .map_pin_path(map_names::AYA_LOGS, self.map_pin(map_names::AYA_LOGS))
             .override_global(globals::POD_COOKIE, &pod_cookie, true)
             .load(EBPF_OBJECT)
             .map_err(|e| Error::bpf("loading the embedded eBPF object", e))

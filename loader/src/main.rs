@@ -164,6 +164,10 @@ struct AgentArgs {
     /// this netns, which must be the node's).
     #[arg(long)]
     probe_source: bool,
+    /// Forward the datapath's own records (aya-log) into this log: `info` refusals and drops,
+    /// `debug` every decision. Off by default: the programs then write none.
+    #[arg(long, default_value = "off", value_parser = ["off", "info", "debug"])]
+    ebpf_log: String,
     /// Seconds the proxy has to acknowledge a pod.
     #[arg(long, default_value_t = 10)]
     ack_timeout_seconds: u64,
@@ -268,6 +272,8 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default)),
         )
         .with_writer(std::io::stderr)
+        // Colour only for a person at a terminal: log collectors get plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
@@ -320,6 +326,7 @@ fn run(cli: Cli) -> Result<()> {
                 health_addr: a.health_addr,
                 ack_timeout: std::time::Duration::from_secs(a.ack_timeout_seconds),
                 probe_source: a.probe_source,
+                ebpf_log: a.ebpf_log.parse().map_err(anyhow::Error::msg)?,
             };
             if meshpath_loader::agent::enter_host_cgroup_ns()? {
                 tracing::info!("entered the host's cgroup namespace");

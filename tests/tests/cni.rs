@@ -79,6 +79,32 @@ fn the_agent_exports_its_pods_datapath_decisions_and_drops_a_pod_that_left() {
 }
 
 #[test]
+fn the_agent_logs_the_datapaths_drops_when_asked_to() {
+    let mut node = CniNode::bare(WORKLOADS).expect("node");
+    node.start_agent_with(&["--ebpf-log".into(), "info".into()]).expect("agent");
+    node.start_proxy().expect("proxy");
+    let db = node.add_pod("db").expect("ADD db");
+    let dst = SocketAddr::new(db.ip, 8080);
+    // The app listens: the connection must be refused, not delivered around the proxy.
+    let app = meshpath_tests::Sentinel::new(&db.netns, dst);
+    node.proxy = None;
+    let from_node = node.node.open().expect("node netns");
+    let refused = from_node
+        .run(|| std::net::TcpStream::connect_timeout(&dst, Duration::from_secs(5)))
+        .expect("in the node netns");
+    assert!(refused.is_err(), "connected to db with its proxy gone");
+    app.assert_untouched("db with its proxy gone");
+    let agent = node.agent.as_ref().expect("agent");
+    let line = "reason=\"no listener\"";
+    assert!(agent.wait_for_text(line, Duration::from_secs(10)), "{:#?}", agent.lines());
+    let logged = agent.lines().into_iter().find(|l| l.contains(line)).expect("the line");
+    assert!(
+        logged.contains("datapath decision") && logged.contains("hook=\"inbound\""),
+        "{logged}"
+    );
+}
+
+#[test]
 fn an_unmeshed_pod_passes_through_the_chain_untouched() {
     let node = CniNode::start(WORKLOADS).expect("node");
     let legacy = node.add_pod("legacy").expect("ADD legacy");

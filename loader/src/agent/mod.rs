@@ -21,6 +21,7 @@
 pub mod cni_install;
 pub mod cni_server;
 pub mod directory;
+pub mod ebpf_log;
 pub mod health;
 pub mod membership;
 pub mod mesh_sync;
@@ -67,6 +68,8 @@ pub struct AgentConfig {
     /// Make node processes probing pods (kubelet) leave from Istio's probe source addresses,
     /// this process's netns being the node's.
     pub probe_source: bool,
+    /// The datapath's own log records, forwarded into this process's log.
+    pub ebpf_log: ebpf_log::EbpfLog,
 }
 
 /// Enters the host's cgroup namespace when this process runs in another one (a container):
@@ -150,6 +153,10 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
         if agent.cfg.probe_source {
             let me = Netns::open(std::path::Path::new("/proc/self/ns/net"))?;
             dp.set_probe_source(Some(&me)).context("setting the probe source")?;
+        }
+        ebpf_log::set_level(dp, agent.cfg.ebpf_log).context("setting the eBPF log level")?;
+        if agent.cfg.ebpf_log != ebpf_log::EbpfLog::Off {
+            ebpf_log::spawn(dp)?;
         }
         let report = pods::reconcile(dp)?;
         info!(

@@ -3,7 +3,10 @@
 //! - `direct`: no capture, no proxy;
 //! - `iptables`: istio-cni's in-pod rule set (REDIRECT variant), proxy marks its sockets 0x539;
 //! - `ebpf`: meshpath capture (the proxy's cgroup bypasses);
-//! - `ebpf_sockmap`: meshpath capture with the sockops + sk_msg app↔proxy shortcut on.
+//! - `ebpf_sockmap`: meshpath capture with the sockops + sk_msg app↔proxy shortcut on;
+//! - `ebpf_no_decision_counters`: meshpath capture with the per-decision counters off (what
+//!   counting costs is `ebpf` against this);
+//! - `ebpf_monitor`: meshpath capture with `monitor` attached, streaming every decision.
 //!
 //! Writes `results/capture.json` and prints a markdown table. Not a test: no assertion on speed.
 
@@ -103,7 +106,42 @@ pub(crate) fn machine() -> Value {
 enum Setup {
     Direct,
     Iptables { _proxy: TestProxy, _cgroup: CgroupGuard },
-    Ebpf { _proxy: TestProxy, _cgroup: CgroupGuard, _root: PinRoot },
+    Ebpf { _monitor: Option<Drain>, _proxy: TestProxy, _cgroup: CgroupGuard, _root: PinRoot },
+}
+
+/// A monitor reading every decision (and dropping it) until dropped.
+struct Drain {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<u64>>,
+}
+
+impl Drain {
+    fn start(root: &PinRoot) -> Result<Self> {
+        let mut m = meshpath_loader::monitor::Monitor::start(root.path(), Default::default())?;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok(Some(_)) = m.next(std::time::Duration::from_millis(100)) {
+                    n += 1;
+                }
+            }
+            n
+        });
+        Ok(Self { stop, thread: Some(thread) })
+    }
+}
+
+impl Drop for Drain {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            if let Ok(n) = t.join() {
+                eprintln!("bench: the monitor read {n} decisions");
+            }
+        }
+    }
 }
 
 fn iptables_restore(ns: &str, v6: bool, rules: &str) -> Result<()> {
@@ -159,7 +197,7 @@ fn setup(name: &str, pods: &PodPair) -> Result<Setup> {
             )?;
             Setup::Iptables { _proxy: proxy, _cgroup: cgroup }
         }
-        "ebpf" | "ebpf_sockmap" => {
+        "ebpf" | "ebpf_sockmap" | "ebpf_no_decision_counters" | "ebpf_monitor" => {
             let root = PinRoot::new();
             let cgroup = CgroupGuard::new()?;
             {
@@ -167,9 +205,11 @@ fn setup(name: &str, pods: &PodPair) -> Result<Setup> {
                 dp.register_proxy_cgroup(cgroup.path())?;
                 pods::enrol(&dp, &pods.a.open()?, &capture_opts(false))?;
                 dp.set_acceleration(name == "ebpf_sockmap")?;
+                meshpath_loader::decisions::set_counting(&dp, name != "ebpf_no_decision_counters")?;
             }
+            let monitor = if name == "ebpf_monitor" { Some(Drain::start(&root)?) } else { None };
             let proxy = TestProxy::start(&proxy_bin, &a, &cgroup, "forward", true, &[])?;
-            Setup::Ebpf { _proxy: proxy, _cgroup: cgroup, _root: root }
+            Setup::Ebpf { _monitor: monitor, _proxy: proxy, _cgroup: cgroup, _root: root }
         }
         other => bail!("unknown scenario {other}"),
     })
@@ -299,7 +339,7 @@ fn capture(out: &PathBuf, secs: f64, max_pods: usize, rounds: usize) -> Result<(
     meshpath_tests::require_root();
     // Rounds interleave the scenarios, so machine noise spreads over all of them; each metric
     // is the median over rounds.
-    let names = ["direct", "iptables", "ebpf", "ebpf_sockmap"];
+    let names = SCENARIOS;
     let mut runs: Vec<Vec<Value>> = vec![Vec::new(); names.len()];
     for round in 0..rounds {
         eprintln!("bench: round {}/{rounds}", round + 1);
@@ -310,11 +350,18 @@ fn capture(out: &PathBuf, secs: f64, max_pods: usize, rounds: usize) -> Result<(
     let mut scenarios = json!({});
     for (i, name) in names.iter().enumerate() {
         let mut m = serde_json::Map::new();
+        let mut failed = serde_json::Map::new();
         for key in ["throughput_gbps", "conn_per_s", "rr_p50_us", "rr_p99_us"] {
             let mut v: Vec<f64> = runs[i].iter().filter_map(|r| r[key].as_f64()).collect();
+            // A round that failed is reported, not silently left out of the median.
+            let lost = runs[i].len() - v.len();
+            if lost > 0 {
+                failed.insert(key.into(), json!(lost));
+            }
             v.sort_by(f64::total_cmp);
             m.insert(key.into(), json!(v.get(v.len() / 2)));
         }
+        m.insert("failed_rounds".into(), Value::Object(failed));
         m.insert("rounds".into(), Value::Array(runs[i].clone()));
         scenarios[*name] = Value::Object(m);
     }
@@ -333,7 +380,8 @@ fn capture(out: &PathBuf, secs: f64, max_pods: usize, rounds: usize) -> Result<(
         .map(|(k, v)| (k.clone(), v["unenrol"].clone()))
         .collect::<serde_json::Map<_, _>>()));
     scenarios["ebpf"]["enrol_with_tc_counters_ms_per_pod"] = ebpf_counters;
-    let result = json!({ "machine": machine(), "scenarios": scenarios });
+    let result =
+        json!({ "machine": machine(), "commit": commit(), "date": date(), "scenarios": scenarios });
     if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir)?;
     }
@@ -343,12 +391,45 @@ fn capture(out: &PathBuf, secs: f64, max_pods: usize, rounds: usize) -> Result<(
     Ok(())
 }
 
+/// The scenarios of `capture`, in the order they run each round.
+const SCENARIOS: [&str; 6] =
+    ["direct", "iptables", "ebpf", "ebpf_sockmap", "ebpf_no_decision_counters", "ebpf_monitor"];
+
+/// The commit measured (`+dirty` when the tree had changes), so results stay comparable.
+pub(crate) fn commit() -> String {
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+    };
+    let head = git(&["rev-parse", "HEAD"]).unwrap_or_else(|| "unknown".into());
+    let dirty =
+        git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+    if dirty {
+        format!("{head}+dirty")
+    } else {
+        head
+    }
+}
+
+/// Today, UTC (`date -u +%F`).
+pub(crate) fn date() -> String {
+    Command::new("date")
+        .args(["-u", "+%F"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default()
+}
+
 fn print_table(r: &Value) {
     let s = &r["scenarios"];
     let f = |v: &Value| v.as_f64().map_or("n/a".to_owned(), |x| format!("{x:.2}"));
     println!("| scenario | throughput Gbit/s | conn/s | RR p50 µs | RR p99 µs | set-up ms/pod (1 / 100 / N) |");
     println!("|---|---|---|---|---|---|");
-    for name in ["direct", "iptables", "ebpf", "ebpf_sockmap"] {
+    for name in SCENARIOS {
         let x = &s[name];
         let e = &x["enrol_ms_per_pod"];
         let setup = e
@@ -383,4 +464,17 @@ fn print_table(r: &Value) {
             .collect();
         println!("ebpf / iptables set-up per pod: {}", parts.join(", "));
     }
+    let cost = |with: &str, without: &str, k: &str| {
+        s[with][k]
+            .as_f64()
+            .zip(s[without][k].as_f64())
+            .map_or("n/a".to_owned(), |(a, b)| format!("{:.2}", a / b))
+    };
+    println!(
+        "decision counters on / off: conn/s {}, p99 {}; monitor attached / not: conn/s {}, p99 {}",
+        cost("ebpf", "ebpf_no_decision_counters", "conn_per_s"),
+        cost("ebpf", "ebpf_no_decision_counters", "rr_p99_us"),
+        cost("ebpf_monitor", "ebpf", "conn_per_s"),
+        cost("ebpf_monitor", "ebpf", "rr_p99_us"),
+    );
 }

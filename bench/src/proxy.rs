@@ -219,7 +219,7 @@ pub fn run(out: &Path, secs: f64, rounds: usize) -> Result<()> {
         m.insert("rounds".into(), Value::Array(runs[i].clone()));
         scenarios[*name] = Value::Object(m);
     }
-    let result = json!({ "machine": crate::machine(), "scenarios": scenarios });
+    let result = json!({ "machine": crate::machine(), "commit": crate::commit(), "date": crate::date(), "scenarios": scenarios });
     if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir)?;
     }

@@ -1,5 +1,7 @@
 //! The node-wide HTTP endpoints, served from the proxy's own network namespace:
-//! - admin (`127.0.0.1:15000`): `GET /config_dump` (workloads, services, policies, pods with
+//! - admin (`127.0.0.1:15000`, or a unix socket only root can reach, `--admin-socket`, which
+//!   deploy uses with `--no-admin-tcp`: on a hostNetwork node any host process reaches
+//!   127.0.0.1): `GET /config_dump` (workloads, services, policies, pods with
 //!   their certificates, the pool, as JSON), `GET /logging` (the log filter now),
 //!   `POST /logging?level=FILTER` (a new one), `POST /quitquitquit` (graceful shutdown);
 //! - stats (`[::]:15020`): `GET /metrics`, Prometheus text;
@@ -14,7 +16,10 @@ use http_body_util::Full;
 use hyper::{body::Incoming, service::service_fn};
 use hyper_util::rt::TokioIo;
 use serde::Serialize;
-use tokio::net::TcpListener;
+use tokio::{
+    io::{AsyncRead, AsyncWrite},
+    net::{TcpListener, UnixListener},
+};
 use tracing::{info, warn};
 
 use crate::{pool::PoolEntry, state::Proxy};
@@ -150,31 +155,68 @@ pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_s
 pub fn serve(listener: TcpListener, which: Endpoints, proxy: Arc<Proxy>, log: LogControl) {
     tokio::spawn(async move {
         loop {
-            let (conn, peer) = match listener.accept().await {
-                Ok(c) => c,
+            match listener.accept().await {
+                Ok((conn, peer)) => connection(conn, peer.to_string(), which, &proxy, &log),
                 Err(e) => {
                     warn!(error = %e, "admin accept failed");
                     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                    continue;
                 }
-            };
-            let (proxy, log) = (proxy.clone(), log.clone());
-            tokio::spawn(async move {
-                let svc = service_fn(move |req: Request<Incoming>| {
-                    let resp = route(which, &proxy, &log, &req);
-                    async move { Ok::<_, Infallible>(resp) }
-                });
-                if let Err(e) = hyper::server::conn::http1::Builder::new()
-                    .timer(hyper_util::rt::TokioTimer::new())
-                    .header_read_timeout(HEADER_READ_TIMEOUT)
-                    .serve_connection(TokioIo::new(conn), svc)
-                    .await
-                {
-                    warn!(%peer, error = %e, "admin connection failed");
-                }
-            });
+            }
         }
     });
+}
+
+/// Serves `which` on a unix socket `listener` until the process ends.
+pub fn serve_unix(listener: UnixListener, which: Endpoints, proxy: Arc<Proxy>, log: LogControl) {
+    tokio::spawn(async move {
+        loop {
+            match listener.accept().await {
+                Ok((conn, _)) => connection(conn, "unix".into(), which, &proxy, &log),
+                Err(e) => {
+                    warn!(error = %e, "admin accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            }
+        }
+    });
+}
+
+/// One HTTP/1 connection to an endpoint.
+fn connection<IO>(io: IO, peer: String, which: Endpoints, proxy: &Arc<Proxy>, log: &LogControl)
+where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (proxy, log) = (proxy.clone(), log.clone());
+    tokio::spawn(async move {
+        let svc = service_fn(move |req: Request<Incoming>| {
+            let resp = route(which, &proxy, &log, &req);
+            async move { Ok::<_, Infallible>(resp) }
+        });
+        if let Err(e) = hyper::server::conn::http1::Builder::new()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(HEADER_READ_TIMEOUT)
+            .serve_connection(TokioIo::new(io), svc)
+            .await
+        {
+            warn!(%peer, error = %e, "admin connection failed");
+        }
+    });
+}
+
+/// Binds a unix socket at `path` that only root can reach: its directory is made (mode 0700)
+/// if missing, a stale socket is replaced, and the socket itself is mode 0600.
+pub fn bind_unix(path: &std::path::Path) -> std::io::Result<UnixListener> {
+    use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
+    if let Some(dir) = path.parent() {
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+    }
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    let l = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(l)
 }
 
 /// Binds an endpoint's listener; the address actually bound is returned (port 0 picks one).

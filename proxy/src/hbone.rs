@@ -40,6 +40,11 @@ pub enum HboneError {
 }
 
 impl HboneError {
+    /// Whether this is a timeout (no answer), rather than a refusal.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Self::Connect(_, e) | Self::Tls(_, e) if e.kind() == io::ErrorKind::TimedOut)
+    }
+
     /// A short label for metrics.
     pub fn reason(&self) -> &'static str {
         match self {
@@ -96,19 +101,47 @@ pub fn authority(dst: SocketAddr) -> String {
 /// An HTTP/2 connection to a peer's HBONE port, on which CONNECT streams are opened.
 pub type Connection = h2::client::SendRequest<Bytes>;
 
+/// HTTP/2 PING on an HBONE connection: how often, and how long the peer has to answer before
+/// the connection is closed (so the pool drops it). ztunnel's values by default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Keepalive {
+    pub interval: std::time::Duration,
+    pub timeout: std::time::Duration,
+}
+
+impl Default for Keepalive {
+    fn default() -> Self {
+        Self {
+            interval: std::time::Duration::from_secs(10),
+            timeout: std::time::Duration::from_secs(20),
+        }
+    }
+}
+
 /// Opens an HBONE connection to `gateway` (a destination's `ip:15008`) over the connected TCP
-/// socket `tcp`, with `tls` (which verifies the peer's identity).
+/// socket `tcp`, with `tls` (which verifies the peer's identity), and the default keepalive.
 pub async fn handshake(
     tcp: TcpStream,
     gateway: SocketAddr,
     tls: Arc<rustls::ClientConfig>,
+) -> Result<Connection, HboneError> {
+    handshake_with(tcp, gateway, tls, Keepalive::default()).await
+}
+
+/// As [`handshake`], with `keepalive`: a peer that stops answering PINGs (its TCP connection
+/// still up, so nothing else would notice) has its connection closed.
+pub async fn handshake_with(
+    tcp: TcpStream,
+    gateway: SocketAddr,
+    tls: Arc<rustls::ClientConfig>,
+    keepalive: Keepalive,
 ) -> Result<Connection, HboneError> {
     let name = rustls::pki_types::ServerName::IpAddress(gateway.ip().into());
     let tls = tokio_rustls::TlsConnector::from(tls)
         .connect(name, tcp)
         .await
         .map_err(|e| HboneError::Tls(gateway, e))?;
-    let (client, conn) = h2::client::Builder::new()
+    let (client, mut conn) = h2::client::Builder::new()
         .initial_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(MAX_FRAME)
@@ -118,9 +151,28 @@ pub async fn handshake(
         .handshake(tls)
         .await
         .map_err(|e| HboneError::H2(gateway, e))?;
+    let pings = conn.ping_pong();
     tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "HBONE client connection ended");
+        let dead = async {
+            let Some(mut pings) = pings else { return std::future::pending().await };
+            loop {
+                tokio::time::sleep(keepalive.interval).await;
+                let pong = tokio::time::timeout(keepalive.timeout, pings.ping(h2::Ping::opaque()));
+                match pong.await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => return format!("PING failed: {e}"),
+                    Err(_) => return format!("no PING answer in {:?}", keepalive.timeout),
+                }
+            }
+        };
+        tokio::select! {
+            ended = &mut conn => {
+                if let Err(e) = ended {
+                    tracing::debug!(error = %e, "HBONE client connection ended");
+                }
+            }
+            // Dropping the connection closes it: the pool finds it closed and drops it.
+            why = dead => tracing::warn!(peer = %gateway, %why, "HBONE connection closed: its peer stopped answering"),
         }
     });
     Ok(client)

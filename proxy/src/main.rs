@@ -63,9 +63,17 @@ struct Cli {
     /// DNS upstreams for names not in the store (repeatable; default: /etc/resolv.conf's).
     #[arg(long = "dns-upstream", value_name = "IP:PORT")]
     dns_upstreams: Vec<SocketAddr>,
-    /// Admin endpoint (/config_dump, /logging, /quitquitquit).
+    /// Admin endpoint (/config_dump, /logging, /quitquitquit) on TCP. Any process of the host
+    /// reaches it under hostNetwork: deploy turns it off (`--no-admin-tcp`) for the socket.
     #[arg(long, default_value = "127.0.0.1:15000")]
     admin_addr: SocketAddr,
+    /// Also serve admin on this unix socket, reachable by root only (mode 0600, its directory
+    /// 0700).
+    #[arg(long)]
+    admin_socket: Option<std::path::PathBuf>,
+    /// No admin on TCP (with --admin-socket: admin only there).
+    #[arg(long, requires = "admin_socket")]
+    no_admin_tcp: bool,
     /// Prometheus endpoint (/metrics).
     #[arg(long, default_value = "[::]:15020")]
     stats_addr: SocketAddr,
@@ -84,6 +92,13 @@ struct Cli {
     /// Seconds an upstream connect may take.
     #[arg(long, default_value_t = 10)]
     connect_timeout_seconds: u64,
+    /// How often a pooled HBONE connection is PINGed, in milliseconds (ztunnel: 10 s).
+    #[arg(long, default_value_t = 10_000, hide = true)]
+    hbone_keepalive_interval_ms: u64,
+    /// How long the peer has to answer a PING before the connection is closed, in
+    /// milliseconds (ztunnel: 20 s).
+    #[arg(long, default_value_t = 20_000, hide = true)]
+    hbone_keepalive_timeout_ms: u64,
     /// How often files are checked for changes, in milliseconds.
     #[arg(long, default_value_t = 1000)]
     refresh_ms: u64,
@@ -181,6 +196,10 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
         handshake_timeout: Duration::from_secs(cli.handshake_timeout_seconds),
         connect_timeout: Duration::from_secs(cli.connect_timeout_seconds),
         preserve_source: !cli.no_preserve_source,
+        keepalive: meshpath_proxy::hbone::Keepalive {
+            interval: Duration::from_millis(cli.hbone_keepalive_interval_ms.max(1)),
+            timeout: Duration::from_millis(cli.hbone_keepalive_timeout_ms.max(1)),
+        },
     };
     let proxy = Proxy::new(store, certs(&cli)?, settings)?;
     let mut pods = Vec::new();
@@ -195,11 +214,20 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?.block_on(
         async {
             let mut out = std::io::stdout().lock();
+            if let Some(path) = &cli.admin_socket {
+                let listener = admin::bind_unix(path)
+                    .with_context(|| format!("binding the admin socket {}", path.display()))?;
+                admin::serve_unix(listener, Endpoints::Admin, proxy.clone(), log.clone());
+                writeln!(out, "ADMIN_SOCKET {}", path.display())?;
+            }
             for (which, addr, name) in [
                 (Endpoints::Admin, cli.admin_addr, "ADMIN"),
                 (Endpoints::Stats, cli.stats_addr, "STATS"),
                 (Endpoints::Readiness, cli.readiness_addr, "READINESS"),
             ] {
+                if which == Endpoints::Admin && cli.no_admin_tcp {
+                    continue;
+                }
                 let (listener, bound) =
                     admin::bind(addr).await.with_context(|| format!("binding {name} {addr}"))?;
                 admin::serve(listener, which, proxy.clone(), log.clone());

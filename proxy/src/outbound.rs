@@ -162,12 +162,13 @@ async fn via_hbone(
                 .client_tls(&dst.identity())
                 .map_err(|e| hbone::HboneError::Tls(gateway, io::Error::other(e)))?;
             // A peer that takes the TCP connection and then stalls must not hold the app.
-            tokio::time::timeout(timeout, hbone::handshake(tcp, gateway, config))
+            let keepalive = proxy.settings.keepalive;
+            tokio::time::timeout(timeout, hbone::handshake_with(tcp, gateway, config, keepalive))
                 .await
                 .map_err(|_| hbone::HboneError::Tls(gateway, io::ErrorKind::TimedOut.into()))?
         })
         .await;
-    let (h2conn, _permit) = match opened {
+    let (h2conn, permit) = match opened {
         Ok(c) => c,
         Err(e) => {
             proxy.metrics.error(Direction::Outbound, e.reason());
@@ -189,10 +190,15 @@ async fn via_hbone(
     let (send, recv) = match stream {
         Ok(s) => s,
         Err(e) => {
+            if e.is_timeout() {
+                // A connection whose peer does not answer a CONNECT takes no more streams.
+                permit.evict();
+            }
             proxy.metrics.error(Direction::Outbound, e.reason());
             return Err(e.into());
         }
     };
+    let _permit = permit;
     hbone::splice(conn, send, recv, meters).await?;
     Ok(())
 }

@@ -39,6 +39,8 @@ pub struct PoolKey {
 struct Usage {
     streams: AtomicUsize,
     idle_since: Mutex<Option<Instant>>,
+    /// Evicted: takes no more streams and goes at the next look.
+    evicted: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug)]
@@ -50,6 +52,14 @@ struct Pooled {
 /// One stream's claim on a pooled connection; dropping it (when the stream ends) frees the slot.
 #[derive(Debug)]
 pub struct StreamPermit(Arc<Usage>);
+
+impl StreamPermit {
+    /// Takes this stream's connection out of the pool (it did not answer a CONNECT in time):
+    /// streams open on it go on; no new one is put on it.
+    pub fn evict(&self) {
+        self.0.evicted.store(true, Ordering::Release);
+    }
+}
 
 impl Drop for StreamPermit {
     fn drop(&mut self) {
@@ -110,7 +120,11 @@ impl Pool {
         }
         let conn = open().await?;
         self.metrics.pool_opened.inc();
-        let usage = Arc::new(Usage { streams: AtomicUsize::new(0), idle_since: Mutex::new(None) });
+        let usage = Arc::new(Usage {
+            streams: AtomicUsize::new(0),
+            idle_since: Mutex::new(None),
+            evicted: std::sync::atomic::AtomicBool::new(false),
+        });
         let permit = claim(&usage);
         if let Ok(mut map) = self.conns.lock() {
             map.entry(key.clone()).or_default().push(Pooled { conn: conn.clone(), usage });
@@ -126,6 +140,7 @@ impl Pool {
         let mut cx = Context::from_waker(Waker::noop());
         let mut found = None;
         list.retain_mut(|p| match p.conn.poll_ready(&mut cx) {
+            _ if p.usage.evicted.load(Ordering::Acquire) => false,
             Poll::Ready(Ok(())) => {
                 if found.is_none() && p.usage.streams.load(Ordering::Acquire) < self.max_streams {
                     found = Some((p.conn.clone(), claim(&p.usage)));
@@ -144,12 +159,30 @@ impl Pool {
         found
     }
 
-    /// Releases connections that have had no stream for `idle`. Returns how many.
+    /// Releases connections that have had no stream for `idle`, and those closed (a peer that
+    /// stopped answering PINGs, a GOAWAY) or evicted. Returns how many.
     pub fn release_idle(&self, idle: Duration) -> usize {
-        self.release(|_, u| {
-            u.streams.load(Ordering::Acquire) == 0
-                && u.idle_since.lock().ok().and_then(|t| *t).is_some_and(|t| t.elapsed() >= idle)
-        })
+        let Ok(mut map) = self.conns.lock() else { return 0 };
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut released = 0;
+        map.retain(|_, list| {
+            let before = list.len();
+            list.retain_mut(|p| {
+                let u = &p.usage;
+                let idle_out = u.streams.load(Ordering::Acquire) == 0
+                    && u.idle_since
+                        .lock()
+                        .ok()
+                        .and_then(|t| *t)
+                        .is_some_and(|t| t.elapsed() >= idle);
+                let closed = matches!(p.conn.poll_ready(&mut cx), Poll::Ready(Err(_)));
+                !(idle_out || closed || u.evicted.load(Ordering::Acquire))
+            });
+            released += before - list.len();
+            !list.is_empty()
+        });
+        self.metrics.pool_connections.set(count(&map));
+        released
     }
 
     /// Releases the connections of a source workload (a removed pod).

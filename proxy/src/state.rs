@@ -30,6 +30,8 @@ pub struct Settings {
     pub connect_timeout: Duration,
     /// Connect to apps with the client's address as source (`IP_TRANSPARENT`, as ztunnel).
     pub preserve_source: bool,
+    /// HTTP/2 PING on pooled HBONE connections.
+    pub keepalive: crate::hbone::Keepalive,
 }
 
 impl Default for Settings {
@@ -41,6 +43,7 @@ impl Default for Settings {
             handshake_timeout: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(10),
             preserve_source: true,
+            keepalive: crate::hbone::Keepalive::default(),
         }
     }
 }

@@ -35,13 +35,15 @@ pub const FLOOR: &str = "6.1";
 /// The test binaries (cargo test targets of meshpath-tests) run inside every VM, with the
 /// filters passed to each (empty: all of its tests). They need no second machine: capture
 /// outbound, inbound and DNS, fail closed, mark spoofing, unenrol, the TC counters (TCX or its
-/// netlink fallback), doctor, and the agent's start through the real CNI chain.
+/// netlink fallback), doctor, the decision counters and monitor (ring buffer), and the agent's
+/// start through the real CNI chain.
 const GUEST_SUITES: &[(&str, &[&str])] = &[
     ("doctor", &[]),
     ("outbound_capture", &[]),
     ("inbound_capture", &[]),
     ("dns_capture", &[]),
     ("pod_counters", &[]),
+    ("decisions", &[]),
     ("cni", &["a_meshed_pod_is_captured_from_its_first_connection"]),
 ];
 

@@ -65,6 +65,10 @@ pub struct Workload {
     /// Its canonical service (`service.istio.io/canonical-name`), for telemetry.
     #[serde(default)]
     pub canonical_name: String,
+    /// The workload it belongs to (its owner: a Deployment's name, as ztunnel's `workloadName`):
+    /// what telemetry labels by, so pods coming and going add no series.
+    #[serde(default)]
+    pub workload_name: String,
 }
 
 fn default_trust_domain() -> String {
@@ -72,6 +76,15 @@ fn default_trust_domain() -> String {
 }
 
 impl Workload {
+    /// The workload label telemetry uses: its owner's name, or the pod's when it has none.
+    pub fn workload_label(&self) -> &str {
+        if self.workload_name.is_empty() {
+            &self.name
+        } else {
+            &self.workload_name
+        }
+    }
+
     /// Its SPIFFE identity.
     pub fn identity(&self) -> Identity {
         Identity::new(&self.trust_domain, &self.namespace, &self.service_account)

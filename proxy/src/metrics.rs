@@ -65,6 +65,9 @@ pub struct Metrics {
     /// Unix time at which the first of the served pods' certificates expires (0: no pod).
     pub cert_earliest_expiry: Gauge,
     pub refresh_restarts: Counter,
+    /// Every `istio_tcp_*` label set in use, so that those of workloads that left can be
+    /// removed (`expire_workloads`): the series stay bounded by the workloads that exist.
+    series: Mutex<std::collections::HashSet<ConnLabels>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -98,6 +101,7 @@ impl Metrics {
             config_reloads: Family::default(),
             cert_earliest_expiry: Gauge::default(),
             refresh_restarts: Counter::default(),
+            series: Mutex::new(std::collections::HashSet::new()),
         };
         r.register("istio_tcp_connections_opened", "TCP connections opened", m.opened.clone());
         r.register("istio_tcp_connections_closed", "TCP connections closed", m.closed.clone());
@@ -152,6 +156,35 @@ impl Metrics {
     }
 
     /// The Prometheus text exposition.
+    fn track(&self, labels: &ConnLabels) {
+        if let Ok(mut s) = self.series.lock() {
+            if !s.contains(labels) {
+                s.insert(labels.clone());
+            }
+        }
+    }
+
+    /// Removes the `istio_tcp_*` series whose source or destination workload (namespace,
+    /// workload label) is not in `live`; `unknown` ones stay. Returns how many went.
+    pub fn expire_workloads(&self, live: &std::collections::HashSet<(String, String)>) -> usize {
+        let Ok(mut series) = self.series.lock() else { return 0 };
+        let gone =
+            |ns: &str, w: &str| w != "unknown" && !live.contains(&(ns.to_owned(), w.to_owned()));
+        let before = series.len();
+        series.retain(|l| {
+            let expired = gone(&l.source_workload_namespace, &l.source_workload)
+                || gone(&l.destination_workload_namespace, &l.destination_workload);
+            if expired {
+                for family in [&self.opened, &self.closed, &self.failed, &self.sent, &self.received]
+                {
+                    family.remove(l);
+                }
+            }
+            !expired
+        });
+        before - series.len()
+    }
+
     pub fn encode(&self) -> String {
         let mut out = String::new();
         if let Ok(reg) = self.registry.lock() {
@@ -211,11 +244,14 @@ pub struct ConnInfo {
 impl ConnInfo {
     fn labels(&self) -> ConnLabels {
         let unknown = || "unknown".to_string();
-        let name = |w: &Option<Workload>| w.as_ref().map_or_else(unknown, |w| w.name.clone());
+        // By workload (the owner), as Istio labels, never by pod: pod churn adds no series.
+        let name = |w: &Option<Workload>| {
+            w.as_ref().map_or_else(unknown, |w| w.workload_label().to_owned())
+        };
         let canonical = |w: &Option<Workload>| {
             w.as_ref().map_or_else(unknown, |w| {
                 if w.canonical_name.is_empty() {
-                    w.name.clone()
+                    w.workload_label().to_owned()
                 } else {
                     w.canonical_name.clone()
                 }
@@ -303,6 +339,7 @@ pub struct ConnGuard<'a> {
 impl<'a> ConnGuard<'a> {
     pub fn open(metrics: &'a Metrics, info: ConnInfo) -> Self {
         let labels = info.labels();
+        metrics.track(&labels);
         metrics.opened.get_or_create(&labels).inc();
         metrics.active.inc();
         let from_client = Meter::new(metrics.received.get_or_create(&labels).clone());
@@ -319,6 +356,8 @@ impl<'a> ConnGuard<'a> {
         self.done = true;
         let (up, down) = (self.from_client.get(), self.to_client.get());
         let m = self.metrics;
+        // Expired while open (its workload left): tracked again, expired at the next change.
+        m.track(&self.labels);
         m.closed.get_or_create(&self.labels).inc();
         if error.is_some() {
             m.failed.get_or_create(&self.labels).inc();

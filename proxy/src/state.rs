@@ -90,9 +90,24 @@ impl Proxy {
         self.store.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
-    /// Replaces the workload store.
+    /// Replaces the workload store; telemetry of workloads no longer in it is removed.
     pub fn set_store(&self, store: WorkloadStore) {
+        let live: std::collections::HashSet<(String, String)> =
+            store
+                .workloads
+                .iter()
+                .map(|w| (w.namespace.clone(), w.workload_label().to_owned()))
+                // Pods served here (the agent describes them over ZDS) count even if the store
+                // does not list them.
+                .chain(self.pods().iter().map(|p| {
+                    (p.workload.namespace.clone(), p.workload.workload_label().to_owned())
+                }))
+                .collect();
         *self.store.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(store);
+        let expired = self.metrics.expire_workloads(&live);
+        if expired > 0 {
+            tracing::info!(series = expired, "telemetry of workloads that left removed");
+        }
     }
 
     /// The pods served now.

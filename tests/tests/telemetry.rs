@@ -137,3 +137,58 @@ fn quitquitquit_drains_and_exits() {
     assert_eq!(status, 200);
     assert!(nodes.proxies[0].proxy.wait_exit(Duration::from_secs(10)), "still running");
 }
+
+/// Node 1's file with pod b as a pod (`app-b-7f9c5`) of workload `b-deploy`, or without pod b.
+fn node1_sees_b_as_a_pod_of_b_deploy(nodes: &TwoNodes, present: bool) {
+    let text = nodes.workloads(&MESHED, "");
+    let text = text.replace("name: app-b\n", "name: app-b-7f9c5\n  workloadName: b-deploy\n");
+    let text = if present {
+        text
+    } else {
+        // Pod b's entry (the second of the list) removed.
+        let (head, rest) = text.split_once("- uid: pod-b").expect("pod b's entry");
+        let tail = rest.find("\n- ").map_or("", |i| &rest[i + 1..]);
+        format!("{head}{tail}")
+    };
+    nodes.write_workloads(1, &text);
+}
+
+#[test]
+fn connections_are_labelled_by_workload_not_by_pod() {
+    let nodes = TwoNodes::new(MESHED);
+    node1_sees_b_as_a_pod_of_b_deploy(&nodes, true);
+    assert!(nodes.proxies[0]
+        .proxy
+        .wait_for_text("workload store reloaded", Duration::from_secs(10)));
+    let dst = nodes.b(false, 8096);
+    nodes.echo_server_in_b(dst);
+    assert_eq!(nodes.app_round_trip(dst, b"hi").expect("round trip"), b"hi");
+    let node1 = &nodes.proxies[0];
+    let by_workload = node1.wait_metrics(Duration::from_secs(10), |m| {
+        meshpath_tests::sum_metric(
+            m,
+            "istio_tcp_connections_closed_total",
+            &[("destination_workload", "b-deploy")],
+        ) == 1.0
+    });
+    assert!(by_workload, "{}", node1.metrics().unwrap_or_default());
+    let text = node1.metrics().expect("metrics");
+    assert!(!text.contains("app-b-7f9c5"), "a pod name became a label:\n{text}");
+}
+
+#[test]
+fn the_series_of_a_workload_that_left_are_removed() {
+    let nodes = TwoNodes::new(MESHED);
+    node1_sees_b_as_a_pod_of_b_deploy(&nodes, true);
+    let node1 = &nodes.proxies[0];
+    assert!(node1.proxy.wait_for_text("workload store reloaded", Duration::from_secs(10)));
+    let dst = nodes.b(false, 8097);
+    nodes.echo_server_in_b(dst);
+    assert_eq!(nodes.app_round_trip(dst, b"hi").expect("round trip"), b"hi");
+    let series =
+        |m: &str| m.lines().filter(|l| l.contains("destination_workload=\"b-deploy\"")).count();
+    assert!(node1.wait_metrics(Duration::from_secs(10), |m| series(m) > 0), "no series");
+    node1_sees_b_as_a_pod_of_b_deploy(&nodes, false);
+    let gone = node1.wait_metrics(Duration::from_secs(10), |m| series(m) == 0);
+    assert!(gone, "{}", node1.metrics().unwrap_or_default());
+}

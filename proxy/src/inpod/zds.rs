@@ -158,5 +158,8 @@ fn workload_for(proxy: &Proxy, uid: &str, info: Option<&WorkloadInfo>) -> Result
         services: Default::default(),
         authorization_policies: Vec::new(),
         canonical_name: String::new(),
+        // ZDS names the pod, not its owner: telemetry labels by the pod's name until the store
+        // says which workload it belongs to.
+        workload_name: String::new(),
     })
 }

@@ -176,6 +176,7 @@ pub fn run() -> Vec<Check> {
         (MapType::LruHash, "LRU hash", "4.10"),
         (MapType::LpmTrie, "LPM trie", "4.11"),
         (MapType::SockHash, "sockhash", "4.18"),
+        (MapType::RingBuf, "ring buffer (decision monitor, eBPF logs)", "5.8"),
     ] {
         out.push(Check::required(
             format!("map type {name}"),

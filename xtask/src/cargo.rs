@@ -20,12 +20,15 @@ fn cargo(extra_path: Option<&Path>) -> Result<Command> {
     let mut cmd = Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
     cmd.current_dir(workspace_root());
     if let Some(dir) = extra_path {
-        let mut path = OsString::from(dir);
-        if let Some(old) = env::var_os("PATH") {
+        let old = env::var_os("PATH").unwrap_or_default();
+        // Only when missing: a PATH that changes between cargo runs makes build scripts that
+        // watch it (ring's, aws-lc's) run again, and everything above them rebuild.
+        if !env::split_paths(&old).any(|p| p == dir) {
+            let mut path = OsString::from(dir);
             path.push(":");
             path.push(old);
+            cmd.env("PATH", path);
         }
-        cmd.env("PATH", path);
     }
     Ok(cmd)
 }

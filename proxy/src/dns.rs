@@ -52,7 +52,7 @@ pub fn start(pod: Arc<Pod>) -> anyhow::Result<()> {
         let tcp = pod.sockets.listen(addr).with_context(|| format!("DNS on tcp {addr}"))?;
         pod.proxy.drain.serve(
             tcp,
-            (pod.listening.clone(), pod.gone.clone()),
+            pod.scope(crate::metrics::Direction::Outbound),
             pod.clone(),
             "DNS over TCP",
             |conn, _peer, pod: Arc<Pod>| async move { serve_tcp(conn, &pod).await },
@@ -96,15 +96,23 @@ async fn serve_udp(sock: Arc<UdpSocket>, pod: Arc<Pod>) {
     }
 }
 
+/// How long a DNS-over-TCP client may stay silent (before a query, or inside one) before the
+/// connection is closed (RFC 7766 asks servers to close idle connections): a client that
+/// connects and sends nothing holds no connection for long.
+pub const TCP_IDLE: std::time::Duration = std::time::Duration::from_secs(10);
+
 async fn serve_tcp(mut conn: TcpStream, pod: &Pod) -> anyhow::Result<()> {
     loop {
-        let len = match conn.read_u16().await {
-            Ok(l) => usize::from(l),
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(e.into()),
+        let len = match tokio::time::timeout(TCP_IDLE, conn.read_u16()).await {
+            Err(_) => return Ok(()), // idle: closed
+            Ok(Ok(l)) => usize::from(l),
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Ok(Err(e)) => return Err(e.into()),
         };
         let mut query = vec![0u8; len];
-        conn.read_exact(&mut query).await?;
+        tokio::time::timeout(TCP_IDLE, conn.read_exact(&mut query))
+            .await
+            .context("a DNS query over TCP stalled")??;
         let Some(reply) = answer(pod, &query, true).await? else { return Ok(()) };
         let len = u16::try_from(reply.len()).context("reply longer than 64 KiB")?;
         conn.write_u16(len).await?;

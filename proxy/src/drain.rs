@@ -2,21 +2,50 @@
 //! accepting — its listeners close, so the datapath refuses new captured connections (fail
 //! closed) — and lets the connections it carries finish, up to a deadline.
 
-use std::{future::Future, time::Duration};
+use std::{future::Future, sync::Arc, time::Duration};
 
-use tokio::net::{TcpListener, TcpStream};
+use tokio::{
+    net::{TcpListener, TcpStream},
+    sync::Semaphore,
+};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
-/// The proxy's shutdown switch and the connections it waits for.
-#[derive(Debug, Clone, Default)]
+/// The proxy's shutdown switch and the connections it waits for; and the cap on how many it
+/// carries at once, node-wide.
+#[derive(Debug, Clone)]
 pub struct Drain {
     stop: CancellationToken,
     tasks: TaskTracker,
+    global: Arc<Semaphore>,
+}
+
+impl Default for Drain {
+    fn default() -> Self {
+        Self::new(crate::state::Settings::default().max_connections)
+    }
+}
+
+/// What one listener's connections belong to: stopped with `stop` (the listener) and `kill`
+/// (its connections), counted against `limit` (the pod's cap) and the node-wide one; a
+/// connection over either cap is closed at once and counted as a `direction` error,
+/// `connection_limit`.
+#[derive(Debug, Clone)]
+pub struct Scope {
+    pub stop: CancellationToken,
+    pub kill: CancellationToken,
+    pub limit: Arc<Semaphore>,
+    pub metrics: Arc<crate::metrics::Metrics>,
+    pub direction: crate::metrics::Direction,
 }
 
 impl Drain {
-    pub fn new() -> Self {
-        Self::default()
+    /// At most `max_connections` connections at once, over all pods.
+    pub fn new(max_connections: usize) -> Self {
+        Self {
+            stop: CancellationToken::new(),
+            tasks: TaskTracker::new(),
+            global: Arc::new(Semaphore::new(max_connections.min(Semaphore::MAX_PERMITS))),
+        }
     }
 
     /// A token cancelled at shutdown (and cancellable on its own: a pod's listeners).
@@ -45,7 +74,7 @@ impl Drain {
     pub fn serve<C, F, Fut>(
         &self,
         listener: TcpListener,
-        (stop, kill): (CancellationToken, CancellationToken),
+        scope: Scope,
         ctx: C,
         what: &'static str,
         handle: F,
@@ -55,15 +84,26 @@ impl Drain {
         Fut: Future<Output = anyhow::Result<()>> + Send + 'static,
     {
         let tasks = self.tasks.clone();
+        let global = self.global.clone();
+        let Scope { stop, kill, limit, metrics, direction } = scope;
         self.spawn(async move {
             loop {
                 tokio::select! {
                     () = stop.cancelled() => return,
                     accepted = listener.accept() => match accepted {
                         Ok((conn, peer)) => {
+                            let permits = (global.clone().try_acquire_owned(), limit.clone().try_acquire_owned());
+                            let (Ok(node_permit), Ok(pod_permit)) = permits else {
+                                // Over a cap: closed now, before any buffer or task is spent on it.
+                                metrics.error(direction, "connection_limit");
+                                tracing::debug!(%peer, "{what}: connection limit reached; closed");
+                                drop(conn);
+                                continue;
+                            };
                             let fut = handle(conn, peer, ctx.clone());
                             let kill = kill.clone();
                             tasks.spawn(async move {
+                                let _permits = (node_permit, pod_permit);
                                 tokio::select! {
                                     r = fut => if let Err(e) = r {
                                         tracing::warn!(%peer, error = %format!("{e:#}"), "{what} connection failed");

@@ -34,7 +34,7 @@ pub fn start(pod: Arc<Pod>) -> anyhow::Result<()> {
     let proxy = pod.proxy.clone();
     proxy.drain.serve(
         listener,
-        (pod.listening.clone(), pod.gone.clone()),
+        pod.scope(crate::metrics::Direction::Inbound),
         pod,
         "HBONE",
         |tcp, peer, pod| async move {

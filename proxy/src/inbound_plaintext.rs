@@ -23,7 +23,7 @@ pub fn start(pod: Arc<Pod>) -> anyhow::Result<()> {
     let proxy = pod.proxy.clone();
     proxy.drain.serve(
         listener,
-        (pod.listening.clone(), pod.gone.clone()),
+        pod.scope(crate::metrics::Direction::Inbound),
         pod,
         "inbound plaintext",
         |conn, peer, pod: Arc<Pod>| async move {

@@ -99,6 +99,13 @@ struct Cli {
     /// milliseconds (ztunnel: 20 s).
     #[arg(long, default_value_t = 20_000, hide = true)]
     hbone_keepalive_timeout_ms: u64,
+    /// Connections carried at once over all pods; more are closed at once and counted
+    /// (`meshpath_connection_errors_total{reason="connection_limit"}`).
+    #[arg(long, default_value_t = 200_000)]
+    max_connections: usize,
+    /// Connections carried at once for one pod (all its listeners together).
+    #[arg(long, default_value_t = 20_000)]
+    max_connections_per_pod: usize,
     /// How often files are checked for changes, in milliseconds.
     #[arg(long, default_value_t = 1000)]
     refresh_ms: u64,
@@ -196,6 +203,8 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
         handshake_timeout: Duration::from_secs(cli.handshake_timeout_seconds),
         connect_timeout: Duration::from_secs(cli.connect_timeout_seconds),
         preserve_source: !cli.no_preserve_source,
+        max_connections: cli.max_connections.max(1),
+        max_connections_per_pod: cli.max_connections_per_pod.max(1),
         keepalive: meshpath_proxy::hbone::Keepalive {
             interval: Duration::from_millis(cli.hbone_keepalive_interval_ms.max(1)),
             timeout: Duration::from_millis(cli.hbone_keepalive_timeout_ms.max(1)),

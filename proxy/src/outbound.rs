@@ -31,7 +31,7 @@ pub fn start(pod: Arc<Pod>) -> io::Result<()> {
         pod.sockets.listen(SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), ports::OUTBOUND))?;
     pod.proxy.drain.serve(
         listener,
-        (pod.listening.clone(), pod.gone.clone()),
+        pod.scope(crate::metrics::Direction::Outbound),
         pod.clone(),
         "outbound",
         |conn, peer, pod: Arc<Pod>| async move {

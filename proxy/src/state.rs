@@ -32,6 +32,10 @@ pub struct Settings {
     pub preserve_source: bool,
     /// HTTP/2 PING on pooled HBONE connections.
     pub keepalive: crate::hbone::Keepalive,
+    /// Connections carried at once, over all pods (each takes two file descriptors or so).
+    pub max_connections: usize,
+    /// Connections carried at once for one pod (its 15001, 15006, 15008 and 15053 together).
+    pub max_connections_per_pod: usize,
 }
 
 impl Default for Settings {
@@ -44,6 +48,8 @@ impl Default for Settings {
             connect_timeout: Duration::from_secs(10),
             preserve_source: true,
             keepalive: crate::hbone::Keepalive::default(),
+            max_connections: 200_000,
+            max_connections_per_pod: 20_000,
         }
     }
 }
@@ -74,7 +80,7 @@ impl Proxy {
         Ok(Arc::new(Self {
             store: RwLock::new(Arc::new(store)),
             certs,
-            drain: Drain::new(),
+            drain: Drain::new(settings.max_connections),
             pool: Pool::new(metrics.clone(), settings.pool_max_streams),
             metrics,
             settings,

@@ -130,6 +130,29 @@ fn a_service_hostname_resolves_over_tcp_too() {
 }
 
 #[test]
+fn a_dns_over_tcp_client_that_sends_nothing_is_disconnected() {
+    let nodes = nodes(true, &[]);
+    let server: SocketAddr = "10.199.0.53:53".parse().expect("server");
+    let mut conn = nodes
+        .pods
+        .a
+        .open()
+        .expect("a")
+        .run(|| TcpStream::connect_timeout(&server, Duration::from_secs(5)))
+        .expect("netns")
+        .expect("connect");
+    // Far longer than the proxy's idle limit (10 s): the proxy must have closed it by then.
+    conn.set_read_timeout(Some(Duration::from_secs(40))).expect("timeout");
+    let mut buf = [0u8; 16];
+    match conn.read(&mut buf) {
+        Ok(0) => {}
+        Ok(n) => panic!("answered {n} bytes to nothing"),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        Err(e) => panic!("still open after 40 s ({e})"),
+    }
+}
+
+#[test]
 fn other_names_are_forwarded_to_the_upstream_from_inside_the_pod() {
     // The upstream resolver: pod b, port 5300, answering every A question with 192.0.2.7.
     // (Every PodPair gives pod b 10.199.0.2, in namespaces of its own.)

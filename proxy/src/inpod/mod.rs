@@ -59,6 +59,8 @@ pub struct Pod {
     pub gone: CancellationToken,
     /// Whether connections to its apps keep the client's address (see `add`).
     transparent: bool,
+    /// Its cap on connections carried at once (all its listeners together).
+    conns: Arc<tokio::sync::Semaphore>,
 }
 
 impl std::fmt::Debug for Pod {
@@ -122,6 +124,17 @@ impl Pod {
     /// Whether connections to its app keep the client's address.
     pub fn preserves_source(&self) -> bool {
         self.transparent
+    }
+
+    /// What a listener of this pod serves under: its stop and removal, its connection cap.
+    pub fn scope(&self, direction: crate::metrics::Direction) -> crate::drain::Scope {
+        crate::drain::Scope {
+            stop: self.listening.clone(),
+            kill: self.gone.clone(),
+            limit: self.conns.clone(),
+            metrics: self.proxy.metrics.clone(),
+            direction,
+        }
     }
 
     /// Runs `task` as one of the pod's connections: tracked by the drain, ended if the pod is
@@ -201,6 +214,9 @@ pub fn add(
         listening: proxy.drain.child_token(),
         gone: CancellationToken::new(),
         transparent,
+        conns: Arc::new(tokio::sync::Semaphore::new(
+            proxy.settings.max_connections_per_pod.min(tokio::sync::Semaphore::MAX_PERMITS),
+        )),
     });
     let started = (|| -> anyhow::Result<()> {
         outbound::start(pod.clone())?;

@@ -243,14 +243,17 @@ fn guest_script(kernel: &Kernel, loader: &Path, suites: &[(String, &[&str])]) ->
 # Written by `cargo xtask test --kernel …` (xtask/src/vm.rs); runs as the guest's PID 1.
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root
 export MESHPATH_LOADER={loader} RUST_BACKTRACE=1
-mount -t tmpfs tmpfs /run
+# Writes anywhere land in the overlay's upper layer (guest memory). The host's named network
+# namespaces must not show; a fresh /tmp keeps the host's leftovers out, unless the workspace
+# is under /tmp (a CI clone there was hidden by it).
+mkdir -p /run/netns && mount -t tmpfs tmpfs /run/netns
 mount -t bpf bpf /sys/fs/bpf
 mount -t cgroup2 cgroup2 /sys/fs/cgroup
 mkdir -p /lib/modules/{release}
 mount --bind {modules} /lib/modules/{release}
-mount -t tmpfs tmpfs /tmp
+case {workspace}/ in /tmp/*) ;; *) mount -t tmpfs tmpfs /tmp ;; esac
 ip link set lo up
-cd {workspace}
+cd {workspace} || {{ echo "{MARK}-FAIL the workspace {workspace} is not visible in the guest"; echo o > /proc/sysrq-trigger; }}
 echo "{MARK}-KERNEL $(uname -r)"
 echo "{MARK}: meshpath-loader doctor"
 {loader} doctor

@@ -72,6 +72,10 @@ fn the_agent_exports_its_pods_datapath_decisions_and_drops_a_pod_that_left() {
     let db_steered = [("pod", "default/db"), ("hook", "inbound"), ("reason", "proxy port")];
     assert_eq!(node.agent_metric(metric, &web_captured).expect("metrics"), 1.0);
     assert_eq!(node.agent_metric(metric, &db_steered).expect("metrics"), 1.0);
+    // The proxy's own connection to db's app (with web's address, IP_TRANSPARENT) is recognised
+    // and let through, not steered back to the proxy.
+    let db_transparent = [("pod", "default/db"), ("reason", "proxy connection")];
+    assert_eq!(node.agent_metric(metric, &db_transparent).expect("metrics"), 1.0);
     let path = web.netns.path().display().to_string();
     assert_eq!(node.del_pod(&web, &path).expect("DEL").map_err(|r| r.stdout), Ok(()));
     assert_eq!(node.agent_metric(metric, &[("pod", "default/web")]).expect("metrics"), 0.0);

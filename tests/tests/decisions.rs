@@ -12,7 +12,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use datapath_common::{consts::ports, decisions::NODE_WIDE, node_flags};
+use datapath_common::{
+    consts::{ports, probe},
+    decisions::NODE_WIDE,
+    node_flags,
+};
 use meshpath_loader::{decisions, pods::EnrolOptions};
 use meshpath_tests::{loader_bin, read_line, Mesh, PinRoot, Sentinel};
 use serde_json::Value;
@@ -215,11 +219,13 @@ fn the_proxys_own_connections_are_counted_as_passed() {
 #[test]
 fn a_pod_enrolled_without_capture_is_counted_as_capture_off() {
     let mesh = Mesh::new(EnrolOptions::default());
+    let monitor = Monitor::start(&mesh.root, &[]);
     let dst = mesh.b(false, 9095);
     let server = mesh.echo_server_in_b(dst);
     drop(mesh.connect_from_a(dst, None).expect("direct connect"));
     server.join().expect("server").expect("the server took the connection");
     assert_eq!(count(&mesh, cookie_a(&mesh), "outbound", "passed", "capture off"), 1);
+    monitor.expect("outbound", "passed", "capture off", Some(dst));
 }
 
 #[test]
@@ -327,21 +333,42 @@ fn an_excluded_inbound_client_prefix_is_counted_as_passed() {
         exclude_inbound_cidrs: vec!["10.199.0.2/32".parse().expect("cidr")],
         ..Default::default()
     });
+    let monitor = Monitor::start(&mesh.root, &[]);
     let dst = mesh.a(false, 2224);
     let app = mesh.echo_server_in_a(dst);
     drop(mesh.connect_from_b(dst, None).expect("excluded client reaches the app"));
     app.join().expect("app").expect("the app took the connection");
     assert_eq!(count(&mesh, cookie_a(&mesh), "inbound", "passed", "excluded cidr"), 1);
+    monitor.expect("inbound", "passed", "excluded cidr", Some(dst));
 }
 
 #[test]
 fn inbound_inside_the_pod_is_counted_as_in_pod() {
     let mesh = inbound(EnrolOptions::default());
+    let monitor = Monitor::start(&mesh.root, &[]);
     let dst = mesh.a(false, 8085);
     let app = mesh.echo_server_in_a(dst);
     drop(mesh.connect_from_a(dst, None).expect("in-pod connect"));
     app.join().expect("app").expect("the app took the connection");
     assert!(count(&mesh, cookie_a(&mesh), "inbound", "passed", "in pod") >= 1);
+    monitor.expect("inbound", "passed", "in pod", Some(dst));
+}
+
+#[test]
+fn a_kubelet_probe_is_counted_as_passed() {
+    let mesh = inbound(EnrolOptions::default()).with_proxy("echo");
+    let monitor = Monitor::start(&mesh.root, &[]);
+    // Pod b plays kubelet: it gets the probe source address; pod a routes back to it.
+    let probe_ip = std::net::IpAddr::from(probe::SOURCE_V4);
+    mesh.pods.b.ip(&["addr", "add", &format!("{probe_ip}/32"), "dev", "eth0"]).expect("probe ip");
+    mesh.pods.a.ip(&["route", "add", &probe_ip.to_string(), "dev", "eth0"]).expect("route");
+    let dst = mesh.a(false, 8092);
+    let app = mesh.echo_server_in_a(dst);
+    drop(mesh.connect_from_b(dst, Some(probe_ip)).expect("probe connects"));
+    let client = app.join().expect("app").expect("the app took the probe");
+    assert_eq!(client.ip(), probe_ip);
+    assert_eq!(count(&mesh, cookie_a(&mesh), "inbound", "passed", "probe"), 1);
+    monitor.expect("inbound", "passed", "probe", Some(dst));
 }
 
 #[test]

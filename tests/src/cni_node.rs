@@ -151,6 +151,13 @@ impl CniNode {
         std::fs::write(dir.join("ca.pem"), cert)?;
         std::fs::write(dir.join("ca-key.pem"), key)?;
         let node = NetnsGuard::new("mp-cninode")?;
+        // The node's bridge, made before the plugin would, with an address of its own: a
+        // bridge the plugin makes takes the lowest address of its ports, so it changes as pods
+        // come, and the bridge plugin's CHECK of an earlier pod then fails ("Bridge interface
+        // mpbr0 Mac doesn't match"), as on a node whose bridge the runtime did not pin.
+        node.ip(&["link", "add", "mpbr0", "type", "bridge"])?;
+        node.ip(&["link", "set", "mpbr0", "address", "02:00:5e:4d:50:01"])?;
+        node.ip(&["link", "set", "mpbr0", "up"])?;
         Ok(Self {
             proxy: None,
             agent: None,

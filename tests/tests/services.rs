@@ -106,18 +106,23 @@ fn a_service_hostname_resolves_to_its_vip_inside_the_pod() {
     assert!(answers(&reply).is_empty());
 }
 
-#[test]
-fn a_service_hostname_resolves_over_tcp_too() {
-    let nodes = nodes(true, &[]);
+/// A TCP connection from pod a to a DNS server's port 53 (captured: it reaches the proxy's 15053).
+fn dns_over_tcp_from_a(nodes: &TwoNodes) -> TcpStream {
     let server: SocketAddr = "10.199.0.53:53".parse().expect("server");
-    let mut conn = nodes
+    nodes
         .pods
         .a
         .open()
         .expect("a")
         .run(|| TcpStream::connect_timeout(&server, Duration::from_secs(5)))
         .expect("netns")
-        .expect("connect");
+        .expect("connect")
+}
+
+#[test]
+fn a_service_hostname_resolves_over_tcp_too() {
+    let nodes = nodes(true, &[]);
+    let mut conn = dns_over_tcp_from_a(&nodes);
     conn.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
     let q = query("b.default.svc.cluster.local.", RecordType::A);
     let len = u16::try_from(q.len()).expect("len").to_be_bytes();
@@ -132,15 +137,7 @@ fn a_service_hostname_resolves_over_tcp_too() {
 #[test]
 fn a_dns_over_tcp_client_that_sends_nothing_is_disconnected() {
     let nodes = nodes(true, &[]);
-    let server: SocketAddr = "10.199.0.53:53".parse().expect("server");
-    let mut conn = nodes
-        .pods
-        .a
-        .open()
-        .expect("a")
-        .run(|| TcpStream::connect_timeout(&server, Duration::from_secs(5)))
-        .expect("netns")
-        .expect("connect");
+    let mut conn = dns_over_tcp_from_a(&nodes);
     // Far longer than the proxy's idle limit (10 s): the proxy must have closed it by then.
     conn.set_read_timeout(Some(Duration::from_secs(40))).expect("timeout");
     let mut buf = [0u8; 16];

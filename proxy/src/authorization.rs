@@ -1,19 +1,39 @@
-//! L4 authorization, as Istio ambient enforces it at the destination's proxy.
+//! L4 authorization, evaluated exactly as ztunnel's `rbac.rs` evaluates Istio ambient policies
+//! at the destination's proxy.
 //!
-//! A policy has a scope (GLOBAL: every workload; NAMESPACE: the workloads of its namespace;
-//! WORKLOAD_SELECTOR: the workloads that list it in `authorizationPolicies`), an action (ALLOW or
-//! DENY) and rules: a policy matches when any rule matches; a rule when all of its clauses match;
-//! a clause when any of its matches matches; a match when every list it sets matches (any entry)
-//! and none of its `not*` lists does. A connection is denied when a DENY policy matches, or when
-//! ALLOW policies apply to the destination and none matches.
+//! Which policies apply to a destination workload: GLOBAL ones, NAMESPACE ones of its namespace,
+//! and any the workload names in `authorizationPolicies` (`"NS/NAME"`). Then, as Istio's
+//! AuthorizationPolicy reference says: a DENY policy that matches denies; with no ALLOW policy
+//! the connection is allowed; otherwise one ALLOW policy must match.
 //!
-//! Plaintext (no peer identity) never matches `principals` and always matches `notPrincipals`:
-//! requiring mTLS for a workload (Istio's STRICT PeerAuthentication) is the DENY policy
-//! `notPrincipals: ["*"]`.
+//! Matching (`rules: [[[match]]]`, rules → clauses → matches), with ztunnel's edge cases:
+//! - a policy with no rules matches nothing; a rule with no clauses matches everything;
+//! - a rule matches when every clause does; a clause when any of its matches does, except
+//!   that an *empty clause* (no matches) always matches;
+//! - an *empty match* (no field set) is skipped: it never makes a clause match;
+//! - a match holds when, for every field pair, the positive list is empty or has a hit, and
+//!   the `not*` list has no hit.
+//!
+//! A plaintext peer has no identity: it matches no `principals`, `serviceAccounts` or
+//! `Presence` namespace and every `not*` form of them, and its namespace is the empty string.
+//! So Istio's STRICT PeerAuthentication is the DENY policy `notPrincipals: ["*"]`.
+//!
+//! `dryRun` policies are evaluated and their would-be verdict logged, never enforced: they
+//! neither deny nor make ALLOW-mode apply.
+//!
+//! Format: ztunnel's field names (camelCase). String matches are written either as Istio's
+//! AuthorizationPolicy strings (`"*"` presence, `"x*"` prefix, `"*x"` suffix, else exact; a
+//! leading `spiffe://` is dropped, as principals are matched without it) or in ztunnel's own
+//! serialisation (`{Exact: x}`, `{Prefix: x}`, `{Suffix: x}`, `{Presence: []}`). Service
+//! accounts are `"NS/SA"` or `{namespace, serviceAccount}`; addresses `IP` or `IP/LEN`. Unknown
+//! fields are errors rather than silently empty matches (an empty match is skipped, so a typo in
+//! a DENY rule would otherwise disable it).
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 
-use serde::{Deserialize, Serialize};
+use ipnet::IpNet;
+use serde::{Deserialize, Deserializer, Serialize};
+use tracing::info;
 
 use crate::{config::Workload, identity::Identity};
 
@@ -37,28 +57,179 @@ pub enum Action {
     Deny,
 }
 
+/// A string condition (namespaces, principals).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub enum StringMatch {
+    Exact(String),
+    Prefix(String),
+    Suffix(String),
+    /// Any non-empty value.
+    Presence(),
+}
+
+impl StringMatch {
+    /// Istio's AuthorizationPolicy string form, converted as istiod converts it for ztunnel.
+    pub fn from_istio(pattern: &str) -> Self {
+        let p = pattern.strip_prefix("spiffe://").unwrap_or(pattern);
+        if p == "*" {
+            Self::Presence()
+        } else if let Some(suffix) = p.strip_prefix('*') {
+            Self::Suffix(suffix.into())
+        } else if let Some(prefix) = p.strip_suffix('*') {
+            Self::Prefix(prefix.into())
+        } else {
+            Self::Exact(p.into())
+        }
+    }
+
+    pub fn matches(&self, value: &str) -> bool {
+        match self {
+            Self::Exact(s) => value == s,
+            Self::Prefix(s) => value.starts_with(s.as_str()),
+            Self::Suffix(s) => value.ends_with(s.as_str()),
+            Self::Presence() => !value.is_empty(),
+        }
+    }
+
+    /// Principals are matched on the identity without its `spiffe://` scheme; no identity
+    /// (plaintext) matches nothing.
+    fn matches_principal(&self, id: Option<&Identity>) -> bool {
+        id.is_some_and(|id| {
+            let full = id.to_string();
+            full.strip_prefix("spiffe://").is_some_and(|short| self.matches(short))
+        })
+    }
+}
+
+impl<'de> Deserialize<'de> for StringMatch {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        enum Ztunnel {
+            Exact(String),
+            Prefix(String),
+            Suffix(String),
+            Presence(serde::de::IgnoredAny),
+        }
+        #[derive(Deserialize)]
+        #[serde(
+            untagged,
+            expecting = "a string (Istio form) or one of {Exact|Prefix|Suffix: S} / {Presence: []}"
+        )]
+        enum Form {
+            Istio(String),
+            Ztunnel(Ztunnel),
+        }
+        Ok(match Form::deserialize(d)? {
+            Form::Istio(s) => Self::from_istio(&s),
+            Form::Ztunnel(Ztunnel::Exact(s)) => Self::Exact(s),
+            Form::Ztunnel(Ztunnel::Prefix(s)) => Self::Prefix(s),
+            Form::Ztunnel(Ztunnel::Suffix(s)) => Self::Suffix(s),
+            Form::Ztunnel(Ztunnel::Presence(_)) => Self::Presence(),
+        })
+    }
+}
+
+/// A Kubernetes service account: matches a peer whose identity has this namespace and account.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ServiceAccountMatch {
+    pub namespace: String,
+    pub service_account: String,
+}
+
+impl ServiceAccountMatch {
+    fn matches(&self, id: Option<&Identity>) -> bool {
+        id.is_some_and(|id| {
+            id.namespace == self.namespace && id.service_account == self.service_account
+        })
+    }
+}
+
+impl<'de> Deserialize<'de> for ServiceAccountMatch {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase", deny_unknown_fields)]
+        struct Fields {
+            namespace: String,
+            service_account: String,
+        }
+        #[derive(Deserialize)]
+        #[serde(untagged, expecting = "\"NAMESPACE/ACCOUNT\" or {namespace, serviceAccount}")]
+        enum Form {
+            Istio(String),
+            Ztunnel(Fields),
+        }
+        match Form::deserialize(d)? {
+            Form::Ztunnel(f) => {
+                Ok(Self { namespace: f.namespace, service_account: f.service_account })
+            }
+            Form::Istio(s) => match s.split_once('/') {
+                Some((ns, sa)) if !ns.is_empty() && !sa.is_empty() && !sa.contains('/') => {
+                    Ok(Self { namespace: ns.into(), service_account: sa.into() })
+                }
+                _ => Err(serde::de::Error::custom(format!(
+                    "service account {s:?} is not NAMESPACE/ACCOUNT"
+                ))),
+            },
+        }
+    }
+}
+
+/// An address range: `IP/LEN`, or a bare `IP` (its host route).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
+pub struct Cidr(pub IpNet);
+
+impl Cidr {
+    fn contains(&self, ip: IpAddr) -> bool {
+        self.0.contains(&crate::inbound::canonical(ip))
+    }
+}
+
+impl std::str::FromStr for Cidr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        s.parse::<IpNet>()
+            .or_else(|_| s.parse::<IpAddr>().map(IpNet::from))
+            .map(Cidr)
+            .map_err(|_| format!("address {s:?} is not IP or IP/LEN"))
+    }
+}
+
+impl<'de> Deserialize<'de> for Cidr {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 /// One match: conditions on the connection, all of which must hold.
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Match {
-    #[serde(default)]
-    pub namespaces: Vec<String>,
-    #[serde(default)]
-    pub not_namespaces: Vec<String>,
-    /// `TD/ns/NS/sa/SA` or the full `spiffe://` form; `*` as prefix or suffix is a wildcard and
-    /// `*` alone means "any identity".
-    #[serde(default)]
-    pub principals: Vec<String>,
-    #[serde(default)]
-    pub not_principals: Vec<String>,
-    /// `IP` or `IP/LEN`.
-    #[serde(default)]
-    pub source_ips: Vec<String>,
-    #[serde(default)]
-    pub not_source_ips: Vec<String>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub namespaces: Vec<StringMatch>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub not_namespaces: Vec<StringMatch>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub service_accounts: Vec<ServiceAccountMatch>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub not_service_accounts: Vec<ServiceAccountMatch>,
+    /// SPIFFE ids without the scheme: `TD/ns/NS/sa/SA`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub principals: Vec<StringMatch>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub not_principals: Vec<StringMatch>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub source_ips: Vec<Cidr>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub not_source_ips: Vec<Cidr>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub destination_ips: Vec<Cidr>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub not_destination_ips: Vec<Cidr>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub destination_ports: Vec<u16>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub not_destination_ports: Vec<u16>,
 }
 
@@ -74,6 +245,9 @@ pub struct Policy {
     /// rules → clauses → matches.
     #[serde(default)]
     pub rules: Vec<Vec<Vec<Match>>>,
+    /// Evaluated and logged, never enforced.
+    #[serde(default)]
+    pub dry_run: bool,
 }
 
 /// The connection being authorized.
@@ -81,8 +255,9 @@ pub struct Policy {
 pub struct Connection<'a> {
     /// The peer's verified identity; `None` for plaintext.
     pub src_identity: Option<&'a Identity>,
-    pub src_ip: IpAddr,
-    pub dst_port: u16,
+    pub src: IpAddr,
+    /// The destination as the client addressed it (the workload's address and port).
+    pub dst: SocketAddr,
 }
 
 /// Why a connection was refused.
@@ -95,195 +270,104 @@ pub enum Denied {
 }
 
 impl Policy {
-    /// Checks what serde cannot: source IP prefixes.
-    pub fn validate(&self) -> Result<(), String> {
-        for m in self.rules.iter().flatten().flatten() {
-            for p in m.source_ips.iter().chain(&m.not_source_ips) {
-                parse_prefix(p).ok_or_else(|| format!("source IP {p:?} is not IP or IP/LEN"))?;
-            }
-        }
-        Ok(())
+    /// `NS/NAME`, as workloads name it.
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
     }
 
     /// Whether it applies to `dst`.
     pub fn selects(&self, dst: &Workload) -> bool {
         match self.scope {
             Scope::Global => true,
-            Scope::Namespace => self.namespace == dst.namespace,
-            Scope::WorkloadSelector => {
-                let me = format!("{}/{}", self.namespace, self.name);
-                dst.authorization_policies.contains(&me)
-            }
+            Scope::Namespace if self.namespace == dst.namespace => true,
+            _ => dst.authorization_policies.contains(&self.key()),
         }
     }
 
-    fn matches(&self, c: &Connection<'_>) -> bool {
-        self.rules.iter().any(|rule| rule.iter().all(|clause| clause.iter().any(|m| m.matches(c))))
+    pub fn matches(&self, c: &Connection<'_>) -> bool {
+        // No rules: nothing matches. No clauses in a rule: the rule matches.
+        self.rules.iter().any(|rule| rule.iter().all(|clause| clause_matches(clause, c)))
     }
+}
+
+/// An empty clause matches; otherwise some non-empty match must.
+fn clause_matches(clause: &[Match], c: &Connection<'_>) -> bool {
+    clause.is_empty() || clause.iter().any(|m| !m.is_empty() && m.matches(c))
+}
+
+/// Positive list empty or hit, negative list not hit.
+fn pair<T>(positive: &[T], negative: &[T], hit: impl Fn(&T) -> bool) -> bool {
+    (positive.is_empty() || positive.iter().any(&hit)) && !negative.iter().any(&hit)
 }
 
 impl Match {
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+
     fn matches(&self, c: &Connection<'_>) -> bool {
-        let ns = c.src_identity.map(|i| i.namespace.as_str());
-        let ns_in = |list: &[String]| ns.is_some_and(|ns| list.iter().any(|n| n == ns));
-        let principal_in =
-            |list: &[String]| c.src_identity.is_some_and(|i| list.iter().any(|p| principal(p, i)));
-        let ip_in = |list: &[String]| {
-            list.iter()
-                .any(|p| parse_prefix(p).is_some_and(|(net, len)| in_prefix(c.src_ip, net, len)))
-        };
-        let port_in = |list: &[u16]| list.contains(&c.dst_port);
-        let want = |list_empty: bool, hit: bool| list_empty || hit;
-        want(self.namespaces.is_empty(), ns_in(&self.namespaces))
-            && !ns_in(&self.not_namespaces)
-            && want(self.principals.is_empty(), principal_in(&self.principals))
-            && !principal_in(&self.not_principals)
-            && want(self.source_ips.is_empty(), ip_in(&self.source_ips))
-            && !ip_in(&self.not_source_ips)
-            && want(self.destination_ports.is_empty(), port_in(&self.destination_ports))
-            && !port_in(&self.not_destination_ports)
+        let id = c.src_identity;
+        let ns = id.map_or("", |i| i.namespace.as_str());
+        pair(&self.destination_ips, &self.not_destination_ips, |n| n.contains(c.dst.ip()))
+            && pair(&self.source_ips, &self.not_source_ips, |n| n.contains(c.src))
+            && pair(&self.destination_ports, &self.not_destination_ports, |p| *p == c.dst.port())
+            && pair(&self.service_accounts, &self.not_service_accounts, |s| s.matches(id))
+            && pair(&self.principals, &self.not_principals, |p| p.matches_principal(id))
+            && pair(&self.namespaces, &self.not_namespaces, |n| n.matches(ns))
     }
 }
 
-fn principal(pattern: &str, id: &Identity) -> bool {
-    let full = id.to_string();
-    let short = full.trim_start_matches("spiffe://");
-    let pattern_short = pattern.trim_start_matches("spiffe://");
-    if pattern_short == "*" {
-        return true;
-    }
-    if let Some(suffix) = pattern_short.strip_prefix('*') {
-        return short.ends_with(suffix);
-    }
-    if let Some(prefix) = pattern_short.strip_suffix('*') {
-        return short.starts_with(prefix);
-    }
-    short == pattern_short
+/// What the policies decide, and what they would decide with the dry-run ones enforced too.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    pub enforced: Result<(), Denied>,
+    /// `Some` when a dry-run policy applies to the destination.
+    pub dry_run: Option<Result<(), Denied>>,
 }
 
-fn parse_prefix(s: &str) -> Option<(IpAddr, u8)> {
-    let (ip, len) = match s.split_once('/') {
-        Some((ip, len)) => (ip.parse::<IpAddr>().ok()?, len.parse::<u8>().ok()?),
-        None => {
-            let ip = s.parse::<IpAddr>().ok()?;
-            (ip, if ip.is_ipv4() { 32 } else { 128 })
-        }
-    };
-    let max = if ip.is_ipv4() { 32 } else { 128 };
-    (len <= max).then_some((ip, len))
-}
-
-fn in_prefix(ip: IpAddr, net: IpAddr, len: u8) -> bool {
-    match (crate::inbound::canonical(ip), net) {
-        (IpAddr::V4(a), IpAddr::V4(n)) => {
-            let mask = u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0);
-            u32::from(a) & mask == u32::from(n) & mask
-        }
-        (IpAddr::V6(a), IpAddr::V6(n)) => {
-            let mask = u128::MAX.checked_shl(128 - u32::from(len)).unwrap_or(0);
-            u128::from(a) & mask == u128::from(n) & mask
-        }
-        _ => false,
+fn evaluate<'p>(
+    applicable: impl Iterator<Item = &'p Policy> + Clone,
+    c: &Connection<'_>,
+) -> Result<(), Denied> {
+    if let Some(p) = applicable.clone().find(|p| p.action == Action::Deny && p.matches(c)) {
+        return Err(Denied::ByPolicy(p.key()));
     }
-}
-
-/// Decides whether `c` may reach `dst` under `policies`.
-pub fn check(policies: &[Policy], dst: &Workload, c: &Connection<'_>) -> Result<(), Denied> {
-    let applicable: Vec<&Policy> = policies.iter().filter(|p| p.selects(dst)).collect();
-    if let Some(p) = applicable.iter().find(|p| p.action == Action::Deny && p.matches(c)) {
-        return Err(Denied::ByPolicy(format!("{}/{}", p.namespace, p.name)));
-    }
-    let allows: Vec<&&Policy> = applicable.iter().filter(|p| p.action == Action::Allow).collect();
-    if allows.is_empty() || allows.iter().any(|p| p.matches(c)) {
+    let mut allows = applicable.filter(|p| p.action == Action::Allow).peekable();
+    if allows.peek().is_none() {
         return Ok(());
     }
-    let names: Vec<String> = allows.iter().map(|p| format!("{}/{}", p.namespace, p.name)).collect();
+    let mut names = Vec::new();
+    for p in allows {
+        if p.matches(c) {
+            return Ok(());
+        }
+        names.push(p.key());
+    }
     Err(Denied::NotAllowed(names.join(", ")))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config::WorkloadStore;
-
-    fn store(policies: &str) -> WorkloadStore {
-        WorkloadStore::parse(&format!(
-            "workloads:\n- {{uid: b, namespace: prod, serviceAccount: b, authorizationPolicies: [prod/only-b]}}\n\
-             - {{uid: c, namespace: prod, serviceAccount: c}}\npolicies:\n{policies}"
-        ))
-        .expect("parse")
-    }
-
-    fn conn<'a>(id: Option<&'a Identity>, ip: &str, port: u16) -> Connection<'a> {
-        Connection { src_identity: id, src_ip: ip.parse().expect("ip"), dst_port: port }
-    }
-
-    fn decide(s: &WorkloadStore, uid: &str, c: &Connection<'_>) -> Result<(), Denied> {
-        check(&s.policies, s.by_uid(uid).expect("workload"), c)
-    }
-
-    const SLEEP: fn() -> Identity = || Identity::new("cluster.local", "dev", "sleep");
-
-    #[test]
-    fn no_policy_allows() {
-        let s = store("  []\n");
-        assert_eq!(decide(&s, "b", &conn(None, "10.0.0.1", 80)), Ok(()));
-    }
-
-    #[test]
-    fn a_matching_deny_denies_and_names_the_policy() {
-        let s = store("- {name: no-dev, namespace: prod, scope: Namespace, action: Deny, rules: [[[{namespaces: [dev]}]]]}\n");
-        let id = SLEEP();
-        assert_eq!(
-            decide(&s, "b", &conn(Some(&id), "10.0.0.1", 80)),
-            Err(Denied::ByPolicy("prod/no-dev".into()))
-        );
-        let other = Identity::new("cluster.local", "prod", "x");
-        assert_eq!(decide(&s, "b", &conn(Some(&other), "10.0.0.1", 80)), Ok(()));
-    }
-
-    #[test]
-    fn allow_policies_deny_what_they_do_not_match() {
-        let s = store("- {name: only-b, namespace: prod, scope: WORKLOAD_SELECTOR, action: ALLOW, rules: [[[{principals: [\"cluster.local/ns/dev/sa/sleep\"], destinationPorts: [80]}]]]}\n");
-        let id = SLEEP();
-        assert_eq!(decide(&s, "b", &conn(Some(&id), "10.0.0.1", 80)), Ok(()));
-        assert!(decide(&s, "b", &conn(Some(&id), "10.0.0.1", 81)).is_err());
-        assert!(decide(&s, "b", &conn(None, "10.0.0.1", 80)).is_err());
-        // Not selected: workload c has no policy.
-        assert_eq!(decide(&s, "c", &conn(None, "10.0.0.1", 81)), Ok(()));
-    }
-
-    #[test]
-    fn strict_mtls_is_deny_not_principals_any() {
-        let s = store("- {name: strict, namespace: prod, scope: Namespace, action: Deny, rules: [[[{notPrincipals: [\"*\"]}]]]}\n");
-        let id = SLEEP();
-        assert!(decide(&s, "c", &conn(None, "10.0.0.1", 80)).is_err());
-        assert_eq!(decide(&s, "c", &conn(Some(&id), "10.0.0.1", 80)), Ok(()));
-    }
-
-    #[test]
-    fn source_prefixes_and_their_negation_match_v4_and_v6() {
-        let s = store("- {name: net, namespace: prod, scope: Global, action: Allow, rules: [[[{sourceIps: [10.1.0.0/16, \"fd00::/8\"], notSourceIps: [10.1.2.3]}]]]}\n");
-        assert_eq!(decide(&s, "c", &conn(None, "10.1.9.9", 80)), Ok(()));
-        assert_eq!(decide(&s, "c", &conn(None, "::ffff:10.1.9.9", 80)), Ok(()));
-        assert_eq!(decide(&s, "c", &conn(None, "fd00::1", 80)), Ok(()));
-        assert!(decide(&s, "c", &conn(None, "10.1.2.3", 80)).is_err());
-        assert!(decide(&s, "c", &conn(None, "10.2.0.1", 80)).is_err());
-    }
-
-    #[test]
-    fn a_rule_needs_every_clause_and_a_clause_any_match() {
-        let s = store("- {name: two, namespace: prod, scope: Global, action: Allow, rules: [[[{destinationPorts: [80]}, {destinationPorts: [81]}], [{namespaces: [dev]}]]]}\n");
-        let id = SLEEP();
-        assert_eq!(decide(&s, "c", &conn(Some(&id), "10.0.0.1", 81)), Ok(()));
-        assert!(decide(&s, "c", &conn(Some(&id), "10.0.0.1", 82)).is_err());
-        assert!(decide(&s, "c", &conn(None, "10.0.0.1", 80)).is_err());
-    }
-
-    #[test]
-    fn a_bad_source_prefix_is_a_parse_error_naming_the_policy() {
-        let err = WorkloadStore::parse("policies:\n- {name: p, scope: Global, action: Deny, rules: [[[{sourceIps: [10.0.0.0/33]}]]]}\n")
-            .expect_err("accepted");
-        assert!(err.contains("policies[0] (p)") && err.contains("10.0.0.0/33"), "{err}");
-    }
+/// Decides whether `c` may reach `dst` under `policies`.
+pub fn decide(policies: &[Policy], dst: &Workload, c: &Connection<'_>) -> Decision {
+    let applicable = policies.iter().filter(|p| p.selects(dst));
+    let enforced = evaluate(applicable.clone().filter(|p| !p.dry_run), c);
+    let dry_run = applicable.clone().any(|p| p.dry_run).then(|| evaluate(applicable, c));
+    Decision { enforced, dry_run }
 }
+
+/// [`decide`], logging what dry-run policies would have changed.
+pub fn check(policies: &[Policy], dst: &Workload, c: &Connection<'_>) -> Result<(), Denied> {
+    let d = decide(policies, dst, c);
+    if let Some(would) = &d.dry_run {
+        if *would != d.enforced {
+            let would = match would {
+                Ok(()) => "allow".to_string(),
+                Err(e) => format!("deny ({e})"),
+            };
+            info!(dst = %c.dst, src = %c.src, dry_run = true, would, "dry-run policy would change this decision");
+        }
+    }
+    d.enforced
+}
+
+#[cfg(test)]
+mod tests;

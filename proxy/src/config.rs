@@ -153,7 +153,7 @@ impl WorkloadStore {
         Self::parse(&text).map_err(|message| ConfigError::Parse { file, message })
     }
 
-    /// Parses YAML text and checks what serde cannot (VIPs, policy CIDRs).
+    /// Parses YAML text and checks what serde cannot (service VIPs).
     pub fn parse(text: &str) -> Result<Self, String> {
         let store: Self = serde_yaml::from_str(text).map_err(|e| match e.location() {
             Some(l) => format!("line {}, column {}: {e}", l.line(), l.column()),
@@ -163,9 +163,6 @@ impl WorkloadStore {
             for v in &s.vips {
                 parse_vip(v).map_err(|e| format!("services[{i}].vips: {e}"))?;
             }
-        }
-        for (i, p) in store.policies.iter().enumerate() {
-            p.validate().map_err(|e| format!("policies[{i}] ({}): {e}", p.name))?;
         }
         Ok(store)
     }

@@ -191,11 +191,7 @@ async fn serve_stream(
     let src = forwarded_for(&req).filter(|f| canonical(f.ip()) == peer.ip()).unwrap_or(peer);
     let store = proxy.store();
     let src_workload = store.by_ip(src.ip()).cloned();
-    let conn = authorization::Connection {
-        src_identity: Some(client),
-        src_ip: src.ip(),
-        dst_port: target.port(),
-    };
+    let conn = authorization::Connection { src_identity: Some(client), src: src.ip(), dst: target };
     if let Err(denied) = authorization::check(&store.policies, pod.current_workload(&store), &conn)
     {
         proxy.metrics.error(Direction::Inbound, "policy_denied");

@@ -56,8 +56,7 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
         return Ok(());
     }
     let store = proxy.store();
-    let c =
-        authorization::Connection { src_identity: None, src_ip: peer.ip(), dst_port: dst.port() };
+    let c = authorization::Connection { src_identity: None, src: peer.ip(), dst };
     if let Err(denied) = authorization::check(&store.policies, pod.current_workload(&store), &c) {
         proxy.metrics.error(Direction::Inbound, "policy_denied");
         warn!(src = %peer, %dst, reason = %denied, "plaintext connection denied");

@@ -2,25 +2,18 @@
 //! as Istio ambient's ztunnel speaks it. HTTP/2 settings: stream window 4 MiB, connection window
 //! 16 MiB, max frame 1 MiB — ztunnel's, and the best of those measured here (`cargo xtask bench
 //! proxy`, single iperf3 stream: 1 MiB / 4 MiB windows 7.5 Gbit/s, 4 / 16 MiB 9.9, 16 / 64 MiB
-//! 9.5). Reads from the plain side take up to 256 KiB at a time (64 KiB: 8.0 Gbit/s and 1.5
-//! proxy CPU s/GB; 256 KiB: 9.9 and 1.24; 1 MiB: no better).
+//! 9.5). The bytes are moved by `copy`.
 
-use std::{future::poll_fn, io, net::SocketAddr, sync::Arc};
+use std::{io, net::SocketAddr, sync::Arc};
 
-use crate::metrics::Meter;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use h2::{RecvStream, SendStream};
-use tokio::{
-    io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _},
-    net::TcpStream,
-};
+use tokio::net::TcpStream;
 
 /// HTTP/2 stream window.
 pub const STREAM_WINDOW: u32 = 4 << 20;
 /// HTTP/2 connection window.
 pub const CONNECTION_WINDOW: u32 = 16 << 20;
-/// The most read from a plain socket at once into an HTTP/2 stream (see the module docs).
-const READ_CHUNK: usize = 256 * 1024;
 /// HTTP/2 max frame size.
 pub const MAX_FRAME: u32 = 1 << 20;
 
@@ -219,96 +212,4 @@ pub async fn connect(
 ) -> Result<(SendStream<Bytes>, RecvStream), HboneError> {
     let conn = handshake(tcp, gateway, tls).await?;
     open_stream(conn, gateway, dst, headers).await
-}
-
-/// Copies a plain stream into an HTTP/2 stream, respecting flow control; ends the stream on EOF.
-pub async fn copy_to_h2(
-    mut from: impl AsyncRead + Unpin,
-    mut to: SendStream<Bytes>,
-    meter: &Meter,
-) -> io::Result<u64> {
-    let mut buf = BytesMut::with_capacity(READ_CHUNK);
-    let mut total = 0u64;
-    loop {
-        buf.reserve(READ_CHUNK);
-        let n = from.read_buf(&mut buf).await?;
-        if n == 0 {
-            to.send_data(Bytes::new(), true).map_err(io::Error::other)?;
-            return Ok(total);
-        }
-        total += n as u64;
-        meter.add(n as u64);
-        let mut data = buf.split().freeze();
-        while !data.is_empty() {
-            to.reserve_capacity(data.len());
-            let granted = poll_fn(|cx| to.poll_capacity(cx))
-                .await
-                .ok_or_else(|| io::Error::new(io::ErrorKind::BrokenPipe, "HBONE stream closed"))?
-                .map_err(io::Error::other)?;
-            let chunk = data.split_to(granted.min(data.len()));
-            to.send_data(chunk, false).map_err(io::Error::other)?;
-        }
-    }
-}
-
-/// Copies an HTTP/2 stream into a plain stream, releasing flow-control capacity as it goes;
-/// shuts the plain stream's write side down at the end.
-pub async fn copy_from_h2(
-    mut from: RecvStream,
-    mut to: impl AsyncWrite + Unpin,
-    meter: &Meter,
-) -> io::Result<u64> {
-    let mut total = 0u64;
-    while let Some(chunk) = from.data().await {
-        let chunk = chunk.map_err(io::Error::other)?;
-        let _ = from.flow_control().release_capacity(chunk.len());
-        total += chunk.len() as u64;
-        to.write_all(&chunk).await?;
-        meter.add(chunk.len() as u64);
-    }
-    to.shutdown().await?;
-    Ok(total)
-}
-
-/// Carries `tcp` over the HTTP/2 stream both ways until both directions end, counting bytes
-/// tcp → stream on `out` and stream → tcp on `back` as they move. Returns the totals.
-pub async fn splice(
-    tcp: TcpStream,
-    send: SendStream<Bytes>,
-    recv: RecvStream,
-    (out, back): (&Meter, &Meter),
-) -> io::Result<(u64, u64)> {
-    let (r, w) = tcp.into_split();
-    let (up, down) = tokio::join!(copy_to_h2(r, send, out), copy_from_h2(recv, w, back));
-    Ok((up?, down?))
-}
-
-/// Plain TCP both ways (passthrough, inbound plaintext), counting like `splice`.
-pub async fn relay(
-    a: TcpStream,
-    b: TcpStream,
-    (a_to_b, b_to_a): (&Meter, &Meter),
-) -> io::Result<(u64, u64)> {
-    async fn copy(
-        mut from: impl AsyncRead + Unpin,
-        mut to: impl AsyncWrite + Unpin,
-        meter: &Meter,
-    ) -> io::Result<u64> {
-        let mut buf = vec![0u8; 64 * 1024];
-        let mut total = 0u64;
-        loop {
-            let n = from.read(&mut buf).await?;
-            if n == 0 {
-                to.shutdown().await?;
-                return Ok(total);
-            }
-            to.write_all(&buf[..n]).await?;
-            total += n as u64;
-            meter.add(n as u64);
-        }
-    }
-    let (ar, aw) = a.into_split();
-    let (br, bw) = b.into_split();
-    let (x, y) = tokio::join!(copy(ar, bw, a_to_b), copy(br, aw, b_to_a));
-    Ok((x?, y?))
 }

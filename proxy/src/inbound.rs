@@ -228,7 +228,9 @@ async fn serve_stream(
         http::Response::builder().status(StatusCode::OK).body(()).map_err(io::Error::other)?;
     let send = respond.send_response(resp, false).map_err(io::Error::other)?;
     // The app's bytes go towards the client; the stream's come from it.
-    match hbone::splice(app, send, req.into_body(), (&guard.to_client, &guard.from_client)).await {
+    let meters = (&guard.to_client, &guard.from_client);
+    match crate::copy::splice(app, send, req.into_body(), meters, proxy.settings.idle_timeout).await
+    {
         Ok(_) => guard.finish(None),
         Err(e) => {
             guard.finish(Some(&e.to_string()));

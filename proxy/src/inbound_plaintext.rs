@@ -86,7 +86,8 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
             return Err(anyhow::Error::new(e).context(format!("connecting to {dst}")));
         }
     };
-    match crate::hbone::relay(conn, app, (&guard.from_client, &guard.to_client)).await {
+    let meters = (&guard.from_client, &guard.to_client);
+    match crate::copy::relay(conn, app, meters, proxy.settings.idle_timeout).await {
         Ok(_) => guard.finish(None),
         Err(e) => guard.finish(Some(&e.to_string())),
     }

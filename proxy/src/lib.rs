@@ -5,7 +5,7 @@
 //! - `inbound` — HBONE (15008) → the pod's app; `inbound_plaintext` — 15006 → the app;
 //!   `transparent` — connecting to the app with the client's address;
 //! - `dns` — 15053; `admin` — 15000 / 15020 / 15021;
-//! - `hbone` — the protocol; `tls` — mTLS with SPIFFE checks; `pool` — shared HTTP/2 connections;
+//! - `hbone` — the protocol; `copy` — moving the bytes (buffers, idle timeout); `tls` — mTLS with SPIFFE checks; `pool` — shared HTTP/2 connections;
 //! - `identity`, `certs` — identities and where certificates come from;
 //! - `config` — the workload store; `authorization` — L4 policy; `metrics` — telemetry;
 //! - `reload` — what is re-read while running; `drain` — graceful shutdown;
@@ -17,6 +17,7 @@ pub mod admin;
 pub mod authorization;
 pub mod certs;
 pub mod config;
+pub mod copy;
 pub mod dns;
 pub mod drain;
 pub mod hbone;

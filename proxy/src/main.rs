@@ -106,6 +106,10 @@ struct Cli {
     /// Connections carried at once for one pod (all its listeners together).
     #[arg(long, default_value_t = 20_000)]
     max_connections_per_pod: usize,
+    /// Seconds a connection may carry nothing either way before it is closed (Envoy's TCP
+    /// proxy default: an hour); 0: never.
+    #[arg(long, default_value_t = 3600)]
+    idle_timeout_seconds: u64,
     /// How often files are checked for changes, in milliseconds.
     #[arg(long, default_value_t = 1000)]
     refresh_ms: u64,
@@ -205,6 +209,8 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
         preserve_source: !cli.no_preserve_source,
         max_connections: cli.max_connections.max(1),
         max_connections_per_pod: cli.max_connections_per_pod.max(1),
+        idle_timeout: (cli.idle_timeout_seconds > 0)
+            .then(|| Duration::from_secs(cli.idle_timeout_seconds)),
         keepalive: meshpath_proxy::hbone::Keepalive {
             interval: Duration::from_millis(cli.hbone_keepalive_interval_ms.max(1)),
             timeout: Duration::from_millis(cli.hbone_keepalive_timeout_ms.max(1)),

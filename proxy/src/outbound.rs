@@ -150,24 +150,25 @@ async fn via_hbone(
         gateway,
     };
     let timeout = proxy.settings.connect_timeout;
-    let opened = proxy
-        .pool
-        .get(&key, || async {
-            let connect = async { pod.sockets.socket(gateway).await?.connect(gateway).await };
-            let tcp = tokio::time::timeout(timeout, connect)
-                .await
-                .map_err(|_| hbone::HboneError::Connect(gateway, io::ErrorKind::TimedOut.into()))?
-                .map_err(|e| hbone::HboneError::Connect(gateway, e))?;
-            let config = pod
-                .client_tls(&dst.identity())
-                .map_err(|e| hbone::HboneError::Tls(gateway, io::Error::other(e)))?;
-            // A peer that takes the TCP connection and then stalls must not hold the app.
-            let keepalive = proxy.settings.keepalive;
-            tokio::time::timeout(timeout, hbone::handshake_with(tcp, gateway, config, keepalive))
-                .await
-                .map_err(|_| hbone::HboneError::Tls(gateway, io::ErrorKind::TimedOut.into()))?
-        })
-        .await;
+    // Boxed, as is the CONNECT below: the connect phase's state (TLS and HTTP/2 handshakes) is
+    // freed once done instead of sizing the task that then carries the connection for its
+    // whole life (an idle connection costs what its task holds).
+    let opened = Box::pin(proxy.pool.get(&key, || async {
+        let connect = async { pod.sockets.socket(gateway).await?.connect(gateway).await };
+        let tcp = tokio::time::timeout(timeout, connect)
+            .await
+            .map_err(|_| hbone::HboneError::Connect(gateway, io::ErrorKind::TimedOut.into()))?
+            .map_err(|e| hbone::HboneError::Connect(gateway, e))?;
+        let config = pod
+            .client_tls(&dst.identity())
+            .map_err(|e| hbone::HboneError::Tls(gateway, io::Error::other(e)))?;
+        // A peer that takes the TCP connection and then stalls must not hold the app.
+        let keepalive = proxy.settings.keepalive;
+        tokio::time::timeout(timeout, hbone::handshake_with(tcp, gateway, config, keepalive))
+            .await
+            .map_err(|_| hbone::HboneError::Tls(gateway, io::ErrorKind::TimedOut.into()))?
+    }))
+    .await;
     let (h2conn, permit) = match opened {
         Ok(c) => c,
         Err(e) => {
@@ -176,10 +177,10 @@ async fn via_hbone(
         }
     };
     let headers = StreamHeaders::for_source(peer, &pod.workload);
-    let stream = tokio::time::timeout(
+    let stream = Box::pin(tokio::time::timeout(
         proxy.settings.connect_timeout,
         hbone::open_stream(h2conn, gateway, target.addr, &headers),
-    )
+    ))
     .await
     .unwrap_or_else(|_| {
         Err(hbone::HboneError::Connect(
@@ -199,7 +200,7 @@ async fn via_hbone(
         }
     };
     let _permit = permit;
-    hbone::splice(conn, send, recv, meters).await?;
+    crate::copy::splice(conn, send, recv, meters, proxy.settings.idle_timeout).await?;
     Ok(())
 }
 
@@ -222,7 +223,7 @@ async fn passthrough(
             anyhow::bail!("connecting to {dst}: timed out");
         }
     };
-    hbone::relay(conn, upstream, meters).await?;
+    crate::copy::relay(conn, upstream, meters, proxy.settings.idle_timeout).await?;
     Ok(())
 }
 

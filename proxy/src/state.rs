@@ -36,6 +36,8 @@ pub struct Settings {
     pub max_connections: usize,
     /// Connections carried at once for one pod (its 15001, 15006, 15008 and 15053 together).
     pub max_connections_per_pod: usize,
+    /// A connection that carries nothing either way for this long is closed (`None`: never).
+    pub idle_timeout: Option<Duration>,
 }
 
 impl Default for Settings {
@@ -50,6 +52,7 @@ impl Default for Settings {
             keepalive: crate::hbone::Keepalive::default(),
             max_connections: 200_000,
             max_connections_per_pod: 20_000,
+            idle_timeout: Some(Duration::from_secs(3600)),
         }
     }
 }

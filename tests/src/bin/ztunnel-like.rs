@@ -281,7 +281,7 @@ async fn handle(mut conn: TcpStream, peer: SocketAddr, path: Path, pod: &Pod) ->
                 let headers = hbone::StreamHeaders::default();
                 let (send, recv) = hbone::connect(tcp, gateway, orig, config, &headers).await?;
                 let meters = (&Meter::default(), &Meter::default());
-                hbone::splice(conn, send, recv, meters).await?;
+                meshpath_proxy::copy::splice(conn, send, recv, meters, None).await?;
                 return Ok(());
             }
             say(&format!("OUTBOUND {orig} FROM {peer}"));
@@ -338,7 +338,7 @@ async fn serve_hbone(tcp: TcpStream, peer: SocketAddr, pod: &Pod) -> Result<()> 
                 return;
             };
             let meters = (&Meter::default(), &Meter::default());
-            let _ = hbone::splice(app, send, req.into_body(), meters).await;
+            let _ = meshpath_proxy::copy::splice(app, send, req.into_body(), meters, None).await;
         });
     }
     Ok(())

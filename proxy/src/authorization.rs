@@ -58,7 +58,7 @@ pub enum Action {
 }
 
 /// A string condition (namespaces, principals).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StringMatch {
     Exact(String),
     Prefix(String),
@@ -98,6 +98,23 @@ impl StringMatch {
             let full = id.to_string();
             full.strip_prefix("spiffe://").is_some_and(|short| self.matches(short))
         })
+    }
+}
+
+/// Written as ztunnel writes it, `{Exact: S}` … `{Presence: []}`, as a one-entry map (serde's
+/// own enum form would be a YAML tag, `!Exact S`, that the reader does not take: found by
+/// fuzz/fuzz_targets/workloads_file.rs).
+impl Serialize for StringMatch {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap as _;
+        let mut m = s.serialize_map(Some(1))?;
+        match self {
+            Self::Exact(v) => m.serialize_entry("Exact", v)?,
+            Self::Prefix(v) => m.serialize_entry("Prefix", v)?,
+            Self::Suffix(v) => m.serialize_entry("Suffix", v)?,
+            Self::Presence() => m.serialize_entry("Presence", &[(); 0])?,
+        }
+        m.end()
     }
 }
 

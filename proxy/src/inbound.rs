@@ -242,8 +242,13 @@ async fn serve_stream(
 
 /// `forwarded: for="IP:PORT"` (or `for=IP`).
 fn forwarded_for<B>(req: &http::Request<B>) -> Option<SocketAddr> {
-    let v = req.headers().get("forwarded")?.to_str().ok()?;
-    let f = v.split(';').find_map(|p| p.trim().strip_prefix("for="))?.trim_matches('"');
+    parse_forwarded_for(req.headers().get("forwarded")?.to_str().ok()?)
+}
+
+/// The `for=` of a `forwarded` header value (RFC 7239): `"IP:PORT"`, `"[V6]:PORT"`, or an
+/// address alone (port 0). Anything else: `None`.
+pub fn parse_forwarded_for(value: &str) -> Option<SocketAddr> {
+    let f = value.split(';').find_map(|p| p.trim().strip_prefix("for="))?.trim_matches('"');
     f.parse()
         .ok()
         .or_else(|| f.trim_matches(['[', ']']).parse().ok().map(|ip| SocketAddr::new(ip, 0)))

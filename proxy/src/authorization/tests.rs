@@ -404,3 +404,17 @@ fn bad_policies_are_errors_that_name_the_place() {
         assert!(err.contains("policies[0]") && err.contains(want), "{yaml}: {err}");
     }
 }
+
+#[test]
+fn policies_written_back_as_yaml_read_back_the_same() {
+    // Found by fuzz/fuzz_targets/workloads_file.rs: string matches were written as YAML tags
+    // (`!Exact dev`), which the reader refused, so a config dump could not be read back.
+    let text = format!(
+        "{WORKLOADS}policies:\n- {{name: p, namespace: prod, scope: Namespace, action: Deny, \
+         rules: [[[{{namespaces: [dev, \"pro*\", \"*od\", \"*\"], serviceAccounts: [dev/sleep], sourceIps: [10.0.0.0/8]}}]]]}}\n"
+    );
+    let store = WorkloadStore::parse(&text).expect("parse");
+    let yaml = serde_yaml::to_string(&store).expect("write");
+    let again = WorkloadStore::parse(&yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
+    assert_eq!(again.policies[0].rules, store.policies[0].rules, "{yaml}");
+}

@@ -57,20 +57,21 @@ pub fn spawn(proxy: Arc<Proxy>, path: PathBuf) {
 
 async fn session(proxy: &Arc<Proxy>, conn: &SeqPacket) -> Result<(), ZdsError> {
     conn.send_msg(&ZdsHello { version: Version::V1 as i32 }, None).await?;
-    // Pods named since this connection began: what the snapshot keeps.
-    let mut named: HashSet<String> = HashSet::new();
+    let mut session = Session::default();
     loop {
         let (req, fds) = conn.recv_msg::<WorkloadRequest>().await?;
-        // Adding a pod does blocking work (a certificate, a thread entering its netns, `ip`,
-        // the datapath's lock): off the runtime's worker threads.
-        let (p, mut owned) = (proxy.clone(), std::mem::take(&mut named));
-        let (result, back) = tokio::task::spawn_blocking(move || {
-            let r = handle(&p, req, fds, &mut owned);
-            (r, owned)
-        })
-        .await
-        .map_err(|e| ZdsError::Protocol(format!("request handler: {e}")))?;
-        named = back;
+        let served: HashSet<String> = proxy.pods().iter().map(|p| p.uid.clone()).collect();
+        let result = match session.step(req, fds.len(), &served) {
+            Err(e) => Err(e),
+            // Adding a pod does blocking work (a certificate, a thread entering its netns,
+            // `ip`, the datapath's lock): off the runtime's worker threads.
+            Ok(step) => {
+                let p = proxy.clone();
+                tokio::task::spawn_blocking(move || apply(&p, step, fds))
+                    .await
+                    .map_err(|e| ZdsError::Protocol(format!("request handler: {e}")))?
+            }
+        };
         if let Err(e) = &result {
             warn!(error = %e, "ZDS request refused");
         }
@@ -78,58 +79,110 @@ async fn session(proxy: &Arc<Proxy>, conn: &SeqPacket) -> Result<(), ZdsError> {
     }
 }
 
-fn handle(
-    proxy: &Arc<Proxy>,
-    req: WorkloadRequest,
-    mut fds: Vec<std::os::fd::OwnedFd>,
-    named: &mut HashSet<String>,
-) -> Result<(), String> {
-    match req.payload {
-        Some(Payload::Add(add)) => {
-            if fds.len() != 1 {
-                return Err(format!(
-                    "AddWorkload {} came with {} descriptors, not 1",
-                    add.uid,
-                    fds.len()
-                ));
+/// What one request asks of the proxy.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    /// Serve the pod whose netns is the request's one descriptor (or keep serving it, if it is
+    /// the netns already served).
+    Add {
+        uid: String,
+        info: Option<WorkloadInfo>,
+    },
+    /// Nothing to do: the pod is served and stays.
+    Keep,
+    Remove(String),
+    /// The snapshot is complete: stop serving these (served, but not named since the session
+    /// began), then report ready.
+    Sweep(Vec<String>),
+}
+
+/// One ZDS session's bookkeeping, apart from its effects (so it can be fuzzed:
+/// fuzz/fuzz_targets/zds_session.rs): the pods named since the connection began are what a
+/// snapshot keeps.
+#[derive(Debug, Default)]
+pub struct Session {
+    named: HashSet<String>,
+}
+
+impl Session {
+    /// Decides what `req` (which came with `fds` descriptors) asks, given the pods `served`.
+    pub fn step(
+        &mut self,
+        req: WorkloadRequest,
+        fds: usize,
+        served: &HashSet<String>,
+    ) -> Result<Step, String> {
+        match req.payload {
+            Some(Payload::Add(add)) => {
+                if fds != 1 {
+                    return Err(format!(
+                        "AddWorkload {} came with {fds} descriptors, not 1",
+                        add.uid
+                    ));
+                }
+                if add.uid.is_empty() {
+                    return Err("AddWorkload without a uid".into());
+                }
+                self.named.insert(add.uid.clone());
+                Ok(Step::Add { uid: add.uid, info: add.workload_info })
             }
-            let file = File::from(fds.remove(0));
-            let label = format!("zds:{}", add.uid);
+            Some(Payload::Keep(keep)) => {
+                if !served.contains(&keep.uid) {
+                    return Err(format!("KeepWorkload {}: not served here", keep.uid));
+                }
+                self.named.insert(keep.uid);
+                Ok(Step::Keep)
+            }
+            Some(Payload::Del(del)) => {
+                self.named.remove(&del.uid);
+                Ok(Step::Remove(del.uid))
+            }
+            Some(Payload::SnapshotSent(_)) => {
+                let mut gone: Vec<String> =
+                    served.iter().filter(|uid| !self.named.contains(*uid)).cloned().collect();
+                gone.sort();
+                Ok(Step::Sweep(gone))
+            }
+            None => Err("empty WorkloadRequest".into()),
+        }
+    }
+
+    /// The pods named since the session began.
+    pub fn named(&self) -> &HashSet<String> {
+        &self.named
+    }
+}
+
+/// Carries out a step on the proxy (blocking work).
+fn apply(proxy: &Arc<Proxy>, step: Step, mut fds: Vec<std::os::fd::OwnedFd>) -> Result<(), String> {
+    match step {
+        Step::Add { uid, info } => {
+            let file = File::from(fds.pop().ok_or("AddWorkload without its netns")?);
+            let label = format!("zds:{uid}");
             let netns = Netns::from_file(file, Path::new(&label)).map_err(|e| e.to_string())?;
-            named.insert(add.uid.clone());
-            if let Some(pod) = proxy.pod(&add.uid) {
+            if let Some(pod) = proxy.pod(&uid) {
                 if pod.netns.inode() == netns.inode() {
                     // Re-sent in a snapshot: already served, connections untouched.
                     return Ok(());
                 }
             }
-            let workload = workload_for(proxy, &add.uid, add.workload_info.as_ref())?;
-            super::add(proxy, &add.uid, netns, workload).map(drop).map_err(|e| format!("{e:#}"))
+            let workload = workload_for(proxy, &uid, info.as_ref())?;
+            super::add(proxy, &uid, netns, workload).map(drop).map_err(|e| format!("{e:#}"))
         }
-        Some(Payload::Keep(keep)) => {
-            if proxy.pod(&keep.uid).is_none() {
-                return Err(format!("KeepWorkload {}: not served here", keep.uid));
-            }
-            named.insert(keep.uid);
+        Step::Keep => Ok(()),
+        Step::Remove(uid) => {
+            super::remove(proxy, &uid);
             Ok(())
         }
-        Some(Payload::Del(del)) => {
-            named.remove(&del.uid);
-            super::remove(proxy, &del.uid);
-            Ok(())
-        }
-        Some(Payload::SnapshotSent(_)) => {
-            for pod in proxy.pods() {
-                if !named.contains(&pod.uid) {
-                    info!(pod = %pod.uid, "not in the agent's snapshot: removing");
-                    super::remove(proxy, &pod.uid);
-                }
+        Step::Sweep(gone) => {
+            for uid in &gone {
+                info!(pod = %uid, "not in the agent's snapshot: removing");
+                super::remove(proxy, uid);
             }
             proxy.set_ready(true);
-            info!(pods = named.len(), "snapshot from the node agent applied");
+            info!(removed = gone.len(), "snapshot from the node agent applied");
             Ok(())
         }
-        None => Err("empty WorkloadRequest".into()),
     }
 }
 
@@ -162,4 +215,54 @@ fn workload_for(proxy: &Proxy, uid: &str, info: Option<&WorkloadInfo>) -> Result
         // says which workload it belongs to.
         workload_name: String::new(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use meshpath_zds::proto::{AddWorkload, DelWorkload, KeepWorkload, SnapshotSent};
+
+    use super::*;
+
+    fn req(p: Payload) -> WorkloadRequest {
+        WorkloadRequest { payload: Some(p) }
+    }
+    fn add(uid: &str) -> WorkloadRequest {
+        req(Payload::Add(AddWorkload { uid: uid.into(), ..Default::default() }))
+    }
+    fn served(uids: &[&str]) -> HashSet<String> {
+        uids.iter().map(|u| u.to_string()).collect()
+    }
+
+    #[test]
+    fn a_snapshot_removes_what_was_served_but_not_named_since_the_session_began() {
+        let mut s = Session::default();
+        let now = served(&["kept", "added", "stale", "deleted"]);
+        s.step(add("added"), 1, &now).expect("add");
+        s.step(req(Payload::Keep(KeepWorkload { uid: "kept".into() })), 0, &now).expect("keep");
+        s.step(add("deleted"), 1, &now).expect("add");
+        let del = req(Payload::Del(DelWorkload { uid: "deleted".into() }));
+        assert_eq!(s.step(del, 0, &now), Ok(Step::Remove("deleted".into())));
+        let swept = s.step(req(Payload::SnapshotSent(SnapshotSent {})), 0, &now);
+        assert_eq!(swept, Ok(Step::Sweep(vec!["deleted".into(), "stale".into()])));
+    }
+
+    #[test]
+    fn an_add_needs_exactly_one_descriptor_and_a_uid() {
+        let mut s = Session::default();
+        for fds in [0, 2] {
+            let err = s.step(add("p"), fds, &HashSet::new()).expect_err("accepted");
+            assert!(err.contains(&format!("{fds} descriptors")), "{err}");
+        }
+        assert!(s.step(add(""), 1, &HashSet::new()).is_err());
+        assert!(s.named().is_empty(), "a refused add was named");
+    }
+
+    #[test]
+    fn keeping_a_pod_not_served_is_refused_and_names_nothing() {
+        let mut s = Session::default();
+        let keep = req(Payload::Keep(KeepWorkload { uid: "ghost".into() }));
+        assert!(s.step(keep, 0, &HashSet::new()).is_err());
+        assert!(s.step(WorkloadRequest { payload: None }, 0, &HashSet::new()).is_err());
+        assert!(s.named().is_empty());
+    }
 }

@@ -234,7 +234,7 @@ fn ensure_kubernetes_validate() -> Result<()> {
     bail!("could not install {KUBERNETES_VALIDATE}: run `python3 -m pip install {KUBERNETES_VALIDATE}`")
 }
 
-fn ensure_debian_packages(packages: &[(&str, &str)]) -> Result<()> {
+pub fn ensure_debian_packages(packages: &[(&str, &str)]) -> Result<()> {
     let missing: Vec<&str> =
         packages.iter().filter(|(pkg, _)| !package_installed(pkg)).map(|(pkg, _)| *pkg).collect();
     if missing.is_empty() {

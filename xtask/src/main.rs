@@ -4,6 +4,7 @@
 mod bootstrap;
 mod cargo;
 mod demo;
+mod fuzz;
 mod kube_api;
 mod vm;
 
@@ -30,7 +31,8 @@ enum Cmd {
         release: bool,
     },
     /// Run every check and test: rustfmt, clippy, unit and end-to-end tests (as root) on this
-    /// machine's kernel, then the capture tests on Debian's 6.1 kernel (the floor) under QEMU.
+    /// machine's kernel, each fuzz target for seconds, then the capture tests on Debian's 6.1
+    /// kernel (the floor) under QEMU.
     Test {
         /// Only run tests whose name contains this (on this machine's kernel).
         filter: Option<String>,
@@ -56,6 +58,16 @@ enum Cmd {
         /// from it which are meshed (the `default` namespace is labelled for ambient).
         #[arg(long)]
         kube: bool,
+    },
+    /// Run the fuzz targets (fuzz/: cargo-fuzz, the nightly, AddressSanitizer) for a while each;
+    /// `cargo xtask test` runs each for seconds.
+    Fuzz {
+        /// Only this target (dns_message, zds_session, identity, authorization,
+        /// workloads_file, cni_input).
+        target: Option<String>,
+        /// Seconds per target.
+        #[arg(long, default_value_t = 60)]
+        secs: u64,
     },
     /// Make a CA for the proxies (DIR/ca.pem, DIR/ca-key.pem), as the demo and tests do.
     Ca { dir: std::path::PathBuf },
@@ -126,6 +138,11 @@ fn run(cli: Cli) -> Result<()> {
             }
             bootstrap::run(cmd.args(args))?;
         }
+        Cmd::Fuzz { target, secs } => {
+            bootstrap::ensure(Needs { ebpf_toolchain: false, runtime: false, vm: false })?;
+            let which: Vec<&str> = target.as_deref().into_iter().collect();
+            fuzz::run(&which, secs)?;
+        }
         Cmd::Ca { dir } => {
             let path =
                 bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: false, vm: false })?;
@@ -171,11 +188,26 @@ fn test(
     let bin_dir = cargo::build(path, false)?;
     if host {
         let t = cargo::test(path, &bin_dir, filter)?;
-        lines.push(format!("this machine's kernel: {} passed, {} failed", t.passed, t.failed));
+        lines.push(format!(
+            "tests on this machine's kernel: {} passed, {} failed",
+            t.passed, t.failed
+        ));
         total.passed += t.passed;
         total.failed += t.failed;
         if t.failed > 0 {
             bad.push("this machine's kernel".to_owned());
+        }
+    }
+    if host && filter.is_none() {
+        let secs = fuzz::IN_TESTS_SECS;
+        match fuzz::run(&[], secs) {
+            Ok(()) => lines
+                .push(format!("fuzz targets: {} run {secs} s each, no crash", fuzz::TARGETS.len())),
+            Err(e) => {
+                println!("fuzz: {e:#}");
+                lines.push(format!("fuzz targets: failed: {e:#}"));
+                bad.push("the fuzz targets".to_owned());
+            }
         }
     }
     if !series.is_empty() {
@@ -183,7 +215,7 @@ fn test(
         for s in series {
             let out = vm::run_matrix_entry(s, &bin_dir, &bins)?;
             lines.push(format!(
-                "Linux {} (QEMU): {} passed, {} failed{}",
+                "tests on Linux {} (QEMU): {} passed, {} failed{}",
                 out.release,
                 out.passed,
                 out.failed,
@@ -201,7 +233,7 @@ fn test(
         }
     }
     for l in &lines {
-        println!("tests on {l}");
+        println!("{l}");
     }
     println!("tests: {} passed, {} failed", total.passed, total.failed);
     if !bad.is_empty() {

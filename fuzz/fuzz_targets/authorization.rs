@@ -8,8 +8,8 @@ use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
 use libfuzzer_sys::fuzz_target;
 use meshpath_proxy::{
-    authorization::{decide, Connection, Policy},
-    config::WorkloadStore,
+    state::authorization::{decide, Connection, Policy},
+    state::workloads::WorkloadStore,
     identity::Identity,
 };
 

@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use meshpath_proxy::{identity::Identity, inbound::parse_forwarded_for, tls};
+use meshpath_proxy::{identity::Identity, proxy::inbound::parse_forwarded_for, identity::tls};
 use rustls_pki_types::CertificateDer;
 
 fuzz_target!(|data: &[u8]| {

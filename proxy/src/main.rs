@@ -12,11 +12,11 @@ use clap::Parser;
 use meshpath_podnet::netns::Netns;
 use meshpath_proxy::{
     admin::{self, Endpoints, LogControl},
-    certs::Certs,
-    config::WorkloadStore,
-    dns,
+    identity::certs::Certs,
+    state::workloads::WorkloadStore,
+    proxy::dns,
     identity::LocalCa,
-    inpod, reload,
+    inpod, state::reload,
     state::{Proxy, Settings},
 };
 use tracing_subscriber::{layer::SubscriberExt as _, util::SubscriberInitExt as _, EnvFilter};
@@ -211,7 +211,7 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
         max_connections_per_pod: cli.max_connections_per_pod.max(1),
         idle_timeout: (cli.idle_timeout_seconds > 0)
             .then(|| Duration::from_secs(cli.idle_timeout_seconds)),
-        keepalive: meshpath_proxy::hbone::Keepalive {
+        keepalive: meshpath_proxy::proxy::hbone::Keepalive {
             interval: Duration::from_millis(cli.hbone_keepalive_interval_ms.max(1)),
             timeout: Duration::from_millis(cli.hbone_keepalive_timeout_ms.max(1)),
         },

@@ -204,10 +204,10 @@ impl TwoNodes {
         &self,
         cert: &meshpath_proxy::identity::WorkloadCert,
         dst: SocketAddr,
-    ) -> Result<(), meshpath_proxy::hbone::HboneError> {
+    ) -> Result<(), meshpath_proxy::proxy::hbone::HboneError> {
         let gateway = self.b(false, 15008);
         let roots = std::slice::from_ref(&self.ca.cert_der);
-        let config = meshpath_proxy::tls::client_config(cert, roots, vec![sa("sa-b")])
+        let config = meshpath_proxy::identity::tls::client_config(cert, roots, vec![sa("sa-b")])
             .expect("client config");
         let std = self
             .pods
@@ -219,7 +219,7 @@ impl TwoNodes {
             .expect("tcp");
         std.set_nonblocking(true).expect("nonblocking");
         let tcp = tokio::net::TcpStream::from_std(std).expect("tokio");
-        meshpath_proxy::hbone::connect(tcp, gateway, dst, config, &Default::default())
+        meshpath_proxy::proxy::hbone::connect(tcp, gateway, dst, config, &Default::default())
             .await
             .map(drop)
     }

@@ -9,8 +9,8 @@ use std::{
 };
 
 use meshpath_proxy::{
-    hbone::{self, HboneError},
-    tls,
+    proxy::hbone::{self, HboneError},
+    identity::tls,
 };
 use meshpath_tests::two_nodes::{sa, Setup, TwoNodes, View, MESHED};
 

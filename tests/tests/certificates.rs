@@ -8,7 +8,7 @@ use std::{
 };
 
 use meshpath_proxy::{
-    hbone::HboneError,
+    proxy::hbone::HboneError,
     identity::{LocalCa, WorkloadCert},
 };
 use meshpath_tests::two_nodes::{sa, Setup, TwoNodes};

@@ -205,7 +205,7 @@ fn inbound_hbone_from_another_node_reaches_the_app(proxy: Proxy, v6: bool) {
         .issue(&Identity::new("cluster.local", "default", "web"), Duration::from_secs(600))
         .expect("cert");
     let gateway = SocketAddr::new(dst.ip(), 15008);
-    let config = meshpath_proxy::tls::client_config(
+    let config = meshpath_proxy::identity::tls::client_config(
         &cert,
         std::slice::from_ref(&ca.cert_der),
         vec![Identity::new("cluster.local", "default", "db")],
@@ -218,7 +218,7 @@ fn inbound_hbone_from_another_node_reaches_the_app(proxy: Proxy, v6: bool) {
         let tcp = tokio::net::TcpStream::from_std(tcp).expect("tokio");
         let headers = Default::default();
         let (mut send, mut recv) =
-            meshpath_proxy::hbone::connect(tcp, gateway, dst, config, &headers)
+            meshpath_proxy::proxy::hbone::connect(tcp, gateway, dst, config, &headers)
                 .await
                 .expect("CONNECT answered 200");
         send.send_data(bytes::Bytes::from_static(b"hello"), true).expect("send");

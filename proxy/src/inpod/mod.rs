@@ -6,6 +6,7 @@
 //! listeners and ends its connections; other pods are not touched. Pods come from the command
 //! line or, at run time, from the node agent over ZDS (`zds`).
 
+pub mod netns;
 pub mod zds;
 
 use std::{
@@ -22,14 +23,14 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::{
-    config::Workload,
-    dns,
+    state::workloads::Workload,
+    proxy::dns,
     identity::{Identity, WorkloadCert},
-    inbound, inbound_plaintext,
-    netns::SocketFactory,
-    outbound,
+    proxy::inbound, proxy::inbound_plaintext,
+    inpod::netns::SocketFactory,
+    proxy::outbound,
     state::Proxy,
-    tls,
+    identity::tls,
 };
 
 struct PodTls {
@@ -117,7 +118,7 @@ impl Pod {
 
     /// What the store says about the pod now (policies select workloads by what the store
     /// says, and it may have changed since the pod was added), else what it was added with.
-    pub fn current_workload<'a>(&'a self, store: &'a crate::config::WorkloadStore) -> &'a Workload {
+    pub fn current_workload<'a>(&'a self, store: &'a crate::state::workloads::WorkloadStore) -> &'a Workload {
         store.by_uid(&self.uid).unwrap_or(&self.workload)
     }
 
@@ -127,8 +128,8 @@ impl Pod {
     }
 
     /// What a listener of this pod serves under: its stop and removal, its connection cap.
-    pub fn scope(&self, direction: crate::metrics::Direction) -> crate::drain::Scope {
-        crate::drain::Scope {
+    pub fn scope(&self, direction: crate::metrics::Direction) -> crate::proxy::drain::Scope {
+        crate::proxy::drain::Scope {
             stop: self.listening.clone(),
             kill: self.gone.clone(),
             limit: self.conns.clone(),

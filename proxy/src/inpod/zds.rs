@@ -22,7 +22,7 @@ use meshpath_zds::{
 use tracing::{info, warn};
 
 use crate::{
-    config::{Protocol, Workload},
+    state::workloads::{Protocol, Workload},
     state::Proxy,
 };
 

@@ -42,11 +42,11 @@ use std::{
 use anyhow::{bail, Context as _, Result};
 use datapath_common::consts::{marks, ports};
 use meshpath_proxy::{
-    config::{Protocol, WorkloadStore},
-    hbone,
+    state::workloads::{Protocol, WorkloadStore},
+    proxy::hbone,
     identity::{Identity, LocalCa, WorkloadCert},
     metrics::Meter,
-    tls,
+    identity::tls,
 };
 use meshpath_zds::{
     proto::{workload_request::Payload, Version, WorkloadRequest, WorkloadResponse, ZdsHello},
@@ -281,7 +281,7 @@ async fn handle(mut conn: TcpStream, peer: SocketAddr, path: Path, pod: &Pod) ->
                 let headers = hbone::StreamHeaders::default();
                 let (send, recv) = hbone::connect(tcp, gateway, orig, config, &headers).await?;
                 let meters = (&Meter::default(), &Meter::default());
-                meshpath_proxy::copy::splice(conn, send, recv, meters, None).await?;
+                meshpath_proxy::proxy::copy::splice(conn, send, recv, meters, None).await?;
                 return Ok(());
             }
             say(&format!("OUTBOUND {orig} FROM {peer}"));
@@ -338,7 +338,7 @@ async fn serve_hbone(tcp: TcpStream, peer: SocketAddr, pod: &Pod) -> Result<()> 
                 return;
             };
             let meters = (&Meter::default(), &Meter::default());
-            let _ = meshpath_proxy::copy::splice(app, send, req.into_body(), meters, None).await;
+            let _ = meshpath_proxy::proxy::copy::splice(app, send, req.into_body(), meters, None).await;
         });
     }
     Ok(())

@@ -67,7 +67,7 @@ pub struct StreamHeaders {
 impl StreamHeaders {
     /// The headers for a connection from `src` in workload `w`: its address, its baggage, and a
     /// new trace.
-    pub fn for_source(src: SocketAddr, w: &crate::config::Workload) -> Self {
+    pub fn for_source(src: SocketAddr, w: &crate::state::workloads::Workload) -> Self {
         let service = if w.canonical_name.is_empty() { &w.name } else { &w.canonical_name };
         let baggage = format!(
             "k8s.cluster.name=Kubernetes,k8s.namespace.name={},k8s.pod.name={},service.name={},service.version=latest",

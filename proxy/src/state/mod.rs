@@ -1,6 +1,11 @@
 //! The node proxy's state: the workload store (swapped whole on reload), the certificate source,
 //! the connection pool, telemetry, the shutdown switch, and the pods served now.
 
+pub mod authorization;
+pub mod reload;
+pub mod workloads;
+
+
 use std::{
     collections::BTreeMap,
     net::SocketAddr,
@@ -12,7 +17,7 @@ use std::{
 };
 
 use crate::{
-    certs::Certs, config::WorkloadStore, drain::Drain, inpod::Pod, metrics::Metrics, pool::Pool,
+    identity::certs::Certs, state::workloads::WorkloadStore, proxy::drain::Drain, inpod::Pod, metrics::Metrics, proxy::pool::Pool,
 };
 
 /// Tunables, from the command line.
@@ -31,7 +36,7 @@ pub struct Settings {
     /// Connect to apps with the client's address as source (`IP_TRANSPARENT`, as ztunnel).
     pub preserve_source: bool,
     /// HTTP/2 PING on pooled HBONE connections.
-    pub keepalive: crate::hbone::Keepalive,
+    pub keepalive: crate::proxy::hbone::Keepalive,
     /// Connections carried at once, over all pods (each takes two file descriptors or so).
     pub max_connections: usize,
     /// Connections carried at once for one pod (its 15001, 15006, 15008 and 15053 together).
@@ -49,7 +54,7 @@ impl Default for Settings {
             handshake_timeout: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(10),
             preserve_source: true,
-            keepalive: crate::hbone::Keepalive::default(),
+            keepalive: crate::proxy::hbone::Keepalive::default(),
             max_connections: 200_000,
             max_connections_per_pod: 20_000,
             idle_timeout: Some(Duration::from_secs(3600)),
@@ -69,7 +74,7 @@ pub struct Proxy {
     pods: Mutex<BTreeMap<String, Arc<Pod>>>,
     ready: AtomicBool,
     /// The transparent connections to apps being opened now (see `transparent`).
-    pub transparent: crate::transparent::InFlight,
+    pub transparent: crate::proxy::transparent::InFlight,
 }
 
 impl Proxy {

@@ -18,8 +18,8 @@ use rustls::pki_types::{pem::PemObject as _, CertificateDer, PrivateKeyDer};
 
 use crate::{
     identity::{Identity, IdentityError, LocalCa, WorkloadCert},
-    reload::mtime,
-    tls,
+    state::reload::mtime,
+    identity::tls,
 };
 
 /// Why a certificate could not be had.

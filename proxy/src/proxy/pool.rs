@@ -20,7 +20,7 @@ use std::{
 use serde::Serialize;
 
 use crate::{
-    hbone::{Connection, HboneError},
+    proxy::hbone::{Connection, HboneError},
     identity::Identity,
     metrics::Metrics,
 };

@@ -21,11 +21,11 @@ use tokio_rustls::TlsAcceptor;
 use tracing::{debug, info_span, warn, Instrument as _};
 
 use crate::{
-    authorization, hbone,
+    state::authorization, proxy::hbone,
     identity::Identity,
     inpod::Pod,
     metrics::{ConnGuard, ConnInfo, Direction},
-    tls,
+    identity::tls,
 };
 
 /// Serves one pod's HBONE listener.
@@ -181,7 +181,7 @@ async fn serve_stream(
     }
     // Before policy: CONNECT to one of the proxy's own ports would have the proxy dial itself.
     if ports::is_proxy_port(target.port()) {
-        proxy.metrics.error(Direction::Inbound, crate::outbound::SELF_CALL);
+        proxy.metrics.error(Direction::Inbound, crate::proxy::outbound::SELF_CALL);
         warn!(src = %client, dst = %target, "HBONE request refused: 400 (a proxy port)");
         return reply(&mut respond, StatusCode::BAD_REQUEST);
     }
@@ -211,7 +211,7 @@ async fn serve_stream(
     };
     let guard = ConnGuard::open(&proxy.metrics, info);
     let limit = proxy.settings.connect_timeout;
-    let app = match crate::transparent::connect_app(pod, src.ip(), target, limit).await {
+    let app = match crate::proxy::transparent::connect_app(pod, src.ip(), target, limit).await {
         Ok(s) => s,
         Err(e) => {
             let timeout = e.kind() == io::ErrorKind::TimedOut;
@@ -229,7 +229,7 @@ async fn serve_stream(
     let send = respond.send_response(resp, false).map_err(io::Error::other)?;
     // The app's bytes go towards the client; the stream's come from it.
     let meters = (&guard.to_client, &guard.from_client);
-    match crate::copy::splice(app, send, req.into_body(), meters, proxy.settings.idle_timeout).await
+    match crate::proxy::copy::splice(app, send, req.into_body(), meters, proxy.settings.idle_timeout).await
     {
         Ok(_) => guard.finish(None),
         Err(e) => {

@@ -35,7 +35,7 @@ use ipnet::IpNet;
 use serde::{Deserialize, Deserializer, Serialize};
 use tracing::info;
 
-use crate::{config::Workload, identity::Identity};
+use crate::{state::workloads::Workload, identity::Identity};
 
 /// Where a policy applies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
@@ -199,7 +199,7 @@ pub struct Cidr(pub IpNet);
 
 impl Cidr {
     fn contains(&self, ip: IpAddr) -> bool {
-        self.0.contains(&crate::inbound::canonical(ip))
+        self.0.contains(&crate::proxy::inbound::canonical(ip))
     }
 }
 

@@ -11,10 +11,10 @@ use tokio::net::TcpStream;
 use tracing::{info_span, warn, Instrument as _};
 
 use crate::{
-    authorization,
+    state::authorization,
     inpod::Pod,
     metrics::{ConnGuard, ConnInfo, Direction},
-    outbound::original_dst,
+    proxy::outbound::original_dst,
 };
 
 /// Opens the pod's `[::]:15006` listener and serves it.
@@ -36,7 +36,7 @@ pub fn start(pod: Arc<Pod>) -> anyhow::Result<()> {
 
 async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<()> {
     let proxy = &pod.proxy;
-    let peer = SocketAddr::new(crate::inbound::canonical(peer.ip()), peer.port());
+    let peer = SocketAddr::new(crate::proxy::inbound::canonical(peer.ip()), peer.port());
     // sk_lookup does not rewrite: the original destination is the accepted socket's address
     // (SO_ORIGINAL_DST, answered by the datapath, agrees).
     let dst = original_dst(&conn)?;
@@ -50,7 +50,7 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
     // to that port, inside the pod, and so come back here (a pod connecting to its own
     // address on 15006 needs only one connection to exhaust the proxy's descriptors).
     if ports::is_proxy_port(dst.port()) {
-        proxy.metrics.error(Direction::Inbound, crate::outbound::SELF_CALL);
+        proxy.metrics.error(Direction::Inbound, crate::proxy::outbound::SELF_CALL);
         warn!(src = %peer, %dst, "refused: the destination is one of the proxy's own ports");
         let _ = socket2::SockRef::from(&conn).set_linger(Some(std::time::Duration::ZERO));
         return Ok(());
@@ -78,7 +78,7 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
     };
     let guard = ConnGuard::open(&proxy.metrics, info);
     let limit = proxy.settings.connect_timeout;
-    let app = match crate::transparent::connect_app(pod, peer.ip(), dst, limit).await {
+    let app = match crate::proxy::transparent::connect_app(pod, peer.ip(), dst, limit).await {
         Ok(a) => a,
         Err(e) => {
             proxy.metrics.error(Direction::Inbound, "upstream_refused");
@@ -87,7 +87,7 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
         }
     };
     let meters = (&guard.from_client, &guard.to_client);
-    match crate::copy::relay(conn, app, meters, proxy.settings.idle_timeout).await {
+    match crate::proxy::copy::relay(conn, app, meters, proxy.settings.idle_timeout).await {
         Ok(_) => guard.finish(None),
         Err(e) => guard.finish(Some(&e.to_string())),
     }

@@ -17,11 +17,11 @@ use tokio::net::TcpStream;
 use tracing::{info_span, Instrument as _};
 
 use crate::{
-    config::{Protocol, Workload, WorkloadStore},
-    hbone::{self, StreamHeaders},
+    state::workloads::{Protocol, Workload, WorkloadStore},
+    proxy::hbone::{self, StreamHeaders},
     inpod::Pod,
     metrics::{ConnGuard, ConnInfo, Direction, Meter},
-    pool::PoolKey,
+    proxy::pool::PoolKey,
 };
 
 /// Serves one pod's outbound listener, `[::]:15001` (dual-stack) in its netns, as ztunnel: the
@@ -90,7 +90,7 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
     let orig = original_dst(&conn)?;
     // The app's address, as under REDIRECT: the datapath steered it to the pod's own address,
     // so the source is the pod's (the listener is dual-stack: IPv4 arrives v4-mapped).
-    let peer = SocketAddr::new(crate::inbound::canonical(peer.ip()), peer.port());
+    let peer = SocketAddr::new(crate::proxy::inbound::canonical(peer.ip()), peer.port());
     if ports::is_proxy_port(orig.port()) {
         proxy.metrics.error(Direction::Outbound, SELF_CALL);
         anyhow::bail!("refusing {orig}: a proxy port as destination would loop");
@@ -200,7 +200,7 @@ async fn via_hbone(
         }
     };
     let _permit = permit;
-    crate::copy::splice(conn, send, recv, meters, proxy.settings.idle_timeout).await?;
+    crate::proxy::copy::splice(conn, send, recv, meters, proxy.settings.idle_timeout).await?;
     Ok(())
 }
 
@@ -223,7 +223,7 @@ async fn passthrough(
             anyhow::bail!("connecting to {dst}: timed out");
         }
     };
-    crate::copy::relay(conn, upstream, meters, proxy.settings.idle_timeout).await?;
+    crate::proxy::copy::relay(conn, upstream, meters, proxy.settings.idle_timeout).await?;
     Ok(())
 }
 
@@ -259,7 +259,7 @@ pub fn original_dst(conn: &TcpStream) -> io::Result<SocketAddr> {
             let mut a = [0u8; 16];
             a.copy_from_slice(&buf[8..24]);
             let ip = Ipv6Addr::from(a);
-            Ok(SocketAddr::new(crate::inbound::canonical(IpAddr::V6(ip)), port))
+            Ok(SocketAddr::new(crate::proxy::inbound::canonical(IpAddr::V6(ip)), port))
         }
         f => Err(io::Error::other(format!("SO_ORIGINAL_DST answered family {f}"))),
     }

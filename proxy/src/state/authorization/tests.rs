@@ -3,7 +3,7 @@
 //! destination workload, one connection and the verdict.
 
 use super::*;
-use crate::config::WorkloadStore;
+use crate::state::workloads::WorkloadStore;
 
 /// The destination workloads every case can pick from: `b` (prod, lists `prod/sel` and
 /// `other/listed`), `c` (prod, lists nothing), `d` (other namespace).

@@ -1,6 +1,10 @@
 //! SPIFFE identities (`spiffe://TD/ns/NS/sa/SA`) and the local CA that mints short-lived
 //! workload certificates for them.
 
+pub mod certs;
+pub mod tls;
+
+
 use std::{fmt, time::Duration};
 
 use rcgen::{

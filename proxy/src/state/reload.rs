@@ -12,7 +12,7 @@ use std::{
 
 use tracing::{error, info};
 
-use crate::{config::WorkloadStore, metrics::ErrorLabels, state::Proxy};
+use crate::{state::workloads::WorkloadStore, metrics::ErrorLabels, state::Proxy};
 
 /// A file's modification time (what a change is detected by).
 pub fn mtime(p: &Path) -> Option<SystemTime> {

@@ -1,0 +1,13 @@
+//! The traffic paths: a pod's outbound (15001), inbound HBONE (15008) and plaintext (15006),
+//! DNS (15053), and what they share (the HBONE protocol, the connection pool, the byte copy,
+//! accept loops with their caps and draining).
+
+pub mod copy;
+pub mod dns;
+pub mod drain;
+pub mod hbone;
+pub mod inbound;
+pub mod inbound_plaintext;
+pub mod outbound;
+pub mod pool;
+pub mod transparent;

@@ -188,7 +188,7 @@ fn certs(cli: &Cli) -> Result<Certs> {
 
 fn run(cli: Cli, log: LogControl) -> Result<()> {
     // Stamped before reading: a change written meanwhile is reloaded, not missed.
-    let stamp = reload::mtime(&cli.workloads);
+    let stamp = meshpath_proxy::identity::certs::mtime(&cli.workloads);
     let store = WorkloadStore::load(&cli.workloads)?;
     let dns_upstreams = if cli.dns_upstreams.is_empty() {
         dns::resolv_conf_upstreams(&std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default())

@@ -18,9 +18,14 @@ use rustls::pki_types::{pem::PemObject as _, CertificateDer, PrivateKeyDer};
 
 use crate::{
     identity::{Identity, IdentityError, LocalCa, WorkloadCert},
-    state::reload::mtime,
     identity::tls,
 };
+
+/// A file's modification time (what a change is detected by: certificates and the workloads
+/// file).
+pub fn mtime(p: &Path) -> Option<SystemTime> {
+    std::fs::metadata(p).and_then(|m| m.modified()).ok()
+}
 
 /// Why a certificate could not be had.
 #[derive(Debug, thiserror::Error)]

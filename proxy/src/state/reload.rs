@@ -12,12 +12,7 @@ use std::{
 
 use tracing::{error, info};
 
-use crate::{state::workloads::WorkloadStore, metrics::ErrorLabels, state::Proxy};
-
-/// A file's modification time (what a change is detected by).
-pub fn mtime(p: &Path) -> Option<SystemTime> {
-    std::fs::metadata(p).and_then(|m| m.modified()).ok()
-}
+use crate::{identity::certs::mtime, metrics::ErrorLabels, state::workloads::WorkloadStore, state::Proxy};
 
 /// Runs the refresh loop until the process ends; `seen` is the workload file's modification
 /// time when the store in force was read. Supervised: if an iteration panics, the loop is

@@ -10,6 +10,7 @@
 //!
 //! Writes `results/capture.json` and prints a markdown table. Not a test: no assertion on speed.
 
+mod charts;
 mod istio_rules;
 mod proxy;
 mod stats;
@@ -49,6 +50,12 @@ enum Cmd {
         #[arg(long, default_value_t = 3)]
         rounds: usize,
     },
+    /// Redraws the SVG chart of each results file (`results/NAME.svg`) from its JSON alone.
+    Charts {
+        /// Results files.
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+    },
     /// meshpath capture vs istio-cni's iptables rules vs direct.
     Capture {
         /// Where to write the JSON results.
@@ -74,6 +81,11 @@ fn main() -> std::process::ExitCode {
     let res = match Cli::parse().command {
         Cmd::Capture { out, secs, pods, rounds } => capture(&out, secs, pods, rounds),
         Cmd::Proxy { out, secs, rounds } => proxy::run(&out, secs, rounds),
+        Cmd::Charts { files } => files.iter().try_for_each(|f| {
+            let svg = charts::write_for(f)?;
+            eprintln!("bench: wrote {}", svg.display());
+            Ok(())
+        }),
     };
     match res {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -387,7 +399,7 @@ fn capture(out: &PathBuf, secs: f64, max_pods: usize, rounds: usize) -> Result<(
     }
     std::fs::write(out, serde_json::to_string_pretty(&result)? + "\n")?;
     print_table(&result);
-    eprintln!("bench: wrote {}", out.display());
+    eprintln!("bench: wrote {} and {}", out.display(), charts::write_for(out)?.display());
     Ok(())
 }
 

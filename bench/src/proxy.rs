@@ -250,6 +250,6 @@ pub fn run(out: &Path, secs: f64, rounds: usize) -> Result<()> {
     ) {
         println!("\nhbone / direct throughput {:.2}; added p50 {:.1} µs", ht / dt, hp - dp);
     }
-    eprintln!("bench: wrote {}", out.display());
+    eprintln!("bench: wrote {} and {}", out.display(), crate::charts::write_for(out)?.display());
     Ok(())
 }

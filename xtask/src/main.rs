@@ -71,11 +71,13 @@ enum Cmd {
     },
     /// Make a CA for the proxies (DIR/ca.pem, DIR/ca-key.pem), as the demo and tests do.
     Ca { dir: std::path::PathBuf },
-    /// Run a benchmark (not a test; prints a table, writes results/NAME.json).
+    /// Run a benchmark (not a test; prints a table, writes results/NAME.json and its chart,
+    /// results/NAME.svg).
     Bench {
-        /// Which: `capture` (meshpath capture vs istio-cni's iptables rules vs direct) or
-        /// `proxy` (direct vs two meshpath-proxy processes over HBONE).
-        #[arg(value_parser = ["capture", "proxy"])]
+        /// Which: `capture` (meshpath capture vs istio-cni's iptables rules vs direct),
+        /// `proxy` (direct vs two meshpath-proxy processes over HBONE), or `charts` (redraw
+        /// results/*.svg from results/*.json, measuring nothing).
+        #[arg(value_parser = ["capture", "proxy", "charts"])]
         which: String,
         /// Passed to `meshpath-bench capture` (e.g. --secs 3 --pods 100 --rounds 1).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -132,7 +134,10 @@ fn run(cli: Cli) -> Result<()> {
             let bin_dir = cargo::build(path.as_deref(), true)?;
             let mut cmd = std::process::Command::new(bin_dir.join("meshpath-bench"));
             cmd.arg(&which);
-            if !args.iter().any(|a| a == "--out" || a.starts_with("--out=")) {
+            if which == "charts" {
+                let results = cargo::workspace_root().join("results");
+                cmd.arg(results.join("capture.json")).arg(results.join("proxy.json"));
+            } else if !args.iter().any(|a| a == "--out" || a.starts_with("--out=")) {
                 let out = cargo::workspace_root().join("results").join(format!("{which}.json"));
                 cmd.arg("--out").arg(out);
             }

@@ -31,8 +31,9 @@ const SETUP_SERIES: &[(&str, &str)] = &[
 ];
 
 const PANEL_W: f64 = 460.0;
-const PANEL_H: f64 = 280.0;
-const COLORS: &[&str] = &["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#b07aa1", "#9c755f"];
+const PANEL_H: f64 = 310.0;
+const COLORS: &[&str] =
+    &["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#b07aa1", "#9c755f"];
 
 fn esc(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
@@ -49,6 +50,8 @@ fn axis_top(max: f64) -> f64 {
 
 struct Bar {
     label: String,
+    /// The scenario's place in the file: its colour in every panel.
+    index: usize,
     median: f64,
     min: f64,
     max: f64,
@@ -57,7 +60,8 @@ struct Bar {
 fn bars(scenarios: &serde_json::Map<String, Value>, key: &str) -> Vec<Bar> {
     scenarios
         .iter()
-        .filter_map(|(name, s)| {
+        .enumerate()
+        .filter_map(|(index, (name, s))| {
             let median = s.get(key)?.as_f64()?;
             let rounds: Vec<f64> = s
                 .get("rounds")
@@ -66,28 +70,37 @@ fn bars(scenarios: &serde_json::Map<String, Value>, key: &str) -> Vec<Bar> {
                 .unwrap_or_default();
             let min = rounds.iter().copied().fold(median, f64::min);
             let max = rounds.iter().copied().fold(median, f64::max);
-            Some(Bar { label: name.clone(), median, min, max })
+            Some(Bar { label: name.clone(), index, median, min, max })
         })
         .collect()
 }
 
 fn bar_panel(svg: &mut String, x0: f64, y0: f64, title: &str, unit: &str, bars: &[Bar]) {
-    let (left, bottom, top) = (56.0, 64.0, 40.0);
+    let (left, bottom, top) = (56.0, 96.0, 40.0);
     let plot_h = PANEL_H - bottom - top;
     let plot_w = PANEL_W - left - 16.0;
     let ymax = axis_top(bars.iter().map(|b| b.max).fold(0.0, f64::max));
     let y = |v: f64| y0 + top + plot_h * (1.0 - v / ymax);
     let _ = write!(
         svg,
-        r#"<text x="{}" y="{}" font-size="14" font-weight="bold">{}</text><text x="{}" y="{}" font-size="11" fill="#555">{}</text>"#,
-        x0 + 8.0, y0 + 18.0, esc(title), x0 + 8.0, y0 + 33.0, esc(unit)
+        r##"<text x="{}" y="{}" font-size="14" font-weight="bold">{}</text><text x="{}" y="{}" font-size="11" fill="#555">{}</text>"##,
+        x0 + 8.0,
+        y0 + 18.0,
+        esc(title),
+        x0 + 8.0,
+        y0 + 33.0,
+        esc(unit)
     );
     for i in 0..=4 {
         let v = ymax * f64::from(i) / 4.0;
         let _ = write!(
             svg,
             r##"<line x1="{l}" x2="{r}" y1="{y}" y2="{y}" stroke="#ddd"/><text x="{tx}" y="{ty}" font-size="10" text-anchor="end">{v}</text>"##,
-            l = x0 + left, r = x0 + left + plot_w, y = y(v), tx = x0 + left - 4.0, ty = y(v) + 3.0,
+            l = x0 + left,
+            r = x0 + left + plot_w,
+            y = y(v),
+            tx = x0 + left - 4.0,
+            ty = y(v) + 3.0,
             v = format_num(v)
         );
     }
@@ -95,28 +108,50 @@ fn bar_panel(svg: &mut String, x0: f64, y0: f64, title: &str, unit: &str, bars: 
     for (i, b) in bars.iter().enumerate() {
         let cx = x0 + left + slot * (i as f64 + 0.5);
         let w = (slot * 0.6).min(48.0);
-        let color = COLORS[i % COLORS.len()];
+        let color = COLORS[b.index % COLORS.len()];
         let _ = write!(
             svg,
             r##"<rect x="{}" y="{}" width="{w}" height="{}" fill="{color}"><title>{}: median {} (rounds {}–{})</title></rect>"##,
-            cx - w / 2.0, y(b.median), (y(0.0) - y(b.median)).max(0.0),
-            esc(&b.label), format_num(b.median), format_num(b.min), format_num(b.max)
+            cx - w / 2.0,
+            y(b.median),
+            (y(0.0) - y(b.median)).max(0.0),
+            esc(&b.label),
+            format_num(b.median),
+            format_num(b.min),
+            format_num(b.max)
         );
         let _ = write!(
             svg,
             r##"<line x1="{cx}" x2="{cx}" y1="{}" y2="{}" stroke="#222"/><line x1="{}" x2="{}" y1="{}" y2="{}" stroke="#222"/><line x1="{}" x2="{}" y1="{}" y2="{}" stroke="#222"/>"##,
-            y(b.min), y(b.max), cx - 5.0, cx + 5.0, y(b.min), y(b.min), cx - 5.0, cx + 5.0, y(b.max), y(b.max)
+            y(b.min),
+            y(b.max),
+            cx - 5.0,
+            cx + 5.0,
+            y(b.min),
+            y(b.min),
+            cx - 5.0,
+            cx + 5.0,
+            y(b.max),
+            y(b.max)
         );
         let _ = write!(
             svg,
             r#"<text x="{cx}" y="{}" font-size="10" text-anchor="end" transform="rotate(-30 {cx} {})">{}</text>"#,
-            y0 + PANEL_H - bottom + 14.0, y0 + PANEL_H - bottom + 14.0, esc(&b.label)
+            y0 + PANEL_H - bottom + 14.0,
+            y0 + PANEL_H - bottom + 14.0,
+            esc(&b.label)
         );
     }
 }
 
 fn format_num(v: f64) -> String {
-    if v >= 100.0 { format!("{v:.0}") } else if v >= 10.0 { format!("{v:.1}") } else { format!("{v:.2}") }
+    if v >= 100.0 {
+        format!("{v:.0}")
+    } else if v >= 10.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
 }
 
 /// Series of (pod count, ms per pod), one per scenario and timing present.
@@ -125,10 +160,8 @@ fn setup_series(scenarios: &serde_json::Map<String, Value>) -> Vec<(String, Vec<
     for (name, s) in scenarios {
         for (key, label) in SETUP_SERIES {
             let Some(points) = s.get(*key).and_then(Value::as_object) else { continue };
-            let mut pts: Vec<(u64, f64)> = points
-                .iter()
-                .filter_map(|(n, v)| Some((n.parse().ok()?, v.as_f64()?)))
-                .collect();
+            let mut pts: Vec<(u64, f64)> =
+                points.iter().filter_map(|(n, v)| Some((n.parse().ok()?, v.as_f64()?))).collect();
             pts.sort_by_key(|p| p.0);
             if !pts.is_empty() {
                 out.push((format!("{name}: {label}"), pts));
@@ -154,34 +187,50 @@ fn setup_panel(svg: &mut String, x0: f64, y0: f64, series: &[(String, Vec<(u64, 
     };
     let _ = write!(
         svg,
-        r#"<text x="{}" y="{}" font-size="14" font-weight="bold">Set-up and teardown time per pod</text><text x="{}" y="{}" font-size="11" fill="#555">ms per pod against pods set up at once (lower and flatter is better)</text>"#,
-        x0 + 8.0, y0 + 18.0, x0 + 8.0, y0 + 33.0
+        r##"<text x="{}" y="{}" font-size="14" font-weight="bold">Set-up and teardown time per pod</text><text x="{}" y="{}" font-size="11" fill="#555">ms per pod against pods set up at once (lower and flatter is better)</text>"##,
+        x0 + 8.0,
+        y0 + 18.0,
+        x0 + 8.0,
+        y0 + 33.0
     );
     for i in 0..=4 {
         let v = ymax * f64::from(i) / 4.0;
         let _ = write!(
             svg,
             r##"<line x1="{l}" x2="{r}" y1="{y}" y2="{y}" stroke="#ddd"/><text x="{tx}" y="{ty}" font-size="10" text-anchor="end">{v}</text>"##,
-            l = x0 + left, r = x0 + left + plot_w, y = y(v), tx = x0 + left - 4.0, ty = y(v) + 3.0,
+            l = x0 + left,
+            r = x0 + left + plot_w,
+            y = y(v),
+            tx = x0 + left - 4.0,
+            ty = y(v) + 3.0,
             v = format_num(v)
         );
     }
     for n in &counts {
         let _ = write!(
             svg,
-            r#"<text x="{}" y="{}" font-size="10" text-anchor="middle">{n} pods</text>"#,
-            x(*n), y0 + PANEL_H - bottom + 16.0
+            r#"<text x="{}" y="{}" font-size="10" text-anchor="middle">{n} pod{}</text>"#,
+            x(*n),
+            y0 + PANEL_H - bottom + 16.0,
+            if *n == 1 { "" } else { "s" },
         );
     }
     for (i, (label, pts)) in series.iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
         let path: Vec<String> = pts.iter().map(|(n, v)| format!("{},{}", x(*n), y(*v))).collect();
-        let _ = write!(svg, r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="2"/>"#, path.join(" "));
+        let _ = write!(
+            svg,
+            r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="2"/>"#,
+            path.join(" ")
+        );
         for (n, v) in pts {
             let _ = write!(
                 svg,
                 r#"<circle cx="{}" cy="{}" r="3" fill="{color}"><title>{}: {n} pods, {} ms per pod</title></circle>"#,
-                x(*n), y(*v), esc(label), format_num(*v)
+                x(*n),
+                y(*v),
+                esc(label),
+                format_num(*v)
             );
         }
         let ly = y0 + top + 14.0 * i as f64;
@@ -189,7 +238,10 @@ fn setup_panel(svg: &mut String, x0: f64, y0: f64, series: &[(String, Vec<(u64, 
         let _ = write!(
             svg,
             r#"<rect x="{lx}" y="{}" width="10" height="10" fill="{color}"/><text x="{}" y="{}" font-size="11">{}</text>"#,
-            ly - 9.0, lx + 14.0, ly, esc(label)
+            ly - 9.0,
+            lx + 14.0,
+            ly,
+            esc(label)
         );
     }
 }
@@ -215,7 +267,11 @@ pub fn render(results: &Value) -> String {
         results.get("date").and_then(Value::as_str).unwrap_or("?"),
         results.get("machine").and_then(Value::as_str).unwrap_or("")
     );
-    let _ = write!(svg, r##"<text x="8" y="22" font-size="12" fill="#333">{} — bars: median of rounds; whiskers: lowest to highest round</text>"##, esc(&head));
+    let _ = write!(
+        svg,
+        r##"<text x="8" y="22" font-size="12" fill="#333">{} — bars: median of rounds; whiskers: lowest to highest round</text>"##,
+        esc(&head)
+    );
     for (i, (title, unit, b)) in panels.iter().enumerate() {
         let (col, row) = (i % 2, i / 2);
         bar_panel(&mut svg, PANEL_W * col as f64, 40.0 + PANEL_H * row as f64, title, unit, b);
@@ -229,8 +285,10 @@ pub fn render(results: &Value) -> String {
 
 /// Writes `json`'s chart next to it (same name, `.svg`); returns the path.
 pub fn write_for(json: &Path) -> Result<std::path::PathBuf> {
-    let text = std::fs::read_to_string(json).with_context(|| format!("reading {}", json.display()))?;
-    let results: Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", json.display()))?;
+    let text =
+        std::fs::read_to_string(json).with_context(|| format!("reading {}", json.display()))?;
+    let results: Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", json.display()))?;
     let out = json.with_extension("svg");
     std::fs::write(&out, render(&results)).with_context(|| format!("writing {}", out.display()))?;
     Ok(out)

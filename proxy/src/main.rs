@@ -13,10 +13,11 @@ use meshpath_podnet::netns::Netns;
 use meshpath_proxy::{
     admin::{self, Endpoints, LogControl},
     identity::certs::Certs,
-    state::workloads::WorkloadStore,
-    proxy::dns,
     identity::LocalCa,
-    inpod, state::reload,
+    inpod,
+    proxy::dns,
+    state::reload,
+    state::workloads::WorkloadStore,
     state::{Proxy, Settings},
 };
 use tracing_subscriber::{layer::SubscriberExt as _, util::SubscriberInitExt as _, EnvFilter};

@@ -20,7 +20,7 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use crate::{state::workloads::Workload, identity::Identity};
+use crate::{identity::Identity, state::workloads::Workload};
 
 /// Istio's standard TCP labels.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]

@@ -9,8 +9,8 @@ use std::{
 };
 
 use meshpath_proxy::{
-    proxy::hbone::{self, HboneError},
     identity::tls,
+    proxy::hbone::{self, HboneError},
 };
 use meshpath_tests::two_nodes::{sa, Setup, TwoNodes, View, MESHED};
 

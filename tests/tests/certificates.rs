@@ -8,8 +8,8 @@ use std::{
 };
 
 use meshpath_proxy::{
-    proxy::hbone::HboneError,
     identity::{LocalCa, WorkloadCert},
+    proxy::hbone::HboneError,
 };
 use meshpath_tests::two_nodes::{sa, Setup, TwoNodes};
 

@@ -10,7 +10,7 @@ use std::{
     time::Duration,
 };
 
-use meshpath_proxy::{proxy::hbone::HboneError, identity::Identity, identity::tls};
+use meshpath_proxy::{identity::tls, identity::Identity, proxy::hbone::HboneError};
 use meshpath_tests::two_nodes::{Setup, TwoNodes, View, MESHED};
 
 fn hbone_round_trip(v6: bool) {

@@ -10,7 +10,7 @@ use std::{
     time::Duration,
 };
 
-use meshpath_proxy::{proxy::hbone::HboneError, identity::Identity};
+use meshpath_proxy::{identity::Identity, proxy::hbone::HboneError};
 use meshpath_tests::two_nodes::{Setup, TwoNodes, View, MESHED};
 
 /// Pod b captures inbound (node 2's proxy serves its 15006); node 1 sends it plain TCP.

@@ -17,8 +17,8 @@ use std::{
 use rustls::pki_types::{pem::PemObject as _, CertificateDer, PrivateKeyDer};
 
 use crate::{
-    identity::{Identity, IdentityError, LocalCa, WorkloadCert},
     identity::tls,
+    identity::{Identity, IdentityError, LocalCa, WorkloadCert},
 };
 
 /// A file's modification time (what a change is detected by: certificates and the workloads

@@ -4,7 +4,6 @@
 pub mod certs;
 pub mod tls;
 
-
 use std::{fmt, time::Duration};
 
 use rcgen::{

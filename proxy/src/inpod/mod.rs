@@ -23,14 +23,15 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::{
-    state::workloads::Workload,
-    proxy::dns,
-    identity::{Identity, WorkloadCert},
-    proxy::inbound, proxy::inbound_plaintext,
-    inpod::netns::SocketFactory,
-    proxy::outbound,
-    state::Proxy,
     identity::tls,
+    identity::{Identity, WorkloadCert},
+    inpod::netns::SocketFactory,
+    proxy::dns,
+    proxy::inbound,
+    proxy::inbound_plaintext,
+    proxy::outbound,
+    state::workloads::Workload,
+    state::Proxy,
 };
 
 struct PodTls {
@@ -118,7 +119,10 @@ impl Pod {
 
     /// What the store says about the pod now (policies select workloads by what the store
     /// says, and it may have changed since the pod was added), else what it was added with.
-    pub fn current_workload<'a>(&'a self, store: &'a crate::state::workloads::WorkloadStore) -> &'a Workload {
+    pub fn current_workload<'a>(
+        &'a self,
+        store: &'a crate::state::workloads::WorkloadStore,
+    ) -> &'a Workload {
         store.by_uid(&self.uid).unwrap_or(&self.workload)
     }
 

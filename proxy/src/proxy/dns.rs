@@ -27,7 +27,7 @@ use tokio::{
 };
 use tracing::{debug, warn};
 
-use crate::{state::workloads::WorkloadStore, inpod::Pod, metrics::Direction};
+use crate::{inpod::Pod, metrics::Direction, state::workloads::WorkloadStore};
 
 /// TTL of answers made from the store.
 const TTL: u32 = 30;

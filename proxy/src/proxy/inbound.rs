@@ -21,11 +21,12 @@ use tokio_rustls::TlsAcceptor;
 use tracing::{debug, info_span, warn, Instrument as _};
 
 use crate::{
-    state::authorization, proxy::hbone,
+    identity::tls,
     identity::Identity,
     inpod::Pod,
     metrics::{ConnGuard, ConnInfo, Direction},
-    identity::tls,
+    proxy::hbone,
+    state::authorization,
 };
 
 /// Serves one pod's HBONE listener.
@@ -229,7 +230,14 @@ async fn serve_stream(
     let send = respond.send_response(resp, false).map_err(io::Error::other)?;
     // The app's bytes go towards the client; the stream's come from it.
     let meters = (&guard.to_client, &guard.from_client);
-    match crate::proxy::copy::splice(app, send, req.into_body(), meters, proxy.settings.idle_timeout).await
+    match crate::proxy::copy::splice(
+        app,
+        send,
+        req.into_body(),
+        meters,
+        proxy.settings.idle_timeout,
+    )
+    .await
     {
         Ok(_) => guard.finish(None),
         Err(e) => {

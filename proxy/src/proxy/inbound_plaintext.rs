@@ -11,10 +11,10 @@ use tokio::net::TcpStream;
 use tracing::{info_span, warn, Instrument as _};
 
 use crate::{
-    state::authorization,
     inpod::Pod,
     metrics::{ConnGuard, ConnInfo, Direction},
     proxy::outbound::original_dst,
+    state::authorization,
 };
 
 /// Opens the pod's `[::]:15006` listener and serves it.

@@ -17,11 +17,11 @@ use tokio::net::TcpStream;
 use tracing::{info_span, Instrument as _};
 
 use crate::{
-    state::workloads::{Protocol, Workload, WorkloadStore},
-    proxy::hbone::{self, StreamHeaders},
     inpod::Pod,
     metrics::{ConnGuard, ConnInfo, Direction, Meter},
+    proxy::hbone::{self, StreamHeaders},
     proxy::pool::PoolKey,
+    state::workloads::{Protocol, Workload, WorkloadStore},
 };
 
 /// Serves one pod's outbound listener, `[::]:15001` (dual-stack) in its netns, as ztunnel: the

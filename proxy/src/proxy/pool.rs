@@ -20,9 +20,9 @@ use std::{
 use serde::Serialize;
 
 use crate::{
-    proxy::hbone::{Connection, HboneError},
     identity::Identity,
     metrics::Metrics,
+    proxy::hbone::{Connection, HboneError},
 };
 
 /// What a pooled connection may be shared for.

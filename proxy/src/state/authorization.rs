@@ -35,7 +35,7 @@ use ipnet::IpNet;
 use serde::{Deserialize, Deserializer, Serialize};
 use tracing::info;
 
-use crate::{state::workloads::Workload, identity::Identity};
+use crate::{identity::Identity, state::workloads::Workload};
 
 /// Where a policy applies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]

@@ -5,7 +5,6 @@ pub mod authorization;
 pub mod reload;
 pub mod workloads;
 
-
 use std::{
     collections::BTreeMap,
     net::SocketAddr,
@@ -17,7 +16,8 @@ use std::{
 };
 
 use crate::{
-    identity::certs::Certs, state::workloads::WorkloadStore, proxy::drain::Drain, inpod::Pod, metrics::Metrics, proxy::pool::Pool,
+    identity::certs::Certs, inpod::Pod, metrics::Metrics, proxy::drain::Drain, proxy::pool::Pool,
+    state::workloads::WorkloadStore,
 };
 
 /// Tunables, from the command line.

@@ -12,7 +12,9 @@ use std::{
 
 use tracing::{error, info};
 
-use crate::{identity::certs::mtime, metrics::ErrorLabels, state::workloads::WorkloadStore, state::Proxy};
+use crate::{
+    identity::certs::mtime, metrics::ErrorLabels, state::workloads::WorkloadStore, state::Proxy,
+};
 
 /// Runs the refresh loop until the process ends; `seen` is the workload file's modification
 /// time when the store in force was read. Supervised: if an iteration panics, the loop is

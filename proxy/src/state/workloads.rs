@@ -16,7 +16,7 @@ use std::{collections::BTreeMap, net::IpAddr, path::Path};
 
 use serde::{Deserialize, Serialize};
 
-use crate::{state::authorization::Policy, identity::Identity};
+use crate::{identity::Identity, state::authorization::Policy};
 
 /// How a workload is reached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]

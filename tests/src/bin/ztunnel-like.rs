@@ -42,11 +42,11 @@ use std::{
 use anyhow::{bail, Context as _, Result};
 use datapath_common::consts::{marks, ports};
 use meshpath_proxy::{
-    state::workloads::{Protocol, WorkloadStore},
-    proxy::hbone,
+    identity::tls,
     identity::{Identity, LocalCa, WorkloadCert},
     metrics::Meter,
-    identity::tls,
+    proxy::hbone,
+    state::workloads::{Protocol, WorkloadStore},
 };
 use meshpath_zds::{
     proto::{workload_request::Payload, Version, WorkloadRequest, WorkloadResponse, ZdsHello},
@@ -338,7 +338,8 @@ async fn serve_hbone(tcp: TcpStream, peer: SocketAddr, pod: &Pod) -> Result<()> 
                 return;
             };
             let meters = (&Meter::default(), &Meter::default());
-            let _ = meshpath_proxy::proxy::copy::splice(app, send, req.into_body(), meters, None).await;
+            let _ =
+                meshpath_proxy::proxy::copy::splice(app, send, req.into_body(), meters, None).await;
         });
     }
     Ok(())

@@ -87,40 +87,26 @@ fn plugin_conf(list: &Value, index: usize, prev: Option<&Value>) -> Value {
     conf
 }
 
-fn run(
-    node: &CniNode,
-    kind: &str,
-    command: &str,
-    conf: &Value,
-    env: &[(String, String)],
-) -> Result<PluginRun> {
+fn run(node: &CniNode, kind: &str, command: &str, conf: &Value, env: &[(String, String)]) -> Result<PluginRun> {
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     run_plugin(node.node.path().as_path(), &CniNode::plugin_path(kind), command, conf, &env)
 }
 
 /// Makes pod `name`: its netns, loopback, then the bridge plugin (not timed).
 fn make_pod(node: &CniNode, list: &Value, name: String) -> Result<Pod> {
-    let mut pod = Pod {
-        netns: NetnsGuard::new("mpbc")?,
-        container_id: unique("ctr"),
-        name,
-        prev: Value::Null,
-    };
+    let mut pod =
+        Pod { netns: NetnsGuard::new("mpbc")?, container_id: unique("ctr"), name, prev: Value::Null };
     let env = pod.env();
     let lo = json!({"cniVersion": "1.0.0", "name": "lo", "type": "loopback"});
     succeeded(run(node, "loopback", "ADD", &lo, &env)?, "loopback ADD")?;
-    let bridge =
-        succeeded(run(node, "bridge", "ADD", &plugin_conf(list, 0, None), &env)?, "bridge ADD")?;
+    let bridge = succeeded(run(node, "bridge", "ADD", &plugin_conf(list, 0, None), &env)?, "bridge ADD")?;
     pod.prev = bridge.json();
     Ok(pod)
 }
 
 /// The bridge plugin's DEL (not timed); the netns goes when the pod drops.
 fn remove_pod(node: &CniNode, list: &Value, pod: Pod) -> Result<()> {
-    succeeded(
-        run(node, "bridge", "DEL", &plugin_conf(list, 0, Some(&pod.prev)), &pod.env())?,
-        "bridge DEL",
-    )?;
+    succeeded(run(node, "bridge", "DEL", &plugin_conf(list, 0, Some(&pod.prev)), &pod.env())?, "bridge DEL")?;
     Ok(())
 }
 
@@ -185,12 +171,9 @@ impl IstioAgent {
         let req = WorkloadRequest { payload: Some(payload) };
         let resp = self.rt.block_on(async {
             self.conn.send_msg(&req, netns.map(|f| f.as_fd())).await?;
-            let (resp, _) = tokio::time::timeout(
-                Duration::from_secs(10),
-                self.conn.recv_msg::<WorkloadResponse>(),
-            )
-            .await
-            .context("no ZDS answer")??;
+            let (resp, _) = tokio::time::timeout(Duration::from_secs(10), self.conn.recv_msg::<WorkloadResponse>())
+                .await
+                .context("no ZDS answer")??;
             Ok::<_, anyhow::Error>(resp)
         })?;
         let ack = resp.payload.context("a ZDS answer without an ack")?;
@@ -227,10 +210,7 @@ fn sh_in(netns: &Path, program: &str, args: &[&str], stdin: Option<&str>) -> Res
 
 /// The plugin exec istio-cni's side is charged (see the module docs).
 fn plugin_exec_stand_in(node: &CniNode) -> Result<()> {
-    succeeded(
-        run(node, "meshpath-cni", "VERSION", &json!({"cniVersion": "1.0.0"}), &[])?,
-        "VERSION",
-    )?;
+    succeeded(run(node, "meshpath-cni", "VERSION", &json!({"cniVersion": "1.0.0"}), &[])?, "VERSION")?;
     Ok(())
 }
 
@@ -242,30 +222,13 @@ fn istio_add(node: &CniNode, agent: &IstioAgent, pod: &Pod) -> Result<()> {
     sh_in(&ns, "ip6tables-save", &[], None)?;
     sh_in(&ns, "ip6tables-restore", &[], Some(&crate::istio_rules::rules_v6()))?;
     for family in ["-4", "-6"] {
-        sh_in(
-            &ns,
-            "ip",
-            &[family, "rule", "add", "fwmark", "0x111/0xfff", "pref", "32764", "lookup", "100"],
-            None,
-        )?;
+        sh_in(&ns, "ip", &[family, "rule", "add", "fwmark", "0x111/0xfff", "pref", "32764", "lookup", "100"], None)?;
     }
-    sh_in(
-        &ns,
-        "ip",
-        &["-4", "route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", "100"],
-        None,
-    )?;
+    sh_in(&ns, "ip", &["-4", "route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", "100"], None)?;
     sh_in(&ns, "ip", &["-6", "route", "add", "local", "::/0", "dev", "lo", "table", "100"], None)?;
     let file = File::open(&ns).context("opening the pod's netns")?;
-    let info = WorkloadInfo {
-        name: pod.name.clone(),
-        namespace: "default".into(),
-        service_account: "bench".into(),
-    };
-    agent.request(
-        Payload::Add(AddWorkload { uid: pod.uid(), workload_info: Some(info) }),
-        Some(&file),
-    )
+    let info = WorkloadInfo { name: pod.name.clone(), namespace: "default".into(), service_account: "bench".into() };
+    agent.request(Payload::Add(AddWorkload { uid: pod.uid(), workload_info: Some(info) }), Some(&file))
 }
 
 fn istio_del(node: &CniNode, agent: &IstioAgent, pod: &Pod) -> Result<()> {
@@ -287,34 +250,15 @@ pub fn measure(sizes: &[usize]) -> Result<((Value, Value), (Value, Value))> {
         let key = n.to_string();
         // meshpath
         eprintln!("bench: {n} pods through the CNI chain (meshpath)");
-        let pods: Vec<Pod> =
-            (0..n).map(|i| make_pod(&node, &list, format!("b{n}-{i}"))).collect::<Result<_>>()?;
+        let pods: Vec<Pod> = (0..n).map(|i| make_pod(&node, &list, format!("b{n}-{i}"))).collect::<Result<_>>()?;
         let start = Instant::now();
         for pod in &pods {
-            succeeded(
-                run(
-                    &node,
-                    "meshpath-cni",
-                    "ADD",
-                    &plugin_conf(&list, 1, Some(&pod.prev)),
-                    &pod.env(),
-                )?,
-                "meshpath-cni ADD",
-            )?;
+            succeeded(run(&node, "meshpath-cni", "ADD", &plugin_conf(&list, 1, Some(&pod.prev)), &pod.env())?, "meshpath-cni ADD")?;
         }
         e_add[&key] = json!(start.elapsed().as_secs_f64() * 1e3 / n as f64);
         let start = Instant::now();
         for pod in &pods {
-            succeeded(
-                run(
-                    &node,
-                    "meshpath-cni",
-                    "DEL",
-                    &plugin_conf(&list, 1, Some(&pod.prev)),
-                    &pod.env(),
-                )?,
-                "meshpath-cni DEL",
-            )?;
+            succeeded(run(&node, "meshpath-cni", "DEL", &plugin_conf(&list, 1, Some(&pod.prev)), &pod.env())?, "meshpath-cni DEL")?;
         }
         e_del[&key] = json!(start.elapsed().as_secs_f64() * 1e3 / n as f64);
         for pod in pods {
@@ -322,8 +266,7 @@ pub fn measure(sizes: &[usize]) -> Result<((Value, Value), (Value, Value))> {
         }
         // istio-cni's way
         eprintln!("bench: {n} pods through the CNI chain (istio-cni's in-pod path)");
-        let pods: Vec<Pod> =
-            (0..n).map(|i| make_pod(&node, &list, format!("b{n}-{i}"))).collect::<Result<_>>()?;
+        let pods: Vec<Pod> = (0..n).map(|i| make_pod(&node, &list, format!("b{n}-{i}"))).collect::<Result<_>>()?;
         let start = Instant::now();
         for pod in &pods {
             istio_add(&node, &istio, pod)?;

@@ -116,8 +116,6 @@ pub struct CniNode {
     pub dir: PathBuf,
     pub network: String,
     pub subnet: u8,
-    /// The pod range's prefix length (`10.SUBNET.0.0/LEN`): 24 gives 253 pods at once.
-    pub prefix_len: u8,
     /// Pods get an IPv6 address too (fd00:SUBNET::/64).
     pub dual_stack: bool,
     /// Whether the agent runs in the node's network namespace (its health endpoint is there).
@@ -169,7 +167,6 @@ impl CniNode {
             root: PinRoot::new(),
             network: unique("mpnet"),
             subnet: 77,
-            prefix_len: 24,
             dual_stack: false,
             agent_in_node_netns: true,
             dir,
@@ -366,15 +363,14 @@ impl CniNode {
     }
 
     fn ranges(&self) -> Value {
-        let v4 = format!("10.{}.0.0/{}", self.subnet, self.prefix_len);
-        let mut ranges = vec![json!([{"subnet": v4}])];
+        let mut ranges = vec![json!([{"subnet": format!("10.{}.0.0/24", self.subnet)}])];
         if self.dual_stack {
             ranges.push(json!([{"subnet": format!("fd00:{}::/64", self.subnet)}]));
         }
         Value::Array(ranges)
     }
 
-    pub fn plugin_path(kind: &str) -> PathBuf {
+    fn plugin_path(kind: &str) -> PathBuf {
         if kind == "meshpath-cni" {
             sibling_bin("meshpath-cni")
         } else {

@@ -8,9 +8,14 @@
 //!   counting costs is `ebpf` against this);
 //! - `ebpf_monitor`: meshpath capture with `monitor` attached, streaming every decision.
 //!
+//! Then pod set-up: the datapath's own enrolment against `iptables-restore` (in process), and
+//! the whole CNI step as a runtime sees it, meshpath against istio-cni's in-pod path
+//! (`cni_setup`), for 1, 100 and 1,000 pods.
+//!
 //! Writes `results/capture.json` and prints a markdown table. Not a test: no assertion on speed.
 
 mod charts;
+mod cni_setup;
 mod istio_rules;
 mod proxy;
 mod stats;
@@ -392,6 +397,13 @@ fn capture(out: &PathBuf, secs: f64, max_pods: usize, rounds: usize) -> Result<(
         .map(|(k, v)| (k.clone(), v["unenrol"].clone()))
         .collect::<serde_json::Map<_, _>>()));
     scenarios["ebpf"]["enrol_with_tc_counters_ms_per_pod"] = ebpf_counters;
+    let mut sizes: Vec<usize> = [1, 100, max_pods].into_iter().filter(|&n| n <= max_pods).collect();
+    sizes.dedup();
+    let ((add, del), (ipt_add, ipt_del)) = cni_setup::measure(&sizes)?;
+    scenarios["ebpf"]["cni_add_ms_per_pod"] = add;
+    scenarios["ebpf"]["cni_del_ms_per_pod"] = del;
+    scenarios["iptables"]["cni_add_ms_per_pod"] = ipt_add;
+    scenarios["iptables"]["cni_del_ms_per_pod"] = ipt_del;
     let result =
         json!({ "machine": machine(), "commit": commit(), "date": date(), "scenarios": scenarios });
     if let Some(dir) = out.parent() {
@@ -475,6 +487,18 @@ fn print_table(r: &Value) {
             .filter_map(|(n, v)| Some(format!("{n} pods {:.3}", v.as_f64()? / i.get(n)?.as_f64()?)))
             .collect();
         println!("ebpf / iptables set-up per pod: {}", parts.join(", "));
+    }
+    for (k, what) in [("cni_add_ms_per_pod", "CNI ADD"), ("cni_del_ms_per_pod", "CNI DEL")] {
+        if let (Some(e), Some(i)) = (s["ebpf"][k].as_object(), s["iptables"][k].as_object()) {
+            let parts: Vec<String> = e
+                .iter()
+                .filter_map(|(n, v)| {
+                    let (e, i) = (v.as_f64()?, i.get(n)?.as_f64()?);
+                    Some(format!("{n} pods {e:.2} / {i:.2} ms = {:.2}", e / i))
+                })
+                .collect();
+            println!("{what} per pod, meshpath / istio-cni: {}", parts.join(", "));
+        }
     }
     let cost = |with: &str, without: &str, k: &str| {
         s[with][k]

@@ -4,10 +4,12 @@
 //! - `netns`: open a pod's netns and check it is one, run code on a thread inside it, read its
 //!   cookie (the key of every per-pod map);
 //! - `reply_routing`: the rule, route and sysctls a meshed pod's netns needs so that the app's
-//!   replies to the proxy's transparent connections come back to the proxy.
+//!   replies to the proxy's transparent connections come back to the proxy;
+//! - `rtnetlink`: the few route-netlink requests that takes, sent without spawning `ip`.
 
 pub mod netns;
 pub mod reply_routing;
+pub mod rtnetlink;
 
 use std::path::PathBuf;
 

@@ -11,14 +11,27 @@
 //! Run inside the pod's netns (see `netns::Netns::run`). The node agent sets it up when it
 //! enrols a pod and removes it when the pod leaves the mesh; the proxy never needs to.
 
-use std::{io, process::Command};
+use std::io;
 
 use datapath_common::consts::marks;
+
+use crate::rtnetlink::{Family, FwmarkRule, Socket};
 
 /// The sysctls set to 1 in the pod (IPv4; IPv6 shares `tcp_fwmark_accept` with IPv4).
 const SYSCTLS_V4: [&str; 2] =
     ["/proc/sys/net/ipv4/tcp_fwmark_accept", "/proc/sys/net/ipv4/fwmark_reflect"];
 const SYSCTL_V6: &str = "/proc/sys/net/ipv6/fwmark_reflect";
+
+/// `fwmark 0x111/0xfff lookup 133` for `family`.
+fn rule(family: Family) -> FwmarkRule {
+    FwmarkRule {
+        family,
+        mark: marks::REPLY,
+        mask: marks::REPLY_MASK,
+        table: marks::REPLY_TABLE,
+        priority: None,
+    }
+}
 
 /// Sets it up in the calling thread's netns. `Ok(None)`: IPv4 and IPv6; `Ok(Some(why))`: IPv4
 /// only (the pod has no IPv6, or it failed); `Err`: not even IPv4. Idempotent.
@@ -26,30 +39,32 @@ pub fn set_up() -> io::Result<Option<String>> {
     for knob in SYSCTLS_V4 {
         std::fs::write(knob, "1").map_err(|e| io::Error::new(e.kind(), format!("{knob}: {e}")))?;
     }
-    ip_batch("-4", &batch("0.0.0.0/0", true))?;
-    let v6 = std::fs::write(SYSCTL_V6, "1").and_then(|()| ip_batch("-6", &batch("::/0", true)));
+    let mut rtnl = Socket::open().map_err(|e| context("opening rtnetlink", e))?;
+    install(&mut rtnl, Family::V4).map_err(|e| context("IPv4", e))?;
+    let v6 = std::fs::write(SYSCTL_V6, "1")
+        .map_err(|e| context(SYSCTL_V6, e))
+        .and_then(|()| install(&mut rtnl, Family::V6).map_err(|e| context("IPv6", e)));
     Ok(v6.err().map(|e| e.to_string()))
 }
 
 /// Removes the rule and the table's route (the sysctls stay: with no marked socket they change
 /// nothing). Missing pieces are not errors.
 pub fn remove() -> io::Result<()> {
-    ip_batch("-4", &batch("0.0.0.0/0", false))?;
+    let mut rtnl = Socket::open().map_err(|e| context("opening rtnetlink", e))?;
+    uninstall(&mut rtnl, Family::V4).map_err(|e| context("IPv4", e))?;
     // A pod without IPv6 has nothing to remove there.
-    let _ = ip_batch("-6", &batch("::/0", false));
+    let _ = uninstall(&mut rtnl, Family::V6);
     Ok(())
 }
 
 /// Whether it is in place for IPv4 (read-only checks).
 pub fn is_set_up() -> bool {
     let accept = std::fs::read_to_string(SYSCTLS_V4[0]).is_ok_and(|v| v.trim() == "1");
-    let rule = Command::new("ip")
-        .args(["-4", "rule", "show", "fwmark", &mark()])
-        .output()
-        .is_ok_and(|o| {
-            String::from_utf8_lossy(&o.stdout).contains(&format!("lookup {}", marks::REPLY_TABLE))
-        });
-    accept && rule
+    let want = rule(Family::V4);
+    accept
+        && Socket::open().and_then(|mut s| s.fwmark_rules(Family::V4)).is_ok_and(|rules| {
+            rules.iter().any(|r| (r.mark, r.mask, r.table) == (want.mark, want.mask, want.table))
+        })
 }
 
 /// `0x111/0xfff`.
@@ -57,47 +72,19 @@ pub fn mark() -> String {
     format!("{:#x}/{:#x}", marks::REPLY, marks::REPLY_MASK)
 }
 
-/// The `ip -batch` lines: the rule deleted first (`rule add` would duplicate it), then added
-/// again with the table's `local` route when `add`.
-fn batch(any: &str, add: bool) -> String {
-    let (mark, table) = (mark(), marks::REPLY_TABLE);
-    let mut b = format!("rule del fwmark {mark} lookup {table}\n");
-    if add {
-        b.push_str(&format!(
-            "rule add fwmark {mark} lookup {table}\nroute replace local {any} dev lo table {table}\n"
-        ));
-    } else {
-        b.push_str(&format!("route del local {any} dev lo table {table}\n"));
-    }
-    b
+/// The rule deleted first (adding would duplicate it), then added, and the table's route.
+fn install(rtnl: &mut Socket, family: Family) -> io::Result<()> {
+    rtnl.delete_rule(&rule(family))?;
+    rtnl.add_rule(&rule(family))?;
+    rtnl.replace_local_default(family, marks::REPLY_TABLE)
 }
 
-/// `ip FAMILY -force -batch -` with `batch` on its standard input.
-fn ip_batch(family: &str, batch: &str) -> io::Result<()> {
-    let mut child = Command::new("ip")
-        .args([family, "-force", "-batch", "-"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()?;
-    if let Some(mut stdin) = child.stdin.take() {
-        io::Write::write_all(&mut stdin, batch.as_bytes())?;
-    }
-    let out = child.wait_with_output()?;
-    let err = String::from_utf8_lossy(&out.stderr);
-    // Deleting what is not there fails as expected; any other error counts.
-    let real: Vec<&str> = err
-        .lines()
-        .filter(|l| {
-            !l.trim().is_empty()
-                && !l.contains("No such file or directory")
-                && !l.contains("No such process")
-                && !l.starts_with("Command failed")
-        })
-        .collect();
-    if real.is_empty() {
-        Ok(())
-    } else {
-        Err(io::Error::other(format!("ip {family}: {}", real.join("; "))))
-    }
+fn uninstall(rtnl: &mut Socket, family: Family) -> io::Result<()> {
+    rtnl.delete_rule(&rule(family))?;
+    rtnl.delete_local_default(family, marks::REPLY_TABLE)?;
+    Ok(())
+}
+
+fn context(what: &str, e: io::Error) -> io::Error {
+    io::Error::new(e.kind(), format!("{what}: {e}"))
 }

@@ -116,6 +116,8 @@ pub struct CniNode {
     pub dir: PathBuf,
     pub network: String,
     pub subnet: u8,
+    /// The pod range's prefix length (`10.SUBNET.0.0/LEN`): 24 gives 253 pods at once.
+    pub prefix_len: u8,
     /// Pods get an IPv6 address too (fd00:SUBNET::/64).
     pub dual_stack: bool,
     /// Whether the agent runs in the node's network namespace (its health endpoint is there).
@@ -167,6 +169,7 @@ impl CniNode {
             root: PinRoot::new(),
             network: unique("mpnet"),
             subnet: 77,
+            prefix_len: 24,
             dual_stack: false,
             agent_in_node_netns: true,
             dir,
@@ -363,14 +366,15 @@ impl CniNode {
     }
 
     fn ranges(&self) -> Value {
-        let mut ranges = vec![json!([{"subnet": format!("10.{}.0.0/24", self.subnet)}])];
+        let v4 = format!("10.{}.0.0/{}", self.subnet, self.prefix_len);
+        let mut ranges = vec![json!([{"subnet": v4}])];
         if self.dual_stack {
             ranges.push(json!([{"subnet": format!("fd00:{}::/64", self.subnet)}]));
         }
         Value::Array(ranges)
     }
 
-    fn plugin_path(kind: &str) -> PathBuf {
+    pub fn plugin_path(kind: &str) -> PathBuf {
         if kind == "meshpath-cni" {
             sibling_bin("meshpath-cni")
         } else {

@@ -1,0 +1,365 @@
+//! Just enough of rtnetlink for the reply routing: add and delete one fwmark rule and one
+//! `local` route, and list the rules. The requests `ip rule` and `ip route` would send, sent
+//! from this process: no `ip` process per pod (two spawns were most of a pod's enrolment time).
+//!
+//! A [`Socket`] belongs to the netns of the thread that opens it, for its whole life: open it
+//! inside `netns::Netns::run`. Message layouts are those of `linux/netlink.h`,
+//! `linux/rtnetlink.h` and `linux/fib_rules.h`.
+
+use std::{
+    io,
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+};
+
+/// `struct nlmsghdr`: length, type, flags, sequence number, port id.
+const NLMSG_HDR_LEN: usize = 16;
+/// `struct fib_rule_hdr` and `struct rtmsg` are both 12 bytes.
+const BODY_LEN: usize = 12;
+
+// linux/fib_rules.h (not all in the libc crate).
+const FRA_PRIORITY: u16 = 6;
+const FRA_FWMARK: u16 = 10;
+const FRA_TABLE: u16 = 15;
+const FRA_FWMASK: u16 = 16;
+const FR_ACT_TO_TBL: u8 = 1;
+// linux/netlink.h message types, as the u16 of the header.
+const NLMSG_ERROR: u16 = libc::NLMSG_ERROR as u16;
+const NLMSG_DONE: u16 = libc::NLMSG_DONE as u16;
+
+/// The address families of the rules and routes here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    fn af(self) -> u8 {
+        match self {
+            Family::V4 => libc::AF_INET as u8,
+            Family::V6 => libc::AF_INET6 as u8,
+        }
+    }
+}
+
+/// `fwmark MARK/MASK lookup TABLE`, optionally with a preference.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FwmarkRule {
+    pub family: Family,
+    pub mark: u32,
+    pub mask: u32,
+    pub table: u32,
+    /// `pref`; `None` lets the kernel choose (just before the `main` rule), as `ip` does.
+    pub priority: Option<u32>,
+}
+
+/// A route-netlink socket in the calling thread's netns.
+pub struct Socket {
+    fd: OwnedFd,
+    seq: u32,
+}
+
+impl Socket {
+    pub fn open() -> io::Result<Self> {
+        // SAFETY: plain socket(2); the descriptor is owned at once.
+        let fd = unsafe {
+            libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_ROUTE)
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a fresh descriptor nobody else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // The kernel answers at once; a bound on the wait keeps a caller from hanging forever.
+        let timeout = libc::timeval { tv_sec: 5, tv_usec: 0 };
+        // SAFETY: the option value is a timeval of the size given.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&timeout as *const libc::timeval).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Self { fd, seq: 0 })
+    }
+
+    /// Adds the rule. The kernel allows duplicates, so callers delete it first.
+    pub fn add_rule(&mut self, rule: &FwmarkRule) -> io::Result<()> {
+        let flags = (libc::NLM_F_CREATE | libc::NLM_F_EXCL) as u16;
+        self.ack(libc::RTM_NEWRULE, flags, &rule_message(rule))
+    }
+
+    /// Deletes one copy of the rule; `Ok(false)` when there was none.
+    pub fn delete_rule(&mut self, rule: &FwmarkRule) -> io::Result<bool> {
+        absent_is_false(self.ack(libc::RTM_DELRULE, 0, &rule_message(rule)))
+    }
+
+    /// `route replace local ANY/0 dev lo table TABLE` (`ip`'s protocol `boot`, scope `host`).
+    pub fn replace_local_default(&mut self, family: Family, table: u32) -> io::Result<()> {
+        let flags = (libc::NLM_F_CREATE | libc::NLM_F_REPLACE) as u16;
+        self.ack(libc::RTM_NEWROUTE, flags, &local_default_message(family, table)?)
+    }
+
+    /// `route del local ANY/0 dev lo table TABLE`; `Ok(false)` when there was none.
+    pub fn delete_local_default(&mut self, family: Family, table: u32) -> io::Result<bool> {
+        let msg = local_default_message(family, table)?;
+        absent_is_false(self.ack(libc::RTM_DELROUTE, 0, &msg))
+    }
+
+    /// The fwmark rules of `family` (rules matching no mark are left out).
+    pub fn fwmark_rules(&mut self, family: Family) -> io::Result<Vec<FwmarkRule>> {
+        let mut body = [0u8; BODY_LEN];
+        body[0] = family.af();
+        let seq = self.send(libc::RTM_GETRULE, libc::NLM_F_DUMP as u16, &body)?;
+        let mut rules = Vec::new();
+        let mut buf = vec![0u8; 32 * 1024];
+        loop {
+            let n = self.recv(&mut buf)?;
+            for msg in Messages::new(&buf[..n]) {
+                let (kind, msg_seq, payload) = msg?;
+                if msg_seq != seq {
+                    continue;
+                }
+                match kind {
+                    NLMSG_DONE => return Ok(rules),
+                    NLMSG_ERROR => error_code(payload)?,
+                    libc::RTM_NEWRULE => {
+                        if let Some(rule) = parse_rule(family, payload) {
+                            rules.push(rule);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// Sends one request and waits for its acknowledgement.
+    fn ack(&mut self, kind: u16, flags: u16, body: &[u8]) -> io::Result<()> {
+        let seq = self.send(kind, flags | libc::NLM_F_ACK as u16, body)?;
+        let mut buf = vec![0u8; 8 * 1024];
+        loop {
+            let n = self.recv(&mut buf)?;
+            for msg in Messages::new(&buf[..n]) {
+                let (kind, msg_seq, payload) = msg?;
+                if kind == NLMSG_ERROR && msg_seq == seq {
+                    return error_code(payload);
+                }
+            }
+        }
+    }
+
+    fn send(&mut self, kind: u16, flags: u16, body: &[u8]) -> io::Result<u32> {
+        self.seq = self.seq.wrapping_add(1);
+        let len = NLMSG_HDR_LEN + body.len();
+        let mut msg = Vec::with_capacity(len);
+        msg.extend_from_slice(&(len as u32).to_ne_bytes());
+        msg.extend_from_slice(&kind.to_ne_bytes());
+        msg.extend_from_slice(&(flags | libc::NLM_F_REQUEST as u16).to_ne_bytes());
+        msg.extend_from_slice(&self.seq.to_ne_bytes());
+        msg.extend_from_slice(&0u32.to_ne_bytes());
+        msg.extend_from_slice(body);
+        // SAFETY: an all-zero sockaddr_nl is the kernel's address (pid 0, no groups).
+        let mut kernel: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+        kernel.nl_family = libc::AF_NETLINK as u16;
+        // SAFETY: `msg` and `kernel` outlive the call; the lengths are theirs.
+        let rc = unsafe {
+            libc::sendto(
+                self.fd.as_raw_fd(),
+                msg.as_ptr().cast(),
+                msg.len(),
+                0,
+                (&kernel as *const libc::sockaddr_nl).cast(),
+                std::mem::size_of::<libc::sockaddr_nl>() as libc::socklen_t,
+            )
+        };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(self.seq)
+    }
+
+    fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            // SAFETY: `buf` is writable for its length.
+            let n =
+                unsafe { libc::recv(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// ENOENT (no such rule) and ESRCH (no such route) mean there was nothing to delete.
+fn absent_is_false(res: io::Result<()>) -> io::Result<bool> {
+    match res {
+        Ok(()) => Ok(true),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ESRCH)) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// The errno of an `NLMSG_ERROR` payload (0: the acknowledgement of success).
+fn error_code(payload: &[u8]) -> io::Result<()> {
+    let code = payload
+        .get(..4)
+        .map(|b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+        .ok_or_else(|| io::Error::other("netlink: a truncated error message"))?;
+    if code == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::from_raw_os_error(-code))
+    }
+}
+
+fn push_u32_attr(msg: &mut Vec<u8>, kind: u16, value: u32) {
+    msg.extend_from_slice(&8u16.to_ne_bytes());
+    msg.extend_from_slice(&kind.to_ne_bytes());
+    msg.extend_from_slice(&value.to_ne_bytes());
+}
+
+/// `struct fib_rule_hdr` and the rule's attributes.
+fn rule_message(rule: &FwmarkRule) -> Vec<u8> {
+    let mut msg = vec![0u8; BODY_LEN];
+    msg[0] = rule.family.af();
+    // The table also goes in the one-byte field when it fits, as `ip` does.
+    msg[4] = u8::try_from(rule.table).unwrap_or(0);
+    msg[7] = FR_ACT_TO_TBL;
+    push_u32_attr(&mut msg, FRA_FWMARK, rule.mark);
+    push_u32_attr(&mut msg, FRA_FWMASK, rule.mask);
+    push_u32_attr(&mut msg, FRA_TABLE, rule.table);
+    if let Some(priority) = rule.priority {
+        push_u32_attr(&mut msg, FRA_PRIORITY, priority);
+    }
+    msg
+}
+
+/// `struct rtmsg` and the attributes of `local ANY/0 dev lo table TABLE`.
+fn local_default_message(family: Family, table: u32) -> io::Result<Vec<u8>> {
+    let lo = nix::net::if_::if_nametoindex("lo").map_err(io::Error::from)?;
+    let mut msg = vec![0u8; BODY_LEN];
+    msg[0] = family.af();
+    msg[4] = u8::try_from(table).unwrap_or(0);
+    msg[5] = libc::RTPROT_BOOT;
+    msg[6] = libc::RT_SCOPE_HOST;
+    msg[7] = libc::RTN_LOCAL;
+    push_u32_attr(&mut msg, libc::RTA_OIF, lo);
+    push_u32_attr(&mut msg, libc::RTA_TABLE, table);
+    Ok(msg)
+}
+
+/// A rule listed by the kernel, if it is an fwmark rule.
+fn parse_rule(family: Family, payload: &[u8]) -> Option<FwmarkRule> {
+    let header = payload.get(..BODY_LEN)?;
+    let mut rule =
+        FwmarkRule { family, mark: 0, mask: u32::MAX, table: u32::from(header[4]), priority: None };
+    let mut has_mark = false;
+    for (kind, value) in Attrs(&payload[BODY_LEN..]) {
+        let Some(v) = value.get(..4).map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]])) else {
+            continue;
+        };
+        match kind {
+            FRA_FWMARK => (rule.mark, has_mark) = (v, true),
+            FRA_FWMASK => rule.mask = v,
+            FRA_TABLE => rule.table = v,
+            FRA_PRIORITY => rule.priority = Some(v),
+            _ => {}
+        }
+    }
+    has_mark.then_some(rule)
+}
+
+/// The netlink messages in one datagram: (type, sequence number, payload), or an error for a
+/// message whose length field does not fit.
+struct Messages<'a>(&'a [u8]);
+
+impl<'a> Messages<'a> {
+    fn new(buf: &'a [u8]) -> Self {
+        Self(buf)
+    }
+}
+
+impl<'a> Iterator for Messages<'a> {
+    type Item = io::Result<(u16, u32, &'a [u8])>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.0.len() < NLMSG_HDR_LEN {
+            return None;
+        }
+        let b = self.0;
+        let len = u32::from_ne_bytes([b[0], b[1], b[2], b[3]]) as usize;
+        if len < NLMSG_HDR_LEN || len > b.len() {
+            self.0 = &[];
+            return Some(Err(io::Error::other("netlink: a message longer than its datagram")));
+        }
+        let kind = u16::from_ne_bytes([b[4], b[5]]);
+        let seq = u32::from_ne_bytes([b[8], b[9], b[10], b[11]]);
+        let payload = &b[NLMSG_HDR_LEN..len];
+        self.0 = b.get(align(len)..).unwrap_or(&[]);
+        Some(Ok((kind, seq, payload)))
+    }
+}
+
+/// Route attributes: (type, value).
+struct Attrs<'a>(&'a [u8]);
+
+impl<'a> Iterator for Attrs<'a> {
+    type Item = (u16, &'a [u8]);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let b = self.0;
+        if b.len() < 4 {
+            return None;
+        }
+        let len = usize::from(u16::from_ne_bytes([b[0], b[1]]));
+        if len < 4 || len > b.len() {
+            self.0 = &[];
+            return None;
+        }
+        // The top two bits of the type are flags (nested, byte order).
+        let kind = u16::from_ne_bytes([b[2], b[3]]) & 0x3fff;
+        self.0 = b.get(align(len)..).unwrap_or(&[]);
+        Some((kind, &b[4..len]))
+    }
+}
+
+/// `NLMSG_ALIGN` / `NLA_ALIGN`: 4 bytes.
+fn align(len: usize) -> usize {
+    (len + 3) & !3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rule_message_parses_back_to_the_same_rule() {
+        let rule = FwmarkRule {
+            family: Family::V4,
+            mark: 0x111,
+            mask: 0xfff,
+            table: 133,
+            priority: Some(32764),
+        };
+        assert_eq!(parse_rule(Family::V4, &rule_message(&rule)), Some(rule));
+    }
+
+    #[test]
+    fn a_truncated_message_is_an_error_not_a_panic() {
+        let mut msg = vec![0u8; 20];
+        msg[0] = 200; // claims 200 bytes
+        assert!(Messages::new(&msg).next().is_some_and(|m| m.is_err()));
+        assert!(Attrs(&[9, 0, 1, 0, 0]).next().is_none());
+        assert!(error_code(&[0, 0]).is_err());
+    }
+}

@@ -75,35 +75,54 @@ fn bars(scenarios: &serde_json::Map<String, Value>, key: &str) -> Vec<Bar> {
         .collect()
 }
 
+/// A panel's plot area: its origin, left margin, width, value range and value-to-y mapping.
+struct Plot<'a> {
+    x0: f64,
+    y0: f64,
+    left: f64,
+    width: f64,
+    ymax: f64,
+    y: &'a dyn Fn(f64) -> f64,
+}
+
+impl Plot<'_> {
+    /// The panel's title and unit, and five horizontal grid lines with their values.
+    fn title_and_grid(&self, svg: &mut String, title: &str, unit: &str) {
+        let (x0, y0, left) = (self.x0, self.y0, self.left);
+        let _ = write!(
+            svg,
+            r##"<text x="{}" y="{}" font-size="14" font-weight="bold">{}</text><text x="{}" y="{}" font-size="11" fill="#555">{}</text>"##,
+            x0 + 8.0,
+            y0 + 18.0,
+            esc(title),
+            x0 + 8.0,
+            y0 + 33.0,
+            esc(unit)
+        );
+        for i in 0..=4 {
+            let v = self.ymax * f64::from(i) / 4.0;
+            let y = (self.y)(v);
+            let _ = write!(
+                svg,
+                r##"<line x1="{l}" x2="{r}" y1="{y}" y2="{y}" stroke="#ddd"/><text x="{tx}" y="{ty}" font-size="10" text-anchor="end">{v}</text>"##,
+                l = x0 + left,
+                r = x0 + left + self.width,
+                tx = x0 + left - 4.0,
+                ty = y + 3.0,
+                v = format_num(v)
+            );
+        }
+    }
+}
+
 fn bar_panel(svg: &mut String, x0: f64, y0: f64, title: &str, unit: &str, bars: &[Bar]) {
     let (left, bottom, top) = (56.0, 96.0, 40.0);
     let plot_h = PANEL_H - bottom - top;
     let plot_w = PANEL_W - left - 16.0;
     let ymax = axis_top(bars.iter().map(|b| b.max).fold(0.0, f64::max));
     let y = |v: f64| y0 + top + plot_h * (1.0 - v / ymax);
-    let _ = write!(
-        svg,
-        r##"<text x="{}" y="{}" font-size="14" font-weight="bold">{}</text><text x="{}" y="{}" font-size="11" fill="#555">{}</text>"##,
-        x0 + 8.0,
-        y0 + 18.0,
-        esc(title),
-        x0 + 8.0,
-        y0 + 33.0,
-        esc(unit)
-    );
-    for i in 0..=4 {
-        let v = ymax * f64::from(i) / 4.0;
-        let _ = write!(
-            svg,
-            r##"<line x1="{l}" x2="{r}" y1="{y}" y2="{y}" stroke="#ddd"/><text x="{tx}" y="{ty}" font-size="10" text-anchor="end">{v}</text>"##,
-            l = x0 + left,
-            r = x0 + left + plot_w,
-            y = y(v),
-            tx = x0 + left - 4.0,
-            ty = y(v) + 3.0,
-            v = format_num(v)
-        );
-    }
+    let plot = Plot { x0, y0, left, width: plot_w, ymax, y: &y };
+    plot.title_and_grid(svg, title, unit);
     let slot = plot_w / bars.len().max(1) as f64;
     for (i, b) in bars.iter().enumerate() {
         let cx = x0 + left + slot * (i as f64 + 0.5);
@@ -185,27 +204,12 @@ fn setup_panel(svg: &mut String, x0: f64, y0: f64, series: &[(String, Vec<(u64, 
         let i = counts.iter().position(|c| *c == n).unwrap_or(0) as f64;
         x0 + left + plot_w * (i + 0.5) / counts.len().max(1) as f64
     };
-    let _ = write!(
+    let plot = Plot { x0, y0, left, width: plot_w, ymax, y: &y };
+    plot.title_and_grid(
         svg,
-        r##"<text x="{}" y="{}" font-size="14" font-weight="bold">Set-up and teardown time per pod</text><text x="{}" y="{}" font-size="11" fill="#555">ms per pod against pods set up at once (lower and flatter is better)</text>"##,
-        x0 + 8.0,
-        y0 + 18.0,
-        x0 + 8.0,
-        y0 + 33.0
+        "Set-up and teardown time per pod",
+        "ms per pod against pods set up at once (lower and flatter is better)",
     );
-    for i in 0..=4 {
-        let v = ymax * f64::from(i) / 4.0;
-        let _ = write!(
-            svg,
-            r##"<line x1="{l}" x2="{r}" y1="{y}" y2="{y}" stroke="#ddd"/><text x="{tx}" y="{ty}" font-size="10" text-anchor="end">{v}</text>"##,
-            l = x0 + left,
-            r = x0 + left + plot_w,
-            y = y(v),
-            tx = x0 + left - 4.0,
-            ty = y(v) + 3.0,
-            v = format_num(v)
-        );
-    }
     for n in &counts {
         let _ = write!(
             svg,

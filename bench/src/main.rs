@@ -61,6 +61,13 @@ enum Cmd {
         #[arg(required = true)]
         files: Vec<PathBuf>,
     },
+    /// Only the CNI step per pod (meshpath-cni ADD/DEL against istio-cni's in-pod path), printed
+    /// and not written: `capture` measures and records it with everything else.
+    Cni {
+        /// Largest pod count (runs 1, 100 and this many, up to it).
+        #[arg(long, default_value_t = 1000)]
+        pods: usize,
+    },
     /// meshpath capture vs istio-cni's iptables rules vs direct.
     Capture {
         /// Where to write the JSON results.
@@ -86,6 +93,7 @@ fn main() -> std::process::ExitCode {
     let res = match Cli::parse().command {
         Cmd::Capture { out, secs, pods, rounds } => capture(&out, secs, pods, rounds),
         Cmd::Proxy { out, secs, rounds } => proxy::run(&out, secs, rounds),
+        Cmd::Cni { pods } => cni_setup::measure(&cni_setup::sizes(pods)).map(|_| ()),
         Cmd::Charts { files } => files.iter().try_for_each(|f| {
             let svg = charts::write_for(f)?;
             eprintln!("bench: wrote {}", svg.display());
@@ -397,9 +405,7 @@ fn capture(out: &PathBuf, secs: f64, max_pods: usize, rounds: usize) -> Result<(
         .map(|(k, v)| (k.clone(), v["unenrol"].clone()))
         .collect::<serde_json::Map<_, _>>()));
     scenarios["ebpf"]["enrol_with_tc_counters_ms_per_pod"] = ebpf_counters;
-    let mut sizes: Vec<usize> = [1, 100, max_pods].into_iter().filter(|&n| n <= max_pods).collect();
-    sizes.dedup();
-    let ((add, del), (ipt_add, ipt_del)) = cni_setup::measure(&sizes)?;
+    let ((add, del), (ipt_add, ipt_del)) = cni_setup::measure(&cni_setup::sizes(max_pods))?;
     scenarios["ebpf"]["cni_add_ms_per_pod"] = add;
     scenarios["ebpf"]["cni_del_ms_per_pod"] = del;
     scenarios["iptables"]["cni_add_ms_per_pod"] = ipt_add;

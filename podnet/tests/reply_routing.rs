@@ -73,5 +73,5 @@ fn is_set_up_follows_set_up_and_remove() {
 
 #[test]
 fn remove_where_nothing_was_set_up_is_not_an_error() {
-    in_new_netns(|| reply_routing::remove()).expect("remove");
+    in_new_netns(reply_routing::remove).expect("remove");
 }

@@ -17,6 +17,9 @@ const BAR_METRICS: &[(&str, &str, &str)] = &[
     ("conn_per_s", "New connections", "per second (higher is better)"),
     ("rr_p50_us", "Request/response p50", "µs (lower is better)"),
     ("rr_p99_us", "Request/response p99", "µs (lower is better)"),
+    ("conn_per_s_100", "New connections, 100 clients", "per second (higher is better)"),
+    ("rr_p50_us_100", "Request/response p50, 100 clients", "µs (lower is better)"),
+    ("rr_p99_us_100", "Request/response p99, 100 clients", "µs (lower is better)"),
     ("cpu_s_per_gb", "Proxy CPU per GB carried", "s (lower is better)"),
     ("rss_kib_per_idle_conn", "Memory per idle pooled connection", "KiB (lower is better)"),
 ];

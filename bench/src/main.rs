@@ -274,8 +274,8 @@ fn traffic(name: &str, secs: f64) -> Result<Value> {
         out.insert(key.to_owned(), value);
     };
     record("throughput_gbps", iperf3_gbps(&pods, secs));
-    record("conn_per_s", stats::conn_per_s(&a, oneshot_addr, secs));
-    match stats::rr_latency(&a, rr_addr, 2_000, 20_000) {
+    record("conn_per_s", stats::conn_per_s(&a, oneshot_addr, secs, 1));
+    match stats::rr_latency(&a, rr_addr, 2_000, 20_000, 1) {
         Ok((p50, p99)) => {
             record("rr_p50_us", Ok(p50));
             record("rr_p99_us", Ok(p99));

@@ -1,8 +1,8 @@
 //! `meshpath-bench proxy`: pod to pod directly vs through two meshpath-proxy processes (two
 //! "nodes") over HBONE with mutual TLS, on the eBPF capture. Per scenario: iperf3 1 and 4
-//! streams, request/response latency, connection rate; for HBONE also the proxies' CPU seconds
-//! per GB carried and the resident memory node 1's proxy spends per open stream and per idle
-//! pooled HTTP/2 connection.
+//! streams, request/response latency and connection rate from 1 client and from 100 at once
+//! (`*_100`); for HBONE also the proxies' CPU seconds per GB carried and the resident memory
+//! node 1's proxy spends per open stream and per idle pooled HTTP/2 connection.
 
 use std::{
     io::{Read as _, Write as _},
@@ -129,8 +129,10 @@ fn scenario(name: &str, secs: f64) -> Result<Value> {
     let cpu_s_per_gb =
         if pids.is_empty() { None } else { Some((cpu(&pids)? - cpu0) / (bytes / 1e9)) };
     let (gbps4, _) = iperf3(&pods, secs, 4)?;
-    let cps = stats::conn_per_s(&a, oneshot, secs)?;
-    let (p50, p99) = stats::rr_latency(&a, rr, 2_000, 20_000)?;
+    let cps = stats::conn_per_s(&a, oneshot, secs, 1)?;
+    let (p50, p99) = stats::rr_latency(&a, rr, 2_000, 20_000, 1)?;
+    let cps_100 = stats::conn_per_s(&a, oneshot, secs, 100)?;
+    let (p50_100, p99_100) = stats::rr_latency(&a, rr, 2_000, 20_000, 100)?;
     let hold = |n: usize| -> Result<Vec<TcpStream>> {
         (0..n)
             .map(|_| {
@@ -145,44 +147,43 @@ fn scenario(name: &str, secs: f64) -> Result<Value> {
             })
             .collect()
     };
-    // Memory per open stream: node 1's proxy before and after 100 connections are held open
-    // (all streams of one pooled HTTP/2 connection).
-    let rss_kib_per_conn = match pids.first() {
-        Some(&pid) => {
-            let before = usage(pid)?.1;
-            let held = hold(100)?;
-            std::thread::sleep(Duration::from_millis(300));
-            let after = usage(pid)?.1;
-            drop(held);
-            Some((after - before) / 100.0)
-        }
-        None => None,
-    };
-    // Memory per idle pooled connection: fresh proxies allowing one stream per connection, 100
-    // connections opened (100 HTTP/2 connections) and closed; what node 1's proxy holds with
-    // the 100 idle pooled connections, over what it held before. glibc's malloc is told to give
-    // freed memory back at once (MALLOC_TRIM_THRESHOLD_=0): otherwise the buffers of the 100
-    // closed streams, freed but kept by the allocator, would be counted as the connections'.
-    let rss_kib_per_idle_conn = if let Some(old) = hbone.take() {
-        drop(old);
-        let fresh =
-            start_hbone(&pods, &["--pool-max-streams", "1"], &[("MALLOC_TRIM_THRESHOLD_", "0")])?;
+    // Memory, each in fresh proxies whose malloc gives freed memory back at once
+    // (MALLOC_TRIM_THRESHOLD_=0, which also turns off the proxy's own malloc tuning): otherwise
+    // memory the runs above freed would be reused and the connections would look free, or the
+    // buffers of closed streams, freed but kept, would be counted as the connections'. What node
+    // 1's proxy holds with 100 more connections (one warm-up connection first), over what it
+    // held before.
+    let fresh_rss_per_conn = |args: &[&str], keep_open: bool| -> Result<f64> {
+        let fresh = start_hbone(&pods, args, &[("MALLOC_TRIM_THRESHOLD_", "0")])?;
         let pid = fresh.proxies[0].pid();
         drop(hold(1)?);
         std::thread::sleep(Duration::from_millis(300));
         let before = usage(pid)?.1;
-        drop(hold(101)?);
-        std::thread::sleep(Duration::from_millis(500));
-        let after = usage(pid)?.1;
-        drop(fresh);
-        Some((after - before) / 100.0)
-    } else {
-        None
+        let held = hold(if keep_open { 100 } else { 101 })?;
+        if !keep_open {
+            drop(held);
+            std::thread::sleep(Duration::from_millis(500));
+            return Ok((usage(pid)?.1 - before) / 100.0);
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        Ok((usage(pid)?.1 - before) / 100.0)
     };
-    eprintln!("bench: {name}: {gbps:.2} Gbit/s (4 streams {gbps4:.2}), {cps:.0} conn/s, rr p50 {p50:.1} us p99 {p99:.1} us, cpu {cpu_s_per_gb:?} s/GB, rss {rss_kib_per_conn:?} KiB/stream, {rss_kib_per_idle_conn:?} KiB/idle conn");
+    let (rss_kib_per_conn, rss_kib_per_idle_conn) = if let Some(old) = hbone.take() {
+        drop(old);
+        // Per open stream: 100 connections held open, streams of one pooled HTTP/2 connection.
+        let per_stream = fresh_rss_per_conn(&[], true)?;
+        // Per idle pooled connection: one stream per connection allowed, 100 connections opened
+        // (100 HTTP/2 connections) and closed, their HTTP/2 connections left idle in the pool.
+        let per_idle = fresh_rss_per_conn(&["--pool-max-streams", "1"], false)?;
+        (Some(per_stream), Some(per_idle))
+    } else {
+        (None, None)
+    };
+    eprintln!("bench: {name}: {gbps:.2} Gbit/s (4 streams {gbps4:.2}), {cps:.0} conn/s ({cps_100:.0} from 100 clients), rr p50 {p50:.1} us p99 {p99:.1} us (100 clients: {p50_100:.1} / {p99_100:.1}), cpu {cpu_s_per_gb:?} s/GB, rss {rss_kib_per_conn:?} KiB/stream, {rss_kib_per_idle_conn:?} KiB/idle conn");
     Ok(json!({
         "throughput_gbps": gbps, "throughput_4_gbps": gbps4, "rr_p50_us": p50, "rr_p99_us": p99,
-        "conn_per_s": cps, "cpu_s_per_gb": cpu_s_per_gb, "rss_kib_per_conn": rss_kib_per_conn,
+        "conn_per_s": cps, "conn_per_s_100": cps_100, "rr_p50_us_100": p50_100,
+        "rr_p99_us_100": p99_100, "cpu_s_per_gb": cpu_s_per_gb, "rss_kib_per_conn": rss_kib_per_conn,
         "rss_kib_per_idle_conn": rss_kib_per_idle_conn,
     }))
 }
@@ -204,6 +205,9 @@ pub fn run(out: &Path, secs: f64, rounds: usize) -> Result<()> {
         "rr_p50_us",
         "rr_p99_us",
         "conn_per_s",
+        "rr_p50_us_100",
+        "rr_p99_us_100",
+        "conn_per_s_100",
         "cpu_s_per_gb",
         "rss_kib_per_conn",
         "rss_kib_per_idle_conn",
@@ -225,30 +229,45 @@ pub fn run(out: &Path, secs: f64, rounds: usize) -> Result<()> {
     }
     std::fs::write(out, serde_json::to_string_pretty(&result)? + "\n")?;
     let f = |v: &Value| v.as_f64().map_or("n/a".to_owned(), |x| format!("{x:.2}"));
-    println!("| scenario | Gbit/s 1 stream | Gbit/s 4 streams | RR p50 µs | RR p99 µs | conn/s | proxy CPU s/GB | RSS KiB/open stream | RSS KiB/idle pooled conn |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| scenario | Gbit/s 1 stream | Gbit/s 4 streams | RR p50 µs | RR p99 µs | conn/s | RR p50 µs, 100 clients | RR p99 µs, 100 clients | conn/s, 100 clients | proxy CPU s/GB | RSS KiB/open stream | RSS KiB/idle pooled conn |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for name in names {
         let x = &scenarios[name];
-        println!(
-            "| {name} | {} | {} | {} | {} | {} | {} | {} | {} |",
-            f(&x["throughput_gbps"]),
-            f(&x["throughput_4_gbps"]),
-            f(&x["rr_p50_us"]),
-            f(&x["rr_p99_us"]),
-            f(&x["conn_per_s"]),
-            f(&x["cpu_s_per_gb"]),
-            f(&x["rss_kib_per_conn"]),
-            f(&x["rss_kib_per_idle_conn"])
-        );
+        let cells: Vec<String> = [
+            "throughput_gbps",
+            "throughput_4_gbps",
+            "rr_p50_us",
+            "rr_p99_us",
+            "conn_per_s",
+            "rr_p50_us_100",
+            "rr_p99_us_100",
+            "conn_per_s_100",
+            "cpu_s_per_gb",
+            "rss_kib_per_conn",
+            "rss_kib_per_idle_conn",
+        ]
+        .iter()
+        .map(|k| f(&x[*k]))
+        .collect();
+        println!("| {name} | {} |", cells.join(" | "));
     }
     let (d, h) = (&scenarios["direct"], &scenarios["hbone"]);
-    if let (Some(dt), Some(ht), Some(dp), Some(hp)) = (
-        d["throughput_gbps"].as_f64(),
-        h["throughput_gbps"].as_f64(),
-        d["rr_p50_us"].as_f64(),
-        h["rr_p50_us"].as_f64(),
+    let ratio = |k: &str| Some(h[k].as_f64()? / d[k].as_f64()?);
+    let added = |k: &str| Some(h[k].as_f64()? - d[k].as_f64()?);
+    if let (Some(t), Some(t4), Some(c), Some(c100)) = (
+        ratio("throughput_gbps"),
+        ratio("throughput_4_gbps"),
+        ratio("conn_per_s"),
+        ratio("conn_per_s_100"),
     ) {
-        println!("\nhbone / direct throughput {:.2}; added p50 {:.1} µs", ht / dt, hp - dp);
+        println!("\nhbone / direct: throughput {t:.2} (4 streams {t4:.2}); conn/s {c:.2} (100 clients {c100:.2})");
+    }
+    for (clients, p50, p99) in
+        [(1, "rr_p50_us", "rr_p99_us"), (100, "rr_p50_us_100", "rr_p99_us_100")]
+    {
+        if let (Some(p50), Some(p99)) = (added(p50), added(p99)) {
+            println!("added request/response latency, {clients} client(s): p50 {p50:.1} µs, p99 {p99:.1} µs");
+        }
     }
     eprintln!("bench: wrote {} and {}", out.display(), crate::charts::write_for(out)?.display());
     Ok(())

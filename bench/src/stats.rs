@@ -1,5 +1,5 @@
 //! Load generators and their statistics: short-connection rate and request/response latency,
-//! each run from one thread inside the client pod's netns.
+//! each run from one or more client threads inside the client pod's netns.
 
 use std::{
     io::{Read as _, Write as _},
@@ -51,11 +51,11 @@ pub fn start_oneshot_server(ns: &Netns, addr: SocketAddr) -> Result<()> {
     Ok(())
 }
 
-/// Connections per second: connect, one request/response, wait for the server to close, close;
-/// for `secs` seconds.
-pub fn conn_per_s(ns: &Netns, to: SocketAddr, secs: f64) -> Result<f64> {
-    ns.run(|| -> Result<f64> {
-        let start = Instant::now();
+/// Connections per second from `clients` threads at once, all together: each connects, sends
+/// one request, reads the response, waits for the server to close, closes, again, for `secs`
+/// seconds.
+pub fn conn_per_s(ns: &Netns, to: SocketAddr, secs: f64, clients: usize) -> Result<f64> {
+    let client = |start: Instant| -> Result<u64> {
         let mut n = 0u64;
         let mut buf = [0u8; MESSAGE];
         while start.elapsed().as_secs_f64() < secs {
@@ -68,14 +68,27 @@ pub fn conn_per_s(ns: &Netns, to: SocketAddr, secs: f64) -> Result<f64> {
             let _ = c.read(&mut rest)?;
             n += 1;
         }
-        Ok(n as f64 / start.elapsed().as_secs_f64())
+        Ok(n)
+    };
+    ns.run(|| -> Result<f64> {
+        let start = Instant::now();
+        let counts = in_threads(clients, || client(start))?;
+        Ok(counts.iter().sum::<u64>() as f64 / start.elapsed().as_secs_f64())
     })?
 }
 
-/// Request/response latency on one connection: `count` round trips after `warmup`; returns
-/// (p50, p99) in microseconds.
-pub fn rr_latency(ns: &Netns, to: SocketAddr, warmup: usize, count: usize) -> Result<(f64, f64)> {
-    ns.run(|| -> Result<(f64, f64)> {
+/// Request/response latency from `clients` threads at once, each on its own connection:
+/// `count` round trips in all after `warmup` (both split evenly among the clients); returns
+/// (p50, p99) in microseconds over every client's round trips.
+pub fn rr_latency(
+    ns: &Netns,
+    to: SocketAddr,
+    warmup: usize,
+    count: usize,
+    clients: usize,
+) -> Result<(f64, f64)> {
+    let (warmup, count) = (warmup / clients.max(1), count / clients.max(1));
+    let client = || -> Result<Vec<Duration>> {
         let mut c = TcpStream::connect(to)?;
         c.set_nodelay(true)?;
         let mut buf = [0u8; MESSAGE];
@@ -88,8 +101,24 @@ pub fn rr_latency(ns: &Netns, to: SocketAddr, warmup: usize, count: usize) -> Re
                 samples.push(t.elapsed());
             }
         }
+        Ok(samples)
+    };
+    ns.run(|| -> Result<(f64, f64)> {
+        let mut samples: Vec<Duration> = in_threads(clients, client)?.concat();
         Ok((percentile_us(&mut samples, 0.50), percentile_us(&mut samples, 0.99)))
     })?
+}
+
+/// Runs `f` on `n` threads at once (threads started from inside a netns are in it too); the
+/// results, or the first error.
+fn in_threads<T: Send>(n: usize, f: impl Fn() -> Result<T> + Sync) -> Result<Vec<T>> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n.max(1)).map(|_| s.spawn(&f)).collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().map_err(|_| anyhow::anyhow!("a load thread panicked"))?)
+            .collect()
+    })
 }
 
 /// The `q` quantile of `samples` in microseconds (nearest rank).

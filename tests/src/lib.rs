@@ -328,7 +328,7 @@ pub fn tcp_sink(ns: &Netns, addr: SocketAddrV4) -> Result<JoinHandle<std::io::Re
 }
 
 /// Connects from inside `ns` to `addr` and sends exactly `bytes` bytes, then closes.
-pub fn tcp_send(ns: &Netns, addr: SocketAddrV4, bytes: usize) -> Result<()> {
+pub fn tcp_send(ns: &Netns, addr: SocketAddrV4, bytes: usize) -> Result<u64> {
     let mut conn = ns.run(|| TcpStream::connect(SocketAddr::V4(addr)))??;
     let chunk = vec![0x5au8; 1 << 16];
     let mut left = bytes;
@@ -341,17 +341,50 @@ pub fn tcp_send(ns: &Netns, addr: SocketAddrV4, bytes: usize) -> Result<()> {
     // Wait for the peer to close so every segment has crossed both TC hooks.
     let mut rest = [0u8; 1];
     let _ = conn.read(&mut rest)?;
-    Ok(())
+    retransmitted_at_most(&conn)
+}
+
+/// At most how many payload bytes `conn` sent twice: its retransmitted segments (TCP_INFO's
+/// `tcpi_total_retrans`) times its MSS. A loaded machine retransmits now and then, and a
+/// counter of bytes on the wire rightly counts those bytes again.
+fn retransmitted_at_most(conn: &TcpStream) -> Result<u64> {
+    use std::os::fd::AsRawFd as _;
+    // SAFETY: an all-zero tcp_info is valid; getsockopt writes at most `len` bytes into it.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: `info` and `len` outlive the call and describe the buffer.
+    let rc = unsafe {
+        libc::getsockopt(
+            conn.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error()).context("TCP_INFO");
+    }
+    Ok(u64::from(info.tcpi_total_retrans) * u64::from(info.tcpi_snd_mss))
 }
 
 /// Sends `bytes` from pod a to pod b over TCP and returns what b received.
 pub fn transfer(pods: &PodPair, port: u16, bytes: usize) -> Result<u64> {
+    Ok(transfer_counting_retransmits(pods, port, bytes)?.0)
+}
+
+/// As [`transfer`], with at most how many payload bytes the sender retransmitted.
+pub fn transfer_counting_retransmits(
+    pods: &PodPair,
+    port: u16,
+    bytes: usize,
+) -> Result<(u64, u64)> {
     let (a, b) = (pods.a.open()?, pods.b.open()?);
     let addr = SocketAddrV4::new(pods.b_ip, port);
     let sink = tcp_sink(&b, addr)?;
-    tcp_send(&a, addr, bytes)?;
+    let retransmitted = tcp_send(&a, addr, bytes)?;
     let got = sink.join().map_err(|_| anyhow::anyhow!("sink panicked"))??;
-    Ok(got)
+    Ok((got, retransmitted))
 }
 
 /// A cgroup v2 directory of its own (for the proxy), removed on drop.

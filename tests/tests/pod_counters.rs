@@ -7,21 +7,24 @@ use meshpath_loader::{
     pods::{self, EnrolOptions},
     Error,
 };
-use meshpath_tests::{loader, require_root, transfer, PinRoot, PodPair};
+use meshpath_tests::{
+    loader, require_root, transfer, transfer_counting_retransmits, PinRoot, PodPair,
+};
 
 /// Largest L2+L3+L4 header one buffer can carry: Ethernet 14 + IPv4 60 + TCP 60 bytes. Every
 /// counted buffer carries at most this much on top of its payload.
 const MAX_HEADER_BYTES: u64 = 14 + 60 + 60;
 
 /// Asserts that `bytes` counted over `packets` buffers can carry exactly `payload` bytes of TCP
-/// payload: at least the payload, at most the payload plus one maximal header per buffer.
-fn assert_carries(what: &str, packets: u64, bytes: u64, payload: u64) {
+/// payload, `resent` of them (at most) twice: at least the payload, at most the payload and the
+/// resent bytes plus one maximal header per buffer.
+fn assert_carries(what: &str, packets: u64, bytes: u64, payload: u64, resent: u64) {
     assert!(packets > 0, "{what}: no buffers counted");
     assert!(bytes >= payload, "{what}: {bytes} bytes counted < {payload} bytes of payload sent");
     let overhead = bytes - payload;
     assert!(
-        overhead <= packets * MAX_HEADER_BYTES,
-        "{what}: {overhead} bytes over payload across {packets} buffers exceeds {MAX_HEADER_BYTES} per buffer"
+        overhead <= resent + packets * MAX_HEADER_BYTES,
+        "{what}: {overhead} bytes over payload across {packets} buffers exceeds {MAX_HEADER_BYTES} per buffer and the {resent} bytes retransmitted at most"
     );
 }
 
@@ -45,12 +48,13 @@ fn tcp_payload_between_enrolled_pods_is_counted_on_both_pods() {
     let (a, b) = enrol_both(&root, &pods);
     let payload: u64 = 4 * 1024 * 1024 + 123;
 
-    let received = transfer(&pods, 7001, payload as usize).expect("transfer");
+    let (received, resent) =
+        transfer_counting_retransmits(&pods, 7001, payload as usize).expect("transfer");
     assert_eq!(received, payload);
 
     let (ca, cb) = (counters(&root, a), counters(&root, b));
-    assert_carries("pod a egress", ca.egress_packets, ca.egress_bytes, payload);
-    assert_carries("pod b ingress", cb.ingress_packets, cb.ingress_bytes, payload);
+    assert_carries("pod a egress", ca.egress_packets, ca.egress_bytes, payload, resent);
+    assert_carries("pod b ingress", cb.ingress_packets, cb.ingress_bytes, payload, resent);
     // The reverse direction carried only ACKs and the handshake: far less than the payload.
     assert!(
         ca.ingress_bytes < payload / 10,
@@ -88,23 +92,27 @@ fn counters_keep_counting_after_the_loader_process_exits() {
     };
 
     let first: u64 = 1_000_000;
-    transfer(&pods, 7002, first as usize).expect("first transfer");
+    let (_, resent) =
+        transfer_counting_retransmits(&pods, 7002, first as usize).expect("first transfer");
     let after_first = show();
     assert_carries(
         "after first transfer",
         after_first.egress_packets,
         after_first.egress_bytes,
         first,
+        resent,
     );
 
     let second: u64 = 2_000_000;
-    transfer(&pods, 7003, second as usize).expect("second transfer");
+    let (_, resent) =
+        transfer_counting_retransmits(&pods, 7003, second as usize).expect("second transfer");
     let after_second = show();
     assert_carries(
         "second transfer",
         after_second.egress_packets - after_first.egress_packets,
         after_second.egress_bytes - after_first.egress_bytes,
         second,
+        resent,
     );
 }
 

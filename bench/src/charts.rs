@@ -35,8 +35,11 @@ const SETUP_SERIES: &[(&str, &str)] = &[
 
 const PANEL_W: f64 = 460.0;
 const PANEL_H: f64 = 310.0;
-const COLORS: &[&str] =
-    &["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#b07aa1", "#9c755f"];
+/// Tableau 10: enough for every scenario and every set-up series (8 today) to keep its own.
+const COLORS: &[&str] = &[
+    "#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#b07aa1", "#9c755f", "#edc948",
+    "#ff9da7", "#bab0ac",
+];
 
 fn esc(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")

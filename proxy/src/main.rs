@@ -154,7 +154,7 @@ fn init_logging() -> LogControl {
 
 /// glibc's malloc, left to itself, hands the proxy's freed 256 KiB read buffers back to the
 /// kernel (trimming the top of each thread's heap), and the next buffer's pages are faulted in
-/// again on the kernel's copy: about 10% of a proxy's CPU in bulk transfer (`perf` on
+/// again on the kernel's copy: about 6% of the sending proxy's CPU in bulk transfer (`perf` on
 /// `cargo xtask bench proxy`). Buffers up to 4 MiB come from the heap, and up to 32 MiB of free
 /// heap stays mapped. An operator's own `MALLOC_TRIM_THRESHOLD_` or `MALLOC_MMAP_THRESHOLD_`
 /// wins (the idle-memory benchmark sets the first to 0).

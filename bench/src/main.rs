@@ -54,6 +54,10 @@ enum Cmd {
         /// Rounds (each metric: the median over rounds).
         #[arg(long, default_value_t = 3)]
         rounds: usize,
+        /// A flag given to both proxies (repeat for more; recorded in the results), to compare
+        /// settings: `--proxy-arg=--pool-max-streams --proxy-arg=1`.
+        #[arg(long = "proxy-arg", allow_hyphen_values = true)]
+        proxy_args: Vec<String>,
     },
     /// Redraws the SVG chart of each results file (`results/NAME.svg`) from its JSON alone.
     Charts {
@@ -92,7 +96,7 @@ const IPERF_PORT: u16 = 5201;
 fn main() -> std::process::ExitCode {
     let res = match Cli::parse().command {
         Cmd::Capture { out, secs, pods, rounds } => capture(&out, secs, pods, rounds),
-        Cmd::Proxy { out, secs, rounds } => proxy::run(&out, secs, rounds),
+        Cmd::Proxy { out, secs, rounds, proxy_args } => proxy::run(&out, secs, rounds, &proxy_args),
         Cmd::Cni { pods } => cni_setup::measure(&cni_setup::sizes(pods)).map(|_| ()),
         Cmd::Charts { files } => files.iter().try_for_each(|f| {
             let svg = charts::write_for(f)?;

@@ -38,7 +38,7 @@ impl Drop for Hbone {
     }
 }
 
-fn start_hbone(pods: &PodPair, extra: &[&str], env: &[(&str, &str)]) -> Result<Hbone> {
+fn start_hbone(pods: &PodPair, extra: &[String], env: &[(&str, &str)]) -> Result<Hbone> {
     let (root, cgroup) = (PinRoot::new(), CgroupGuard::new()?);
     {
         let dp = root.datapath()?;
@@ -112,7 +112,7 @@ fn iperf3(pods: &PodPair, secs: f64, streams: u32) -> Result<(f64, f64)> {
     ))
 }
 
-fn scenario(name: &str, secs: f64) -> Result<Value> {
+fn scenario(name: &str, secs: f64, proxy_args: &[String]) -> Result<Value> {
     let pods = PodPair::new()?;
     let (a, b) = (pods.a.open()?, pods.b.open()?);
     let rr = SocketAddr::new(pods.b_ip.into(), RR_PORT);
@@ -120,7 +120,7 @@ fn scenario(name: &str, secs: f64) -> Result<Value> {
     stats::start_rr_server(&b, rr)?;
     stats::start_oneshot_server(&b, oneshot)?;
     let _iperf = pods.b.iperf3_server(pods.b_ip.into(), IPERF_PORT, false)?;
-    let mut hbone = if name == "hbone" { Some(start_hbone(&pods, &[], &[])?) } else { None };
+    let mut hbone = if name == "hbone" { Some(start_hbone(&pods, proxy_args, &[])?) } else { None };
     let pids: Vec<u32> = hbone.iter().flat_map(|h| h.proxies.iter().map(TestProxy::pid)).collect();
     let cpu = |pids: &[u32]| -> Result<f64> { pids.iter().map(|&p| usage(p).map(|u| u.0)).sum() };
 
@@ -133,6 +133,7 @@ fn scenario(name: &str, secs: f64) -> Result<Value> {
     let (p50, p99) = stats::rr_latency(&a, rr, 2_000, 20_000, 1)?;
     let cps_100 = stats::conn_per_s(&a, oneshot, secs, 100)?;
     let (p50_100, p99_100) = stats::rr_latency(&a, rr, 2_000, 20_000, 100)?;
+    eprintln!("bench: {name}: {gbps:.2} Gbit/s (4 streams {gbps4:.2}), {cps:.0} conn/s ({cps_100:.0} from 100 clients), rr p50 {p50:.1} us p99 {p99:.1} us (100 clients: {p50_100:.1} / {p99_100:.1}), cpu {cpu_s_per_gb:?} s/GB");
     let hold = |n: usize| -> Result<Vec<TcpStream>> {
         (0..n)
             .map(|_| {
@@ -154,7 +155,9 @@ fn scenario(name: &str, secs: f64) -> Result<Value> {
     // 1's proxy holds with 100 more connections (one warm-up connection first), over what it
     // held before.
     let fresh_rss_per_conn = |args: &[&str], keep_open: bool| -> Result<f64> {
-        let fresh = start_hbone(&pods, args, &[("MALLOC_TRIM_THRESHOLD_", "0")])?;
+        let args: Vec<String> =
+            proxy_args.iter().cloned().chain(args.iter().map(|a| a.to_string())).collect();
+        let fresh = start_hbone(&pods, &args, &[("MALLOC_TRIM_THRESHOLD_", "0")])?;
         let pid = fresh.proxies[0].pid();
         drop(hold(1)?);
         std::thread::sleep(Duration::from_millis(300));
@@ -179,7 +182,7 @@ fn scenario(name: &str, secs: f64) -> Result<Value> {
     } else {
         (None, None)
     };
-    eprintln!("bench: {name}: {gbps:.2} Gbit/s (4 streams {gbps4:.2}), {cps:.0} conn/s ({cps_100:.0} from 100 clients), rr p50 {p50:.1} us p99 {p99:.1} us (100 clients: {p50_100:.1} / {p99_100:.1}), cpu {cpu_s_per_gb:?} s/GB, rss {rss_kib_per_conn:?} KiB/stream, {rss_kib_per_idle_conn:?} KiB/idle conn");
+    eprintln!("bench: {name}: rss {rss_kib_per_conn:?} KiB/stream, {rss_kib_per_idle_conn:?} KiB/idle conn");
     Ok(json!({
         "throughput_gbps": gbps, "throughput_4_gbps": gbps4, "rr_p50_us": p50, "rr_p99_us": p99,
         "conn_per_s": cps, "conn_per_s_100": cps_100, "rr_p50_us_100": p50_100,
@@ -205,14 +208,14 @@ const KEYS: [(&str, &str); 11] = [
 ];
 
 /// Runs the proxy benchmark, writes `out`, prints a table.
-pub fn run(out: &Path, secs: f64, rounds: usize) -> Result<()> {
+pub fn run(out: &Path, secs: f64, rounds: usize, proxy_args: &[String]) -> Result<()> {
     meshpath_tests::require_root();
     let names = ["direct", "hbone"];
     let mut runs: Vec<Vec<Value>> = vec![Vec::new(); names.len()];
     for round in 0..rounds {
         eprintln!("bench: round {}/{rounds}", round + 1);
         for (i, name) in names.iter().enumerate() {
-            runs[i].push(scenario(name, secs)?);
+            runs[i].push(scenario(name, secs, proxy_args)?);
         }
     }
     let mut scenarios = json!({});
@@ -226,7 +229,10 @@ pub fn run(out: &Path, secs: f64, rounds: usize) -> Result<()> {
         m.insert("rounds".into(), Value::Array(runs[i].clone()));
         scenarios[*name] = Value::Object(m);
     }
-    let result = json!({ "machine": crate::machine(), "commit": crate::commit(), "date": crate::date(), "scenarios": scenarios });
+    let result = json!({
+        "machine": crate::machine(), "commit": crate::commit(), "date": crate::date(),
+        "proxy_args": proxy_args, "scenarios": scenarios,
+    });
     if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir)?;
     }

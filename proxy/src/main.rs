@@ -84,6 +84,10 @@ struct Cli {
     /// Streams per pooled HBONE connection before another is opened.
     #[arg(long, default_value_t = 100)]
     pool_max_streams: usize,
+    /// Pooled connections per destination that concurrent streams are spread over before they
+    /// share one (1: every stream shares the first, as ztunnel does).
+    #[arg(long, default_value_t = meshpath_proxy::state::POOL_SPREAD)]
+    pool_spread: usize,
     /// Seconds a pooled HBONE connection without streams is kept.
     #[arg(long, default_value_t = 300)]
     pool_idle_seconds: u64,
@@ -224,6 +228,7 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
     let settings = Settings {
         dns_upstreams,
         pool_max_streams: cli.pool_max_streams,
+        pool_spread: cli.pool_spread,
         pool_idle: Duration::from_secs(cli.pool_idle_seconds),
         handshake_timeout: Duration::from_secs(cli.handshake_timeout_seconds),
         connect_timeout: Duration::from_secs(cli.connect_timeout_seconds),
@@ -247,8 +252,11 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
         })?;
         pods.push((uid.to_owned(), Netns::open(path.as_ref())?, workload));
     }
-    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?.block_on(
-        async {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(meshpath_proxy::state::WORKER_THREADS)
+        .enable_all()
+        .build()?
+        .block_on(async {
             let mut out = std::io::stdout().lock();
             if let Some(path) = &cli.admin_socket {
                 let listener = admin::bind_unix(path)
@@ -302,6 +310,5 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
                 tracing::warn!(left, "drain deadline reached; closing the remaining connections");
             }
             Ok(())
-        },
-    )
+        })
 }

@@ -202,53 +202,6 @@ fn sigterm_stops_new_connections_and_lets_open_ones_finish() {
     );
 }
 
-#[test]
-fn concurrent_connections_to_one_destination_share_one_hbone_connection() {
-    let nodes = TwoNodes::new(MESHED);
-    let dst = nodes.b(false, 8089);
-    let listener = nodes.pods.b.listen(dst).expect("bind");
-    std::thread::spawn(move || {
-        for conn in listener.incoming().flatten() {
-            std::thread::spawn(move || {
-                let mut conn = conn;
-                let mut buf = [0u8; 1024];
-                while let Ok(n) = conn.read(&mut buf) {
-                    if n == 0 || conn.write_all(&buf[..n]).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
-    });
-    let a = nodes.pods.a.open().expect("a");
-    let mut conns = Vec::new();
-    for i in 0..5u8 {
-        let mut c = a
-            .run(|| std::net::TcpStream::connect_timeout(&dst, Duration::from_secs(5)))
-            .expect("netns")
-            .expect("connect");
-        c.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-        c.write_all(&[i; 3]).expect("send");
-        let mut back = [0u8; 3];
-        c.read_exact(&mut back).expect("echo");
-        assert_eq!(back, [i; 3]);
-        conns.push(c);
-    }
-    // All five are open now; count the TLS connections pod b's HBONE port has.
-    let out = Command::new("nsenter")
-        .arg(format!("--net={}", nodes.pods.b.path().display()))
-        .args(["ss", "-Htn", "state", "established", "( sport = :15008 )"])
-        .output()
-        .expect("ss");
-    let established = String::from_utf8_lossy(&out.stdout).lines().count();
-    assert_eq!(
-        established,
-        1,
-        "{established} HBONE connections for 5 streams:\n{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-}
-
 /// Established TCP connections to pod b's HBONE port, seen from pod b.
 fn hbone_connections(nodes: &TwoNodes) -> usize {
     let out = Command::new("nsenter")
@@ -259,13 +212,14 @@ fn hbone_connections(nodes: &TwoNodes) -> usize {
     String::from_utf8_lossy(&out.stdout).lines().count()
 }
 
-#[test]
-fn a_connection_at_its_stream_limit_makes_the_pool_open_another() {
+/// Node 1's proxy started with `args`; five app connections from pod a to one destination in
+/// pod b, opened one after another and all held open: how many HBONE connections carry them.
+fn hbone_connections_for_five_streams(args: &[&str], port: u16) -> usize {
     let nodes = TwoNodes::start(Setup {
-        args: vec!["--pool-max-streams".into(), "2".into()],
+        args: args.iter().map(|a| a.to_string()).collect(),
         ..Setup::default()
     });
-    let dst = nodes.b(false, 8104);
+    let dst = nodes.b(false, port);
     nodes.echo_server_in_b(dst);
     let mut conns = Vec::new();
     for i in 0..5u8 {
@@ -273,9 +227,27 @@ fn a_connection_at_its_stream_limit_makes_the_pool_open_another() {
         c.write_all(&[i; 3]).expect("send");
         let mut back = [0u8; 3];
         c.read_exact(&mut back).expect("echo");
+        assert_eq!(back, [i; 3]);
         conns.push(c);
     }
-    assert_eq!(hbone_connections(&nodes), 3, "5 streams at 2 per connection");
+    hbone_connections(&nodes)
+}
+
+#[test]
+fn concurrent_streams_to_one_destination_are_spread_over_four_hbone_connections_then_share_them() {
+    assert_eq!(hbone_connections_for_five_streams(&[], 8089), 4, "5 streams, spread over 4");
+}
+
+#[test]
+fn with_a_spread_of_one_concurrent_streams_share_one_hbone_connection_as_in_ztunnel() {
+    assert_eq!(hbone_connections_for_five_streams(&["--pool-spread", "1"], 8090), 1);
+}
+
+#[test]
+fn a_connection_at_its_stream_limit_makes_the_pool_open_another() {
+    // Spread over 2 (2 streams each), then a third for the fifth stream.
+    let args = ["--pool-max-streams", "2", "--pool-spread", "2"];
+    assert_eq!(hbone_connections_for_five_streams(&args, 8104), 3, "5 streams at 2 per connection");
 }
 
 #[test]

@@ -4,7 +4,13 @@
 //! peer's own limit) takes no more; a new one is opened beside it. A connection without streams
 //! for the idle timeout is released (dropping our handle makes h2 send GOAWAY and close), as are
 //! a removed pod's connections. Closed connections are dropped when next looked at.
-
+//!
+//! Spreading: streams to one destination are spread over up to `spread` connections before they
+//! share one: a new stream that would join a busy connection opens another instead while the
+//! destination has fewer (and no other is being opened), and each stream takes the least busy
+//! of the first `spread` connections. One HTTP/2 connection is one task, one TLS session and one
+//! lock over all its streams' state; with several, concurrent streams are encrypted on several
+//! cores and do not queue behind each other (`cargo xtask bench proxy`, 4 iperf3 streams).
 use std::{
     collections::HashMap,
     future::Future,
@@ -79,6 +85,24 @@ fn claim(usage: &Arc<Usage>) -> StreamPermit {
     StreamPermit(usage.clone())
 }
 
+/// A connection being opened for a destination, counted until it is pooled or has failed.
+struct Opening<'a> {
+    pool: &'a Pool,
+    key: &'a PoolKey,
+}
+
+impl Drop for Opening<'_> {
+    fn drop(&mut self) {
+        let Ok(mut map) = self.pool.conns.lock() else { return };
+        if let Some(dest) = map.get_mut(self.key) {
+            dest.opening = dest.opening.saturating_sub(1);
+            if dest.is_unused() {
+                map.remove(self.key);
+            }
+        }
+    }
+}
+
 /// A pooled connection as the admin dump shows it.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -91,17 +115,47 @@ pub struct PoolEntry {
     pub idle_seconds: Option<u64>,
 }
 
+/// The connections to one destination, and how many are being opened.
+#[derive(Debug, Default)]
+struct Destination {
+    conns: Vec<Pooled>,
+    opening: usize,
+}
+
+impl Destination {
+    fn is_unused(&self) -> bool {
+        self.conns.is_empty() && self.opening == 0
+    }
+}
+
+/// What [`Pool::pick`] found for a new stream.
+enum Pick {
+    /// Take this connection (the stream is already counted on it).
+    Use(Connection, StreamPermit),
+    /// Open another connection (counted as being opened): none can take the stream, or the
+    /// destination has fewer than `spread` and all are busy.
+    Open,
+}
+
 /// The pool.
 #[derive(Debug)]
 pub struct Pool {
-    conns: Mutex<HashMap<PoolKey, Vec<Pooled>>>,
+    conns: Mutex<HashMap<PoolKey, Destination>>,
     metrics: Arc<Metrics>,
     max_streams: usize,
+    spread: usize,
 }
 
 impl Pool {
-    pub fn new(metrics: Arc<Metrics>, max_streams: usize) -> Self {
-        Self { conns: Mutex::new(HashMap::new()), metrics, max_streams: max_streams.max(1) }
+    /// A pool putting at most `max_streams` streams on a connection, spread over up to `spread`
+    /// connections per destination first (see the module docs).
+    pub fn new(metrics: Arc<Metrics>, max_streams: usize, spread: usize) -> Self {
+        Self {
+            conns: Mutex::new(HashMap::new()),
+            metrics,
+            max_streams: max_streams.max(1),
+            spread: spread.max(1),
+        }
     }
 
     /// A connection for `key` with room for one more stream, and the permit for that stream:
@@ -115,9 +169,10 @@ impl Pool {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Connection, HboneError>>,
     {
-        if let Some(c) = self.take_ready(key) {
-            return Ok(c);
+        if let Pick::Use(conn, permit) = self.pick(key) {
+            return Ok((conn, permit));
         }
+        let opening = Opening { pool: self, key };
         let conn = open().await?;
         self.metrics.pool_opened.inc();
         let usage = Arc::new(Usage {
@@ -127,36 +182,64 @@ impl Pool {
         });
         let permit = claim(&usage);
         if let Ok(mut map) = self.conns.lock() {
-            map.entry(key.clone()).or_default().push(Pooled { conn: conn.clone(), usage });
+            map.entry(key.clone()).or_default().conns.push(Pooled { conn: conn.clone(), usage });
             self.metrics.pool_connections.set(count(&map));
         }
+        drop(opening);
         Ok((conn, permit))
     }
 
-    /// A pooled connection that can take a stream now; drops closed ones.
-    fn take_ready(&self, key: &PoolKey) -> Option<(Connection, StreamPermit)> {
-        let mut map = self.conns.lock().ok()?;
-        let list = map.get_mut(key)?;
+    /// Where a new stream to `key` goes; drops closed connections on the way.
+    fn pick(&self, key: &PoolKey) -> Pick {
+        let Ok(mut map) = self.conns.lock() else { return Pick::Open };
+        let dest = map.entry(key.clone()).or_default();
         let mut cx = Context::from_waker(Waker::noop());
-        let mut found = None;
-        list.retain_mut(|p| match p.conn.poll_ready(&mut cx) {
-            _ if p.usage.evicted.load(Ordering::Acquire) => false,
-            Poll::Ready(Ok(())) => {
-                if found.is_none() && p.usage.streams.load(Ordering::Acquire) < self.max_streams {
-                    found = Some((p.conn.clone(), claim(&p.usage)));
-                }
-                true
+        // Whether each kept connection can take a stream now (not at the peer's limit).
+        let mut ready = Vec::with_capacity(dest.conns.len());
+        dest.conns.retain_mut(|p| {
+            if p.usage.evicted.load(Ordering::Acquire) {
+                return false;
             }
-            // Closed or broken: forget it.
-            Poll::Ready(Err(_)) => false,
-            // At the peer's stream limit: keep it for later.
-            Poll::Pending => true,
+            match p.conn.poll_ready(&mut cx) {
+                // Closed or broken: forget it.
+                Poll::Ready(Err(_)) => false,
+                Poll::Ready(Ok(())) => {
+                    ready.push(true);
+                    true
+                }
+                // At the peer's stream limit: kept for later.
+                Poll::Pending => {
+                    ready.push(false);
+                    true
+                }
+            }
         });
-        if list.is_empty() {
+        let at_spread = dest.conns.len() + dest.opening >= self.spread;
+        // The least busy of the first `spread` connections that can take a stream now.
+        let best = dest
+            .conns
+            .iter()
+            .zip(&ready)
+            .filter(|(p, ready)| {
+                **ready && p.usage.streams.load(Ordering::Acquire) < self.max_streams
+            })
+            .map(|(p, _)| p)
+            .take(self.spread)
+            .min_by_key(|p| p.usage.streams.load(Ordering::Acquire));
+        let pick = match best {
+            Some(p) if p.usage.streams.load(Ordering::Acquire) == 0 || at_spread => {
+                Pick::Use(p.conn.clone(), claim(&p.usage))
+            }
+            _ => {
+                dest.opening += 1;
+                Pick::Open
+            }
+        };
+        if map.get(key).is_some_and(Destination::is_unused) {
             map.remove(key);
         }
         self.metrics.pool_connections.set(count(&map));
-        found
+        pick
     }
 
     /// Releases connections that have had no stream for `idle`, and those closed (a peer that
@@ -165,7 +248,8 @@ impl Pool {
         let Ok(mut map) = self.conns.lock() else { return 0 };
         let mut cx = Context::from_waker(Waker::noop());
         let mut released = 0;
-        map.retain(|_, list| {
+        map.retain(|_, dest| {
+            let list = &mut dest.conns;
             let before = list.len();
             list.retain_mut(|p| {
                 let u = &p.usage;
@@ -179,7 +263,7 @@ impl Pool {
                 !(idle_out || closed || u.evicted.load(Ordering::Acquire))
             });
             released += before - list.len();
-            !list.is_empty()
+            !dest.is_unused()
         });
         self.metrics.pool_connections.set(count(&map));
         released
@@ -193,11 +277,11 @@ impl Pool {
     fn release(&self, drop_it: impl Fn(&PoolKey, &Usage) -> bool) -> usize {
         let Ok(mut map) = self.conns.lock() else { return 0 };
         let mut released = 0;
-        map.retain(|k, list| {
-            let before = list.len();
-            list.retain(|p| !drop_it(k, &p.usage));
-            released += before - list.len();
-            !list.is_empty()
+        map.retain(|k, dest| {
+            let before = dest.conns.len();
+            dest.conns.retain(|p| !drop_it(k, &p.usage));
+            released += before - dest.conns.len();
+            !dest.is_unused()
         });
         self.metrics.pool_connections.set(count(&map));
         released
@@ -207,8 +291,8 @@ impl Pool {
     pub fn dump(&self) -> Vec<PoolEntry> {
         let Ok(map) = self.conns.lock() else { return Vec::new() };
         map.iter()
-            .flat_map(|(k, list)| {
-                list.iter().map(|p| PoolEntry {
+            .flat_map(|(k, dest)| {
+                dest.conns.iter().map(|p| PoolEntry {
                     source: k.src.to_string(),
                     destination: k.dst.to_string(),
                     source_workload: k.src_workload.clone(),
@@ -227,6 +311,6 @@ impl Pool {
     }
 }
 
-fn count(map: &HashMap<PoolKey, Vec<Pooled>>) -> i64 {
-    map.values().map(Vec::len).sum::<usize>() as i64
+fn count(map: &HashMap<PoolKey, Destination>) -> i64 {
+    map.values().map(|d| d.conns.len()).sum::<usize>() as i64
 }

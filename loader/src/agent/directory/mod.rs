@@ -21,7 +21,7 @@ pub enum DirectoryConfig {
 /// The running source.
 #[derive(Debug, Clone)]
 pub enum Directory {
-    File(PathBuf),
+    File(Arc<file::WorkloadsFile>),
     Kube(Arc<kube::Kube>),
 }
 
@@ -29,7 +29,9 @@ impl Directory {
     /// Starts the source (the Kubernetes watches begin; nothing waits for them).
     pub async fn start(cfg: &DirectoryConfig) -> anyhow::Result<Self> {
         Ok(match cfg {
-            DirectoryConfig::Workloads(p) => Self::File(p.clone()),
+            DirectoryConfig::Workloads(p) => {
+                Self::File(Arc::new(file::WorkloadsFile::new(p.clone())))
+            }
             DirectoryConfig::Kube(k) => Self::Kube(kube::Kube::start(k.clone()).await?),
         })
     }
@@ -37,7 +39,7 @@ impl Directory {
     /// The decision for the pod a CNI request names.
     pub async fn lookup(&self, uid: &str, namespace: &str, name: &str) -> anyhow::Result<Decision> {
         match self {
-            Self::File(path) => file::lookup(path, uid, namespace, name),
+            Self::File(f) => f.lookup(uid, namespace, name),
             Self::Kube(k) => match k.decide_cached(namespace, name) {
                 Some(d) => Ok(d),
                 // Not in the cache yet (CNI ADD can come before the pod's watch event).

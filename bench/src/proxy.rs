@@ -53,6 +53,9 @@ fn start_hbone(pods: &PodPair, extra: &[String], env: &[(&str, &str)]) -> Result
     }
     let dir = std::env::temp_dir().join(unique("meshpath-bench-"));
     std::fs::create_dir_all(&dir)?;
+    // Built first, so the directory goes even when a proxy fails to start.
+    let mut hbone = Hbone { proxies: Vec::new(), _cgroup: cgroup, _root: root, dir };
+    let dir = hbone.dir.clone();
     let (cert, key) = LocalCa::generate("meshpath bench CA")?.to_pem();
     std::fs::write(dir.join("ca.pem"), cert)?;
     std::fs::write(dir.join("ca-key.pem"), key)?;
@@ -62,7 +65,6 @@ fn start_hbone(pods: &PodPair, extra: &[String], env: &[(&str, &str)]) -> Result
         pods.a_ip, pods.b_ip
     );
     std::fs::write(dir.join("workloads.yaml"), yaml)?;
-    let mut proxies = Vec::new();
     for (pod, ns) in [("pod-a", &pods.a), ("pod-b", &pods.b)] {
         let mut cmd = Command::new(sibling_bin("meshpath-proxy"));
         cmd.arg("--workloads").arg(dir.join("workloads.yaml"));
@@ -74,9 +76,9 @@ fn start_hbone(pods: &PodPair, extra: &[String], env: &[(&str, &str)]) -> Result
         }
         cmd.args(extra).envs(env.iter().copied());
         cmd.env("RUST_LOG", "error").stderr(Stdio::null());
-        proxies.push(TestProxy::spawn(cmd, &cgroup)?);
+        hbone.proxies.push(TestProxy::spawn(cmd, &hbone._cgroup)?);
     }
-    Ok(Hbone { proxies, _cgroup: cgroup, _root: root, dir })
+    Ok(hbone)
 }
 
 /// (user + system CPU seconds, resident KiB) of a process.

@@ -75,7 +75,7 @@ enum Cmd {
     /// meshpath capture vs istio-cni's iptables rules vs direct.
     Capture {
         /// Where to write the JSON results.
-        #[arg(long, default_value = "results/capture.json")]
+        #[arg(long, default_value = CAPTURE_RESULTS)]
         out: PathBuf,
         /// Seconds per throughput and connection-rate run.
         #[arg(long, default_value_t = 5.0)]
@@ -86,8 +86,14 @@ enum Cmd {
         /// Rounds of the traffic scenarios (each metric: the median over rounds).
         #[arg(long, default_value_t = 3)]
         rounds: usize,
+        /// Only these traffic scenarios (comma-separated; all by default), e.g. to profile one.
+        #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(SCENARIOS))]
+        scenarios: Vec<String>,
     },
 }
+
+/// Where `capture` writes its results by default.
+const CAPTURE_RESULTS: &str = "results/capture.json";
 
 const RR_PORT: u16 = 7000;
 const ONESHOT_PORT: u16 = 7001;
@@ -95,7 +101,9 @@ const IPERF_PORT: u16 = 5201;
 
 fn main() -> std::process::ExitCode {
     let res = match Cli::parse().command {
-        Cmd::Capture { out, secs, pods, rounds } => capture(&out, secs, pods, rounds),
+        Cmd::Capture { out, secs, pods, rounds, scenarios } => {
+            capture(&out, secs, pods, rounds, &scenarios)
+        }
         Cmd::Proxy { out, secs, rounds, proxy_args } => proxy::run(&out, secs, rounds, &proxy_args),
         Cmd::Cni { pods } => cni_setup::measure(&cni_setup::sizes(pods)).map(|_| ()),
         Cmd::Charts { files } => files.iter().try_for_each(|f| {
@@ -278,24 +286,31 @@ fn traffic(name: &str, secs: f64) -> Result<Value> {
         out.insert(key.to_owned(), value);
     };
     record("throughput_gbps", iperf3_gbps(&pods, secs));
-    record("conn_per_s", stats::conn_per_s(&a, oneshot_addr, secs, 1));
-    match stats::rr_latency(&a, rr_addr, 2_000, 20_000, 1) {
-        Ok((p50, p99)) => {
-            record("rr_p50_us", Ok(p50));
-            record("rr_p99_us", Ok(p99));
-        }
-        Err(e) => {
-            record("rr_p50_us", Err(anyhow::anyhow!("{e:#}")));
-            record("rr_p99_us", Err(e));
+    // From one client (latency-bound: each connection waits for the one before) and from 100
+    // at once (bound by the CPU the path costs).
+    for (clients, suffix) in [(1, ""), (100, "_100")] {
+        record(&format!("conn_per_s{suffix}"), stats::conn_per_s(&a, oneshot_addr, secs, clients));
+        match stats::rr_latency(&a, rr_addr, 2_000, 20_000, clients) {
+            Ok((p50, p99)) => {
+                record(&format!("rr_p50_us{suffix}"), Ok(p50));
+                record(&format!("rr_p99_us{suffix}"), Ok(p99));
+            }
+            Err(e) => {
+                record(&format!("rr_p50_us{suffix}"), Err(anyhow::anyhow!("{e:#}")));
+                record(&format!("rr_p99_us{suffix}"), Err(e));
+            }
         }
     }
     let f = |k: &str| out[k].as_f64().map_or("failed".to_owned(), |x| format!("{x:.1}"));
     eprintln!(
-        "bench: {name}: {} Gbit/s, {} conn/s, rr p50 {} us p99 {} us",
+        "bench: {name}: {} Gbit/s, {} conn/s, rr p50 {} us p99 {} us; 100 clients: {} conn/s, rr p50 {} us p99 {} us",
         f("throughput_gbps"),
         f("conn_per_s"),
         f("rr_p50_us"),
-        f("rr_p99_us")
+        f("rr_p99_us"),
+        f("conn_per_s_100"),
+        f("rr_p50_us_100"),
+        f("rr_p99_us_100")
     );
     Ok(Value::Object(out))
 }
@@ -364,11 +379,21 @@ fn setup_cost(max: usize) -> Result<(Value, Value, Value)> {
     Ok((ipt, ebpf, ebpf_counters))
 }
 
-fn capture(out: &PathBuf, secs: f64, max_pods: usize, rounds: usize) -> Result<()> {
+fn capture(
+    out: &PathBuf,
+    secs: f64,
+    max_pods: usize,
+    rounds: usize,
+    only: &[String],
+) -> Result<()> {
     meshpath_tests::require_root();
+    if (max_pods == 0 || !only.is_empty()) && out.ends_with(CAPTURE_RESULTS) {
+        bail!("a partial run (--pods 0 or --scenarios) does not replace {CAPTURE_RESULTS}: give --out");
+    }
     // Rounds interleave the scenarios, so machine noise spreads over all of them; each metric
     // is the median over rounds.
-    let names = SCENARIOS;
+    let names: Vec<&str> =
+        SCENARIOS.into_iter().filter(|s| only.is_empty() || only.iter().any(|o| o == s)).collect();
     let mut runs: Vec<Vec<Value>> = vec![Vec::new(); names.len()];
     for round in 0..rounds {
         eprintln!("bench: round {}/{rounds}", round + 1);
@@ -380,7 +405,7 @@ fn capture(out: &PathBuf, secs: f64, max_pods: usize, rounds: usize) -> Result<(
     for (i, name) in names.iter().enumerate() {
         let mut m = serde_json::Map::new();
         let mut failed = serde_json::Map::new();
-        for key in ["throughput_gbps", "conn_per_s", "rr_p50_us", "rr_p99_us"] {
+        for key in TRAFFIC_KEYS {
             let mut v: Vec<f64> = runs[i].iter().filter_map(|r| r[key].as_f64()).collect();
             // A round that failed is reported, not silently left out of the median.
             let lost = runs[i].len() - v.len();
@@ -393,6 +418,13 @@ fn capture(out: &PathBuf, secs: f64, max_pods: usize, rounds: usize) -> Result<(
         m.insert("failed_rounds".into(), Value::Object(failed));
         m.insert("rounds".into(), Value::Array(runs[i].clone()));
         scenarios[*name] = Value::Object(m);
+    }
+    if max_pods == 0 {
+        // Traffic only (`--pods 0`).
+        let result = json!({ "machine": machine(), "commit": commit(), "date": date(), "scenarios": scenarios });
+        std::fs::write(out, serde_json::to_string_pretty(&result)? + "\n")?;
+        print_table(&result);
+        return Ok(());
     }
     let (ipt, ebpf, ebpf_counters) = setup_cost(max_pods)?;
     scenarios["iptables"]["enrol_ms_per_pod"] = ipt;
@@ -424,6 +456,17 @@ fn capture(out: &PathBuf, secs: f64, max_pods: usize, rounds: usize) -> Result<(
     eprintln!("bench: wrote {} and {}", out.display(), charts::write_for(out)?.display());
     Ok(())
 }
+
+/// What `traffic` measures per scenario and round.
+const TRAFFIC_KEYS: [&str; 7] = [
+    "throughput_gbps",
+    "conn_per_s",
+    "rr_p50_us",
+    "rr_p99_us",
+    "conn_per_s_100",
+    "rr_p50_us_100",
+    "rr_p99_us_100",
+];
 
 /// The scenarios of `capture`, in the order they run each round.
 const SCENARIOS: [&str; 6] =
@@ -461,20 +504,24 @@ pub(crate) fn date() -> String {
 fn print_table(r: &Value) {
     let s = &r["scenarios"];
     let f = |v: &Value| v.as_f64().map_or("n/a".to_owned(), |x| format!("{x:.2}"));
-    println!("| scenario | throughput Gbit/s | conn/s | RR p50 µs | RR p99 µs | set-up ms/pod (1 / 100 / N) |");
-    println!("|---|---|---|---|---|---|");
+    println!("| scenario | throughput Gbit/s | conn/s | RR p50 µs | RR p99 µs | 100 clients: conn/s | RR p50 µs | RR p99 µs | set-up ms/pod (1 / 100 / N) |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for name in SCENARIOS {
         let x = &s[name];
         let e = &x["enrol_ms_per_pod"];
         let setup = e
             .as_object()
             .map_or("n/a".to_owned(), |o| o.values().map(f).collect::<Vec<_>>().join(" / "));
+        let rate = |k: &str| x[k].as_f64().map_or("n/a".to_owned(), |c| format!("{c:.0}"));
         println!(
-            "| {name} | {} | {} | {} | {} | {setup} |",
+            "| {name} | {} | {} | {} | {} | {} | {} | {} | {setup} |",
             f(&x["throughput_gbps"]),
-            x["conn_per_s"].as_f64().map_or("n/a".to_owned(), |c| format!("{c:.0}")),
+            rate("conn_per_s"),
             f(&x["rr_p50_us"]),
-            f(&x["rr_p99_us"])
+            f(&x["rr_p99_us"]),
+            rate("conn_per_s_100"),
+            f(&x["rr_p50_us_100"]),
+            f(&x["rr_p99_us_100"])
         );
     }
     let ratio = |k: &str| {
@@ -483,11 +530,14 @@ fn print_table(r: &Value) {
     };
     println!();
     println!(
-        "ebpf / iptables: conn/s {}, throughput {}, p50 {}, p99 {}",
+        "ebpf / iptables: conn/s {}, throughput {}, p50 {}, p99 {}; 100 clients: conn/s {}, p50 {}, p99 {}",
         ratio("conn_per_s"),
         ratio("throughput_gbps"),
         ratio("rr_p50_us"),
-        ratio("rr_p99_us")
+        ratio("rr_p99_us"),
+        ratio("conn_per_s_100"),
+        ratio("rr_p50_us_100"),
+        ratio("rr_p99_us_100")
     );
     if let (Some(e), Some(i)) =
         (s["ebpf"]["enrol_ms_per_pod"].as_object(), s["iptables"]["enrol_ms_per_pod"].as_object())

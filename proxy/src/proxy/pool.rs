@@ -91,13 +91,28 @@ struct Opening<'a> {
     key: &'a PoolKey,
 }
 
+impl Opening<'_> {
+    /// The connection opened: pooled, and no longer counted as being opened, under one lock.
+    fn pooled(self, conn: Pooled) {
+        if let Ok(mut conns) = self.pool.conns.lock() {
+            let dest = conns.by_key.entry(self.key.clone()).or_default();
+            dest.opening = dest.opening.saturating_sub(1);
+            dest.conns.push(conn);
+            conns.total += 1;
+            self.pool.metrics.pool_connections.set(conns.total as i64);
+        }
+        std::mem::forget(self);
+    }
+}
+
 impl Drop for Opening<'_> {
+    /// The connection could not be opened (or the caller went away).
     fn drop(&mut self) {
-        let Ok(mut map) = self.pool.conns.lock() else { return };
-        if let Some(dest) = map.get_mut(self.key) {
+        let Ok(mut conns) = self.pool.conns.lock() else { return };
+        if let Some(dest) = conns.by_key.get_mut(self.key) {
             dest.opening = dest.opening.saturating_sub(1);
             if dest.is_unused() {
-                map.remove(self.key);
+                conns.by_key.remove(self.key);
             }
         }
     }
@@ -137,10 +152,34 @@ enum Pick {
     Open,
 }
 
+/// Every destination's connections, and how many there are in all (the gauge, kept as they
+/// come and go rather than counted over every destination on each stream).
+#[derive(Debug, Default)]
+struct Conns {
+    by_key: HashMap<PoolKey, Destination>,
+    total: usize,
+}
+
+impl Conns {
+    /// Keeps the connections of each destination `keep` says to keep, drops destinations left
+    /// unused; how many connections went.
+    fn retain(&mut self, mut keep: impl FnMut(&PoolKey, &mut Pooled) -> bool) -> usize {
+        let mut gone = 0;
+        self.by_key.retain(|k, dest| {
+            let before = dest.conns.len();
+            dest.conns.retain_mut(|p| keep(k, p));
+            gone += before - dest.conns.len();
+            !dest.is_unused()
+        });
+        self.total -= gone;
+        gone
+    }
+}
+
 /// The pool.
 #[derive(Debug)]
 pub struct Pool {
-    conns: Mutex<HashMap<PoolKey, Destination>>,
+    conns: Mutex<Conns>,
     metrics: Arc<Metrics>,
     max_streams: usize,
     spread: usize,
@@ -151,7 +190,7 @@ impl Pool {
     /// connections per destination first (see the module docs).
     pub fn new(metrics: Arc<Metrics>, max_streams: usize, spread: usize) -> Self {
         Self {
-            conns: Mutex::new(HashMap::new()),
+            conns: Mutex::new(Conns::default()),
             metrics,
             max_streams: max_streams.max(1),
             spread: spread.max(1),
@@ -181,18 +220,20 @@ impl Pool {
             evicted: std::sync::atomic::AtomicBool::new(false),
         });
         let permit = claim(&usage);
-        if let Ok(mut map) = self.conns.lock() {
-            map.entry(key.clone()).or_default().conns.push(Pooled { conn: conn.clone(), usage });
-            self.metrics.pool_connections.set(count(&map));
-        }
-        drop(opening);
+        opening.pooled(Pooled { conn: conn.clone(), usage });
         Ok((conn, permit))
     }
 
     /// Where a new stream to `key` goes; drops closed connections on the way.
     fn pick(&self, key: &PoolKey) -> Pick {
-        let Ok(mut map) = self.conns.lock() else { return Pick::Open };
-        let dest = map.entry(key.clone()).or_default();
+        let Ok(mut guard) = self.conns.lock() else { return Pick::Open };
+        let conns = &mut *guard;
+        let Some(dest) = conns.by_key.get_mut(key) else {
+            // The first connection to this destination: the key is copied only here.
+            conns.by_key.insert(key.clone(), Destination { conns: Vec::new(), opening: 1 });
+            return Pick::Open;
+        };
+        let before = dest.conns.len();
         let mut cx = Context::from_waker(Waker::noop());
         // Whether each kept connection can take a stream now (not at the peer's limit).
         let mut ready = Vec::with_capacity(dest.conns.len());
@@ -214,6 +255,7 @@ impl Pool {
                 }
             }
         });
+        conns.total -= before - dest.conns.len();
         let at_spread = dest.conns.len() + dest.opening >= self.spread;
         // The least busy of the first `spread` connections that can take a stream now.
         let best = dest
@@ -235,37 +277,23 @@ impl Pool {
                 Pick::Open
             }
         };
-        if map.get(key).is_some_and(Destination::is_unused) {
-            map.remove(key);
-        }
-        self.metrics.pool_connections.set(count(&map));
+        self.metrics.pool_connections.set(conns.total as i64);
         pick
     }
 
     /// Releases connections that have had no stream for `idle`, and those closed (a peer that
     /// stopped answering PINGs, a GOAWAY) or evicted. Returns how many.
     pub fn release_idle(&self, idle: Duration) -> usize {
-        let Ok(mut map) = self.conns.lock() else { return 0 };
+        let Ok(mut conns) = self.conns.lock() else { return 0 };
         let mut cx = Context::from_waker(Waker::noop());
-        let mut released = 0;
-        map.retain(|_, dest| {
-            let list = &mut dest.conns;
-            let before = list.len();
-            list.retain_mut(|p| {
-                let u = &p.usage;
-                let idle_out = u.streams.load(Ordering::Acquire) == 0
-                    && u.idle_since
-                        .lock()
-                        .ok()
-                        .and_then(|t| *t)
-                        .is_some_and(|t| t.elapsed() >= idle);
-                let closed = matches!(p.conn.poll_ready(&mut cx), Poll::Ready(Err(_)));
-                !(idle_out || closed || u.evicted.load(Ordering::Acquire))
-            });
-            released += before - list.len();
-            !dest.is_unused()
+        let released = conns.retain(|_, p| {
+            let u = &p.usage;
+            let idle_out = u.streams.load(Ordering::Acquire) == 0
+                && u.idle_since.lock().ok().and_then(|t| *t).is_some_and(|t| t.elapsed() >= idle);
+            let closed = matches!(p.conn.poll_ready(&mut cx), Poll::Ready(Err(_)));
+            !(idle_out || closed || u.evicted.load(Ordering::Acquire))
         });
-        self.metrics.pool_connections.set(count(&map));
+        self.metrics.pool_connections.set(conns.total as i64);
         released
     }
 
@@ -275,22 +303,18 @@ impl Pool {
     }
 
     fn release(&self, drop_it: impl Fn(&PoolKey, &Usage) -> bool) -> usize {
-        let Ok(mut map) = self.conns.lock() else { return 0 };
-        let mut released = 0;
-        map.retain(|k, dest| {
-            let before = dest.conns.len();
-            dest.conns.retain(|p| !drop_it(k, &p.usage));
-            released += before - dest.conns.len();
-            !dest.is_unused()
-        });
-        self.metrics.pool_connections.set(count(&map));
+        let Ok(mut conns) = self.conns.lock() else { return 0 };
+        let released = conns.retain(|k, p| !drop_it(k, &p.usage));
+        self.metrics.pool_connections.set(conns.total as i64);
         released
     }
 
     /// What is pooled now.
     pub fn dump(&self) -> Vec<PoolEntry> {
-        let Ok(map) = self.conns.lock() else { return Vec::new() };
-        map.iter()
+        let Ok(conns) = self.conns.lock() else { return Vec::new() };
+        conns
+            .by_key
+            .iter()
             .flat_map(|(k, dest)| {
                 dest.conns.iter().map(|p| PoolEntry {
                     source: k.src.to_string(),
@@ -309,8 +333,4 @@ impl Pool {
             })
             .collect()
     }
-}
-
-fn count(map: &HashMap<PoolKey, Destination>) -> i64 {
-    map.values().map(|d| d.conns.len()).sum::<usize>() as i64
 }

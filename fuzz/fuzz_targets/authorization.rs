@@ -43,17 +43,17 @@ fuzz_target!(|data: &[u8]| {
         dst: SocketAddr::new(ip(&conn[16..32]), port),
     };
     let enforced_only: Vec<Policy> =
-        store.policies.iter().filter(|p| !p.dry_run).cloned().collect();
-    let json = serde_json::to_string(&store.policies).expect("policies serialise");
+        store.policies().iter().filter(|p| !p.dry_run).cloned().collect();
+    let json = serde_json::to_string(store.policies()).expect("policies serialise");
     let again: Vec<Policy> = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{json}: {e}"));
-    for w in &store.workloads {
-        let d = decide(&store.policies, w, &c);
+    for w in store.workloads() {
+        let d = decide(store.policies(), w, &c);
         assert_eq!(
             d.enforced,
             decide(&enforced_only, w, &c).enforced,
             "a dry-run policy was enforced"
         );
-        let dry_applies = store.policies.iter().any(|p| p.dry_run && p.selects(w));
+        let dry_applies = store.policies().iter().any(|p| p.dry_run && p.selects(w));
         assert_eq!(d.dry_run.is_some(), dry_applies);
         assert_eq!(decide(&again, w, &c), d, "ztunnel's serialisation decides differently: {json}");
     }

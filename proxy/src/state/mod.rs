@@ -119,7 +119,7 @@ impl Proxy {
     pub fn set_store(&self, store: WorkloadStore) {
         let live: std::collections::HashSet<(String, String)> =
             store
-                .workloads
+                .workloads()
                 .iter()
                 .map(|w| (w.namespace.clone(), w.workload_label().to_owned()))
                 // Pods served here (the agent describes them over ZDS) count even if the store

@@ -77,9 +77,9 @@ fn reload_store(proxy: &Proxy, path: &Path) {
     match WorkloadStore::load(path) {
         Ok(store) => {
             info!(
-                workloads = store.workloads.len(),
-                services = store.services.len(),
-                policies = store.policies.len(),
+                workloads = store.workloads().len(),
+                services = store.services().len(),
+                policies = store.policies().len(),
                 "workload store reloaded"
             );
             proxy.set_store(store);

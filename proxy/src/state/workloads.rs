@@ -11,8 +11,17 @@
 //!
 //! Fields this proxy does not use (node, network, subjectAltNames, ...) are accepted and ignored,
 //! so one file can describe a mixed mesh.
+//!
+//! A store is read-only once made, and indexed as it is made: what a connection looks up (the
+//! workload at an address, the service at a VIP, a service's endpoints) is a hash lookup, not a
+//! walk over every workload and service in the mesh. Where the file names an address, uid,
+//! VIP or hostname twice, the first entry wins, as ztunnel's local configuration reads.
 
-use std::{collections::BTreeMap, net::IpAddr, path::Path};
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::IpAddr,
+    path::Path,
+};
 
 use serde::{Deserialize, Serialize};
 
@@ -124,16 +133,71 @@ fn parse_vip(v: &str) -> Result<IpAddr, String> {
     ip.parse().map_err(|_| format!("vip {v:?} is not NETWORK/IP or IP"))
 }
 
-/// Everything the proxy knows about the mesh.
+/// What the file says, as it says it.
 #[derive(Debug, Clone, Deserialize, Serialize, Default)]
 #[serde(deny_unknown_fields)]
+struct Contents {
+    #[serde(default)]
+    workloads: Vec<Workload>,
+    #[serde(default)]
+    services: Vec<Service>,
+    #[serde(default)]
+    policies: Vec<Policy>,
+}
+
+/// Positions in [`Contents`], by what connections look them up by.
+#[derive(Debug, Clone, Default)]
+struct Index {
+    workload_by_ip: HashMap<IpAddr, usize>,
+    workload_by_uid: HashMap<String, usize>,
+    service_by_vip: HashMap<IpAddr, usize>,
+    /// Lower-cased.
+    service_by_hostname: HashMap<String, usize>,
+    /// Service key (`NS/HOSTNAME`) → the workloads that back it, in file order.
+    backends: HashMap<String, Vec<usize>>,
+}
+
+impl Index {
+    fn of(c: &Contents) -> Self {
+        let mut ix = Self::default();
+        for (i, w) in c.workloads.iter().enumerate() {
+            for ip in &w.workload_ips {
+                ix.workload_by_ip.entry(*ip).or_insert(i);
+            }
+            ix.workload_by_uid.entry(w.uid.clone()).or_insert(i);
+            for key in w.services.keys() {
+                ix.backends.entry(key.clone()).or_default().push(i);
+            }
+        }
+        for (i, s) in c.services.iter().enumerate() {
+            for vip in s.vip_addrs() {
+                ix.service_by_vip.entry(vip).or_insert(i);
+            }
+            ix.service_by_hostname.entry(s.hostname.to_ascii_lowercase()).or_insert(i);
+        }
+        ix
+    }
+}
+
+/// Everything the proxy knows about the mesh (see the module docs).
+#[derive(Debug, Clone, Deserialize, Serialize, Default)]
+#[serde(from = "Contents", into = "Contents")]
 pub struct WorkloadStore {
-    #[serde(default)]
-    pub workloads: Vec<Workload>,
-    #[serde(default)]
-    pub services: Vec<Service>,
-    #[serde(default)]
-    pub policies: Vec<Policy>,
+    contents: Contents,
+    index: Index,
+}
+
+impl From<Contents> for WorkloadStore {
+    fn from(contents: Contents) -> Self {
+        let index = Index::of(&contents);
+        Self { contents, index }
+    }
+}
+
+impl From<WorkloadStore> for Contents {
+    fn from(store: WorkloadStore) -> Self {
+        store.contents
+    }
 }
 
 /// A configuration file that could not be used.
@@ -159,7 +223,7 @@ impl WorkloadStore {
             Some(l) => format!("line {}, column {}: {e}", l.line(), l.column()),
             None => e.to_string(),
         })?;
-        for (i, s) in store.services.iter().enumerate() {
+        for (i, s) in store.services().iter().enumerate() {
             for v in &s.vips {
                 parse_vip(v).map_err(|e| format!("services[{i}].vips: {e}"))?;
             }
@@ -167,33 +231,50 @@ impl WorkloadStore {
         Ok(store)
     }
 
+    /// Every workload, in file order.
+    pub fn workloads(&self) -> &[Workload] {
+        &self.contents.workloads
+    }
+
+    /// Every service, in file order.
+    pub fn services(&self) -> &[Service] {
+        &self.contents.services
+    }
+
+    /// Every authorization policy, in file order.
+    pub fn policies(&self) -> &[Policy] {
+        &self.contents.policies
+    }
+
     /// The workload that owns `ip`.
     pub fn by_ip(&self, ip: IpAddr) -> Option<&Workload> {
-        self.workloads.iter().find(|w| w.workload_ips.contains(&ip))
+        self.index.workload_by_ip.get(&ip).map(|&i| &self.contents.workloads[i])
     }
 
     /// The workload with this uid.
     pub fn by_uid(&self, uid: &str) -> Option<&Workload> {
-        self.workloads.iter().find(|w| w.uid == uid)
+        self.index.workload_by_uid.get(uid).map(|&i| &self.contents.workloads[i])
     }
 
     /// The service with `ip` among its VIPs.
     pub fn service_by_vip(&self, ip: IpAddr) -> Option<&Service> {
-        self.services.iter().find(|s| s.vip_addrs().any(|v| v == ip))
+        self.index.service_by_vip.get(&ip).map(|&i| &self.contents.services[i])
     }
 
-    /// The service with this hostname.
+    /// The service with this hostname (any case, with or without the final dot).
     pub fn service_by_hostname(&self, host: &str) -> Option<&Service> {
-        let host = host.trim_end_matches('.');
-        self.services.iter().find(|s| s.hostname.eq_ignore_ascii_case(host))
+        let host = host.trim_end_matches('.').to_ascii_lowercase();
+        self.index.service_by_hostname.get(&host).map(|&i| &self.contents.services[i])
     }
 
     /// The healthy endpoints of `svc` for service port `port`: each workload and the port it
     /// listens on.
     pub fn endpoints(&self, svc: &Service, port: u16) -> Vec<(&Workload, u16)> {
         let key = svc.key();
-        self.workloads
+        let Some(backends) = self.index.backends.get(&key) else { return Vec::new() };
+        backends
             .iter()
+            .map(|&i| &self.contents.workloads[i])
             .filter(|w| w.status == HealthStatus::Healthy)
             .filter_map(|w| {
                 let ports = w.services.get(&key)?;
@@ -240,6 +321,41 @@ mod tests {
         )
         .expect_err("accepted");
         assert!(err.contains("services[0].vips") && err.contains("not-an-ip"), "{err}");
+    }
+
+    #[test]
+    fn an_address_or_uid_listed_twice_belongs_to_the_first_workload() {
+        let s = WorkloadStore::parse(
+            "workloads:\n\
+             - {uid: a, namespace: d, serviceAccount: a, workloadIps: [10.0.0.1, 10.0.0.9]}\n\
+             - {uid: b, namespace: d, serviceAccount: b, workloadIps: [10.0.0.9, 10.0.0.2]}\n\
+             - {uid: a, namespace: d, serviceAccount: other}\n",
+        )
+        .expect("parse");
+        let uid = |ip: &str| s.by_ip(ip.parse().expect("ip")).map(|w| w.uid.as_str());
+        assert_eq!(uid("10.0.0.9"), Some("a"));
+        assert_eq!(uid("10.0.0.2"), Some("b"));
+        assert_eq!(uid("10.0.0.3"), None);
+        assert_eq!(s.by_uid("a").map(|w| w.service_account.as_str()), Some("a"));
+        assert_eq!(s.workloads().len(), 3, "nothing dropped from the store itself");
+    }
+
+    #[test]
+    fn a_service_is_found_by_any_of_its_vips_and_by_hostname_in_any_case() {
+        let s = WorkloadStore::parse(
+            "services:\n\
+             - {name: s, namespace: d, hostname: S.d.svc.cluster.local, vips: [\"net/10.96.0.10\", \"/fd00::10\"]}\n\
+             - {name: t, namespace: d, hostname: t.d.svc.cluster.local, vips: [\"10.96.0.10\"]}\n",
+        )
+        .expect("parse");
+        let name = |ip: &str| s.service_by_vip(ip.parse().expect("ip")).map(|v| v.name.as_str());
+        assert_eq!(name("10.96.0.10"), Some("s"), "the first service with the VIP");
+        assert_eq!(name("fd00::10"), Some("s"));
+        assert_eq!(name("10.96.0.11"), None);
+        for host in ["s.d.svc.cluster.local", "S.D.SVC.CLUSTER.LOCAL.", "s.d.svc.cluster.local."] {
+            assert_eq!(s.service_by_hostname(host).map(|v| v.name.as_str()), Some("s"), "{host}");
+        }
+        assert!(s.service_by_hostname("s.d.svc").is_none());
     }
 
     #[test]

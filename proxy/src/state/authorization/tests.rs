@@ -48,7 +48,7 @@ fn run(cases: &[Case]) {
             dst: c.peer.2.parse().expect("dst"),
         };
         let dst = store.by_uid(c.dst).expect("workload");
-        let got = if check(&store.policies, dst, &conn).is_ok() { Allow } else { Deny };
+        let got = if check(store.policies(), dst, &conn).is_ok() { Allow } else { Deny };
         if got != c.want {
             failed.push(format!("{}: want {:?}, got {got:?}", c.name, c.want));
         }
@@ -355,10 +355,10 @@ fn dry_run_policies_are_reported_but_never_enforced() {
         src: "10.1.0.5".parse().expect("ip"),
         dst: "10.0.0.2:80".parse().expect("dst"),
     };
-    let on_b = decide(&store.policies, store.by_uid("b").expect("b"), &conn);
+    let on_b = decide(store.policies(), store.by_uid("b").expect("b"), &conn);
     assert_eq!(on_b.enforced, Ok(()), "a dry-run DENY denied");
     assert_eq!(on_b.dry_run, Some(Err(Denied::ByPolicy("prod/would-deny".into()))));
-    let on_d = decide(&store.policies, store.by_uid("d").expect("d"), &conn);
+    let on_d = decide(store.policies(), store.by_uid("d").expect("d"), &conn);
     assert_eq!(on_d.enforced, Ok(()), "a dry-run ALLOW switched the workload to allow-list mode");
     assert_eq!(on_d.dry_run, Some(Err(Denied::NotAllowed("other/would-allow".into()))));
     let on_c_without = decide(&[], store.by_uid("c").expect("c"), &conn);
@@ -376,12 +376,12 @@ fn a_policy_as_ztunnel_serialises_it_is_read() {
                      "notNamespaces": [{"Presence": []}], "notDestinationPorts": [81]}]]],
         "dryRun": false}]}"#;
     let store = WorkloadStore::parse(json).expect("ztunnel's form");
-    let m = &store.policies[0].rules[0][0][0];
+    let m = &store.policies()[0].rules[0][0][0];
     assert_eq!(m.namespaces, vec![StringMatch::Exact("dev".into())]);
     assert_eq!(m.not_namespaces, vec![StringMatch::Presence()]);
     assert_eq!(m.service_accounts[0].service_account, "sleep");
     // And written back the same way.
-    let again = serde_json::to_value(&store.policies[0]).expect("serialise");
+    let again = serde_json::to_value(&store.policies()[0]).expect("serialise");
     assert_eq!(again["rules"][0][0][0]["notNamespaces"], serde_json::json!([{"Presence": []}]));
     assert_eq!(
         again["rules"][0][0][0]["principals"],
@@ -416,5 +416,5 @@ fn policies_written_back_as_yaml_read_back_the_same() {
     let store = WorkloadStore::parse(&text).expect("parse");
     let yaml = serde_yaml::to_string(&store).expect("write");
     let again = WorkloadStore::parse(&yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
-    assert_eq!(again.policies[0].rules, store.policies[0].rules, "{yaml}");
+    assert_eq!(again.policies()[0].rules, store.policies()[0].rules, "{yaml}");
 }

@@ -58,6 +58,10 @@ enum Cmd {
         /// settings: `--proxy-arg=--pool-max-streams --proxy-arg=1`.
         #[arg(long = "proxy-arg", allow_hyphen_values = true)]
         proxy_args: Vec<String>,
+        /// Other workloads listed in the proxies' store (recorded in the results): what a
+        /// connection costs in a large mesh.
+        #[arg(long, default_value_t = 0)]
+        store_workloads: usize,
     },
     /// Redraws the SVG chart of each results file (`results/NAME.svg`) from its JSON alone.
     Charts {
@@ -104,7 +108,9 @@ fn main() -> std::process::ExitCode {
         Cmd::Capture { out, secs, pods, rounds, scenarios } => {
             capture(&out, secs, pods, rounds, &scenarios)
         }
-        Cmd::Proxy { out, secs, rounds, proxy_args } => proxy::run(&out, secs, rounds, &proxy_args),
+        Cmd::Proxy { out, secs, rounds, proxy_args, store_workloads } => {
+            proxy::run(&out, secs, rounds, &proxy_args, store_workloads)
+        }
         Cmd::Cni { pods } => cni_setup::measure(&cni_setup::sizes(pods)).map(|_| ()),
         Cmd::Charts { files } => files.iter().try_for_each(|f| {
             let svg = charts::write_for(f)?;

@@ -3,6 +3,10 @@
 //! streams, request/response latency and connection rate from 1 client and from 100 at once
 //! (`*_100`); for HBONE also the proxies' CPU seconds per GB carried and the resident memory
 //! node 1's proxy spends per open stream and per idle pooled HTTP/2 connection.
+//!
+//! `--store-workloads N` lists N other workloads (and one service per ten of them) in the
+//! proxies' store before the two pods, as a large mesh would: what a connection costs when the
+//! proxy knows many workloads, not two.
 
 use std::{
     io::{Read as _, Write as _},
@@ -38,7 +42,45 @@ impl Drop for Hbone {
     }
 }
 
-fn start_hbone(pods: &PodPair, extra: &[String], env: &[(&str, &str)]) -> Result<Hbone> {
+/// The proxies' store: `others` workloads (one service per ten of them), then the two pods.
+fn store_yaml(pods: &PodPair, others: usize) -> String {
+    use std::fmt::Write as _;
+    let mut yaml = String::from("workloads:\n");
+    // 10.128.0.0/9 and 10.96.0.0/12: outside the pods' addresses.
+    let ip = |base: u32, i: usize| std::net::Ipv4Addr::from(base + i as u32);
+    for i in 0..others {
+        let _ = writeln!(
+            yaml,
+            "- {{uid: other-{i}, namespace: default, serviceAccount: other, protocol: HBONE, workloadIps: [\"{}\"], services: {{\"default/svc-{}.default.svc.cluster.local\": {{80: 8080}}}}}}",
+            ip(0x0a80_0000, i),
+            i / 10
+        );
+    }
+    let _ = write!(
+        yaml,
+        "- uid: pod-a\n  namespace: default\n  serviceAccount: a\n  protocol: HBONE\n  workloadIps: [\"{}\"]\n\
+         - uid: pod-b\n  namespace: default\n  serviceAccount: b\n  protocol: HBONE\n  workloadIps: [\"{}\"]\n",
+        pods.a_ip, pods.b_ip
+    );
+    if others > 0 {
+        yaml.push_str("services:\n");
+        for j in 0..others.div_ceil(10) {
+            let _ = writeln!(
+                yaml,
+                "- {{name: svc-{j}, namespace: default, hostname: svc-{j}.default.svc.cluster.local, vips: [\"/{}\"]}}",
+                ip(0x0a60_0000, j)
+            );
+        }
+    }
+    yaml
+}
+
+fn start_hbone(
+    pods: &PodPair,
+    extra: &[String],
+    env: &[(&str, &str)],
+    store_workloads: usize,
+) -> Result<Hbone> {
     let (root, cgroup) = (PinRoot::new(), CgroupGuard::new()?);
     {
         let dp = root.datapath()?;
@@ -59,12 +101,7 @@ fn start_hbone(pods: &PodPair, extra: &[String], env: &[(&str, &str)]) -> Result
     let (cert, key) = LocalCa::generate("meshpath bench CA")?.to_pem();
     std::fs::write(dir.join("ca.pem"), cert)?;
     std::fs::write(dir.join("ca-key.pem"), key)?;
-    let yaml = format!(
-        "workloads:\n- uid: pod-a\n  namespace: default\n  serviceAccount: a\n  protocol: HBONE\n  workloadIps: [\"{}\"]\n\
-         - uid: pod-b\n  namespace: default\n  serviceAccount: b\n  protocol: HBONE\n  workloadIps: [\"{}\"]\n",
-        pods.a_ip, pods.b_ip
-    );
-    std::fs::write(dir.join("workloads.yaml"), yaml)?;
+    std::fs::write(dir.join("workloads.yaml"), store_yaml(pods, store_workloads))?;
     for (pod, ns) in [("pod-a", &pods.a), ("pod-b", &pods.b)] {
         let mut cmd = Command::new(sibling_bin("meshpath-proxy"));
         cmd.arg("--workloads").arg(dir.join("workloads.yaml"));
@@ -114,7 +151,7 @@ fn iperf3(pods: &PodPair, secs: f64, streams: u32) -> Result<(f64, f64)> {
     ))
 }
 
-fn scenario(name: &str, secs: f64, proxy_args: &[String]) -> Result<Value> {
+fn scenario(name: &str, secs: f64, proxy_args: &[String], store_workloads: usize) -> Result<Value> {
     let pods = PodPair::new()?;
     let (a, b) = (pods.a.open()?, pods.b.open()?);
     let rr = SocketAddr::new(pods.b_ip.into(), RR_PORT);
@@ -122,7 +159,11 @@ fn scenario(name: &str, secs: f64, proxy_args: &[String]) -> Result<Value> {
     stats::start_rr_server(&b, rr)?;
     stats::start_oneshot_server(&b, oneshot)?;
     let _iperf = pods.b.iperf3_server(pods.b_ip.into(), IPERF_PORT, false)?;
-    let mut hbone = if name == "hbone" { Some(start_hbone(&pods, proxy_args, &[])?) } else { None };
+    let mut hbone = if name == "hbone" {
+        Some(start_hbone(&pods, proxy_args, &[], store_workloads)?)
+    } else {
+        None
+    };
     let pids: Vec<u32> = hbone.iter().flat_map(|h| h.proxies.iter().map(TestProxy::pid)).collect();
     let cpu = |pids: &[u32]| -> Result<f64> { pids.iter().map(|&p| usage(p).map(|u| u.0)).sum() };
 
@@ -159,7 +200,7 @@ fn scenario(name: &str, secs: f64, proxy_args: &[String]) -> Result<Value> {
     let fresh_rss_per_conn = |args: &[&str], keep_open: bool| -> Result<f64> {
         let args: Vec<String> =
             proxy_args.iter().cloned().chain(args.iter().map(|a| a.to_string())).collect();
-        let fresh = start_hbone(&pods, &args, &[("MALLOC_TRIM_THRESHOLD_", "0")])?;
+        let fresh = start_hbone(&pods, &args, &[("MALLOC_TRIM_THRESHOLD_", "0")], store_workloads)?;
         let pid = fresh.proxies[0].pid();
         drop(hold(1)?);
         std::thread::sleep(Duration::from_millis(300));
@@ -210,14 +251,20 @@ const KEYS: [(&str, &str); 11] = [
 ];
 
 /// Runs the proxy benchmark, writes `out`, prints a table.
-pub fn run(out: &Path, secs: f64, rounds: usize, proxy_args: &[String]) -> Result<()> {
+pub fn run(
+    out: &Path,
+    secs: f64,
+    rounds: usize,
+    proxy_args: &[String],
+    store_workloads: usize,
+) -> Result<()> {
     meshpath_tests::require_root();
     let names = ["direct", "hbone"];
     let mut runs: Vec<Vec<Value>> = vec![Vec::new(); names.len()];
     for round in 0..rounds {
         eprintln!("bench: round {}/{rounds}", round + 1);
         for (i, name) in names.iter().enumerate() {
-            runs[i].push(scenario(name, secs, proxy_args)?);
+            runs[i].push(scenario(name, secs, proxy_args, store_workloads)?);
         }
     }
     let mut scenarios = json!({});
@@ -233,7 +280,7 @@ pub fn run(out: &Path, secs: f64, rounds: usize, proxy_args: &[String]) -> Resul
     }
     let result = json!({
         "machine": crate::machine(), "commit": crate::commit(), "date": crate::date(),
-        "proxy_args": proxy_args, "scenarios": scenarios,
+        "proxy_args": proxy_args, "store_workloads": store_workloads, "scenarios": scenarios,
     });
     if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir)?;

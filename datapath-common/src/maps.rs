@@ -63,6 +63,11 @@ pub mod pod_flags {
     pub const PROBE_BYPASS: u32 = 1 << 2;
     /// Send the pod's DNS (UDP and TCP to port 53) to the proxy's DNS listener.
     pub const CAPTURE_DNS: u32 = 1 << 3;
+    /// Read by no program: the node agent's note that the pod's `POD_IPS` keys are exactly the
+    /// addresses in its `POD_ADDRS` entry (at most one per family), so taking the pod out
+    /// deletes those keys instead of walking `POD_IPS` (a walk per removal made removing a pod
+    /// cost more the more pods the node had). Without it, removal walks.
+    pub const ADDRESSES_IN_POD_ADDRS: u32 = 1 << 4;
 }
 
 impl PodInfo {

@@ -4,7 +4,7 @@
 
 use aya::maps::MapError;
 use datapath_common::{
-    decisions::{labels, DecisionKey, NODE_WIDE},
+    decisions::{labels, DecisionKey, NODE_WIDE, REASONS},
     node_flags, NetnsCookie,
 };
 
@@ -50,10 +50,15 @@ pub fn of(dp: &Datapath, netns: NetnsCookie) -> Result<Vec<DecisionCount>> {
 }
 
 /// Removes the pod's counts (unenrolment). Returns each removal's result.
+/// One delete per known reason, not a walk over every pod's counts (which made removing a pod
+/// cost more the more pods the node had); a count under a reason this agent does not know is
+/// left to `remove_orphans`.
 pub(crate) fn remove_pod(dp: &Datapath, netns: NetnsCookie) -> Result<Vec<Result<(), MapError>>> {
     let mut map = dp.decisions()?;
-    let keys: Vec<DecisionKey> = map.keys().flatten().filter(|k| k.netns == netns).collect();
-    Ok(keys.iter().map(|k| map.remove(k)).collect())
+    Ok(REASONS
+        .iter()
+        .map(|&(reason, ..)| map.remove(&DecisionKey { netns, reason, _pad: 0 }))
+        .collect())
 }
 
 /// Removes the counts of cookies that are neither node-wide nor in `live` (reconcile).

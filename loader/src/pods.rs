@@ -201,6 +201,7 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
         (opts.capture_inbound, pod_flags::CAPTURE_INBOUND),
         (opts.probe_bypass, pod_flags::PROBE_BYPASS),
         (opts.capture_dns, pod_flags::CAPTURE_DNS),
+        (covers_all(&ips), pod_flags::ADDRESSES_IN_POD_ADDRS),
     ] {
         if on {
             info.flags |= flag;
@@ -235,6 +236,27 @@ fn pod_addresses() -> Result<Vec<IpAddr>> {
     ips.sort();
     ips.dedup();
     Ok(ips)
+}
+
+/// Whether [`pod_addrs`] holds every one of `ips` (no family has two).
+fn covers_all(ips: &[IpAddr]) -> bool {
+    ips.iter().filter(|ip| ip.is_ipv4()).count() <= 1
+        && ips.iter().filter(|ip| ip.is_ipv6()).count() <= 1
+}
+
+/// The `POD_IPS` keys of a `POD_ADDRS` entry (a family without an address is all zeros).
+fn pod_addrs_keys(addrs: &PodAddrs) -> Vec<PodIpKey> {
+    let mut keys = Vec::with_capacity(2);
+    if addrs.v4 != 0 {
+        // As `pod_addrs` stored it: the last word of the v4-mapped key.
+        let mut key = ip_key(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
+        key.addr[3] = addrs.v4;
+        keys.push(key);
+    }
+    if addrs.v6 != [0; 4] {
+        keys.push(PodIpKey { addr: addrs.v6 });
+    }
+    keys
 }
 
 /// The pod's own address of each family (the first of each), as the outbound hook steers to
@@ -433,6 +455,14 @@ fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
             Err(e) => failed.push(format!("{what}: {e}")),
         }
     }
+    // Read before PODS goes: whether the pod's POD_IPS keys are those of its POD_ADDRS entry.
+    let own_keys = dp
+        .pods()?
+        .get(&cookie, 0)
+        .ok()
+        .filter(|info| info.flags & pod_flags::ADDRESSES_IN_POD_ADDRS != 0)
+        .and_then(|_| dp.pod_addrs().ok()?.get(&cookie, 0).ok())
+        .map(|addrs| pod_addrs_keys(&addrs));
     // PODS first: capture turns off for the pod while everything it relies on is still there
     // (inbound, still linked, then refuses: POD_IPS without PODS is SK_DROP).
     map_step(&mut failed, "PODS", dp.pods().map(|mut m| vec![m.remove(&cookie)]));
@@ -473,8 +503,13 @@ fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
         &mut failed,
         "POD_IPS",
         dp.pod_ips().map(|mut m| {
-            let keys: Vec<PodIpKey> =
-                m.iter().flatten().filter(|(_, c)| *c == cookie).map(|(k, _)| k).collect();
+            let keys: Vec<PodIpKey> = match &own_keys {
+                // Only while still the pod's: an address already reclaimed stays its new owner's.
+                Some(own) => {
+                    own.iter().copied().filter(|k| m.get(k, 0).ok() == Some(cookie)).collect()
+                }
+                None => m.iter().flatten().filter(|(_, c)| *c == cookie).map(|(k, _)| k).collect(),
+            };
             keys.iter().map(|k| m.remove(k)).collect()
         }),
     );

@@ -81,6 +81,44 @@ fn a_thousand_enrol_unenrol_cycles_leave_no_map_entry_and_no_pin() {
     assert_eq!(dp.counters().expect("COUNTERS").keys().count(), 0);
     assert_eq!(dp.excluded_ports().expect("EXCLUDED_PORTS").keys().count(), 0);
     assert_eq!(dp.inbound_listeners().expect("INBOUND_LISTENERS").keys().count(), 0);
+    assert_eq!(dp.pod_ips().expect("POD_IPS").keys().count(), 0);
+    assert_eq!(dp.pod_addrs().expect("POD_ADDRS").keys().count(), 0);
+}
+
+#[test]
+fn a_pod_with_two_addresses_of_one_family_leaves_neither_behind_and_other_pods_keep_theirs() {
+    require_root();
+    let (root, pods) = (PinRoot::new(), PodPair::new().expect("pods"));
+    let dp = root.datapath().expect("datapath");
+    let two_v4: Vec<std::net::IpAddr> =
+        vec![pods.a_ip.into(), "10.254.0.9".parse().expect("ip"), "fd00::9".parse().expect("ip")];
+    let a = pods::enrol(
+        &dp,
+        &pods.a.open().expect("netns a"),
+        &EnrolOptions { counters: false, pod_ips: two_v4, ..full_capture() },
+    )
+    .expect("enrol a");
+    let b = pods::enrol(
+        &dp,
+        &pods.b.open().expect("netns b"),
+        &EnrolOptions { counters: false, ..full_capture() },
+    )
+    .expect("enrol b");
+    let owners = |dp: &meshpath_loader::datapath::Datapath| -> Vec<u64> {
+        let mut v: Vec<u64> =
+            dp.pod_ips().expect("POD_IPS").iter().flatten().map(|(_, c)| c).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(owners(&dp).iter().filter(|&&c| c == a).count(), 3, "pod a's three addresses");
+    let b_before = owners(&dp).iter().filter(|&&c| c == b).count();
+    assert!(b_before >= 1, "pod b has its address");
+
+    pods::unenrol(&dp, a).expect("unenrol a");
+    assert!(!owners(&dp).contains(&a), "an address of pod a is left in POD_IPS");
+    assert_eq!(owners(&dp).iter().filter(|&&c| c == b).count(), b_before, "pod b lost an address");
+    pods::unenrol(&dp, b).expect("unenrol b");
+    assert!(owners(&dp).is_empty());
 }
 
 #[test]

@@ -60,7 +60,14 @@ async fn session(proxy: &Arc<Proxy>, conn: &SeqPacket) -> Result<(), ZdsError> {
     let mut session = Session::default();
     loop {
         let (req, fds) = conn.recv_msg::<WorkloadRequest>().await?;
-        let served: HashSet<String> = proxy.pods().iter().map(|p| p.uid.clone()).collect();
+        // Only KeepWorkload and SnapshotSent look at what is served: an Add or a Del does not
+        // copy the uid of every pod on the node.
+        let served: HashSet<String> = match &req.payload {
+            Some(Payload::Keep(_) | Payload::SnapshotSent(_)) => {
+                proxy.pods().iter().map(|p| p.uid.clone()).collect()
+            }
+            _ => HashSet::new(),
+        };
         let result = match session.step(req, fds.len(), &served) {
             Err(e) => Err(e),
             // Adding a pod does blocking work (a certificate, a thread entering its netns,

@@ -456,10 +456,11 @@ fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
         }
     }
     // Read before PODS goes: whether the pod's POD_IPS keys are those of its POD_ADDRS entry.
+    // Best effort like every step here: without it, the walk below.
     let own_keys = dp
-        .pods()?
-        .get(&cookie, 0)
+        .pods()
         .ok()
+        .and_then(|m| m.get(&cookie, 0).ok())
         .filter(|info| info.flags & pod_flags::ADDRESSES_IN_POD_ADDRS != 0)
         .and_then(|_| dp.pod_addrs().ok()?.get(&cookie, 0).ok())
         .map(|addrs| pod_addrs_keys(&addrs));
@@ -714,6 +715,25 @@ mod tests {
         }
         let k = ip_key("10.1.2.3".parse().expect("ip"));
         assert_eq!(k, PodIpKey::v4(u32::from_ne_bytes([10, 1, 2, 3])));
+    }
+
+    #[test]
+    fn a_pods_own_addresses_give_back_its_pod_ips_keys() {
+        let ips: Vec<IpAddr> = ["10.1.2.3", "fd00::1"].map(|a| a.parse().expect("ip")).into();
+        assert!(covers_all(&ips));
+        let keys = pod_addrs_keys(&pod_addrs(&ips));
+        assert_eq!(keys, ips.iter().map(|&ip| ip_key(ip)).collect::<Vec<_>>());
+        let v6_only: Vec<IpAddr> = vec!["fd00::1".parse().expect("ip")];
+        assert_eq!(pod_addrs_keys(&pod_addrs(&v6_only)), [ip_key(v6_only[0])]);
+        assert!(pod_addrs_keys(&pod_addrs(&[])).is_empty());
+    }
+
+    #[test]
+    fn two_addresses_of_one_family_are_not_all_in_pod_addrs() {
+        let two_v4: Vec<IpAddr> =
+            ["10.1.2.3", "10.1.2.4", "fd00::1"].map(|a| a.parse().expect("ip")).into();
+        assert!(!covers_all(&two_v4));
+        assert_eq!(pod_addrs_keys(&pod_addrs(&two_v4)).len(), 2, "only the first of each family");
     }
 
     #[test]

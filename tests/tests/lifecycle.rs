@@ -7,6 +7,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use datapath_common::pod_flags;
 use meshpath_loader::pods::{self, EnrolOptions};
 use meshpath_tests::{loader, loader_bin, require_root, Mesh, PinRoot, PodPair};
 
@@ -111,6 +112,13 @@ fn a_pod_with_two_addresses_of_one_family_leaves_neither_behind_and_other_pods_k
         v
     };
     assert_eq!(owners(&dp).iter().filter(|&&c| c == a).count(), 3, "pod a's three addresses");
+    // Removal by address for pod b (one address per family), by walking POD_IPS for pod a.
+    let by_address = |cookie| {
+        dp.pods().expect("PODS").get(&cookie, 0).expect("PODS entry").flags
+            & pod_flags::ADDRESSES_IN_POD_ADDRS
+            != 0
+    };
+    assert!(!by_address(a) && by_address(b));
     let b_before = owners(&dp).iter().filter(|&&c| c == b).count();
     assert!(b_before >= 1, "pod b has its address");
 

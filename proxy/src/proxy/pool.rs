@@ -94,11 +94,18 @@ struct Opening<'a> {
 impl Opening<'_> {
     /// The connection opened: pooled, and no longer counted as being opened, under one lock.
     fn pooled(self, conn: Pooled) {
-        if let Ok(mut conns) = self.pool.conns.lock() {
-            let dest = conns.by_key.entry(self.key.clone()).or_default();
-            dest.opening = dest.opening.saturating_sub(1);
-            dest.conns.push(conn);
-            conns.total += 1;
+        if let Ok(mut guard) = self.pool.conns.lock() {
+            let conns = &mut *guard;
+            // The destination is there (counted as opening since `pick`): the key is copied
+            // again only if it went missing.
+            if !conns.by_key.contains_key(self.key) {
+                conns.by_key.insert(self.key.clone(), Destination::default());
+            }
+            if let Some(dest) = conns.by_key.get_mut(self.key) {
+                dest.opening = dest.opening.saturating_sub(1);
+                dest.conns.push(conn);
+                conns.total += 1;
+            }
             self.pool.metrics.pool_connections.set(conns.total as i64);
         }
         std::mem::forget(self);

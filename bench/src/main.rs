@@ -58,8 +58,8 @@ enum Cmd {
         /// settings: `--proxy-arg=--pool-max-streams --proxy-arg=1`.
         #[arg(long = "proxy-arg", allow_hyphen_values = true)]
         proxy_args: Vec<String>,
-        /// Other workloads listed in the proxies' store (recorded in the results): what a
-        /// connection costs in a large mesh.
+        /// Other workloads listed in the proxies' store (recorded in the results; at most
+        /// 1,048,576): what a connection costs in a large mesh.
         #[arg(long, default_value_t = 0)]
         store_workloads: usize,
     },

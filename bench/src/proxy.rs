@@ -46,13 +46,14 @@ impl Drop for Hbone {
 fn store_yaml(pods: &PodPair, others: usize) -> String {
     use std::fmt::Write as _;
     let mut yaml = String::from("workloads:\n");
-    // 10.128.0.0/9 and 10.96.0.0/12: outside the pods' addresses.
+    // 172.16.0.0/12 and 10.96.0.0/12: outside the pods' addresses (10.199.0.0/24), for up to a
+    // million workloads.
     let ip = |base: u32, i: usize| std::net::Ipv4Addr::from(base + i as u32);
-    for i in 0..others {
+    for i in 0..others.min(1 << 20) {
         let _ = writeln!(
             yaml,
             "- {{uid: other-{i}, namespace: default, serviceAccount: other, protocol: HBONE, workloadIps: [\"{}\"], services: {{\"default/svc-{}.default.svc.cluster.local\": {{80: 8080}}}}}}",
-            ip(0x0a80_0000, i),
+            ip(0xac10_0000, i),
             i / 10
         );
     }
@@ -64,7 +65,7 @@ fn store_yaml(pods: &PodPair, others: usize) -> String {
     );
     if others > 0 {
         yaml.push_str("services:\n");
-        for j in 0..others.div_ceil(10) {
+        for j in 0..others.min(1 << 20).div_ceil(10) {
             let _ = writeln!(
                 yaml,
                 "- {{name: svc-{j}, namespace: default, hostname: svc-{j}.default.svc.cluster.local, vips: [\"/{}\"]}}",

@@ -50,6 +50,13 @@ const GUEST_SUITES: &[(&str, &[&str])] = &[
 /// How long one VM may run before it is stopped and reported as failed.
 const VM_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
+/// How long a boot may go without the guest's first line before it is stopped and tried again,
+/// and how many boots. Under TCG a boot has hung before the guest printed anything (seen once:
+/// 22 minutes of silence after the firmware's banner; the same kernel, initrd and script then
+/// booted three times in a row, the first line within seconds).
+const BOOT_TIMEOUT: Duration = Duration::from_secs(5 * 60);
+const BOOT_ATTEMPTS: usize = 2;
+
 /// Marks on the guest's console lines that this side reads.
 const MARK: &str = "MESHPATH-VM";
 
@@ -307,7 +314,28 @@ pub fn run_matrix_entry(
     fs::create_dir_all(&vm_dir)?;
     let script = vm_dir.join("run.sh");
     fs::write(&script, guest_script(&kernel, &bin_dir.join("meshpath-loader"), &suites))?;
+    for attempt in 1..=BOOT_ATTEMPTS {
+        match boot(series, &kernel, &vm_dir, &script)? {
+            Boot::Ran(out) => return Ok(out),
+            Boot::Silent => println!(
+                "vm: the {} guest printed nothing for {BOOT_TIMEOUT:?} (boot {attempt} of {BOOT_ATTEMPTS}): stopped",
+                kernel.release
+            ),
+        }
+    }
+    bail!("the {} guest never started in {BOOT_ATTEMPTS} boots", kernel.release)
+}
 
+/// How one boot went.
+enum Boot {
+    /// The guest started and ran (or was stopped at [`VM_TIMEOUT`]): what it reported.
+    Ran(Outcome),
+    /// Nothing from the guest for [`BOOT_TIMEOUT`].
+    Silent,
+}
+
+/// Boots the guest once with `script` as its program and reads its console.
+fn boot(series: &str, kernel: &Kernel, vm_dir: &Path, script: &Path) -> Result<Boot> {
     let sock = vm_dir.join("virtiofs.sock");
     let _ = fs::remove_file(&sock);
     // sandbox=chroot: the default pivot_root sandbox fails inside a container ("pivot_root(.,
@@ -364,14 +392,16 @@ pub fn run_matrix_entry(
         failed_suites: Vec::new(),
     };
     let mut reported: Vec<String> = Vec::new();
-    let mut done = false;
+    let (mut done, mut started) = (false, false);
+    let booting = Instant::now() + BOOT_TIMEOUT;
     let deadline = Instant::now() + VM_TIMEOUT;
     loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
+        let until = if started { deadline } else { booting.min(deadline) };
+        match rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
             Ok(line) => {
                 let line = strip_escapes(&line);
                 println!("[{series}] {line}");
+                started |= line.starts_with(MARK);
                 if let Some(rest) = line.strip_prefix("test result: ") {
                     out.passed += crate::cargo::count_before(rest, " passed");
                     out.failed += crate::cargo::count_before(rest, " failed");
@@ -388,6 +418,7 @@ pub fn run_matrix_entry(
                 }
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(mpsc::RecvTimeoutError::Timeout) if !started => return Ok(Boot::Silent),
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 out.failed_suites.push(format!("(VM stopped after {VM_TIMEOUT:?})"));
                 break;
@@ -402,7 +433,7 @@ pub fn run_matrix_entry(
     if !done && out.failed_suites.is_empty() {
         out.failed_suites.push("(the guest stopped before its last line)".into());
     }
-    Ok(out)
+    Ok(Boot::Ran(out))
 }
 
 /// The console carries the firmware's terminal escapes; keep the text.

@@ -108,7 +108,19 @@ fn open_idle(
         .expect("netns");
     clients.insert(0, first);
     let all_through = wait_until(Duration::from_secs(120), || app.counts().0 == n);
-    assert!(all_through, "the app holds {} of {n} connections", app.counts().0);
+    if !all_through {
+        // Refusals at a cap are logged only at debug: say whether the missing ones were refused.
+        let refused = |node: usize, direction: &str| {
+            let limit = [("reason", "connection_limit"), ("direction", direction)];
+            nodes.proxies[node].metric("meshpath_connection_errors_total", &limit).ok()
+        };
+        panic!(
+            "the app holds {} of {n} connections; refused at a connection cap: node 1 outbound {:?}, node 2 inbound {:?}",
+            app.counts().0,
+            refused(0, "outbound"),
+            refused(1, "inbound")
+        );
+    }
     // Let the proxies settle (tasks parked, nothing pending), then measure.
     std::thread::sleep(Duration::from_secs(2));
     let per_conn = |before: f64, after: f64| (after - before) / n as f64;

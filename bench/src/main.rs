@@ -62,6 +62,11 @@ enum Cmd {
         /// 1,048,576): what a connection costs in a large mesh.
         #[arg(long, default_value_t = 0)]
         store_workloads: usize,
+        /// Authorization policies in the proxies' store, none applying to the two pods
+        /// (recorded in the results; at most 1,048,576): what a connection's policy check costs
+        /// in a large mesh.
+        #[arg(long, default_value_t = 0)]
+        store_policies: usize,
     },
     /// Redraws the SVG chart of each results file (`results/NAME.svg`) from its JSON alone.
     Charts {
@@ -108,8 +113,9 @@ fn main() -> std::process::ExitCode {
         Cmd::Capture { out, secs, pods, rounds, scenarios } => {
             capture(&out, secs, pods, rounds, &scenarios)
         }
-        Cmd::Proxy { out, secs, rounds, proxy_args, store_workloads } => {
-            proxy::run(&out, secs, rounds, &proxy_args, store_workloads)
+        Cmd::Proxy { out, secs, rounds, proxy_args, store_workloads, store_policies } => {
+            let store = proxy::Store { workloads: store_workloads, policies: store_policies };
+            proxy::run(&out, secs, rounds, &proxy_args, store)
         }
         Cmd::Cni { pods } => cni_setup::measure(&cni_setup::sizes(pods)).map(|_| ()),
         Cmd::Charts { files } => files.iter().try_for_each(|f| {

@@ -42,9 +42,22 @@ impl Drop for Hbone {
     }
 }
 
-/// The proxies' store: `others` workloads (one service per ten of them), then the two pods.
-fn store_yaml(pods: &PodPair, others: usize) -> String {
+/// What the proxies' store lists besides the two pods: what a connection costs in a large mesh.
+#[derive(Debug, Clone, Copy)]
+pub struct Store {
+    /// Other workloads (and a service per ten), at most 1,048,576.
+    pub workloads: usize,
+    /// Authorization policies, none of which applies to the two pods (their connections are
+    /// allowed as with none): half selecting workloads by name, half NAMESPACE-wide in other
+    /// namespaces.
+    pub policies: usize,
+}
+
+/// The proxies' store: other workloads (one service per ten of them), then the two pods, then
+/// the policies.
+fn store_yaml(pods: &PodPair, store: Store) -> String {
     use std::fmt::Write as _;
+    let others = store.workloads;
     let mut yaml = String::from("workloads:\n");
     // 172.16.0.0/12 and 10.96.0.0/12: outside the pods' addresses (10.199.0.0/24), for up to a
     // million workloads.
@@ -73,6 +86,17 @@ fn store_yaml(pods: &PodPair, others: usize) -> String {
             );
         }
     }
+    if store.policies > 0 {
+        yaml.push_str("policies:\n");
+        for j in 0..store.policies.min(1 << 20) {
+            let rule = "rules: [[[{principals: [\"cluster.local/ns/bench/sa/nobody\"]}]]]";
+            let scope = if j % 2 == 0 { "WORKLOAD_SELECTOR" } else { "NAMESPACE" };
+            let _ = writeln!(
+                yaml,
+                "- {{name: p-{j}, namespace: ns-{j}, scope: {scope}, action: ALLOW, {rule}}}"
+            );
+        }
+    }
     yaml
 }
 
@@ -80,7 +104,7 @@ fn start_hbone(
     pods: &PodPair,
     extra: &[String],
     env: &[(&str, &str)],
-    store_workloads: usize,
+    store: Store,
 ) -> Result<Hbone> {
     let (root, cgroup) = (PinRoot::new(), CgroupGuard::new()?);
     {
@@ -102,7 +126,7 @@ fn start_hbone(
     let (cert, key) = LocalCa::generate("meshpath bench CA")?.to_pem();
     std::fs::write(dir.join("ca.pem"), cert)?;
     std::fs::write(dir.join("ca-key.pem"), key)?;
-    std::fs::write(dir.join("workloads.yaml"), store_yaml(pods, store_workloads))?;
+    std::fs::write(dir.join("workloads.yaml"), store_yaml(pods, store))?;
     for (pod, ns) in [("pod-a", &pods.a), ("pod-b", &pods.b)] {
         let mut cmd = Command::new(sibling_bin("meshpath-proxy"));
         cmd.arg("--workloads").arg(dir.join("workloads.yaml"));
@@ -152,7 +176,7 @@ fn iperf3(pods: &PodPair, secs: f64, streams: u32) -> Result<(f64, f64)> {
     ))
 }
 
-fn scenario(name: &str, secs: f64, proxy_args: &[String], store_workloads: usize) -> Result<Value> {
+fn scenario(name: &str, secs: f64, proxy_args: &[String], store: Store) -> Result<Value> {
     let pods = PodPair::new()?;
     let (a, b) = (pods.a.open()?, pods.b.open()?);
     let rr = SocketAddr::new(pods.b_ip.into(), RR_PORT);
@@ -160,11 +184,8 @@ fn scenario(name: &str, secs: f64, proxy_args: &[String], store_workloads: usize
     stats::start_rr_server(&b, rr)?;
     stats::start_oneshot_server(&b, oneshot)?;
     let _iperf = pods.b.iperf3_server(pods.b_ip.into(), IPERF_PORT, false)?;
-    let mut hbone = if name == "hbone" {
-        Some(start_hbone(&pods, proxy_args, &[], store_workloads)?)
-    } else {
-        None
-    };
+    let mut hbone =
+        if name == "hbone" { Some(start_hbone(&pods, proxy_args, &[], store)?) } else { None };
     let pids: Vec<u32> = hbone.iter().flat_map(|h| h.proxies.iter().map(TestProxy::pid)).collect();
     let cpu = |pids: &[u32]| -> Result<f64> { pids.iter().map(|&p| usage(p).map(|u| u.0)).sum() };
 
@@ -201,7 +222,7 @@ fn scenario(name: &str, secs: f64, proxy_args: &[String], store_workloads: usize
     let fresh_rss_per_conn = |args: &[&str], keep_open: bool| -> Result<f64> {
         let args: Vec<String> =
             proxy_args.iter().cloned().chain(args.iter().map(|a| a.to_string())).collect();
-        let fresh = start_hbone(&pods, &args, &[("MALLOC_TRIM_THRESHOLD_", "0")], store_workloads)?;
+        let fresh = start_hbone(&pods, &args, &[("MALLOC_TRIM_THRESHOLD_", "0")], store)?;
         let pid = fresh.proxies[0].pid();
         drop(hold(1)?);
         std::thread::sleep(Duration::from_millis(300));
@@ -257,7 +278,7 @@ pub fn run(
     secs: f64,
     rounds: usize,
     proxy_args: &[String],
-    store_workloads: usize,
+    store: Store,
 ) -> Result<()> {
     meshpath_tests::require_root();
     let names = ["direct", "hbone"];
@@ -265,7 +286,7 @@ pub fn run(
     for round in 0..rounds {
         eprintln!("bench: round {}/{rounds}", round + 1);
         for (i, name) in names.iter().enumerate() {
-            runs[i].push(scenario(name, secs, proxy_args, store_workloads)?);
+            runs[i].push(scenario(name, secs, proxy_args, store)?);
         }
     }
     let mut scenarios = json!({});
@@ -281,7 +302,8 @@ pub fn run(
     }
     let result = json!({
         "machine": crate::machine(), "commit": crate::commit(), "date": crate::date(),
-        "proxy_args": proxy_args, "store_workloads": store_workloads, "scenarios": scenarios,
+        "proxy_args": proxy_args, "store_workloads": store.workloads,
+        "store_policies": store.policies, "scenarios": scenarios,
     });
     if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir)?;

@@ -193,7 +193,8 @@ async fn serve_stream(
     let store = proxy.store();
     let src_workload = store.by_ip(src.ip()).cloned();
     let conn = authorization::Connection { src_identity: Some(client), src: src.ip(), dst: target };
-    if let Err(denied) = authorization::check(store.policies(), pod.current_workload(&store), &conn)
+    if let Err(denied) =
+        authorization::check(&store.policies_for(pod.current_workload(&store)), &conn)
     {
         proxy.metrics.error(Direction::Inbound, "policy_denied");
         warn!(src = %client, %src, dst = %target, reason = %denied, "connection denied: 401");

@@ -57,7 +57,8 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
     }
     let store = proxy.store();
     let c = authorization::Connection { src_identity: None, src: peer.ip(), dst };
-    if let Err(denied) = authorization::check(store.policies(), pod.current_workload(&store), &c) {
+    if let Err(denied) = authorization::check(&store.policies_for(pod.current_workload(&store)), &c)
+    {
         proxy.metrics.error(Direction::Inbound, "policy_denied");
         warn!(src = %peer, %dst, reason = %denied, "plaintext connection denied");
         // SO_LINGER 0: the close below sends RST, so the client sees a reset, not an EOF.

@@ -292,7 +292,8 @@ impl Policy {
         format!("{}/{}", self.namespace, self.name)
     }
 
-    /// Whether it applies to `dst`.
+    /// Whether it applies to `dst`: the rule the store's index applies
+    /// ([`crate::state::workloads::WorkloadStore::policies_for`]).
     pub fn selects(&self, dst: &Workload) -> bool {
         match self.scope {
             Scope::Global => true,
@@ -363,17 +364,18 @@ fn evaluate<'p>(
     Err(Denied::NotAllowed(names.join(", ")))
 }
 
-/// Decides whether `c` may reach `dst` under `policies`.
-pub fn decide(policies: &[Policy], dst: &Workload, c: &Connection<'_>) -> Decision {
-    let applicable = policies.iter().filter(|p| p.selects(dst));
+/// Decides whether `c` may reach its destination under the policies that apply to it
+/// (`WorkloadStore::policies_for`).
+pub fn decide(applicable: &[&Policy], c: &Connection<'_>) -> Decision {
+    let applicable = applicable.iter().copied();
     let enforced = evaluate(applicable.clone().filter(|p| !p.dry_run), c);
     let dry_run = applicable.clone().any(|p| p.dry_run).then(|| evaluate(applicable, c));
     Decision { enforced, dry_run }
 }
 
 /// [`decide`], logging what dry-run policies would have changed.
-pub fn check(policies: &[Policy], dst: &Workload, c: &Connection<'_>) -> Result<(), Denied> {
-    let d = decide(policies, dst, c);
+pub fn check(applicable: &[&Policy], c: &Connection<'_>) -> Result<(), Denied> {
+    let d = decide(applicable, c);
     if let Some(would) = &d.dry_run {
         if *would != d.enforced {
             let would = match would {

@@ -13,8 +13,9 @@
 //! so one file can describe a mixed mesh.
 //!
 //! A store is read-only once made, and indexed as it is made: what a connection looks up (the
-//! workload at an address, the service at a VIP, a service's endpoints) is a hash lookup, not a
-//! walk over every workload and service in the mesh. Where the file names an address, uid,
+//! workload at an address, the service at a VIP, a service's endpoints, the policies that apply
+//! to a destination) is a hash lookup, not a walk over every workload, service and policy in the
+//! mesh. Where the file names an address, uid,
 //! VIP or hostname twice, the first entry wins, as ztunnel's local configuration reads.
 
 use std::{
@@ -25,7 +26,10 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
-use crate::{identity::Identity, state::authorization::Policy};
+use crate::{
+    identity::Identity,
+    state::authorization::{Policy, Scope},
+};
 
 /// How a workload is reached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
@@ -155,6 +159,12 @@ struct Index {
     service_by_hostname: HashMap<String, usize>,
     /// Service key (`NS/HOSTNAME`) → the workloads that back it, in file order.
     backends: HashMap<String, Vec<usize>>,
+    /// GLOBAL policies.
+    global_policies: Vec<usize>,
+    /// NAMESPACE policies by their namespace.
+    namespace_policies: HashMap<String, Vec<usize>>,
+    /// Every policy by key (`NS/NAME`), as workloads name the policies that select them.
+    policies_by_key: HashMap<String, Vec<usize>>,
 }
 
 impl Index {
@@ -174,6 +184,16 @@ impl Index {
                 ix.service_by_vip.entry(vip).or_insert(i);
             }
             ix.service_by_hostname.entry(s.hostname.to_ascii_lowercase()).or_insert(i);
+        }
+        for (i, p) in c.policies.iter().enumerate() {
+            match p.scope {
+                Scope::Global => ix.global_policies.push(i),
+                Scope::Namespace => {
+                    ix.namespace_policies.entry(p.namespace.clone()).or_default().push(i)
+                }
+                Scope::WorkloadSelector => {}
+            }
+            ix.policies_by_key.entry(p.key()).or_default().push(i);
         }
         ix
     }
@@ -244,6 +264,24 @@ impl WorkloadStore {
     /// Every authorization policy, in file order.
     pub fn policies(&self) -> &[Policy] {
         &self.contents.policies
+    }
+
+    /// The authorization policies that apply to `dst` ([`Policy::selects`]), in file order:
+    /// GLOBAL ones, NAMESPACE ones of its namespace, and those it names.
+    pub fn policies_for(&self, dst: &Workload) -> Vec<&Policy> {
+        let ix = &self.index;
+        let mut at: Vec<usize> = ix.global_policies.clone();
+        if let Some(own) = ix.namespace_policies.get(&dst.namespace) {
+            at.extend(own);
+        }
+        for key in &dst.authorization_policies {
+            if let Some(named) = ix.policies_by_key.get(key) {
+                at.extend(named);
+            }
+        }
+        at.sort_unstable();
+        at.dedup();
+        at.into_iter().map(|i| &self.contents.policies[i]).collect()
     }
 
     /// The workload that owns `ip`.
@@ -356,6 +394,48 @@ mod tests {
             assert_eq!(s.service_by_hostname(host).map(|v| v.name.as_str()), Some("s"), "{host}");
         }
         assert!(s.service_by_hostname("s.d.svc").is_none());
+    }
+
+    #[test]
+    fn the_policies_for_a_workload_are_those_that_select_it_in_file_order() {
+        let policy = |name: &str, ns: &str, scope: &str| {
+            format!("- {{name: {name}, namespace: {ns}, scope: {scope}, action: ALLOW}}\n")
+        };
+        let mut yaml = String::from(
+            "workloads:\n\
+             - {uid: a, namespace: d, serviceAccount: a, authorizationPolicies: [d/named, e/other-ns, d/global, nowhere/missing]}\n\
+             - {uid: b, namespace: e, serviceAccount: b}\n\
+             policies:\n",
+        );
+        for (name, ns, scope) in [
+            ("named", "d", "WORKLOAD_SELECTOR"),
+            ("ns-d", "d", "NAMESPACE"),
+            ("global", "d", "GLOBAL"),
+            ("unnamed", "d", "WORKLOAD_SELECTOR"),
+            ("ns-e", "e", "NAMESPACE"),
+            ("other-ns", "e", "NAMESPACE"),
+            ("global", "e", "GLOBAL"),
+            ("named", "d", "WORKLOAD_SELECTOR"),
+        ] {
+            yaml.push_str(&policy(name, ns, scope));
+        }
+        let s = WorkloadStore::parse(&yaml).expect("parse");
+        for uid in ["a", "b"] {
+            let w = s.by_uid(uid).expect("workload");
+            let by_index: Vec<*const Policy> =
+                s.policies_for(w).into_iter().map(|p| p as *const Policy).collect();
+            let by_rule: Vec<*const Policy> =
+                s.policies().iter().filter(|p| p.selects(w)).map(|p| p as *const Policy).collect();
+            assert_eq!(by_index, by_rule, "workload {uid}");
+        }
+        let keys = |uid: &str| -> Vec<String> {
+            s.policies_for(s.by_uid(uid).expect("workload")).iter().map(|p| p.key()).collect()
+        };
+        assert_eq!(
+            keys("a"),
+            ["d/named", "d/ns-d", "d/global", "e/other-ns", "e/global", "d/named"]
+        );
+        assert_eq!(keys("b"), ["d/global", "e/ns-e", "e/other-ns", "e/global"]);
     }
 
     #[test]

@@ -48,7 +48,7 @@ fn run(cases: &[Case]) {
             dst: c.peer.2.parse().expect("dst"),
         };
         let dst = store.by_uid(c.dst).expect("workload");
-        let got = if check(store.policies(), dst, &conn).is_ok() { Allow } else { Deny };
+        let got = if check(&store.policies_for(dst), &conn).is_ok() { Allow } else { Deny };
         if got != c.want {
             failed.push(format!("{}: want {:?}, got {got:?}", c.name, c.want));
         }
@@ -355,13 +355,13 @@ fn dry_run_policies_are_reported_but_never_enforced() {
         src: "10.1.0.5".parse().expect("ip"),
         dst: "10.0.0.2:80".parse().expect("dst"),
     };
-    let on_b = decide(store.policies(), store.by_uid("b").expect("b"), &conn);
+    let on_b = decide(&store.policies_for(store.by_uid("b").expect("b")), &conn);
     assert_eq!(on_b.enforced, Ok(()), "a dry-run DENY denied");
     assert_eq!(on_b.dry_run, Some(Err(Denied::ByPolicy("prod/would-deny".into()))));
-    let on_d = decide(store.policies(), store.by_uid("d").expect("d"), &conn);
+    let on_d = decide(&store.policies_for(store.by_uid("d").expect("d")), &conn);
     assert_eq!(on_d.enforced, Ok(()), "a dry-run ALLOW switched the workload to allow-list mode");
     assert_eq!(on_d.dry_run, Some(Err(Denied::NotAllowed("other/would-allow".into()))));
-    let on_c_without = decide(&[], store.by_uid("c").expect("c"), &conn);
+    let on_c_without = decide(&[], &conn);
     assert_eq!(on_c_without.dry_run, None, "no dry-run policy, yet a dry-run verdict");
 }
 

@@ -1,6 +1,6 @@
 //! Pod lifecycle around the datapath: pods whose netns vanished are reclaimed, a killed loader's
 //! half-done work is cleaned up, enrol/unenrol at volume leaves nothing behind, and capture never
-//! depends on a loader process being alive.
+//! depends on a loader process being alive; removing a pod never takes an address another pod holds.
 
 use std::{
     process::{Command, Stdio},
@@ -203,4 +203,53 @@ fn an_address_left_by_a_vanished_pod_can_be_enrolled_again_at_once() {
     assert_ne!(cookie, gone);
     let left: Vec<u64> = pods::list(&dp).expect("list").iter().map(|p| p.cookie).collect();
     assert_eq!(left, [cookie], "the vanished pod was not reclaimed");
+}
+
+#[test]
+fn a_late_unenrol_of_a_reclaimed_pod_leaves_the_address_to_its_new_owner() {
+    require_root();
+    let root = PinRoot::new();
+    let dp = root.datapath().expect("datapath");
+    let old = PodPair::new().expect("old pods");
+    let gone = pods::enrol(&dp, &old.a.open().expect("netns"), &full_capture()).expect("enrol old");
+    old.a.delete().expect("delete the old pod's netns");
+    let new = PodPair::new().expect("new pods");
+    let ns = new.a.open().expect("netns");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let cookie = loop {
+        match pods::enrol(&dp, &ns, &full_capture()) {
+            Ok(c) => break c,
+            Err(meshpath_loader::Error::AddressInUse { .. }) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => panic!("enrol: {e}"),
+        }
+    };
+    // The runtime's DEL for the old sandbox, arriving after its address went to the new pod:
+    // nothing of the old pod is left to remove, and nothing of the new pod's is taken.
+    match pods::unenrol(&dp, gone) {
+        Err(meshpath_loader::Error::NotEnrolled { .. }) => {}
+        other => panic!("unenrol of the reclaimed pod: {other:?}"),
+    }
+    let key = pods::ip_key(new.a_ip.into());
+    assert_eq!(dp.pod_ips().expect("POD_IPS").get(&key, 0).ok(), Some(cookie));
+    assert_eq!(dp.pod_addrs().expect("POD_ADDRS").keys().count(), 1, "the new pod's entry");
+}
+
+#[test]
+fn removal_by_address_deletes_only_the_addresses_still_mapped_to_the_pod() {
+    require_root();
+    let (root, pods) = (PinRoot::new(), PodPair::new().expect("pods"));
+    let dp = root.datapath().expect("datapath");
+    let opts = EnrolOptions { counters: false, ..full_capture() };
+    let a = pods::enrol(&dp, &pods.a.open().expect("netns a"), &opts).expect("enrol a");
+    let b = pods::enrol(&dp, &pods.b.open().expect("netns b"), &opts).expect("enrol b");
+    let flags = dp.pods().expect("PODS").get(&a, 0).expect("PODS entry").flags;
+    assert_ne!(flags & pod_flags::ADDRESSES_IN_POD_ADDRS, 0, "pod a is removed by address");
+    // Pod a's address handed to pod b while a is still recorded, as a racing agent process
+    // could leave it: a's removal must not take it from b.
+    let key = pods::ip_key(pods.a_ip.into());
+    dp.pod_ips().expect("POD_IPS").insert(key, b, 0).expect("hand the address to b");
+    pods::unenrol(&dp, a).expect("unenrol a");
+    assert_eq!(dp.pod_ips().expect("POD_IPS").get(&key, 0).ok(), Some(b));
 }

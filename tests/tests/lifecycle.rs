@@ -1,6 +1,7 @@
 //! Pod lifecycle around the datapath: pods whose netns vanished are reclaimed, a killed loader's
-//! half-done work is cleaned up, enrol/unenrol at volume leaves nothing behind, and capture never
-//! depends on a loader process being alive; removing a pod never takes an address another pod holds.
+//! half-done work is cleaned up, enrol/unenrol at volume leaves nothing behind, removing a pod
+//! never takes an address another pod holds, and capture never depends on a loader process
+//! being alive.
 
 use std::{
     process::{Command, Stdio},

@@ -2,7 +2,7 @@
 
 use std::{
     fs::File,
-    os::fd::{AsFd as _, AsRawFd as _},
+    os::fd::{AsFd as _, AsRawFd as _, BorrowedFd},
     os::unix::fs::MetadataExt as _,
     path::{Path, PathBuf},
 };
@@ -103,6 +103,11 @@ pub fn read_cookie() -> Result<u64> {
     let sock = socket(AddressFamily::Inet, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None)
         .or_else(|_| socket(AddressFamily::Unix, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None))
         .map_err(|e| Error::io("creating a socket to read the netns cookie", e.into()))?;
+    socket_cookie(sock.as_fd())
+}
+
+/// The cookie of the network namespace `sock` was made in.
+pub fn socket_cookie(sock: BorrowedFd<'_>) -> Result<u64> {
     let mut cookie: u64 = 0;
     let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
     // SAFETY: the out-pointer and length describe a valid u64.

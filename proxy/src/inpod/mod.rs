@@ -1,5 +1,5 @@
-//! The pods this proxy serves. Adding a pod enters its network namespace once (a socket thread),
-//! fetches its certificate and opens its listeners there, as ztunnel does: `[::]:15001`
+//! The pods this proxy serves. Adding a pod keeps its network namespace (its sockets are made
+//! inside it: `netns`), fetches its certificate and opens its listeners there, as ztunnel does: `[::]:15001`
 //! outbound, `[::]:15006` inbound plaintext, `[::]:15008` HBONE, 15053 DNS on loopback. That
 //! is all the datapath needs of the proxy: it finds the listeners and the proxy's
 //! transparent connections itself (no map, rule or route is written here). Removing a pod closes its

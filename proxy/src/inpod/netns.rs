@@ -1,17 +1,26 @@
 //! Sockets inside a pod's network namespace. A socket belongs to the netns it was created in, so
-//! each pod gets one thread that entered its netns once and creates sockets on request; the
-//! proxy then uses them from any task: listeners on 15001/15006/15008 live in the pod, and
-//! upstream connections leave from the pod's own address. (Entering the netns per connection
-//! cost a thread and a setns(2) each: ~20x fewer connections per second.)
+//! a socket for a pod is created by the calling thread after entering the pod's netns, and the
+//! thread goes back to the proxy's own netns before anything else runs on it: two `setns(2)`
+//! around one `socket(2)`, as ztunnel does. The proxy then uses the socket from any task:
+//! listeners on 15001/15006/15008 live in the pod, and upstream connections leave from the
+//! pod's own address. (A thread per connection cost ~20x the connection rate; a per-pod thread
+//! making sockets on request cost a round trip between threads per connection: `cargo xtask
+//! bench proxy`, see docs/architecture.md.) Each pod still has a thread that lives in its netns,
+//! for set-up work that runs longer than one syscall (`run`, `addresses`).
+//!
+//! A thread that cannot go back to the proxy's netns would make every later socket of every pod
+//! in the wrong place: the process aborts instead (fail closed).
 //!
 //! Like ztunnel's, every socket made here carries mark 0x539 (`marks::PROXY_SOCKET`). The
 //! datapath needs no mark (the proxy bypasses capture by cgroup); the mark is kept so that
 //! meshpath-proxy exercises the same kernel paths as ztunnel on a meshpath node.
 
 use std::{
+    fs::File,
     io,
     net::SocketAddr,
-    sync::{mpsc, Mutex},
+    os::fd::AsFd as _,
+    sync::{mpsc, Mutex, OnceLock},
 };
 
 use meshpath_podnet::netns::Netns;
@@ -19,16 +28,7 @@ use tokio::net::{TcpListener, TcpSocket, UdpSocket};
 
 type Job = Box<dyn FnOnce() -> io::Result<()> + Send>;
 
-/// Where the socket thread sends a new socket: to a caller blocked on a channel (set-up code,
-/// off the runtime's workers) or to a task that awaits it (connection paths: a worker thread
-/// must never block on a pod's socket thread, or one slow pod would stall every pod).
-enum Reply {
-    Blocking(mpsc::Sender<io::Result<socket2::Socket>>),
-    Async(tokio::sync::oneshot::Sender<io::Result<socket2::Socket>>),
-}
-
 enum Request {
-    Socket(socket2::Domain, socket2::Type, Reply),
     Addresses(mpsc::Sender<io::Result<Vec<std::net::IpAddr>>>),
     Run(Job, mpsc::Sender<io::Result<()>>),
 }
@@ -36,16 +36,51 @@ enum Request {
 /// Creates sockets inside one pod's netns.
 #[derive(Debug)]
 pub struct SocketFactory {
+    /// The pod's netns.
+    pod: File,
+    /// The pod's set-up thread (inside its netns).
     requests: Mutex<mpsc::Sender<Request>>,
 }
 
+/// The proxy's own netns, where every runtime thread lives: opened once, before any thread
+/// enters a pod's.
+fn home() -> io::Result<&'static File> {
+    static HOME: OnceLock<File> = OnceLock::new();
+    if let Some(f) = HOME.get() {
+        return Ok(f);
+    }
+    let f = File::open("/proc/self/ns/net")?;
+    Ok(HOME.get_or_init(|| f))
+}
+
+/// `socket(2)` inside `pod`'s netns on the calling thread, which is back in `home` when this
+/// returns.
+fn socket_in(
+    pod: &File,
+    home: &File,
+    domain: socket2::Domain,
+    ty: socket2::Type,
+) -> io::Result<socket2::Socket> {
+    use nix::sched::{setns, CloneFlags};
+    setns(pod.as_fd(), CloneFlags::CLONE_NEWNET).map_err(io::Error::from)?;
+    let made = socket2::Socket::new(domain, ty, None);
+    if let Err(e) = setns(home.as_fd(), CloneFlags::CLONE_NEWNET) {
+        // Every later socket made on this thread would be in the pod: fail closed.
+        tracing::error!(error = %e, "cannot return to the proxy's netns after making a pod socket; aborting");
+        std::process::abort();
+    }
+    made
+}
+
 impl SocketFactory {
-    /// Starts the pod's socket thread.
+    /// Starts the pod's set-up thread.
     pub fn new(ns: &Netns) -> io::Result<Self> {
+        home()?;
+        let pod = ns.file().try_clone()?;
         let file = ns.file().try_clone()?;
         let (tx, rx) = mpsc::channel::<Request>();
         let (ready_tx, ready_rx) = mpsc::channel();
-        std::thread::Builder::new().name("netns-sockets".into()).spawn(move || {
+        std::thread::Builder::new().name("netns-setup".into()).spawn(move || {
             let entered = nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET);
             let ok = entered.is_ok();
             let _ = ready_tx.send(entered.map_err(io::Error::from));
@@ -55,13 +90,6 @@ impl SocketFactory {
             // Ends when the factory (the sender) is dropped.
             for req in rx {
                 match req {
-                    Request::Socket(domain, ty, reply) => {
-                        let s = socket2::Socket::new(domain, ty, None);
-                        match reply {
-                            Reply::Blocking(tx) => drop(tx.send(s)),
-                            Reply::Async(tx) => drop(tx.send(s)),
-                        }
-                    }
                     Request::Addresses(reply) => {
                         let _ = reply.send(addresses());
                     }
@@ -72,15 +100,15 @@ impl SocketFactory {
             }
         })?;
         ready_rx.recv().map_err(io::Error::other)??;
-        Ok(Self { requests: Mutex::new(tx) })
+        Ok(Self { pod, requests: Mutex::new(tx) })
     }
 
     fn request(&self, req: Request) -> io::Result<()> {
         self.requests
             .lock()
-            .map_err(|_| io::Error::other("socket thread lock poisoned"))?
+            .map_err(|_| io::Error::other("the pod's set-up thread lock poisoned"))?
             .send(req)
-            .map_err(|_| io::Error::other("the pod's socket thread is gone"))
+            .map_err(|_| io::Error::other("the pod's set-up thread is gone"))
     }
 
     fn domain(addr: SocketAddr) -> socket2::Domain {
@@ -91,20 +119,9 @@ impl SocketFactory {
         }
     }
 
-    /// A socket made in the pod, waited for by blocking (set-up code only).
+    /// A socket made in the pod, on the calling thread.
     fn raw(&self, addr: SocketAddr, ty: socket2::Type) -> io::Result<socket2::Socket> {
-        let (tx, rx) = mpsc::channel();
-        self.request(Request::Socket(Self::domain(addr), ty, Reply::Blocking(tx)))?;
-        let s = rx.recv().map_err(|_| io::Error::other("the pod's socket thread is gone"))??;
-        s.set_mark(datapath_common::consts::marks::PROXY_SOCKET)?;
-        Ok(s)
-    }
-
-    /// A socket made in the pod, awaited (connection paths).
-    async fn raw_async(&self, addr: SocketAddr, ty: socket2::Type) -> io::Result<socket2::Socket> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        self.request(Request::Socket(Self::domain(addr), ty, Reply::Async(tx)))?;
-        let s = rx.await.map_err(|_| io::Error::other("the pod's socket thread is gone"))??;
+        let s = socket_in(&self.pod, home()?, Self::domain(addr), ty)?;
         s.set_mark(datapath_common::consts::marks::PROXY_SOCKET)?;
         Ok(s)
     }
@@ -112,21 +129,17 @@ impl SocketFactory {
     /// Runs `job` on the pod's thread (inside its netns); children it starts run there too.
     pub fn run(&self, job: impl FnOnce() -> io::Result<()> + Send + 'static) -> io::Result<()> {
         let (tx, rx) = mpsc::channel();
-        self.requests
-            .lock()
-            .map_err(|_| io::Error::other("socket thread lock poisoned"))?
-            .send(Request::Run(Box::new(job), tx))
-            .map_err(|_| io::Error::other("the pod's socket thread is gone"))?;
-        rx.recv().map_err(|_| io::Error::other("the pod's socket thread is gone"))?
+        self.request(Request::Run(Box::new(job), tx))?;
+        rx.recv().map_err(|_| io::Error::other("the pod's set-up thread is gone"))?
     }
 
     /// A TCP socket inside the pod bound to `from`, an address that is not the pod's (the
     /// client's): `IP_TRANSPARENT` and `IP_FREEBIND`, as ztunnel's. The datapath recognises
     /// its connect to the app and marks it so that the app's replies come back to it.
-    pub async fn transparent(&self, from: std::net::IpAddr) -> io::Result<TcpSocket> {
+    pub fn transparent(&self, from: std::net::IpAddr) -> io::Result<TcpSocket> {
         use std::os::fd::AsRawFd as _;
         let addr = SocketAddr::new(from, 0);
-        let s = self.raw_async(addr, socket2::Type::STREAM).await?;
+        let s = self.raw(addr, socket2::Type::STREAM)?;
         if from.is_ipv4() {
             s.set_ip_transparent(true)?;
             s.set_freebind(true)?;
@@ -156,12 +169,8 @@ impl SocketFactory {
     /// The pod's addresses (not loopback, not link-local IPv6).
     pub fn addresses(&self) -> io::Result<Vec<std::net::IpAddr>> {
         let (tx, rx) = mpsc::channel();
-        self.requests
-            .lock()
-            .map_err(|_| io::Error::other("socket thread lock poisoned"))?
-            .send(Request::Addresses(tx))
-            .map_err(|_| io::Error::other("the pod's socket thread is gone"))?;
-        rx.recv().map_err(|_| io::Error::other("the pod's socket thread is gone"))?
+        self.request(Request::Addresses(tx))?;
+        rx.recv().map_err(|_| io::Error::other("the pod's set-up thread is gone"))?
     }
 
     /// A TCP listener on `addr` inside the pod.
@@ -178,23 +187,16 @@ impl SocketFactory {
     }
 
     /// An unconnected TCP socket of `addr`'s family inside the pod.
-    pub async fn socket(&self, addr: SocketAddr) -> io::Result<TcpSocket> {
-        let s = self.raw_async(addr, socket2::Type::STREAM).await?;
+    pub fn socket(&self, addr: SocketAddr) -> io::Result<TcpSocket> {
+        let s = self.raw(addr, socket2::Type::STREAM)?;
         s.set_nonblocking(true)?;
         s.set_nodelay(true)?;
         Ok(TcpSocket::from_std_stream(s.into()))
     }
 
-    /// A UDP socket inside the pod bound to `addr` (port 0: any), waited for by blocking (the
-    /// pod's listeners, at set-up).
+    /// A UDP socket inside the pod bound to `addr` (port 0: any).
     pub fn udp(&self, addr: SocketAddr) -> io::Result<UdpSocket> {
         let s = self.raw(addr, socket2::Type::DGRAM)?;
-        Self::bind_udp(s, addr)
-    }
-
-    /// `udp`, awaited (upstream queries on a connection path).
-    pub async fn udp_async(&self, addr: SocketAddr) -> io::Result<UdpSocket> {
-        let s = self.raw_async(addr, socket2::Type::DGRAM).await?;
         Self::bind_udp(s, addr)
     }
 
@@ -227,4 +229,39 @@ fn addresses() -> io::Result<Vec<std::net::IpAddr>> {
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd as _;
+
+    use meshpath_podnet::netns::{read_cookie, socket_cookie};
+
+    use super::*;
+
+    /// A new network namespace standing in for a pod's, alive while the file is open.
+    fn new_netns() -> (File, u64) {
+        std::thread::spawn(|| {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare (root?)");
+            let file = File::open("/proc/thread-self/ns/net").expect("open the new netns");
+            (file, read_cookie().expect("cookie"))
+        })
+        .join()
+        .expect("netns thread")
+    }
+
+    #[test]
+    fn a_pod_socket_is_made_in_the_pods_netns_and_the_thread_comes_back() {
+        let (pod, pod_cookie) = new_netns();
+        let home_cookie = read_cookie().expect("cookie");
+        assert_ne!(pod_cookie, home_cookie);
+        for (domain, ty) in [
+            (socket2::Domain::IPV4, socket2::Type::STREAM),
+            (socket2::Domain::IPV6, socket2::Type::DGRAM),
+        ] {
+            let s = socket_in(&pod, home().expect("home"), domain, ty).expect("socket");
+            assert_eq!(socket_cookie(s.as_fd()).expect("cookie"), pod_cookie, "{domain:?}");
+            assert_eq!(read_cookie().expect("cookie"), home_cookie, "the thread stayed in the pod");
+        }
+    }
 }

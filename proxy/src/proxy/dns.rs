@@ -184,7 +184,7 @@ async fn forward_udp(pod: &Pod, up: SocketAddr, query: &[u8]) -> anyhow::Result<
     } else {
         IpAddr::V6(Ipv6Addr::UNSPECIFIED)
     };
-    let sock = pod.sockets.udp_async(SocketAddr::new(any, 0)).await?;
+    let sock = pod.sockets.udp(SocketAddr::new(any, 0))?;
     sock.connect(up).await?;
     sock.send(query).await?;
     let mut buf = vec![0u8; 65535];
@@ -197,7 +197,7 @@ async fn forward_udp(pod: &Pod, up: SocketAddr, query: &[u8]) -> anyhow::Result<
 
 async fn forward_tcp(pod: &Pod, up: SocketAddr, query: &[u8]) -> anyhow::Result<Vec<u8>> {
     let exchange = async {
-        let mut conn = pod.sockets.socket(up).await?.connect(up).await?;
+        let mut conn = pod.sockets.socket(up)?.connect(up).await?;
         conn.write_u16(u16::try_from(query.len())?).await?;
         conn.write_all(query).await?;
         let len = usize::from(conn.read_u16().await?);

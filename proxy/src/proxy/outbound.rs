@@ -154,7 +154,7 @@ async fn via_hbone(
     // freed once done instead of sizing the task that then carries the connection for its
     // whole life (an idle connection costs what its task holds).
     let opened = Box::pin(proxy.pool.get(&key, || async {
-        let connect = async { pod.sockets.socket(gateway).await?.connect(gateway).await };
+        let connect = async { pod.sockets.socket(gateway)?.connect(gateway).await };
         let tcp = tokio::time::timeout(timeout, connect)
             .await
             .map_err(|_| hbone::HboneError::Connect(gateway, io::ErrorKind::TimedOut.into()))?
@@ -211,7 +211,7 @@ async fn passthrough(
     meters: (&Meter, &Meter),
 ) -> anyhow::Result<()> {
     let proxy = &pod.proxy;
-    let connect = async { pod.sockets.socket(dst).await?.connect(dst).await };
+    let connect = async { pod.sockets.socket(dst)?.connect(dst).await };
     let upstream = match tokio::time::timeout(proxy.settings.connect_timeout, connect).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {

@@ -24,14 +24,14 @@ pub async fn connect_app(
     target: SocketAddr,
     limit: Duration,
 ) -> io::Result<TcpStream> {
-    let plain = || async { pod.sockets.socket(target).await?.connect(target).await };
+    let plain = || async { pod.sockets.socket(target)?.connect(target).await };
     let transparent = pod.preserves_source()
         && client.is_ipv4() == target.is_ipv4()
         && !pod.workload.workload_ips.contains(&client);
     if !transparent {
         return timed(limit, plain()).await;
     }
-    let socket = match pod.sockets.transparent(client).await {
+    let socket = match pod.sockets.transparent(client) {
         Ok(s) => s,
         Err(e) => {
             warn!(pod = %pod.uid, %client, error = %e, "no transparent socket; connecting from the pod's address");

@@ -4,9 +4,9 @@
 //! around one `socket(2)`, as ztunnel does. The proxy then uses the socket from any task:
 //! listeners on 15001/15006/15008 live in the pod, and upstream connections leave from the
 //! pod's own address. (A thread per connection cost ~20x the connection rate; a per-pod thread
-//! making sockets on request cost a round trip between threads per connection: `cargo xtask
-//! bench proxy`, see docs/architecture.md.) Each pod still has a thread that lives in its netns,
-//! for set-up work that runs longer than one syscall (`run`, `addresses`).
+//! making sockets on request cost a round trip between threads per connection, 13% of the
+//! connection rate from one client: README, proxy benchmark.) Each pod still has a thread that
+//! lives in its netns, for set-up work that runs longer than one syscall (`run`, `addresses`).
 //!
 //! A thread that cannot go back to the proxy's netns would make every later socket of every pod
 //! in the wrong place: the process aborts instead (fail closed).

@@ -1,21 +1,27 @@
 //! Authorization policies from the workloads file, evaluated for any connection. Properties:
-//! dry-run policies never change what is enforced; a verdict only exists for dry-run policies
-//! when one applies; and a policy set written in ztunnel's serialisation and read back decides
-//! every connection the same way.
+//! the store's index gives each workload exactly the policies `Policy::selects` picks, in file
+//! order; dry-run policies never change what is enforced; a verdict only exists for dry-run
+//! policies when one applies; and a policy set written in ztunnel's serialisation and read back
+//! decides every connection the same way.
 #![no_main]
 
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
 use libfuzzer_sys::fuzz_target;
 use meshpath_proxy::{
-    state::authorization::{decide, Connection, Policy},
-    state::workloads::WorkloadStore,
     identity::Identity,
+    state::authorization::{decide, Connection, Policy},
+    state::workloads::{Workload, WorkloadStore},
 };
 
 const WORKLOADS: &str = "workloads:\n\
 - {uid: b, namespace: prod, serviceAccount: b, authorizationPolicies: [prod/p, other/q]}\n\
 - {uid: d, namespace: other, serviceAccount: d}\n";
+
+/// The policies `Policy::selects` picks for `w`, in file order.
+fn selected<'p>(policies: &'p [Policy], w: &Workload) -> Vec<&'p Policy> {
+    policies.iter().filter(|p| p.selects(w)).collect()
+}
 
 fuzz_target!(|data: &[u8]| {
     // 36 bytes of connection, the rest policies.
@@ -47,14 +53,27 @@ fuzz_target!(|data: &[u8]| {
     let json = serde_json::to_string(store.policies()).expect("policies serialise");
     let again: Vec<Policy> = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{json}: {e}"));
     for w in store.workloads() {
-        let d = decide(store.policies(), w, &c);
+        let applicable = store.policies_for(w);
+        let by_rule = selected(store.policies(), w);
+        assert!(
+            applicable.len() == by_rule.len()
+                && applicable.iter().zip(&by_rule).all(|(a, b)| std::ptr::eq(*a, *b)),
+            "the index gave {} other than the {} policies `selects` picks",
+            applicable.len(),
+            by_rule.len()
+        );
+        let d = decide(&applicable, &c);
         assert_eq!(
             d.enforced,
-            decide(&enforced_only, w, &c).enforced,
+            decide(&selected(&enforced_only, w), &c).enforced,
             "a dry-run policy was enforced"
         );
         let dry_applies = store.policies().iter().any(|p| p.dry_run && p.selects(w));
         assert_eq!(d.dry_run.is_some(), dry_applies);
-        assert_eq!(decide(&again, w, &c), d, "ztunnel's serialisation decides differently: {json}");
+        assert_eq!(
+            decide(&selected(&again, w), &c),
+            d,
+            "ztunnel's serialisation decides differently: {json}"
+        );
     }
 });

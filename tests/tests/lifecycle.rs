@@ -220,7 +220,9 @@ fn a_late_unenrol_of_a_reclaimed_pod_leaves_the_address_to_its_new_owner() {
     let cookie = loop {
         match pods::enrol(&dp, &ns, &full_capture()) {
             Ok(c) => break c,
-            Err(meshpath_loader::Error::AddressInUse { .. }) if Instant::now() < deadline => {
+            Err(meshpath_loader::Error::AddressInUse { other, .. })
+                if other == gone && Instant::now() < deadline =>
+            {
                 std::thread::sleep(Duration::from_millis(50));
             }
             Err(e) => panic!("enrol: {e}"),
@@ -252,5 +254,8 @@ fn removal_by_address_deletes_only_the_addresses_still_mapped_to_the_pod() {
     let key = pods::ip_key(pods.a_ip.into());
     dp.pod_ips().expect("POD_IPS").insert(key, b, 0).expect("hand the address to b");
     pods::unenrol(&dp, a).expect("unenrol a");
-    assert_eq!(dp.pod_ips().expect("POD_IPS").get(&key, 0).ok(), Some(b));
+    let pod_ips = dp.pod_ips().expect("POD_IPS");
+    assert_eq!(pod_ips.get(&key, 0).ok(), Some(b), "pod a's removal took pod b's address");
+    let left: Vec<u64> = pod_ips.iter().flatten().map(|(_, c)| c).filter(|&c| c == a).collect();
+    assert!(left.is_empty(), "pod a's own addresses were left behind");
 }

@@ -65,8 +65,10 @@ fn socket_in(
     setns(pod.as_fd(), CloneFlags::CLONE_NEWNET).map_err(io::Error::from)?;
     let made = socket2::Socket::new(domain, ty, None);
     if let Err(e) = setns(home.as_fd(), CloneFlags::CLONE_NEWNET) {
-        // Every later socket made on this thread would be in the pod: fail closed.
+        // Every later socket made on this thread would be in the pod: fail closed. (Straight to
+        // stderr as well: a buffered log writer would not get to write before the abort.)
         tracing::error!(error = %e, "cannot return to the proxy's netns after making a pod socket; aborting");
+        eprintln!("meshpath-proxy: cannot return to the proxy's netns after making a pod socket ({e}); aborting");
         std::process::abort();
     }
     made
@@ -126,7 +128,9 @@ impl SocketFactory {
         Ok(s)
     }
 
-    /// Runs `job` on the pod's thread (inside its netns); children it starts run there too.
+    /// Runs `job` on the pod's thread (inside its netns); children it starts run there too. A
+    /// job makes its sockets with plain `socket(2)` (it is in the pod already), never through
+    /// this factory, which would move its thread back to the proxy's netns.
     pub fn run(&self, job: impl FnOnce() -> io::Result<()> + Send + 'static) -> io::Result<()> {
         let (tx, rx) = mpsc::channel();
         self.request(Request::Run(Box::new(job), tx))?;

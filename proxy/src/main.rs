@@ -212,6 +212,7 @@ fn certs(cli: &Cli) -> Result<Certs> {
 }
 
 fn run(cli: Cli, log: LogControl) -> Result<()> {
+    meshpath_proxy::inpod::netns::open_home().context("opening the proxy's own netns")?;
     // Stamped before reading: a change written meanwhile is reloaded, not missed.
     let stamp = meshpath_proxy::identity::certs::mtime(&cli.workloads);
     let store = WorkloadStore::load(&cli.workloads)?;

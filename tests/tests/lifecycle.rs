@@ -178,20 +178,27 @@ fn capture_carries_on_while_loader_processes_are_killed_and_restarted() {
     eprintln!("killed {kills} loader processes mid-flight");
 }
 
-#[test]
-fn an_address_left_by_a_vanished_pod_can_be_enrolled_again_at_once() {
-    require_root();
-    let root = PinRoot::new();
-    let dp = root.datapath().expect("datapath");
+/// A pod that vanished without unenrol (its netns deleted) and a new pod enrolled with the
+/// same address (10.199.0.1), retried while the kernel tears the old netns down: (the old
+/// pod's cookie, the new pod's, the new pods, the old pods).
+struct Reclaimed {
+    gone: u64,
+    cookie: u64,
+    new: PodPair,
+    _old: PodPair,
+}
+
+fn a_pod_vanishes_and_a_new_one_takes_its_address(
+    dp: &meshpath_loader::datapath::Datapath,
+) -> Reclaimed {
     let old = PodPair::new().expect("old pods");
-    let gone = pods::enrol(&dp, &old.a.open().expect("netns"), &full_capture()).expect("enrol old");
+    let gone = pods::enrol(dp, &old.a.open().expect("netns"), &full_capture()).expect("enrol old");
     old.a.delete().expect("delete the old pod's netns");
-    // Same address (10.199.0.1), new pod: reclaimed as soon as the kernel has torn the old netns down.
     let new = PodPair::new().expect("new pods");
     let ns = new.a.open().expect("netns");
     let deadline = Instant::now() + Duration::from_secs(10);
     let cookie = loop {
-        match pods::enrol(&dp, &ns, &full_capture()) {
+        match pods::enrol(dp, &ns, &full_capture()) {
             Ok(c) => break c,
             Err(meshpath_loader::Error::AddressInUse { other, .. })
                 if other == gone && Instant::now() < deadline =>
@@ -201,6 +208,15 @@ fn an_address_left_by_a_vanished_pod_can_be_enrolled_again_at_once() {
             Err(e) => panic!("enrol: {e}"),
         }
     };
+    Reclaimed { gone, cookie, new, _old: old }
+}
+
+#[test]
+fn an_address_left_by_a_vanished_pod_can_be_enrolled_again_at_once() {
+    require_root();
+    let root = PinRoot::new();
+    let dp = root.datapath().expect("datapath");
+    let Reclaimed { gone, cookie, .. } = a_pod_vanishes_and_a_new_one_takes_its_address(&dp);
     assert_ne!(cookie, gone);
     let left: Vec<u64> = pods::list(&dp).expect("list").iter().map(|p| p.cookie).collect();
     assert_eq!(left, [cookie], "the vanished pod was not reclaimed");
@@ -211,23 +227,7 @@ fn a_late_unenrol_of_a_reclaimed_pod_leaves_the_address_to_its_new_owner() {
     require_root();
     let root = PinRoot::new();
     let dp = root.datapath().expect("datapath");
-    let old = PodPair::new().expect("old pods");
-    let gone = pods::enrol(&dp, &old.a.open().expect("netns"), &full_capture()).expect("enrol old");
-    old.a.delete().expect("delete the old pod's netns");
-    let new = PodPair::new().expect("new pods");
-    let ns = new.a.open().expect("netns");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let cookie = loop {
-        match pods::enrol(&dp, &ns, &full_capture()) {
-            Ok(c) => break c,
-            Err(meshpath_loader::Error::AddressInUse { other, .. })
-                if other == gone && Instant::now() < deadline =>
-            {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            Err(e) => panic!("enrol: {e}"),
-        }
-    };
+    let Reclaimed { gone, cookie, new, .. } = a_pod_vanishes_and_a_new_one_takes_its_address(&dp);
     // The runtime's DEL for the old sandbox, arriving after its address went to the new pod:
     // nothing of the old pod is left to remove, and nothing of the new pod's is taken.
     match pods::unenrol(&dp, gone) {

@@ -43,7 +43,8 @@ pub struct SocketFactory {
 }
 
 /// The proxy's own netns, where every runtime thread lives: opened once, before any thread
-/// enters a pod's.
+/// enters a pod's (the proxy opens it at start, [`open_home`]; a factory made before that opens
+/// it then).
 fn home() -> io::Result<&'static File> {
     static HOME: OnceLock<File> = OnceLock::new();
     if let Some(f) = HOME.get() {
@@ -51,6 +52,12 @@ fn home() -> io::Result<&'static File> {
     }
     let f = File::open("/proc/self/ns/net")?;
     Ok(HOME.get_or_init(|| f))
+}
+
+/// Opens the proxy's own netns (kept open for the life of the process), so that the first pod
+/// neither pays for it nor shows it as a descriptor it added.
+pub fn open_home() -> io::Result<()> {
+    home().map(drop)
 }
 
 /// `socket(2)` inside `pod`'s netns on the calling thread, which is back in `home` when this

@@ -98,10 +98,74 @@ pub fn checks(extra_path: Option<&Path>) -> Result<()> {
 }
 
 /// What a test run counted.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 pub struct Totals {
     pub passed: u64,
     pub failed: u64,
+    /// Each failed test with its panic message, read from the harness output, so the run's
+    /// last lines (all a CI log may keep) say what failed and why.
+    pub failures: Vec<Failure>,
+    /// While reading a `---- NAME stdout ----` block: that failure's index, and whether its
+    /// panic message has begun.
+    reading: Option<usize>,
+    in_panic: bool,
+}
+
+/// A test the harness reported as failed, and the first lines of its panic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub name: String,
+    pub message: Vec<String>,
+}
+
+/// Lines kept of a failed test's panic message.
+const MESSAGE_LINES: usize = 6;
+
+impl Totals {
+    /// Reads one line of libtest output: `test result:` totals, `test NAME ... FAILED`, and the
+    /// `---- NAME stdout ----` blocks' panic messages.
+    pub fn read(&mut self, line: &str) {
+        if let Some(rest) = line.strip_prefix("test result: ") {
+            self.passed += count_before(rest, " passed");
+            self.failed += count_before(rest, " failed");
+        } else if let Some(name) =
+            line.strip_prefix("test ").and_then(|l| l.strip_suffix(" ... FAILED"))
+        {
+            self.failures.push(Failure { name: name.to_owned(), message: Vec::new() });
+        } else if let Some(name) =
+            line.strip_prefix("---- ").and_then(|l| l.strip_suffix(" stdout ----"))
+        {
+            // The block's panic is read into the last failure of that name (a name can repeat
+            // across test binaries).
+            self.reading = self.failures.iter().rposition(|f| f.name == name);
+            self.in_panic = false;
+        } else if let Some(i) = self.reading {
+            if line.contains("panicked at ") {
+                self.in_panic = true;
+            }
+            let f = &mut self.failures[i];
+            if self.in_panic && f.message.len() < MESSAGE_LINES {
+                if line.trim().is_empty() || line.starts_with("note: run with `RUST_BACKTRACE") {
+                    self.in_panic = false;
+                } else {
+                    f.message.push(line.to_owned());
+                }
+            }
+            if line == "failures:" {
+                self.reading = None;
+            }
+        }
+    }
+
+    /// One line per failed test, with its message indented below it.
+    pub fn failure_lines(&self, prefix: &str) -> Vec<String> {
+        let mut lines = Vec::new();
+        for f in &self.failures {
+            lines.push(format!("{prefix}FAILED {}", f.name));
+            lines.extend(f.message.iter().map(|m| format!("{prefix}    {m}")));
+        }
+        lines
+    }
 }
 
 /// Every test on this machine's kernel (the end-to-end tests run the binaries in `bin_dir`).
@@ -122,10 +186,7 @@ pub fn test(extra_path: Option<&Path>, bin_dir: &Path, filter: Option<&str>) -> 
     for line in BufReader::new(stdout).lines() {
         let line = line.unwrap_or_default();
         println!("{line}");
-        if let Some(rest) = line.strip_prefix("test result: ") {
-            totals.passed += count_before(rest, " passed");
-            totals.failed += count_before(rest, " failed");
-        }
+        totals.read(&line);
     }
     let status = child.wait()?;
     if !status.success() && totals.failed == 0 {
@@ -176,7 +237,41 @@ pub fn count_before(line: &str, label: &str) -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use super::count_before;
+    use super::{count_before, Totals};
+
+    #[test]
+    fn a_failed_test_is_named_with_its_panic_message() {
+        let out = "\
+running 2 tests
+test fine ... ok
+test holds_them_all ... FAILED
+
+failures:
+
+---- holds_them_all stdout ----
+idle connections: 10000
+thread 'holds_them_all' panicked at tests/tests/idle_connections.rs:120:9:
+the app holds 9974 of 10000 connections
+note: run with `RUST_BACKTRACE=1` environment variable to display a backtrace
+
+
+failures:
+    holds_them_all
+
+test result: FAILED. 1 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out
+";
+        let mut t = Totals::default();
+        out.lines().for_each(|l| t.read(l));
+        assert_eq!((t.passed, t.failed), (1, 1));
+        assert_eq!(
+            t.failure_lines(""),
+            [
+                "FAILED holds_them_all",
+                "    thread 'holds_them_all' panicked at tests/tests/idle_connections.rs:120:9:",
+                "    the app holds 9974 of 10000 connections",
+            ]
+        );
+    }
 
     #[test]
     fn harness_totals_are_read_from_ok_and_failed_lines() {

@@ -185,6 +185,8 @@ fn test(
 ) -> Result<()> {
     let mut lines = Vec::new();
     let mut total = cargo::Totals::default();
+    // What failed where, printed last: a CI log may keep only the run's tail.
+    let mut failures = Vec::new();
     let mut bad = Vec::new();
     if host {
         cargo::checks(path)?;
@@ -199,6 +201,7 @@ fn test(
         ));
         total.passed += t.passed;
         total.failed += t.failed;
+        failures.extend(t.failure_lines("this machine's kernel: "));
         if t.failed > 0 {
             bad.push("this machine's kernel".to_owned());
         }
@@ -222,23 +225,27 @@ fn test(
             lines.push(format!(
                 "tests on Linux {} (QEMU): {} passed, {} failed{}",
                 out.release,
-                out.passed,
-                out.failed,
+                out.tests.passed,
+                out.tests.failed,
                 if out.failed_suites.is_empty() {
                     String::new()
                 } else {
                     format!("; failing: {}", out.failed_suites.join(", "))
                 }
             ));
-            total.passed += out.passed;
-            total.failed += out.failed;
-            if out.failed > 0 || !out.failed_suites.is_empty() {
+            total.passed += out.tests.passed;
+            total.failed += out.tests.failed;
+            failures.extend(out.tests.failure_lines(&format!("Linux {}: ", out.release)));
+            if out.tests.failed > 0 || !out.failed_suites.is_empty() {
                 bad.push(format!("Linux {}", out.release));
             }
         }
     }
     for l in &lines {
         println!("{l}");
+    }
+    for f in &failures {
+        println!("{f}");
     }
     println!("tests: {} passed, {} failed", total.passed, total.failed);
     if !bad.is_empty() {

@@ -235,8 +235,8 @@ fn load_order(deps: &str, wanted: &[&str]) -> Vec<String> {
 /// What one VM run reported.
 pub struct Outcome {
     pub release: String,
-    pub passed: u64,
-    pub failed: u64,
+    /// The guest's harness output, read as on the host.
+    pub tests: crate::cargo::Totals,
     /// Suites whose binary exited non-zero (or never reported).
     pub failed_suites: Vec<String>,
 }
@@ -387,8 +387,7 @@ fn boot(series: &str, kernel: &Kernel, vm_dir: &Path, script: &Path) -> Result<B
 
     let mut out = Outcome {
         release: kernel.release.clone(),
-        passed: 0,
-        failed: 0,
+        tests: crate::cargo::Totals::default(),
         failed_suites: Vec::new(),
     };
     let mut reported: Vec<String> = Vec::new();
@@ -402,10 +401,8 @@ fn boot(series: &str, kernel: &Kernel, vm_dir: &Path, script: &Path) -> Result<B
                 let line = strip_escapes(&line);
                 println!("[{series}] {line}");
                 started |= line.starts_with(MARK);
-                if let Some(rest) = line.strip_prefix("test result: ") {
-                    out.passed += crate::cargo::count_before(rest, " passed");
-                    out.failed += crate::cargo::count_before(rest, " failed");
-                } else if let Some(rest) = line.strip_prefix(&format!("{MARK}-SUITE ")) {
+                out.tests.read(&line);
+                if let Some(rest) = line.strip_prefix(&format!("{MARK}-SUITE ")) {
                     let (name, rc) = rest.rsplit_once(' ').unwrap_or((rest, "?"));
                     reported.push(name.to_owned());
                     if rc != "0" {

@@ -153,7 +153,7 @@ async fn via_hbone(
     // Boxed, as is the CONNECT below: the connect phase's state (TLS and HTTP/2 handshakes) is
     // freed once done instead of sizing the task that then carries the connection for its
     // whole life (an idle connection costs what its task holds).
-    let opened = Box::pin(proxy.pool.get(&key, || async {
+    let opened = Box::pin(proxy.pool.get(&key, timeout, || async {
         let connect = async { pod.sockets.socket(gateway)?.connect(gateway).await };
         let tcp = tokio::time::timeout(timeout, connect)
             .await

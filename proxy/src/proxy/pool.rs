@@ -11,9 +11,17 @@
 //! of the first `spread` connections. One HTTP/2 connection is one task, one TLS session and one
 //! lock over all its streams' state; with several, concurrent streams are encrypted on several
 //! cores and do not queue behind each other (`cargo xtask bench proxy`, 4 iperf3 streams).
+//!
+//! Full: when no connection to a destination can take a stream (each at `max_streams` or the
+//! peer's limit), new streams open one connection at a time: each waits its turn for the
+//! destination's open lock and looks again when it has it, so a burst of streams takes the room
+//! the connection opened before it rather than opening one connection each (ztunnel keeps one
+//! connection attempt per key the same way). The turn is waited for at most `wait`; a stream
+//! that is not served by then fails as a connect timeout would.
 use std::{
     collections::HashMap,
     future::Future,
+    io,
     net::SocketAddr,
     sync::{
         atomic::{AtomicUsize, Ordering},
@@ -137,16 +145,19 @@ pub struct PoolEntry {
     pub idle_seconds: Option<u64>,
 }
 
-/// The connections to one destination, and how many are being opened.
+/// The connections to one destination, how many are being opened, and the turn to open one
+/// when all are full.
 #[derive(Debug, Default)]
 struct Destination {
     conns: Vec<Pooled>,
     opening: usize,
+    open_turn: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Destination {
+    /// No connection, none being opened, and no stream holding or waiting for the turn.
     fn is_unused(&self) -> bool {
-        self.conns.is_empty() && self.opening == 0
+        self.conns.is_empty() && self.opening == 0 && Arc::strong_count(&self.open_turn) == 1
     }
 }
 
@@ -154,9 +165,11 @@ impl Destination {
 enum Pick {
     /// Take this connection (the stream is already counted on it).
     Use(Connection, StreamPermit),
-    /// Open another connection (counted as being opened): none can take the stream, or the
-    /// destination has fewer than `spread` and all are busy.
+    /// Open another connection (counted as being opened): the destination has fewer than
+    /// `spread` and all are busy, or (on its turn) none can take the stream.
     Open,
+    /// None can take the stream: wait for this turn to open one, then look again.
+    Full(Arc<tokio::sync::Mutex<()>>),
 }
 
 /// Every destination's connections, and how many there are in all (the gauge, kept as they
@@ -205,18 +218,33 @@ impl Pool {
     }
 
     /// A connection for `key` with room for one more stream, and the permit for that stream:
-    /// a pooled connection, or a new one from `open`.
+    /// a pooled connection, or a new one from `open`. `wait` bounds the wait for the turn to
+    /// open one when every connection to `key` is full.
     pub async fn get<F, Fut>(
         &self,
         key: &PoolKey,
+        wait: Duration,
         open: F,
     ) -> Result<(Connection, StreamPermit), HboneError>
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Connection, HboneError>>,
     {
-        if let Pick::Use(conn, permit) = self.pick(key) {
-            return Ok((conn, permit));
+        // Held while this stream opens a connection for a full destination.
+        let _turn;
+        match self.pick(key, false) {
+            Pick::Use(conn, permit) => return Ok((conn, permit)),
+            Pick::Open => {}
+            Pick::Full(turn) => {
+                _turn = tokio::time::timeout(wait, turn.lock_owned()).await.map_err(|_| {
+                    let why = "no pooled connection had room in time";
+                    HboneError::Connect(key.gateway, io::Error::new(io::ErrorKind::TimedOut, why))
+                })?;
+                // The stream before this one may have opened a connection with room.
+                if let Pick::Use(conn, permit) = self.pick(key, true) {
+                    return Ok((conn, permit));
+                }
+            }
         }
         let opening = Opening { pool: self, key };
         let conn = open().await?;
@@ -231,14 +259,22 @@ impl Pool {
         Ok((conn, permit))
     }
 
-    /// Where a new stream to `key` goes; drops closed connections on the way.
-    fn pick(&self, key: &PoolKey) -> Pick {
+    /// Where a new stream to `key` goes; drops closed connections on the way. `on_turn`: the
+    /// caller holds the destination's open turn, so a full destination means open one.
+    fn pick(&self, key: &PoolKey, on_turn: bool) -> Pick {
         let Ok(mut guard) = self.conns.lock() else { return Pick::Open };
         let conns = &mut *guard;
         let Some(dest) = conns.by_key.get_mut(key) else {
             // The first connection to this destination: the key is copied only here.
-            conns.by_key.insert(key.clone(), Destination { conns: Vec::new(), opening: 1 });
-            return Pick::Open;
+            let mut dest = Destination::default();
+            let pick = if on_turn {
+                dest.opening = 1;
+                Pick::Open
+            } else {
+                Pick::Full(dest.open_turn.clone())
+            };
+            conns.by_key.insert(key.clone(), dest);
+            return pick;
         };
         let before = dest.conns.len();
         let mut cx = Context::from_waker(Waker::noop());
@@ -279,10 +315,17 @@ impl Pool {
             Some(p) if p.usage.streams.load(Ordering::Acquire) == 0 || at_spread => {
                 Pick::Use(p.conn.clone(), claim(&p.usage))
             }
-            _ => {
+            // Busy, below `spread`: another connection beside it.
+            Some(_) => {
                 dest.opening += 1;
                 Pick::Open
             }
+            // None has room: one stream at a time opens one.
+            None if on_turn => {
+                dest.opening += 1;
+                Pick::Open
+            }
+            None => Pick::Full(dest.open_turn.clone()),
         };
         self.metrics.pool_connections.set(conns.total as i64);
         pick
@@ -339,5 +382,83 @@ impl Pool {
                 })
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use super::*;
+
+    /// A real HTTP/2 client connection to an in-memory server that accepts every stream.
+    async fn h2_connection() -> Connection {
+        let (client, server) = tokio::io::duplex(64 * 1024);
+        tokio::spawn(async move {
+            let Ok(mut conn) = h2::server::handshake(server).await else { return };
+            while let Some(Ok(_request)) = conn.accept().await {}
+        });
+        let (send, conn) = h2::client::handshake(client).await.expect("h2 handshake");
+        tokio::spawn(conn);
+        send
+    }
+
+    fn key() -> PoolKey {
+        PoolKey {
+            src: Identity::new("cluster.local", "default", "a"),
+            dst: Identity::new("cluster.local", "default", "b"),
+            src_workload: "pod-a".into(),
+            gateway: "10.0.0.2:15008".parse().expect("addr"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_burst_of_streams_to_a_full_destination_opens_one_connection_per_max_streams() {
+        let pool = Arc::new(Pool::new(Arc::new(Metrics::new()), 2, 1));
+        let opens = Arc::new(AtomicUsize::new(0));
+        let open = |opens: Arc<AtomicUsize>| async move {
+            opens.fetch_add(1, Ordering::SeqCst);
+            // A handshake takes a while: the burst arrives while a connection is being opened.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            Ok(h2_connection().await)
+        };
+        let wait = Duration::from_secs(10);
+        // Two streams fill the first connection.
+        let mut permits = Vec::new();
+        for _ in 0..2 {
+            permits.push(pool.get(&key(), wait, || open(opens.clone())).await.expect("get").1);
+        }
+        assert_eq!(opens.load(Ordering::SeqCst), 1);
+
+        // Six more at once: three connections' worth, not six connections.
+        let mut burst = tokio::task::JoinSet::new();
+        for _ in 0..6 {
+            let (pool, opens) = (pool.clone(), opens.clone());
+            burst.spawn(async move { pool.get(&key(), wait, || open(opens)).await.map(|c| c.1) });
+        }
+        while let Some(got) = burst.join_next().await {
+            permits.push(got.expect("task").expect("get"));
+        }
+        assert_eq!(opens.load(Ordering::SeqCst), 4, "one connection per two streams");
+        let streams: Vec<usize> = pool.dump().iter().map(|e| e.streams).collect();
+        assert_eq!(streams, [2, 2, 2, 2]);
+    }
+
+    #[tokio::test]
+    async fn a_stream_waiting_for_its_turn_to_open_fails_after_the_wait() {
+        let pool = Arc::new(Pool::new(Arc::new(Metrics::new()), 1, 1));
+        let wait = Duration::from_millis(200);
+        let _held = pool.get(&key(), wait, || async { Ok(h2_connection().await) }).await;
+        // A connection that takes longer to open than the wait: the next stream holds the turn.
+        let (p, slow) = (pool.clone(), async {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            Ok(h2_connection().await)
+        });
+        let opener = tokio::spawn(async move { p.get(&key(), wait, || slow).await.map(|c| c.1) });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let waited = pool.get(&key(), wait, || async { Ok(h2_connection().await) }).await;
+        let err = waited.expect_err("no turn within the wait");
+        assert!(err.is_timeout(), "{err}");
+        opener.abort();
     }
 }

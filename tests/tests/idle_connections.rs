@@ -126,7 +126,8 @@ fn open_idle(
     let per_conn = |before: f64, after: f64| (after - before) / n as f64;
     let (out_kib, in_kib) =
         (per_conn(out_before, rss_kib(out_pid)), per_conn(in_before, rss_kib(in_pid)));
-    println!("idle connections: {n}; node 1's proxy {out_kib:.1} KiB each, node 2's {in_kib:.1} KiB each");
+    let pooled = nodes.proxies[0].metric("meshpath_pool_connections", &[]).unwrap_or(-1.0);
+    println!("idle connections: {n}; node 1's proxy {out_kib:.1} KiB each, node 2's {in_kib:.1} KiB each; {pooled} pooled HBONE connections");
     (clients, out_kib, in_kib)
 }
 

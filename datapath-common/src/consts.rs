@@ -227,6 +227,17 @@ pub mod pins {
 
 /// Capacity of the per-pod maps: how many pods one node can enrol.
 pub const MAX_PODS: u32 = 4096;
+/// Capacity of each of the node's exclusion maps (`EXCLUDED_PORTS`, `EXCLUDED_CIDRS`), which
+/// all pods share.
+pub const EXCLUSION_MAP_ENTRIES: u32 = MAX_PODS * 8;
+/// Entries one pod may have in each exclusion map: its excluded ports (both directions
+/// together), its prefix rules (all three lists together). The maps are shared: without a cap,
+/// a few pods with long annotation lists could fill them, and every later pod with an
+/// exclusion would fail to enrol. At this cap, filling one takes 256 pods with full lists, more
+/// than Kubernetes lets a node run by default (110). Istio sets no cap (iptables rules have no
+/// shared table to fill).
+pub const MAX_EXCLUSIONS_PER_POD: usize = 128;
+const _: () = assert!(EXCLUSION_MAP_ENTRIES as usize / MAX_EXCLUSIONS_PER_POD >= 256);
 /// Capacity of the per-connection original-destination maps (LRU: the oldest entries go first).
 pub const MAX_TRACKED_CONNECTIONS: u32 = 65_536;
 

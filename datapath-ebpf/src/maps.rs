@@ -7,7 +7,7 @@ use aya_ebpf::{
     Global,
 };
 use datapath_common::{
-    consts::{MAX_PODS, MAX_TRACKED_CONNECTIONS},
+    consts::{EXCLUSION_MAP_ENTRIES, MAX_PODS, MAX_TRACKED_CONNECTIONS},
     decisions::{DecisionKey, MAX_DECISION_KEYS, MONITOR_RING_BYTES},
     CidrKey, ConnKey, ListenerKey, NetnsCookie, OrigDst, PodAddrs, PodCounters, PodInfo, PodIpKey,
     PortKey, SockKey, TransparentKey,
@@ -36,7 +36,7 @@ pub static PROXY_CGROUPS: HashMap<u64, u32> = HashMap::pinned(64, 0);
 
 /// Ports a pod excludes from capture.
 #[map]
-pub static EXCLUDED_PORTS: HashMap<PortKey, u32> = HashMap::pinned(MAX_PODS * 8, 0);
+pub static EXCLUDED_PORTS: HashMap<PortKey, u32> = HashMap::pinned(EXCLUSION_MAP_ENTRIES, 0);
 
 /// Original destination by the app socket's cookie (for getpeername and sock_ops).
 #[map]
@@ -68,7 +68,7 @@ pub static NODE_CONFIG: Array<u32> = Array::pinned(1, 0);
 
 /// Longest-prefix exclusions per pod and direction.
 #[map]
-pub static EXCLUDED_CIDRS: LpmTrie<CidrKey, u32> = LpmTrie::pinned(MAX_PODS * 8, 0);
+pub static EXCLUDED_CIDRS: LpmTrie<CidrKey, u32> = LpmTrie::pinned(EXCLUSION_MAP_ENTRIES, 0);
 
 /// The pods' addresses: how the node-wide sk_lookup program tells which pod a lookup is for.
 #[map]

@@ -15,6 +15,9 @@ pub enum Error {
     #[error("pod {pod}: address {ip} already belongs to the pod with netns cookie {other}")]
     AddressInUse { pod: String, ip: std::net::IpAddr, other: u64 },
 
+    #[error("pod {pod}: {count} {what}, at most {max} per pod")]
+    TooManyExclusions { pod: String, what: &'static str, count: usize, max: usize },
+
     #[error("pod {pod} is not enrolled")]
     NotEnrolled { pod: String },
 

@@ -14,8 +14,10 @@ use aya::{
     util::{nr_cpus, KernelVersion},
 };
 use datapath_common::{
-    cidr_action, consts::programs, direction, pod_flags, CidrKey, NetnsCookie, PodAddrs,
-    PodCounters, PodInfo, PodIpKey, PortKey, CIDR_FIXED_BITS,
+    cidr_action,
+    consts::{programs, MAX_EXCLUSIONS_PER_POD},
+    direction, pod_flags, CidrKey, NetnsCookie, PodAddrs, PodCounters, PodInfo, PodIpKey, PortKey,
+    CIDR_FIXED_BITS,
 };
 use ipnet::IpNet;
 use meshpath_podnet::reply_routing;
@@ -109,6 +111,22 @@ pub struct PodStatus {
     pub decisions: Vec<crate::decisions::DecisionCount>,
 }
 
+/// The pod's exclusions fit its share of the node's exclusion maps
+/// ([`MAX_EXCLUSIONS_PER_POD`] entries in each).
+fn check_exclusions(pod: &str, opts: &EnrolOptions) -> Result<()> {
+    let ports = opts.exclude_outbound_ports.len() + opts.exclude_inbound_ports.len();
+    let prefixes = opts.exclude_outbound_cidrs.len()
+        + opts.capture_outbound_cidrs.len()
+        + opts.exclude_inbound_cidrs.len();
+    for (what, count) in [("excluded ports", ports), ("prefix rules", prefixes)] {
+        if count > MAX_EXCLUSIONS_PER_POD {
+            let (pod, max) = (pod.to_owned(), MAX_EXCLUSIONS_PER_POD);
+            return Err(Error::TooManyExclusions { pod, what, count, max });
+        }
+    }
+    Ok(())
+}
+
 /// Enrols the pod whose netns is `netns`: records its addresses, links the node's sk_lookup
 /// program into its netns, attaches the TC counters to its interface (when asked), then records
 /// it in `PODS`, which turns capture on. Either all of it happens or, on error, none of it is
@@ -116,6 +134,7 @@ pub struct PodStatus {
 pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsCookie> {
     let cookie = netns.cookie();
     let pod = opts.name.clone().unwrap_or_else(|| netns.path().display().to_string());
+    check_exclusions(&pod, opts)?;
     if is_enrolled(dp, cookie)? {
         return Err(Error::AlreadyEnrolled { pod, cookie });
     }

@@ -274,3 +274,30 @@ fn enrolling_a_pod_with_another_pods_address_fails_and_changes_nothing() {
     assert!(matches!(&err, Error::AddressInUse { other, .. } if *other == a), "{err}");
     assert_eq!(pods::list(&dp).expect("list").len(), 1);
 }
+
+#[test]
+fn enrolling_a_pod_with_more_exclusions_than_its_share_fails_and_changes_nothing() {
+    require_root();
+    let (root, pods) = (PinRoot::new(), PodPair::new().expect("pods"));
+    let dp = root.datapath().expect("datapath");
+    let pins_before = root.pod_pins();
+    let max = datapath_common::consts::MAX_EXCLUSIONS_PER_POD;
+    // The cap counts both directions together: at it, then one over it.
+    let outbound: Vec<u16> = (1..=max as u16).collect();
+    let over = EnrolOptions {
+        name: Some("ns/greedy".into()),
+        exclude_outbound_ports: outbound.clone(),
+        exclude_inbound_ports: vec![22],
+        ..EnrolOptions::default()
+    };
+    let err = pods::enrol(&dp, &pods.a.open().expect("netns"), &over).expect_err("enrolled");
+    assert!(matches!(&err, Error::TooManyExclusions { count, .. } if *count == max + 1), "{err}");
+    assert!(err.to_string().contains("ns/greedy"), "the error names the pod: {err}");
+    assert!(pods::list(&dp).expect("list").is_empty());
+    assert_eq!(dp.excluded_ports().expect("map").keys().count(), 0);
+    assert_eq!(root.pod_pins(), pins_before);
+
+    let at_cap = EnrolOptions { exclude_outbound_ports: outbound, ..EnrolOptions::default() };
+    pods::enrol(&dp, &pods.a.open().expect("netns"), &at_cap).expect("a pod at its share enrols");
+    assert_eq!(dp.excluded_ports().expect("map").keys().count(), max);
+}

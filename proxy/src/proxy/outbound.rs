@@ -152,8 +152,10 @@ async fn via_hbone(
     let timeout = proxy.settings.connect_timeout;
     // Boxed, as is the CONNECT below: the connect phase's state (TLS and HTTP/2 handshakes) is
     // freed once done instead of sizing the task that then carries the connection for its
-    // whole life (an idle connection costs what its task holds).
-    let opened = Box::pin(proxy.pool.get(&key, timeout, || async {
+    // whole life (an idle connection costs what its task holds). A stream waiting for its turn
+    // to open a connection (every pooled one full) waits as long as the stream before it may
+    // take to open one: a TCP connect and a handshake, each up to the connect timeout.
+    let opened = Box::pin(proxy.pool.get(&key, 2 * timeout, || async {
         let connect = async { pod.sockets.socket(gateway)?.connect(gateway).await };
         let tcp = tokio::time::timeout(timeout, connect)
             .await

@@ -16,8 +16,10 @@
 //! peer's limit), new streams open one connection at a time: each waits its turn for the
 //! destination's open lock and looks again when it has it, so a burst of streams takes the room
 //! the connection opened before it rather than opening one connection each (ztunnel keeps one
-//! connection attempt per key the same way). The turn is waited for at most `wait`; a stream
-//! that is not served by then fails as a connect timeout would.
+//! connection attempt per key the same way). A stream that finds, on its turn, room to spread
+//! lets the turn go before it opens, so spread connections still open in parallel. The turn is
+//! waited for at most `wait`; a stream that is not served by then fails as a connect timeout
+//! would.
 use std::{
     collections::HashMap,
     future::Future,
@@ -165,10 +167,14 @@ impl Destination {
 enum Pick {
     /// Take this connection (the stream is already counted on it).
     Use(Connection, StreamPermit),
-    /// Open another connection (counted as being opened): the destination has fewer than
-    /// `spread` and all are busy, or (on its turn) none can take the stream.
+    /// Open another beside busy ones (counted as being opened): the destination has fewer than
+    /// `spread`. Needs no turn: spread connections are opened in parallel.
+    Spread,
+    /// None can take the stream and the caller holds the turn: open one (counted as being
+    /// opened), keeping the turn until it is pooled.
     Open,
-    /// None can take the stream: wait for this turn to open one, then look again.
+    /// None can take the stream: wait for this turn, then look again. Never returned to a
+    /// caller that holds the turn.
     Full(Arc<tokio::sync::Mutex<()>>),
 }
 
@@ -230,22 +236,25 @@ impl Pool {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Connection, HboneError>>,
     {
-        // Held while this stream opens a connection for a full destination.
-        let _turn;
-        match self.pick(key, false) {
+        // Held while this stream opens a connection for a full destination; released after
+        // the connection is pooled (or has failed), so the next stream finds it.
+        let turn = match self.pick(key, false) {
             Pick::Use(conn, permit) => return Ok((conn, permit)),
-            Pick::Open => {}
+            Pick::Spread | Pick::Open => None,
             Pick::Full(turn) => {
-                _turn = tokio::time::timeout(wait, turn.lock_owned()).await.map_err(|_| {
+                let held = tokio::time::timeout(wait, turn.lock_owned()).await.map_err(|_| {
                     let why = "no pooled connection had room in time";
                     HboneError::Connect(key.gateway, io::Error::new(io::ErrorKind::TimedOut, why))
                 })?;
                 // The stream before this one may have opened a connection with room.
-                if let Pick::Use(conn, permit) = self.pick(key, true) {
-                    return Ok((conn, permit));
+                match self.pick(key, true) {
+                    Pick::Use(conn, permit) => return Ok((conn, permit)),
+                    // Beside busy ones: others need not wait for it.
+                    Pick::Spread => None,
+                    Pick::Open | Pick::Full(_) => Some(held),
                 }
             }
-        }
+        };
         let opening = Opening { pool: self, key };
         let conn = open().await?;
         self.metrics.pool_opened.inc();
@@ -256,13 +265,14 @@ impl Pool {
         });
         let permit = claim(&usage);
         opening.pooled(Pooled { conn: conn.clone(), usage });
+        drop(turn);
         Ok((conn, permit))
     }
 
     /// Where a new stream to `key` goes; drops closed connections on the way. `on_turn`: the
     /// caller holds the destination's open turn, so a full destination means open one.
     fn pick(&self, key: &PoolKey, on_turn: bool) -> Pick {
-        let Ok(mut guard) = self.conns.lock() else { return Pick::Open };
+        let Ok(mut guard) = self.conns.lock() else { return Pick::Spread };
         let conns = &mut *guard;
         let Some(dest) = conns.by_key.get_mut(key) else {
             // The first connection to this destination: the key is copied only here.
@@ -318,7 +328,7 @@ impl Pool {
             // Busy, below `spread`: another connection beside it.
             Some(_) => {
                 dest.opening += 1;
-                Pick::Open
+                Pick::Spread
             }
             // None has room: one stream at a time opens one.
             None if on_turn => {
@@ -442,6 +452,40 @@ mod tests {
         assert_eq!(opens.load(Ordering::SeqCst), 4, "one connection per two streams");
         let streams: Vec<usize> = pool.dump().iter().map(|e| e.streams).collect();
         assert_eq!(streams, [2, 2, 2, 2]);
+    }
+
+    #[tokio::test]
+    async fn a_burst_to_a_new_destination_opens_its_spread_connections_in_parallel() {
+        let pool = Arc::new(Pool::new(Arc::new(Metrics::new()), 100, 4));
+        let (opens, in_flight, most) = (
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(AtomicUsize::new(0)),
+        );
+        let mut burst = tokio::task::JoinSet::new();
+        for _ in 0..8 {
+            let (pool, opens, in_flight, most) =
+                (pool.clone(), opens.clone(), in_flight.clone(), most.clone());
+            burst.spawn(async move {
+                let open = || async move {
+                    opens.fetch_add(1, Ordering::SeqCst);
+                    let now = in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(now, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    in_flight.fetch_sub(1, Ordering::SeqCst);
+                    Ok(h2_connection().await)
+                };
+                pool.get(&key(), Duration::from_secs(10), open).await.map(|c| c.1)
+            });
+        }
+        let mut permits = Vec::new();
+        while let Some(got) = burst.join_next().await {
+            permits.push(got.expect("task").expect("get"));
+        }
+        // The first connection on its own (the others wait for it), then the other three of the
+        // spread at once; the last four streams share them.
+        assert_eq!(opens.load(Ordering::SeqCst), 4);
+        assert_eq!(most.load(Ordering::SeqCst), 3, "spread connections opened one at a time");
     }
 
     #[tokio::test]

@@ -109,6 +109,11 @@ pub struct Totals {
     /// panic message has begun.
     reading: Option<usize>,
     in_panic: bool,
+    /// Failures of the test binary being read start at this index.
+    binary_start: usize,
+    /// The last line was `failures:`; then, whether the names list after it is being read.
+    after_header: bool,
+    in_list: bool,
 }
 
 /// A test the harness reported as failed, and the first lines of its panic.
@@ -122,12 +127,32 @@ pub struct Failure {
 const MESSAGE_LINES: usize = 6;
 
 impl Totals {
-    /// Reads one line of libtest output: `test result:` totals, `test NAME ... FAILED`, and the
-    /// `---- NAME stdout ----` blocks' panic messages.
+    /// Reads one line of libtest output: `test result:` totals, `test NAME ... FAILED`, the
+    /// `---- NAME stdout ----` blocks' panic messages, and the list of failed names libtest
+    /// prints last (which names a test whose own result line other output cut in two).
     pub fn read(&mut self, line: &str) {
+        let after_header = std::mem::take(&mut self.after_header);
+        if after_header {
+            self.in_list = line.starts_with("    ");
+        }
+        if self.in_list {
+            match line.strip_prefix("    ").filter(|n| !n.is_empty() && !n.starts_with(' ')) {
+                Some(name) => {
+                    let known = self.failures[self.binary_start..].iter().any(|f| f.name == name);
+                    if !known {
+                        let message = Vec::new();
+                        self.failures.push(Failure { name: name.to_owned(), message });
+                    }
+                    return;
+                }
+                None => self.in_list = false,
+            }
+        }
         if let Some(rest) = line.strip_prefix("test result: ") {
             self.passed += count_before(rest, " passed");
             self.failed += count_before(rest, " failed");
+            self.binary_start = self.failures.len();
+            self.reading = None;
         } else if let Some(name) =
             line.strip_prefix("test ").and_then(|l| l.strip_suffix(" ... FAILED"))
         {
@@ -135,9 +160,18 @@ impl Totals {
         } else if let Some(name) =
             line.strip_prefix("---- ").and_then(|l| l.strip_suffix(" stdout ----"))
         {
-            // The block's panic is read into the last failure of that name (a name can repeat
-            // across test binaries).
-            self.reading = self.failures.iter().rposition(|f| f.name == name);
+            // Only failed tests have a block: its panic goes to that failure of this binary (a
+            // name can repeat across binaries), recorded here if its result line was cut.
+            let start = self.binary_start;
+            let i = match self.failures[start..].iter().position(|f| f.name == name) {
+                Some(i) => start + i,
+                None => {
+                    let message = Vec::new();
+                    self.failures.push(Failure { name: name.to_owned(), message });
+                    self.failures.len() - 1
+                }
+            };
+            self.reading = Some(i);
             self.in_panic = false;
         } else if let Some(i) = self.reading {
             if line.contains("panicked at ") {
@@ -154,6 +188,9 @@ impl Totals {
             if line == "failures:" {
                 self.reading = None;
             }
+        }
+        if line == "failures:" {
+            self.after_header = true;
         }
     }
 
@@ -238,6 +275,41 @@ pub fn count_before(line: &str, label: &str) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::{count_before, Totals};
+
+    #[test]
+    fn a_failed_test_whose_result_line_was_cut_is_named_from_the_summary() {
+        // One test at a time (as in the VM): the name is printed before the test runs, and the
+        // test's child wrote to the same console before FAILED.
+        let out = "\
+running 1 test
+test captured ... monitor: started
+FAILED
+
+failures:
+
+---- captured stdout ----
+thread 'captured' panicked at tests/tests/decisions.rs:40:5:
+no decision
+note: run with `RUST_BACKTRACE=1` environment variable to display a backtrace
+
+
+failures:
+    captured
+
+test result: FAILED. 0 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out
+";
+        let mut t = Totals::default();
+        out.lines().for_each(|l| t.read(l));
+        assert_eq!(t.failed, 1);
+        assert_eq!(
+            t.failure_lines(""),
+            [
+                "FAILED captured",
+                "    thread 'captured' panicked at tests/tests/decisions.rs:40:5:",
+                "    no decision",
+            ]
+        );
+    }
 
     #[test]
     fn a_failed_test_is_named_with_its_panic_message() {

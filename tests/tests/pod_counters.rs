@@ -297,6 +297,20 @@ fn enrolling_a_pod_with_more_exclusions_than_its_share_fails_and_changes_nothing
     assert_eq!(dp.excluded_ports().expect("map").keys().count(), 0);
     assert_eq!(root.pod_pins(), pins_before);
 
+    // Prefix rules: the three lists together.
+    let nets = |first: u8, n: usize| {
+        (0..n).map(|i| format!("10.{first}.{i}.0/24").parse().expect("net")).collect::<Vec<_>>()
+    };
+    let prefixes = EnrolOptions {
+        exclude_outbound_cidrs: nets(1, 64),
+        capture_outbound_cidrs: nets(2, 64),
+        exclude_inbound_cidrs: nets(3, 1),
+        ..EnrolOptions::default()
+    };
+    let err = pods::enrol(&dp, &pods.a.open().expect("netns"), &prefixes).expect_err("enrolled");
+    assert!(matches!(&err, Error::TooManyExclusions { count, .. } if *count == max + 1), "{err}");
+    assert!(pods::list(&dp).expect("list").is_empty());
+
     let at_cap = EnrolOptions { exclude_outbound_ports: outbound, ..EnrolOptions::default() };
     pods::enrol(&dp, &pods.a.open().expect("netns"), &at_cap).expect("a pod at its share enrols");
     assert_eq!(dp.excluded_ports().expect("map").keys().count(), max);

@@ -15,7 +15,7 @@
 
 use std::{collections::BTreeMap, net::IpAddr};
 
-use datapath_common::consts::{k8s, MAX_EXCLUSIONS_PER_POD};
+use datapath_common::consts::k8s;
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 
@@ -128,7 +128,7 @@ fn options(annotations: Option<&BTreeMap<String, String>>) -> Result<MeshOptions
             .map(|s| s.parse::<T>().map_err(|e| format!("annotation {k}: {s:?}: {e}")))
             .collect()
     }
-    let options = MeshOptions {
+    Ok(MeshOptions {
         capture_inbound: !boolean(k8s::BYPASS_INBOUND_CAPTURE, false)?,
         capture_dns: boolean(k8s::DNS_CAPTURE, true)?,
         exclude_outbound_ports: list(
@@ -141,23 +141,7 @@ fn options(annotations: Option<&BTreeMap<String, String>>) -> Result<MeshOptions
             get(k8s::EXCLUDE_OUTBOUND_CIDRS),
         )?,
         exclude_inbound_cidrs: list(k8s::EXCLUDE_INBOUND_CIDRS, get(k8s::EXCLUDE_INBOUND_CIDRS))?,
-    };
-    // Each pod's share of the node's exclusion maps (the same check as enrolment's, here so
-    // the pod is left out with an Event that names the annotations).
-    let ports = options.exclude_outbound_ports.len() + options.exclude_inbound_ports.len();
-    let prefixes = options.exclude_outbound_cidrs.len() + options.exclude_inbound_cidrs.len();
-    for (keys, what, count) in [
-        ([k8s::EXCLUDE_OUTBOUND_PORTS, k8s::EXCLUDE_INBOUND_PORTS], "ports", ports),
-        ([k8s::EXCLUDE_OUTBOUND_CIDRS, k8s::EXCLUDE_INBOUND_CIDRS], "prefixes", prefixes),
-    ] {
-        if count > MAX_EXCLUSIONS_PER_POD {
-            let (a, b) = (keys[0], keys[1]);
-            return Err(format!(
-                "annotations {a} and {b}: {count} {what}, at most {MAX_EXCLUSIONS_PER_POD} per pod"
-            ));
-        }
-    }
-    Ok(options)
+    })
 }
 
 #[cfg(test)]
@@ -246,24 +230,6 @@ mod tests {
         assert_eq!(m.options.exclude_outbound_ports, [9090, 9091]);
         assert_eq!(m.options.exclude_inbound_cidrs, ["10.1.0.0/16".parse::<IpNet>().expect("net")]);
         assert_eq!(m.service_account, "default");
-    }
-
-    #[test]
-    fn more_exclusions_than_a_pod_may_have_leave_the_pod_out_with_the_reason() {
-        let ports: Vec<String> =
-            (1..=MAX_EXCLUSIONS_PER_POD as u16).map(|p| p.to_string()).collect();
-        let ports = ports.join(",");
-        let at_cap = pod(&[], &[(k8s::EXCLUDE_OUTBOUND_PORTS, &ports)]);
-        assert!(matches!(decide(&at_cap, Some(&ns(true)), &[]), Decision::Meshed(_)));
-        // One more, in the other direction: the cap counts both together.
-        let over =
-            pod(&[], &[(k8s::EXCLUDE_OUTBOUND_PORTS, &ports), (k8s::EXCLUDE_INBOUND_PORTS, "22")]);
-        match decide(&over, Some(&ns(true)), &[]) {
-            Decision::Invalid(why) => {
-                assert!(why.contains(k8s::EXCLUDE_INBOUND_PORTS) && why.contains("129"), "{why}")
-            }
-            other => panic!("{other:?}"),
-        }
     }
 
     #[test]

@@ -163,19 +163,17 @@ impl Destination {
     }
 }
 
-/// What [`Pool::pick`] found for a new stream.
-enum Pick {
+/// What [`Pool::pick`] found for a new stream; `T` is what its `full` step made of a
+/// destination where no connection can take it.
+enum Pick<T> {
     /// Take this connection (the stream is already counted on it).
     Use(Connection, StreamPermit),
     /// Open another beside busy ones (counted as being opened): the destination has fewer than
     /// `spread`. Needs no turn: spread connections are opened in parallel.
     Spread,
-    /// None can take the stream and the caller holds the turn: open one (counted as being
-    /// opened), keeping the turn until it is pooled.
-    Open,
-    /// None can take the stream: wait for this turn, then look again. Never returned to a
-    /// caller that holds the turn.
-    Full(Arc<tokio::sync::Mutex<()>>),
+    /// None can take the stream. Without the turn: the turn to wait for, then look again. On
+    /// the turn: nothing (the open is counted); open one, keeping the turn until it is pooled.
+    Full(T),
 }
 
 /// Every destination's connections, and how many there are in all (the gauge, kept as they
@@ -238,20 +236,20 @@ impl Pool {
     {
         // Held while this stream opens a connection for a full destination; released after
         // the connection is pooled (or has failed), so the next stream finds it.
-        let turn = match self.pick(key, false) {
+        let turn = match self.pick(key, |dest| dest.open_turn.clone()) {
             Pick::Use(conn, permit) => return Ok((conn, permit)),
-            Pick::Spread | Pick::Open => None,
+            Pick::Spread => None,
             Pick::Full(turn) => {
                 let held = tokio::time::timeout(wait, turn.lock_owned()).await.map_err(|_| {
                     let why = "no pooled connection had room in time";
                     HboneError::Connect(key.gateway, io::Error::new(io::ErrorKind::TimedOut, why))
                 })?;
                 // The stream before this one may have opened a connection with room.
-                match self.pick(key, true) {
+                match self.pick(key, |dest| dest.opening += 1) {
                     Pick::Use(conn, permit) => return Ok((conn, permit)),
                     // Beside busy ones: others need not wait for it.
                     Pick::Spread => None,
-                    Pick::Open | Pick::Full(_) => Some(held),
+                    Pick::Full(()) => Some(held),
                 }
             }
         };
@@ -269,20 +267,16 @@ impl Pool {
         Ok((conn, permit))
     }
 
-    /// Where a new stream to `key` goes; drops closed connections on the way. `on_turn`: the
-    /// caller holds the destination's open turn, so a full destination means open one.
-    fn pick(&self, key: &PoolKey, on_turn: bool) -> Pick {
+    /// Where a new stream to `key` goes; drops closed connections on the way. `full` runs, under
+    /// the pool's lock, on a destination (new or not) where no connection can take the stream:
+    /// without the turn it hands out the turn, on the turn it counts the open.
+    fn pick<T>(&self, key: &PoolKey, full: impl FnOnce(&mut Destination) -> T) -> Pick<T> {
         let Ok(mut guard) = self.conns.lock() else { return Pick::Spread };
         let conns = &mut *guard;
         let Some(dest) = conns.by_key.get_mut(key) else {
             // The first connection to this destination: the key is copied only here.
             let mut dest = Destination::default();
-            let pick = if on_turn {
-                dest.opening = 1;
-                Pick::Open
-            } else {
-                Pick::Full(dest.open_turn.clone())
-            };
+            let pick = Pick::Full(full(&mut dest));
             conns.by_key.insert(key.clone(), dest);
             return pick;
         };
@@ -331,11 +325,7 @@ impl Pool {
                 Pick::Spread
             }
             // None has room: one stream at a time opens one.
-            None if on_turn => {
-                dest.opening += 1;
-                Pick::Open
-            }
-            None => Pick::Full(dest.open_turn.clone()),
+            None => Pick::Full(full(dest)),
         };
         self.metrics.pool_connections.set(conns.total as i64);
         pick

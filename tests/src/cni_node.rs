@@ -241,7 +241,7 @@ impl CniNode {
     fn spawn_agent(&mut self, cmd: Command, in_node_netns: bool) -> Result<()> {
         self.agent = None;
         self.agent_in_node_netns = in_node_netns;
-        self.agent = Some(TestProxy::spawn(cmd, &self._agent_cgroup)?);
+        self.agent = Some(TestProxy::spawn_as("agent", cmd, &self._agent_cgroup)?);
         Ok(())
     }
 

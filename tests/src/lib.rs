@@ -442,8 +442,15 @@ impl TestProxy {
         Self::spawn(cmd, cgroup)
     }
 
-    /// Starts `cmd` in `cgroup` and waits for its `READY` line (any program that prints one).
-    pub fn spawn(mut cmd: Command, cgroup: &CgroupGuard) -> Result<Self> {
+    /// Starts `cmd` in `cgroup` and waits for its `READY` line (any program that prints one);
+    /// its log lines are shown as `proxy: …`.
+    pub fn spawn(cmd: Command, cgroup: &CgroupGuard) -> Result<Self> {
+        Self::spawn_as("proxy", cmd, cgroup)
+    }
+
+    /// As [`TestProxy::spawn`], its log lines shown as `LABEL: …` (the node agent's as
+    /// `agent: …`).
+    pub fn spawn_as(label: &'static str, mut cmd: Command, cgroup: &CgroupGuard) -> Result<Self> {
         use std::{io::BufRead as _, os::fd::AsRawFd as _, os::unix::process::CommandExt as _};
         let procs = std::fs::OpenOptions::new()
             .write(true)
@@ -460,7 +467,7 @@ impl TestProxy {
                 Ok(())
             });
         }
-        let mut child = cmd.spawn().context("starting the proxy")?;
+        let mut child = cmd.spawn().with_context(|| format!("starting the {label}"))?;
         drop(procs);
         let stdout = child.stdout.take().context("proxy stdout")?;
         let stderr = child.stderr.take().context("proxy stderr")?;
@@ -469,7 +476,7 @@ impl TestProxy {
         let sink = lines.clone();
         std::thread::spawn(move || {
             for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
-                eprintln!("proxy: {line}");
+                eprintln!("{label}: {line}");
                 sink.lock().unwrap_or_else(|p| p.into_inner()).push(line);
             }
         });
@@ -486,7 +493,7 @@ impl TestProxy {
         let proxy = Self { child, lines };
         ready_rx
             .recv_timeout(std::time::Duration::from_secs(10))
-            .context("the proxy did not become ready")?;
+            .with_context(|| format!("the {label} did not become ready"))?;
         Ok(proxy)
     }
 

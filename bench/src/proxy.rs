@@ -214,7 +214,7 @@ fn scenario(name: &str, secs: f64, proxy_args: &[String], store: Store) -> Resul
             .collect()
     };
     // Memory, each in fresh proxies whose allocator gives freed memory back at once
-    // (jemalloc's dirty and muzzy decay at 0, where it keeps freed pages for 10 s): otherwise
+    // (jemalloc's dirty decay at 0, where it keeps freed pages for 10 s): otherwise
     // memory the runs above freed would be reused and the connections would look free, or the
     // buffers of closed streams, freed but kept, would be counted as the connections'. What node
     // 1's proxy holds with 100 more connections (one warm-up connection first), over what it
@@ -222,12 +222,7 @@ fn scenario(name: &str, secs: f64, proxy_args: &[String], store: Store) -> Resul
     let fresh_rss_per_conn = |args: &[&str], keep_open: bool| -> Result<f64> {
         let args: Vec<String> =
             proxy_args.iter().cloned().chain(args.iter().map(|a| a.to_string())).collect();
-        let fresh = start_hbone(
-            &pods,
-            &args,
-            &[("_RJEM_MALLOC_CONF", "dirty_decay_ms:0,muzzy_decay_ms:0")],
-            store,
-        )?;
+        let fresh = start_hbone(&pods, &args, &[("MALLOC_CONF", "dirty_decay_ms:0")], store)?;
         let pid = fresh.proxies[0].pid();
         drop(hold(1)?);
         std::thread::sleep(Duration::from_millis(300));

@@ -743,13 +743,19 @@ mod node_proxy {
     }
 
     impl NodeProxy {
-        /// Starts `meshpath-proxy ARGS…` in a new node netns.
-        pub fn start(args: &[String], cgroup: &CgroupGuard, rust_log: &str) -> Result<Self> {
+        /// Starts `meshpath-proxy ARGS…` in a new node netns, with `env` added to its environment.
+        pub fn start(
+            args: &[String],
+            env: &[(&str, &str)],
+            cgroup: &CgroupGuard,
+            rust_log: &str,
+        ) -> Result<Self> {
             let node = NetnsGuard::new("mp-node")?;
             let mut cmd = Command::new("nsenter");
             cmd.arg(format!("--net={}", node.path().display()))
                 .arg(sibling_bin("meshpath-proxy"))
                 .args(args)
+                .envs(env.iter().copied())
                 .env("RUST_LOG", rust_log);
             let proxy = TestProxy::spawn(cmd, cgroup)?;
             Ok(Self { proxy, node })

@@ -44,6 +44,8 @@ pub struct Setup {
     /// Destination ports pod a's outbound capture leaves alone: pod a then plays a client
     /// outside the mesh for them.
     pub a_exclude_outbound_ports: Vec<u16>,
+    /// Environment given to both proxies (allocator settings, for instance).
+    pub proxy_env: Vec<(&'static str, &'static str)>,
 }
 
 impl Default for Setup {
@@ -55,6 +57,7 @@ impl Default for Setup {
             cert_files: false,
             capture_dns: false,
             a_exclude_outbound_ports: Vec::new(),
+            proxy_env: Vec::new(),
         }
     }
 }
@@ -183,9 +186,10 @@ impl TwoNodes {
                 "100".into(),
             ]);
             args.extend(setup.args.iter().cloned());
-            nodes
-                .proxies
-                .push(NodeProxy::start(&args, &nodes._cgroup, "info").expect("meshpath-proxy"));
+            nodes.proxies.push(
+                NodeProxy::start(&args, &setup.proxy_env, &nodes._cgroup, "info")
+                    .expect("meshpath-proxy"),
+            );
         }
         nodes
     }

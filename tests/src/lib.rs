@@ -469,8 +469,8 @@ impl TestProxy {
         }
         let mut child = cmd.spawn().with_context(|| format!("starting the {label}"))?;
         drop(procs);
-        let stdout = child.stdout.take().context("proxy stdout")?;
-        let stderr = child.stderr.take().context("proxy stderr")?;
+        let stdout = child.stdout.take().with_context(|| format!("{label} stdout"))?;
+        let stderr = child.stderr.take().with_context(|| format!("{label} stderr"))?;
         let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         // Its logs: kept with the lines (tests read access logs) and shown if the test fails.
         let sink = lines.clone();

@@ -276,6 +276,13 @@ pub fn count_before(line: &str, label: &str) -> u64 {
 mod tests {
     use super::{count_before, Totals};
 
+    /// A whole libtest transcript read line by line, as the runner reads a test binary's output.
+    fn read_all(out: &str) -> Totals {
+        let mut t = Totals::default();
+        out.lines().for_each(|l| t.read(l));
+        t
+    }
+
     #[test]
     fn a_failed_test_whose_result_line_was_cut_is_named_from_the_summary() {
         // One test at a time (as in the VM): the name is printed before the test runs, and the
@@ -298,8 +305,7 @@ failures:
 
 test result: FAILED. 0 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out
 ";
-        let mut t = Totals::default();
-        out.lines().for_each(|l| t.read(l));
+        let t = read_all(out);
         assert_eq!(t.failed, 1);
         assert_eq!(
             t.failure_lines(""),
@@ -332,8 +338,7 @@ failures:
 
 test result: FAILED. 1 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out
 ";
-        let mut t = Totals::default();
-        out.lines().for_each(|l| t.read(l));
+        let t = read_all(out);
         assert_eq!((t.passed, t.failed), (1, 1));
         assert_eq!(
             t.failure_lines(""),

@@ -1,8 +1,8 @@
 //! The network-namespace plumbing that meshpath's node agent, CNI plugin and proxy share, and
 //! nothing else (no eBPF, no async runtime):
 //!
-//! - `netns`: open a pod's netns and check it is one, run code on a thread inside it, read its
-//!   cookie (the key of every per-pod map);
+//! - `netns`: open a pod's netns and check it is one, run code inside it on the calling
+//!   thread, read its cookie (the key of every per-pod map);
 //! - `reply_routing`: the rule, route and sysctls a meshed pod's netns needs so that the app's
 //!   replies to the proxy's transparent connections come back to the proxy;
 //! - `rtnetlink`: the few route-netlink requests that takes, sent without spawning `ip`.

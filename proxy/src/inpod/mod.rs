@@ -193,15 +193,7 @@ pub fn add(
     // agent writes it when it enrols the pod): a pod added by hand (`--pod`) to a node whose
     // agent did not enrol it gets connections from its own address instead of broken ones.
     let transparent = proxy.settings.preserve_source
-        && sockets
-            .run(|| {
-                if meshpath_podnet::reply_routing::is_set_up() {
-                    Ok(())
-                } else {
-                    Err(std::io::Error::other("no reply routing"))
-                }
-            })
-            .is_ok();
+        && sockets.run(|| Ok(meshpath_podnet::reply_routing::is_set_up())).unwrap_or(false);
     if proxy.settings.preserve_source && !transparent {
         warn!(pod = %uid, "no reply routing in the pod (not enrolled by a node agent?): its apps will see the pod's own address as the client's");
     }

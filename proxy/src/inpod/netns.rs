@@ -1,12 +1,13 @@
 //! Sockets inside a pod's network namespace. A socket belongs to the netns it was created in, so
 //! a socket for a pod is created by the calling thread after entering the pod's netns, and the
 //! thread goes back to the proxy's own netns before anything else runs on it: two `setns(2)`
-//! around one `socket(2)`, as ztunnel does. The proxy then uses the socket from any task:
-//! listeners on 15001/15006/15008 live in the pod, and upstream connections leave from the
-//! pod's own address. (A thread per connection cost ~20x the connection rate; a per-pod thread
-//! making sockets on request cost a round trip between threads per connection, 13% of the
-//! connection rate from one client: README, proxy benchmark.) Each pod still has a thread that
-//! lives in its netns, for set-up work that runs longer than one syscall (`run`, `addresses`).
+//! around one `socket(2)`, as ztunnel does (`meshpath_podnet::netns::run_in`). The proxy then
+//! uses the socket from any task: listeners on 15001/15006/15008 live in the pod, and upstream
+//! connections leave from the pod's own address. (A thread per connection cost ~20x the
+//! connection rate; a per-pod thread making sockets on request cost a round trip between
+//! threads per connection, 13% of the connection rate from one client: README, proxy
+//! benchmark.) Set-up work that runs longer than one syscall (`run`, `addresses`) enters the
+//! same way, on the calling thread: no pod has a thread of its own.
 //!
 //! A thread that cannot go back to the proxy's netns would make every later socket of every pod
 //! in the wrong place: the process aborts instead (fail closed).
@@ -15,31 +16,16 @@
 //! datapath needs no mark (the proxy bypasses capture by cgroup); the mark is kept so that
 //! meshpath-proxy exercises the same kernel paths as ztunnel on a meshpath node.
 
-use std::{
-    fs::File,
-    io,
-    net::SocketAddr,
-    os::fd::AsFd as _,
-    sync::{mpsc, Mutex, OnceLock},
-};
+use std::{fs::File, io, net::SocketAddr, sync::OnceLock};
 
-use meshpath_podnet::netns::Netns;
+use meshpath_podnet::netns::{run_in, Netns};
 use tokio::net::{TcpListener, TcpSocket, UdpSocket};
-
-type Job = Box<dyn FnOnce() -> io::Result<()> + Send>;
-
-enum Request {
-    Addresses(mpsc::Sender<io::Result<Vec<std::net::IpAddr>>>),
-    Run(Job, mpsc::Sender<io::Result<()>>),
-}
 
 /// Creates sockets inside one pod's netns.
 #[derive(Debug)]
 pub struct SocketFactory {
     /// The pod's netns.
     pod: File,
-    /// The pod's set-up thread (inside its netns).
-    requests: Mutex<mpsc::Sender<Request>>,
 }
 
 /// The proxy's own netns, where every runtime thread lives: opened once, before any thread
@@ -61,63 +47,21 @@ pub fn open_home() -> io::Result<()> {
 }
 
 /// `socket(2)` inside `pod`'s netns on the calling thread, which is back in `home` when this
-/// returns.
+/// returns (or the process aborts: `run_in`).
 fn socket_in(
     pod: &File,
     home: &File,
     domain: socket2::Domain,
     ty: socket2::Type,
 ) -> io::Result<socket2::Socket> {
-    use nix::sched::{setns, CloneFlags};
-    setns(pod.as_fd(), CloneFlags::CLONE_NEWNET).map_err(io::Error::from)?;
-    let made = socket2::Socket::new(domain, ty, None);
-    if let Err(e) = setns(home.as_fd(), CloneFlags::CLONE_NEWNET) {
-        // Every later socket made on this thread would be in the pod: fail closed. (Straight to
-        // stderr as well: a buffered log writer would not get to write before the abort.)
-        tracing::error!(error = %e, "cannot return to the proxy's netns after making a pod socket; aborting");
-        eprintln!("meshpath-proxy: cannot return to the proxy's netns after making a pod socket ({e}); aborting");
-        std::process::abort();
-    }
-    made
+    run_in(pod, home, || socket2::Socket::new(domain, ty, None))?
 }
 
 impl SocketFactory {
-    /// Starts the pod's set-up thread.
+    /// A factory for the pod whose netns is `ns`.
     pub fn new(ns: &Netns) -> io::Result<Self> {
         home()?;
-        let pod = ns.file().try_clone()?;
-        let file = ns.file().try_clone()?;
-        let (tx, rx) = mpsc::channel::<Request>();
-        let (ready_tx, ready_rx) = mpsc::channel();
-        std::thread::Builder::new().name("netns-setup".into()).spawn(move || {
-            let entered = nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET);
-            let ok = entered.is_ok();
-            let _ = ready_tx.send(entered.map_err(io::Error::from));
-            if !ok {
-                return;
-            }
-            // Ends when the factory (the sender) is dropped.
-            for req in rx {
-                match req {
-                    Request::Addresses(reply) => {
-                        let _ = reply.send(addresses());
-                    }
-                    Request::Run(job, reply) => {
-                        let _ = reply.send(job());
-                    }
-                }
-            }
-        })?;
-        ready_rx.recv().map_err(io::Error::other)??;
-        Ok(Self { pod, requests: Mutex::new(tx) })
-    }
-
-    fn request(&self, req: Request) -> io::Result<()> {
-        self.requests
-            .lock()
-            .map_err(|_| io::Error::other("the pod's set-up thread lock poisoned"))?
-            .send(req)
-            .map_err(|_| io::Error::other("the pod's set-up thread is gone"))
+        Ok(Self { pod: ns.file().try_clone()? })
     }
 
     fn domain(addr: SocketAddr) -> socket2::Domain {
@@ -135,13 +79,11 @@ impl SocketFactory {
         Ok(s)
     }
 
-    /// Runs `job` on the pod's thread (inside its netns); children it starts run there too. A
-    /// job makes its sockets with plain `socket(2)` (it is in the pod already), never through
-    /// this factory, which would move its thread back to the proxy's netns.
-    pub fn run(&self, job: impl FnOnce() -> io::Result<()> + Send + 'static) -> io::Result<()> {
-        let (tx, rx) = mpsc::channel();
-        self.request(Request::Run(Box::new(job), tx))?;
-        rx.recv().map_err(|_| io::Error::other("the pod's set-up thread is gone"))?
+    /// Runs `job` inside the pod's netns, on the calling thread (which is back in the proxy's
+    /// when this returns). A job makes its sockets with plain `socket(2)` (it is in the pod
+    /// already), never through this factory.
+    pub fn run<T>(&self, job: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
+        run_in(&self.pod, home()?, job)?
     }
 
     /// A TCP socket inside the pod bound to `from`, an address that is not the pod's (the
@@ -179,9 +121,7 @@ impl SocketFactory {
 
     /// The pod's addresses (not loopback, not link-local IPv6).
     pub fn addresses(&self) -> io::Result<Vec<std::net::IpAddr>> {
-        let (tx, rx) = mpsc::channel();
-        self.request(Request::Addresses(tx))?;
-        rx.recv().map_err(|_| io::Error::other("the pod's set-up thread is gone"))?
+        self.run(addresses)
     }
 
     /// A TCP listener on `addr` inside the pod.

@@ -70,8 +70,8 @@ async fn session(proxy: &Arc<Proxy>, conn: &SeqPacket) -> Result<(), ZdsError> {
         };
         let result = match session.step(req, fds.len(), &served) {
             Err(e) => Err(e),
-            // Adding a pod does blocking work (a certificate, a thread entering its netns,
-            // `ip`, the datapath's lock): off the runtime's worker threads.
+            // Adding a pod does blocking work (a certificate, entering its netns, netlink
+            // reads there): off the runtime's worker threads.
             Ok(step) => {
                 let p = proxy.clone();
                 tokio::task::spawn_blocking(move || apply(&p, step, fds))

@@ -110,8 +110,11 @@ pub fn run_in<T>(ns: &File, home: &File, f: impl FnOnce() -> T) -> std::io::Resu
     impl Drop for Back<'_> {
         fn drop(&mut self) {
             if let Err(e) = setns(self.0, CloneFlags::CLONE_NEWNET) {
-                // Straight to stderr: no logger is known to this crate, and the process ends.
-                eprintln!(
+                // Straight to stderr (no logger is known to this crate), and a failed write
+                // must not stop the abort: `eprintln!` would panic instead.
+                use std::io::Write as _;
+                let _ = writeln!(
+                    std::io::stderr(),
                     "meshpath: cannot return to the thread's own network namespace ({e}); aborting"
                 );
                 std::process::abort();

@@ -214,7 +214,7 @@ fn a_hundred_pods_added_and_removed_concurrently_leave_nothing_behind() {
 
 /// A pod costs the proxy its sockets, not a thread: it used to keep one thread per pod in the
 /// pod's netns (1003 threads and 122 MiB resident at 1000 pods, against 4 and 27 MiB without:
-/// `meshpath-bench cni --pods 1000`).
+/// docs/deploy.md, "The proxy's memory").
 #[test]
 fn the_proxy_serves_pods_without_a_thread_per_pod() {
     const N: usize = 20;

@@ -183,17 +183,21 @@ pub fn add(
 ) -> anyhow::Result<Arc<Pod>> {
     let identity = workload.identity();
     let tls = fetch_tls(proxy, &identity)?;
-    let sockets =
-        SocketFactory::new(&netns).with_context(|| format!("entering the netns of pod {uid}"))?;
+    let sockets = SocketFactory::new(&netns)
+        .with_context(|| format!("a socket factory for the netns of pod {uid}"))?;
     if workload.workload_ips.is_empty() {
         // Not in the store (a pod the agent just added): its addresses are in its netns.
-        workload.workload_ips = sockets.addresses().unwrap_or_default();
+        workload.workload_ips = sockets
+            .addresses()
+            .with_context(|| format!("reading the addresses in the netns of pod {uid}"))?;
     }
     // The client's address is kept only where the pod's reply routing is in place (the node
     // agent writes it when it enrols the pod): a pod added by hand (`--pod`) to a node whose
     // agent did not enrol it gets connections from its own address instead of broken ones.
     let transparent = proxy.settings.preserve_source
-        && sockets.run(|| Ok(meshpath_podnet::reply_routing::is_set_up())).unwrap_or(false);
+        && sockets
+            .run(|| Ok(meshpath_podnet::reply_routing::is_set_up()))
+            .with_context(|| format!("checking the reply routing in the netns of pod {uid}"))?;
     if proxy.settings.preserve_source && !transparent {
         warn!(pod = %uid, "no reply routing in the pod (not enrolled by a node agent?): its apps will see the pod's own address as the client's");
     }

@@ -398,7 +398,7 @@ fn attach_tc(
 }
 
 /// Removes the counters' netlink filters (kernels without TCX) from `iface` in the calling
-/// thread's netns; nothing to do where there are none. With TCX, unpinning the links detaches.
+/// thread's netns; nothing to do where there are none. TCX links are detached by `remove_all`.
 pub fn detach_tc_filters(iface: &str) {
     for (attach_type, program) in [
         (TcAttachType::Ingress, programs::TC_POD_INGRESS),
@@ -453,7 +453,7 @@ pub fn is_enrolled(dp: &Datapath, cookie: NetnsCookie) -> Result<bool> {
     Ok(recorded || dp.pod_dir(cookie).exists())
 }
 
-/// Removes the pod's links (unpinning detaches them), its directory and its map entries.
+/// Removes the pod's links (detached, then unpinned), its directory and its map entries.
 /// Missing pieces are not errors: this also finishes a half-done enrolment.
 fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
     // Every step runs even if one fails; the failures are reported together at the end.
@@ -490,6 +490,12 @@ fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
     let dir = dp.pod_dir(cookie);
     let unpin = || -> io::Result<()> {
         for entry in fs::read_dir(&dir)?.flatten() {
+            // Detached first, so that no program of the pod's runs once this returns: the
+            // unlink alone detaches only later (sys::detach_pinned_link). If that fails, the
+            // unlink still detaches, later.
+            if let Err(e) = crate::sys::detach_pinned_link(&entry.path()) {
+                warn!(cookie, pin = %entry.path().display(), error = %e, "detaching a pod's link");
+            }
             fs::remove_file(entry.path())?;
         }
         fs::remove_dir(&dir)

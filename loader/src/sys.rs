@@ -1,7 +1,7 @@
 //! The few bpf(2) commands meshpath needs that aya 0.14 does not expose: creating and pinning a
-//! cgroup getsockopt link (aya cannot turn that link into a pinnable `FdLink`), and reading the
+//! cgroup getsockopt link (aya cannot turn that link into a pinnable `FdLink`), reading the
 //! target of a pinned link (aya's `LinkInfo` hides it), which tells whether the pod it served
-//! still exists.
+//! still exists, and detaching a pinned link at once.
 
 use std::{
     ffi::CString,
@@ -17,6 +17,7 @@ const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_LINK_CREATE: libc::c_long = 28;
+const BPF_LINK_DETACH: libc::c_long = 34;
 /// `enum bpf_attach_type`: BPF_CGROUP_GETSOCKOPT.
 const BPF_CGROUP_GETSOCKOPT: u32 = 21;
 
@@ -79,17 +80,37 @@ pub fn sk_msg_on_map(prog_fd: i32, map_fd: i32, attach: bool) -> io::Result<()> 
     bpf(if attach { BPF_PROG_ATTACH } else { BPF_PROG_DETACH }, &mut attr).map(drop)
 }
 
-/// The target of the bpf link pinned at `pin`: the interface index of a TCX link, the netns
-/// inode of a netns link. `Some(0)` once the kernel detached it because its target went away.
-pub fn pinned_link_target(pin: &Path) -> io::Result<u32> {
+fn obj_get(pin: &Path) -> io::Result<OwnedFd> {
     let path = path_cstring(pin)?;
     let mut attr = Attr([0; 32]);
+    // obj_get: pathname (u64).
     let ptr = path.as_ptr() as u64;
     attr.0[0] = ptr as u32;
     attr.0[1] = (ptr >> 32) as u32;
     let fd = bpf(BPF_OBJ_GET, &mut attr)?;
     // SAFETY: the kernel just returned this descriptor to us.
-    let link = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Detaches the bpf link pinned at `pin` from its target now (`BPF_LINK_DETACH`, Linux 5.9),
+/// leaving the pin for the caller to remove. Removing a link's last pin does not detach it by
+/// the time `unlink(2)` returns: bpffs drops the inode's reference after an RCU grace period,
+/// and the last reference of a link is then released from a workqueue, so the program can keep
+/// running for a while (a CI run saw a pod's TCX counters still attached right after its
+/// unenrolment). A link whose target is already gone (its netns or interface went away)
+/// detaches with success.
+pub fn detach_pinned_link(pin: &Path) -> io::Result<()> {
+    let link = obj_get(pin)?;
+    let mut attr = Attr([0; 32]);
+    // link_detach: link_fd.
+    attr.0[0] = link.as_raw_fd() as u32;
+    bpf(BPF_LINK_DETACH, &mut attr).map(drop)
+}
+
+/// The target of the bpf link pinned at `pin`: the interface index of a TCX link, the netns
+/// inode of a netns link. `Some(0)` once the kernel detached it because its target went away.
+pub fn pinned_link_target(pin: &Path) -> io::Result<u32> {
+    let link = obj_get(pin)?;
     // struct bpf_link_info: type, id, prog_id, then (8-aligned, at byte 16) a union whose first
     // u32 is tcx.ifindex or netns.netns_ino.
     let mut info = [0u32; 32];

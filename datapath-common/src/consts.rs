@@ -182,10 +182,14 @@ pub mod map_names {
     pub const AYA_LOGS: &str = "AYA_LOGS";
     /// cgroup ids whose sockets are never captured (the proxy's), value unused.
     pub const PROXY_CGROUPS: &str = "PROXY_CGROUPS";
-    /// [`crate::OrigDst`] by the app socket's cookie (LRU).
+    /// [`crate::OrigDst`] in each captured app socket's own storage (socket storage).
     pub const ORIG_DST_BY_SOCKET: &str = "ORIG_DST_BY_SOCKET";
-    /// [`crate::OrigDst`] by [`crate::ConnKey`] (LRU), for the proxy's getsockopt.
+    /// [`crate::OrigDst`] by [`crate::ConnKey`] (LRU), until the proxy's end of the connection
+    /// takes it.
     pub const ORIG_DST_BY_CONN: &str = "ORIG_DST_BY_CONN";
+    /// [`crate::OrigDst`] in the storage of each socket the proxy accepted from a captured app
+    /// (socket storage), for its getsockopt.
+    pub const ORIG_DST_BY_ACCEPTED: &str = "ORIG_DST_BY_ACCEPTED";
     /// Ports excluded from capture, by [`crate::PortKey`], value unused.
     pub const EXCLUDED_PORTS: &str = "EXCLUDED_PORTS";
     /// SOCKHASH of both ends of captured app↔proxy connections, by [`crate::SockKey`].

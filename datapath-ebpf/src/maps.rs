@@ -1,8 +1,13 @@
 //! Every map of the object. Layouts come from datapath-common; all maps are pinned by name so
-//! that every program instance and every loader process shares them.
+//! that every program instance and every loader process shares them (the legacy ones by their
+//! definition; the one BTF map, socket storage, which aya-ebpf cannot mark pinned, by the
+//! loader: `map_pin_path`).
 
 use aya_ebpf::{
-    macros::map,
+    bindings::{bpf_sock, BPF_SK_STORAGE_GET_F_CREATE},
+    btf_maps::SkStorage,
+    helpers::bpf_sk_storage_get,
+    macros::{btf_map, map},
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuHashMap, RingBuf, SockHash},
     Global,
 };
@@ -38,15 +43,29 @@ pub static PROXY_CGROUPS: HashMap<u64, u32> = HashMap::pinned(64, 0);
 #[map]
 pub static EXCLUDED_PORTS: HashMap<PortKey, u32> = HashMap::pinned(EXCLUSION_MAP_ENTRIES, 0);
 
-/// Original destination by the app socket's cookie (for getpeername and sock_ops).
-#[map]
-pub static ORIG_DST_BY_SOCKET: LruHashMap<u64, OrigDst> =
-    LruHashMap::pinned(MAX_TRACKED_CONNECTIONS, 0);
+/// Original destination of a captured app socket, kept on the socket itself (socket storage:
+/// for getpeername, recvmsg and sock_ops). It lives exactly as long as the socket, as the
+/// destination NAT of iptables REDIRECT does: an LRU map keyed by socket cookie evicted a
+/// long-lived connection's entry once enough newer connections came (its getpeername then
+/// showed the proxy), and its inserts, evicting on a full map, were most of the datapath's
+/// per-connection cost. Needs the object's BTF (socket storage maps are BTF-described).
+#[btf_map]
+pub static ORIG_DST_BY_SOCKET: SkStorage<OrigDst> = SkStorage::new();
 
-/// Original destination by (netns, IP version, app port), for the proxy's getsockopt.
+/// Original destination by (netns, IP version, app port, listener port): filed when the app's
+/// connection is established, taken (moved to `ORIG_DST_BY_ACCEPTED`) when the proxy's end of
+/// it is, a moment later; so it holds only connections between the two, and LRU eviction is a
+/// backstop for ones never accepted.
 #[map]
 pub static ORIG_DST_BY_CONN: LruHashMap<ConnKey, OrigDst> =
     LruHashMap::pinned(MAX_TRACKED_CONNECTIONS, 0);
+
+/// Original destination of a socket the proxy accepted from a captured app, on the socket
+/// itself (socket storage), for the proxy's getsockopt(SO_ORIGINAL_DST) as long as it lives,
+/// as conntrack answers it under REDIRECT. Not the app socket's map: getpeername on the
+/// proxy's socket must show the app, not the destination.
+#[btf_map]
+pub static ORIG_DST_BY_ACCEPTED: SkStorage<OrigDst> = SkStorage::new();
 
 /// Transparent connections made inside a pod to the pod itself (filed by sock_ops while they
 /// live): not captured inbound.
@@ -87,3 +106,22 @@ pub static POD_ADDRS: HashMap<NetnsCookie, PodAddrs> = HashMap::pinned(MAX_PODS,
 /// instance.
 #[unsafe(no_mangle)]
 pub static POD_COOKIE: Global<NetnsCookie> = Global::new(0);
+
+/// The `OrigDst` of socket `sk` in the socket storage `map` (null: none, or, with `create`, no
+/// memory for one; created zeroed). For the contexts aya-ebpf's `SkStorage` does not take (it
+/// takes only a sock_addr context): sock_ops and sockopt. The map pointer is the map's own
+/// definition, as that wrapper passes it.
+///
+/// # Safety
+/// `sk` must be a non-null socket pointer of the running program's context.
+#[inline(always)]
+pub unsafe fn orig_dst_slot(
+    map: &SkStorage<OrigDst>,
+    sk: *mut bpf_sock,
+    create: bool,
+) -> *mut OrigDst {
+    let flags = if create { u64::from(BPF_SK_STORAGE_GET_F_CREATE) } else { 0 };
+    let map = core::ptr::from_ref(map).cast_mut().cast();
+    // SAFETY: as the caller promises; the helper reads the socket and the map only.
+    unsafe { bpf_sk_storage_get(map, sk.cast(), core::ptr::null_mut(), flags) }.cast()
+}

@@ -4,11 +4,14 @@
 //! no change. For inbound (sk_lookup does not rewrite addresses) the answer is the accepted
 //! socket's own local address, on sockets of a pod captured inbound. Only callers in the proxy's
 //! cgroup are answered; every other getsockopt passes through untouched.
+//!
+//! Also sock_ops' part of it on the proxy's side (`accepted`): the accepted socket takes the
+//! original destination the app's end filed, into its own storage.
 
 use aya_ebpf::{
     helpers::{bpf_get_current_cgroup_id, bpf_get_netns_cookie},
     macros::cgroup_sockopt,
-    programs::SockoptContext,
+    programs::{SockOpsContext, SockoptContext},
     EbpfContext as _,
 };
 use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
@@ -23,7 +26,7 @@ use datapath_common::{
 
 use crate::{
     decisions::{mapped, record, Tuple},
-    maps::{ORIG_DST_BY_CONN, PODS, PROXY_CGROUPS},
+    maps::{orig_dst_slot, ORIG_DST_BY_ACCEPTED, ORIG_DST_BY_CONN, PODS, PROXY_CGROUPS},
     net::{is_v4_mapped, words_to_bytes, SockaddrIn, SockaddrIn6, V4_MAPPED_PREFIX},
 };
 
@@ -78,8 +81,12 @@ unsafe fn answer(ctx: &SockoptContext) {
             proxy_port: local_port,
             _pad: 0,
         };
-        match unsafe { ORIG_DST_BY_CONN.get(&key) } {
-            Some(o) => *o,
+        // Taken onto the socket when it was accepted (`accepted`); still filed by connection
+        // if that did not happen (the proxy's end established first, as with TCP Fast Open).
+        match unsafe { accepted_orig(sk) }
+            .or_else(|| unsafe { ORIG_DST_BY_CONN.get(&key) }.copied())
+        {
+            Some(o) => o,
             None => return refused(ctx, netns, peer_ip6, peer_port, local_port),
         }
     } else {
@@ -136,6 +143,61 @@ unsafe fn answer(ctx: &SockoptContext) {
         src_port: peer_port,
         dst_port: u16::from_be(orig.port),
     });
+}
+
+/// sock_ops, `PASSIVE_ESTABLISHED` on the outbound or DNS listener's port: the proxy's end of
+/// a captured connection takes the original destination the app's end filed by connection
+/// (`ORIG_DST_BY_CONN`) into its own storage, where getsockopt finds it for as long as the
+/// socket lives, and the entry by connection goes: that map then holds only connections
+/// between their two ends' establishment, and its inserts find free slots instead of evicting.
+/// A socket of no captured connection finds no entry and gets no storage.
+#[inline(always)]
+pub fn accepted(ctx: &SockOpsContext) {
+    let v4 = ctx.family() == u32::from(AF_INET) || is_v4_mapped(&ctx.remote_ip6());
+    // The same key the app's end filed, from this end: its peer is the app's local port.
+    let key = ConnKey {
+        // SAFETY: helper called with this program's own context.
+        netns: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
+        // remote_port holds the network-order port in its upper half.
+        port: u16::from_be((ctx.remote_port() >> 16) as u16),
+        ip_version: if v4 { 4 } else { 6 },
+        proxy_port: ctx.local_port() as u16,
+        _pad: 0,
+    };
+    // SAFETY: map values are plain data owned by the map; `sk` of the kernel's bpf_sock_ops
+    // for this call, null-checked (the verifier types it "socket or null"); a slot the helper
+    // returns is that socket's OrigDst.
+    unsafe {
+        let Some(orig) = ORIG_DST_BY_CONN.get(&key).copied() else {
+            return;
+        };
+        let sk = (*ctx.ops).__bindgen_anon_2.sk;
+        if sk.is_null() {
+            return;
+        }
+        let slot = orig_dst_slot(&ORIG_DST_BY_ACCEPTED, sk, true);
+        // Without memory for it, the entry stays where getsockopt also looks.
+        if slot.is_null() {
+            return;
+        }
+        *slot = orig;
+        let _ = ORIG_DST_BY_CONN.remove(&key);
+    }
+}
+
+/// The original destination taken onto the proxy's accepted socket `sk`, if any.
+#[inline(always)]
+unsafe fn accepted_orig(sk: *mut aya_ebpf::bindings::bpf_sock) -> Option<OrigDst> {
+    // SAFETY: `sk` is the (non-null) socket of this call; a slot the helper returns is that
+    // socket's OrigDst.
+    unsafe {
+        let slot = orig_dst_slot(&ORIG_DST_BY_ACCEPTED, sk, false);
+        if slot.is_null() {
+            None
+        } else {
+            Some(*slot)
+        }
+    }
 }
 
 /// The proxy asked about a socket the datapath did not capture: it gets netfilter's ENOENT.

@@ -24,7 +24,7 @@ use aya_ebpf::{
         bpf_sock_addr, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB,
         BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_SOCK_OPS_TCP_LISTEN_CB,
     },
-    helpers::{bpf_get_current_cgroup_id, bpf_get_netns_cookie, bpf_get_socket_cookie},
+    helpers::{bpf_get_current_cgroup_id, bpf_get_netns_cookie},
     macros::{cgroup_sock_addr, sock_ops},
     programs::{SockAddrContext, SockOpsContext},
     EbpfContext as _,
@@ -40,11 +40,11 @@ use crate::{
     accelerate,
     decisions::{mapped, record, Tuple},
     maps::{
-        EXCLUDED_PORTS, ORIG_DST_BY_CONN, ORIG_DST_BY_SOCKET, PODS, POD_ADDRS, POD_IPS,
-        PROXY_CGROUPS,
+        orig_dst_slot, EXCLUDED_PORTS, ORIG_DST_BY_CONN, ORIG_DST_BY_SOCKET, PODS, POD_ADDRS,
+        POD_IPS, PROXY_CGROUPS,
     },
     net::{cidr_excluded, is_loopback4, is_v4_mapped, LOOPBACK4, LOOPBACK6, V4_MAPPED_PREFIX},
-    probes, proxy_sockets,
+    original_dst, probes, proxy_sockets,
 };
 
 /// sock_addr verdicts.
@@ -195,13 +195,20 @@ fn proxy_addr6(to: u16, netns: NetnsCookie) -> [u32; 4] {
     }
 }
 
-/// Files the original destination under the socket's cookie. A full map is a refusal, not a
-/// leak around the proxy.
+/// Files the original destination in the socket's own storage (a socket that connects again,
+/// as UDP may, gets the new one). No memory for it is a refusal, not a leak around the proxy.
 #[inline(always)]
 fn remember(ctx: &SockAddrContext, orig: &OrigDst) -> bool {
-    // SAFETY: helper called with this program's own context.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    ORIG_DST_BY_SOCKET.insert(&cookie, orig, 0).is_ok()
+    // SAFETY: the helper is given this program's own socket; a pointer it returns is that
+    // socket's OrigDst, created zeroed if it had none.
+    unsafe {
+        let slot = ORIG_DST_BY_SOCKET.get_or_insert_ptr_mut(ctx, None);
+        if slot.is_null() {
+            return false;
+        }
+        *slot = *orig;
+    }
+    true
 }
 
 /// Rewrites an IPv4 destination (connect4, sendmsg4) to the proxy if captured.
@@ -314,10 +321,34 @@ pub fn mp_connect6(ctx: SockAddrContext) -> i32 {
 /// The original destination of a captured app socket, if this is one.
 #[inline(always)]
 pub fn orig_of(ctx: &SockAddrContext) -> Option<OrigDst> {
-    // SAFETY: helper called with this program's own context; map values are plain data.
+    // SAFETY: the helper is given this program's own socket; a pointer it returns is that
+    // socket's OrigDst (plain data).
     unsafe {
-        let cookie = bpf_get_socket_cookie(ctx.as_ptr());
-        ORIG_DST_BY_SOCKET.get(&cookie).copied()
+        let slot = ORIG_DST_BY_SOCKET.get_ptr_mut(ctx);
+        if slot.is_null() {
+            None
+        } else {
+            Some(*slot)
+        }
+    }
+}
+
+/// The original destination of the sock_ops socket, if it is a captured app socket.
+#[inline(always)]
+fn orig_of_sock_ops(ctx: &SockOpsContext) -> Option<OrigDst> {
+    // SAFETY: `sk` of the kernel's bpf_sock_ops for this call, null-checked (the verifier types
+    // it "socket or null"); a slot the helper returns is that socket's OrigDst.
+    unsafe {
+        let sk = (*ctx.ops).__bindgen_anon_2.sk;
+        if sk.is_null() {
+            return None;
+        }
+        let slot = orig_dst_slot(&ORIG_DST_BY_SOCKET, sk, false);
+        if slot.is_null() {
+            None
+        } else {
+            Some(*slot)
+        }
     }
 }
 
@@ -379,9 +410,13 @@ pub fn mp_sock_ops(ctx: SockOpsContext) -> u32 {
         return 1;
     }
     if op == BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB {
-        // The proxy's end of an app↔proxy connection: accepted on the outbound listener in an
-        // enrolled pod.
-        if ctx.local_port() == u32::from(ports::OUTBOUND) && accelerate::enabled() {
+        // The proxy's end of an app↔proxy connection: accepted on the outbound (or DNS)
+        // listener in an enrolled pod.
+        let local = ctx.local_port();
+        if local == u32::from(ports::OUTBOUND) || local == u32::from(ports::DNS) {
+            original_dst::accepted(&ctx);
+        }
+        if local == u32::from(ports::OUTBOUND) && accelerate::enabled() {
             // SAFETY: helper called with this program's own context; map values are plain data.
             let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
             if unsafe { PODS.get(&netns) }.is_some() {
@@ -393,25 +428,21 @@ pub fn mp_sock_ops(ctx: SockOpsContext) -> u32 {
     if op != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB {
         return 1;
     }
-    // SAFETY: helpers called with this program's own context; map values are plain data.
-    let orig = unsafe {
-        let cookie = bpf_get_socket_cookie(ctx.as_ptr());
-        match ORIG_DST_BY_SOCKET.get(&cookie) {
-            Some(o) => *o,
-            None => return 1,
-        }
+    let Some(orig) = orig_of_sock_ops(&ctx) else {
+        return 1;
     };
     let v4 = ctx.family() == u32::from(AF_INET) || is_v4_mapped(&ctx.local_ip6());
     // remote_port holds the network-order port in its upper half.
     let proxy_port = u16::from_be((ctx.remote_port() >> 16) as u16);
     let key = ConnKey {
-        // SAFETY: as above.
+        // SAFETY: helper called with this program's own context.
         netns: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
         port: ctx.local_port() as u16,
         ip_version: if v4 { 4 } else { 6 },
         proxy_port,
         _pad: 0,
     };
+    // Before the ACK that lets the proxy's end be established (and take it) is sent.
     let _ = ORIG_DST_BY_CONN.insert(&key, &orig, 0);
     // The app's end of a connection to the outbound listener (not DNS).
     if accelerate::enabled() && proxy_port == ports::OUTBOUND {

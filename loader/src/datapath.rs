@@ -112,6 +112,15 @@ impl Datapath {
             .btf(None)
             .default_map_pin_directory(self.root.join(pins::MAPS_DIR))
             .map_pin_path(map_names::AYA_LOGS, self.map_pin(map_names::AYA_LOGS))
+            // BTF maps: pinned here, not by their definition (datapath-ebpf/src/maps.rs).
+            .map_pin_path(
+                map_names::ORIG_DST_BY_SOCKET,
+                self.map_pin(map_names::ORIG_DST_BY_SOCKET),
+            )
+            .map_pin_path(
+                map_names::ORIG_DST_BY_ACCEPTED,
+                self.map_pin(map_names::ORIG_DST_BY_ACCEPTED),
+            )
             .override_global(globals::POD_COOKIE, &pod_cookie, true)
             .load(EBPF_OBJECT)
             .map_err(|e| Error::bpf("loading the embedded eBPF object", e))
@@ -333,6 +342,14 @@ impl Datapath {
         &self,
     ) -> Result<HashMap<MapData, datapath_common::TransparentKey, u8>> {
         self.hash_map(map_names::PROXY_TRANSPARENT)
+    }
+
+    /// Original destinations filed by connection (`ConnKey`) that the proxy's end of the
+    /// connection has not taken yet.
+    pub fn orig_dst_by_conn(
+        &self,
+    ) -> Result<HashMap<MapData, datapath_common::ConnKey, datapath_common::OrigDst>> {
+        self.hash_map(map_names::ORIG_DST_BY_CONN)
     }
 
     fn hash_map<K: aya::Pod, V: aya::Pod>(&self, name: &str) -> Result<HashMap<MapData, K, V>> {

@@ -119,7 +119,7 @@ pub fn run() -> Vec<Check> {
             "5.8",
             &[
                 (BpfHelper::BPF_FUNC_get_netns_cookie, Some("5.7")),
-                (BpfHelper::BPF_FUNC_get_socket_cookie, None),
+                (BpfHelper::BPF_FUNC_sk_storage_get, None),
                 (BpfHelper::BPF_FUNC_get_current_cgroup_id, Some("5.7")),
             ],
         ),
@@ -129,7 +129,7 @@ pub fn run() -> Vec<Check> {
             "4.13",
             &[
                 (BpfHelper::BPF_FUNC_get_netns_cookie, Some("5.15")),
-                (BpfHelper::BPF_FUNC_get_socket_cookie, None),
+                (BpfHelper::BPF_FUNC_sk_storage_get, None),
             ],
         ),
         (ProgramType::SkMsg, "sk_msg (local hop shortcut)", "4.17", &[]),
@@ -140,6 +140,7 @@ pub fn run() -> Vec<Check> {
             &[
                 (BpfHelper::BPF_FUNC_get_netns_cookie, Some("5.15")),
                 (BpfHelper::BPF_FUNC_get_current_cgroup_id, None),
+                (BpfHelper::BPF_FUNC_sk_storage_get, None),
             ],
         ),
         (
@@ -177,6 +178,7 @@ pub fn run() -> Vec<Check> {
         (MapType::LpmTrie, "LPM trie", "4.11"),
         (MapType::SockHash, "sockhash", "4.18"),
         (MapType::RingBuf, "ring buffer (decision monitor, eBPF logs)", "5.8"),
+        (MapType::SkStorage, "socket storage (original destinations)", "5.2"),
     ] {
         out.push(Check::required(
             format!("map type {name}"),

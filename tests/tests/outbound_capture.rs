@@ -50,6 +50,64 @@ fn app_getpeername_shows_the_destination_it_asked_for_v6() {
     app_sees_the_peer_it_asked_for(true);
 }
 
+/// The original destination lives as long as the app's socket, as REDIRECT's NAT does: it is
+/// not lost to the connections made after it (the node-wide record of them once kept 65,536,
+/// evicting the oldest, so a long-lived connection's getpeername came to show the proxy).
+#[test]
+fn a_long_lived_connection_keeps_its_destination_after_many_newer_connections() {
+    let mesh = Mesh::capturing().with_proxy("forward");
+    let dst = mesh.b(false, 8089);
+    let server = mesh.echo_server_in_b(dst);
+    let mut conn = mesh.connect_from_a(dst, None).expect("connect");
+    assert_eq!(conn.peer_addr().expect("getpeername"), dst);
+
+    // Three times the old record's size in captured sockets of another pod of the node, each
+    // one looked at once as an app would: connected UDP to port 53 (DNS capture), getpeername.
+    // No datagram is sent.
+    let churn = 3 * datapath_common::consts::MAX_TRACKED_CONNECTIONS as usize;
+    let b = mesh.pods.b.open().expect("netns b");
+    let opts = EnrolOptions { capture_dns: true, ..EnrolOptions::default() };
+    pods::enrol(&mesh.datapath(), &b, &opts).expect("enrol b");
+    let resolver = mesh.a(false, 53);
+    let shown = b
+        .run(|| {
+            (0..churn)
+                .filter(|_| {
+                    let udp = std::net::UdpSocket::bind("0.0.0.0:0").expect("udp socket");
+                    udp.connect(resolver).expect("udp connect");
+                    udp.peer_addr().is_ok_and(|p| p == resolver)
+                })
+                .count()
+        })
+        .expect("run in pod b");
+    assert_eq!(shown, churn, "every socket of pod b is captured and shows its destination");
+
+    assert_eq!(conn.peer_addr().expect("getpeername"), dst, "after {churn} newer connections");
+    conn.write_all(b"still here").expect("send");
+    let mut echoed = [0u8; 10];
+    conn.read_exact(&mut echoed).expect("echo");
+    assert_eq!(&echoed, b"still here");
+    drop(conn);
+    server.join().expect("server").expect("server io");
+}
+
+/// The proxy's end of a captured connection takes the original destination onto its own
+/// socket when it is established: the proxy reads it from there, and nothing is left filed by
+/// connection (so that record holds only connections not yet accepted, and never fills).
+#[test]
+fn the_proxys_socket_takes_the_original_destination_leaving_no_record_by_connection() {
+    let mesh = Mesh::capturing().with_proxy("echo");
+    let cookie = mesh.pods.a.open().expect("netns a").cookie();
+    for (i, v6) in [false, true].into_iter().cycle().take(20).enumerate() {
+        let dst = mesh.b(v6, 8100 + i as u16);
+        let conn = mesh.connect_from_a(dst, None).expect("connect through capture");
+        assert_eq!(read_line(&conn), format!("ORIG_DST {dst}"));
+    }
+    let by_conn = mesh.datapath().orig_dst_by_conn().expect("ORIG_DST_BY_CONN");
+    let left: Vec<_> = by_conn.keys().flatten().filter(|k| k.netns == cookie).collect();
+    assert!(left.is_empty(), "filed by connection after the proxy accepted them: {left:?}");
+}
+
 /// As under istio-cni's REDIRECT, the app's connection to the proxy carries the pod's own
 /// address as its source: the app's getsockname() and the proxy's peer both show the pod,
 /// never loopback.

@@ -21,10 +21,16 @@ fn nodes() -> TwoNodes {
     })
 }
 
+/// The proxy's count of errors for `reason`, once it has counted one (up to 5 s): the peer
+/// can see the connection end (the GOAWAY, the reset) before the proxy's task that ends it has
+/// counted it. Read again after that, so a second count would show.
 fn errors(nodes: &TwoNodes, node: usize, reason: &str) -> f64 {
-    nodes.proxies[node]
-        .metric("meshpath_connection_errors_total", &[("reason", reason)])
-        .expect("metrics")
+    let proxy = &nodes.proxies[node];
+    let count = || {
+        proxy.metric("meshpath_connection_errors_total", &[("reason", reason)]).expect("metrics")
+    };
+    proxy.wait_metrics(Duration::from_secs(5), |_| count() >= 1.0);
+    count()
 }
 
 /// A TCP connection to pod b's HBONE port, from pod b's netns (not captured).

@@ -53,6 +53,7 @@ impl Datapath {
                 .map_err(|e| Error::io(format!("creating {}", root.join(dir).display()), e))?;
         }
         let dp = Self::locked(root)?;
+        dp.check_socket_storage_pins()?;
         if !dp.maps_pinned() {
             // Parsing the object creates and pins every map it declares `pinned`.
             dp.load_object(0)?;
@@ -67,6 +68,7 @@ impl Datapath {
     /// anything (what the proxy needs to register its listeners): an error if nothing is pinned.
     pub fn open_existing(root: &Path) -> Result<Self> {
         let dp = Self::locked(root)?;
+        dp.check_socket_storage_pins()?;
         if !dp.maps_pinned() {
             return Err(Error::io(
                 format!("the datapath at {}", root.display()),
@@ -83,6 +85,27 @@ impl Datapath {
         let lock = Flock::lock(dir, FlockArg::LockExclusive)
             .map_err(|(_, e)| Error::io(format!("locking {}", root.display()), e.into()))?;
         Ok(Self { root: root.to_owned(), _lock: lock })
+    }
+
+    /// Refuses a pin root where an older meshpath pinned a map, under a name that is socket
+    /// storage now, as another type (the original destinations were LRU hashes before
+    /// fe19d44). aya reuses a pin by name whatever its type, so the object would load against
+    /// it and a program's load fail in the verifier; or, with every program already pinned,
+    /// the old datapath would go on with no word said.
+    fn check_socket_storage_pins(&self) -> Result<()> {
+        for name in [map_names::ORIG_DST_BY_SOCKET, map_names::ORIG_DST_BY_ACCEPTED] {
+            let pin = self.map_pin(name);
+            if !pin.exists() {
+                continue;
+            }
+            let map = self.map(name)?;
+            if !matches!(map, Map::SkStorage(_)) {
+                let found = format!("{map:?}");
+                let found = found.split('(').next().unwrap_or("another type").to_owned();
+                return Err(Error::StaleDatapath { root: self.root.clone(), map: name, found });
+            }
+        }
+        Ok(())
     }
 
     /// The pin root.

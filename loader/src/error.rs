@@ -24,6 +24,14 @@ pub enum Error {
     #[error("pod {pod}: interface {iface} not found in its network namespace")]
     NoSuchInterface { pod: String, iface: String },
 
+    #[error(
+        "the datapath pinned at {} is an older meshpath's: its map {map} is {found}, not socket \
+         storage; remove that directory (as the uninstall Job's remove-datapath step does) and \
+         start the agent again",
+        root.display()
+    )]
+    StaleDatapath { root: PathBuf, map: &'static str, found: String },
+
     #[error("bpffs is not mounted at {0} and could not be mounted: {1}")]
     Bpffs(PathBuf, io::Error),
 

@@ -259,3 +259,40 @@ fn removal_by_address_deletes_only_the_addresses_still_mapped_to_the_pod() {
     let left: Vec<u64> = pod_ips.iter().flatten().map(|(_, c)| c).filter(|&c| c == a).collect();
     assert!(left.is_empty(), "pod a's own addresses were left behind");
 }
+
+/// A pin root where an older meshpath pinned the original destinations as an LRU hash (before
+/// they moved into socket storage) is refused with an error that names the map and what to
+/// do, before anything is loaded or attached: the old datapath is not silently kept, nor the
+/// new one half loaded against it.
+#[test]
+fn a_datapath_pinned_by_an_older_meshpath_is_refused_naming_the_map() {
+    require_root();
+    let root = PinRoot::new();
+    let maps = root.path().join(datapath_common::consts::pins::MAPS_DIR);
+    std::fs::create_dir_all(&maps).expect("maps dir");
+    let pin = maps.join(datapath_common::consts::map_names::ORIG_DST_BY_SOCKET);
+    let out = Command::new("bpftool")
+        .args(["map", "create"])
+        .arg(&pin)
+        .args(["type", "lru_hash", "key", "8", "value", "20", "entries", "16", "name", "ORIG_DST"])
+        .output()
+        .expect("bpftool");
+    assert!(out.status.success(), "bpftool: {}", String::from_utf8_lossy(&out.stderr));
+
+    let err = root.datapath().expect_err("an older datapath was opened");
+    let text = err.to_string();
+    assert!(
+        text.contains("older meshpath") && text.contains("ORIG_DST_BY_SOCKET"),
+        "unclear error: {text}"
+    );
+    let made: Vec<_> = std::fs::read_dir(root.path())
+        .expect("pin root")
+        .flatten()
+        .filter(|e| e.file_name() != datapath_common::consts::pins::MAPS_DIR)
+        .flat_map(|dir| std::fs::read_dir(dir.path()).into_iter().flatten().flatten())
+        .map(|e| e.path())
+        .collect();
+    assert!(made.is_empty(), "pinned although refused: {made:?}");
+    let maps_left: Vec<_> = std::fs::read_dir(&maps).expect("maps").flatten().collect();
+    assert_eq!(maps_left.len(), 1, "maps pinned although refused: {maps_left:?}");
+}

@@ -12,7 +12,10 @@ use meshpath_proxy::{
     identity::tls,
     proxy::hbone::{self, HboneError},
 };
-use meshpath_tests::two_nodes::{sa, Setup, TwoNodes, View, MESHED};
+use meshpath_tests::{
+    sum_metric,
+    two_nodes::{sa, Setup, TwoNodes, View, MESHED},
+};
 
 fn nodes() -> TwoNodes {
     TwoNodes::start(Setup {
@@ -26,11 +29,11 @@ fn nodes() -> TwoNodes {
 /// counted it. Read again after that, so a second count would show.
 fn errors(nodes: &TwoNodes, node: usize, reason: &str) -> f64 {
     let proxy = &nodes.proxies[node];
-    let count = || {
-        proxy.metric("meshpath_connection_errors_total", &[("reason", reason)]).expect("metrics")
-    };
-    proxy.wait_metrics(Duration::from_secs(5), |_| count() >= 1.0);
-    count()
+    let labels = [("reason", reason)];
+    proxy.wait_metrics(Duration::from_secs(5), |m| {
+        sum_metric(m, "meshpath_connection_errors_total", &labels) >= 1.0
+    });
+    proxy.metric("meshpath_connection_errors_total", &labels).expect("metrics")
 }
 
 /// A TCP connection to pod b's HBONE port, from pod b's netns (not captured).

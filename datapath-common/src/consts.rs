@@ -242,7 +242,8 @@ pub const EXCLUSION_MAP_ENTRIES: u32 = MAX_PODS * 8;
 /// shared table to fill).
 pub const MAX_EXCLUSIONS_PER_POD: usize = 128;
 const _: () = assert!(EXCLUSION_MAP_ENTRIES as usize / MAX_EXCLUSIONS_PER_POD >= 256);
-/// Capacity of the per-connection original-destination maps (LRU: the oldest entries go first).
+/// Capacity of the per-connection maps: `ORIG_DST_BY_CONN` and `PROXY_TRANSPARENT` (LRU: the
+/// oldest entries go first), `LOCAL_SOCKS`.
 pub const MAX_TRACKED_CONNECTIONS: u32 = 65_536;
 
 /// Socket option numbers the proxy uses to read a captured connection's original destination,

@@ -1,6 +1,6 @@
 //! DNS capture over unconnected UDP, like istio-cni's `udp dport 53 REDIRECT --to-ports 15053`:
 //! - sendmsg4/6: a datagram to port 53 from a pod whose DNS is captured goes to the proxy's DNS
-//!   listener on loopback; the server it was meant for is kept under the socket's cookie.
+//!   listener on loopback; the server it was meant for is kept on the socket (socket storage).
 //! - recvmsg4/6: a reply from the DNS listener is shown to the app as coming from that server,
 //!   so resolvers that check the reply's source accept it.
 //!

@@ -1,7 +1,7 @@
 //! Every map of the object. Layouts come from datapath-common; all maps are pinned by name so
 //! that every program instance and every loader process shares them (the legacy ones by their
-//! definition; the one BTF map, socket storage, which aya-ebpf cannot mark pinned, by the
-//! loader: `map_pin_path`).
+//! definition; the BTF ones, socket storage, which aya-ebpf cannot mark pinned, by the loader:
+//! `map_pin_path`).
 
 use aya_ebpf::{
     bindings::{bpf_sock, BPF_SK_STORAGE_GET_F_CREATE},
@@ -122,6 +122,8 @@ pub unsafe fn orig_dst_slot(
 ) -> *mut OrigDst {
     let flags = if create { u64::from(BPF_SK_STORAGE_GET_F_CREATE) } else { 0 };
     let map = core::ptr::from_ref(map).cast_mut().cast();
-    // SAFETY: as the caller promises; the helper reads the socket and the map only.
+    // SAFETY: as the caller promises. The helper reads the socket's storage; with `create` it
+    // allocates one for this map (charged to the map's memory cgroup and the socket's optmem)
+    // and links it to the socket, which frees it when it goes.
     unsafe { bpf_sk_storage_get(map, sk.cast(), core::ptr::null_mut(), flags) }.cast()
 }

@@ -9,12 +9,14 @@
 //!   show the pod, never 127.0.0.1 (loopback only for a family the pod has no address of). TCP
 //!   and connected UDP to port 53 go to the DNS listener on loopback (15053) when DNS is
 //!   captured. The
-//!   destination asked for is kept under the socket's cookie. Sockets of the proxy's cgroup are
-//!   never captured: an app cannot join another cgroup from inside its pod, whereas it can set
-//!   any socket mark with CAP_NET_ADMIN.
+//!   destination asked for is kept on the socket (socket storage). Sockets of the proxy's cgroup
+//!   are never captured: an app cannot join another cgroup from inside its pod, whereas it can
+//!   set any socket mark with CAP_NET_ADMIN.
 //! - sock_ops: once such a connection is established, its local port is known; the original
-//!   destination is filed under (netns, IP version, port) for the proxy's getsockopt. The same
-//!   program learns the proxy's listeners and transparent connections (`proxy_sockets.rs`).
+//!   destination is filed under (netns, IP version, port, listener port), and the proxy's end,
+//!   once established, takes it onto its own socket for the proxy's getsockopt
+//!   (`original_dst.rs`). The same program learns the proxy's listeners and transparent
+//!   connections (`proxy_sockets.rs`).
 //! - getpeername4/6: the app sees the destination it asked for, not the proxy.
 //!
 //! DNS over unconnected UDP (sendmsg/recvmsg) is in `dns.rs`; it shares [`steer4`]/[`steer6`].
@@ -195,8 +197,9 @@ fn proxy_addr6(to: u16, netns: NetnsCookie) -> [u32; 4] {
     }
 }
 
-/// Files the original destination in the socket's own storage (a socket that connects again,
-/// as UDP may, gets the new one). No memory for it is a refusal, not a leak around the proxy.
+/// Files the original destination in the socket's own storage (a socket steered again, as a
+/// UDP one may be, gets the new one; one connected anywhere else forgets it: [`forget`]). No
+/// memory for it is a refusal, not a leak around the proxy.
 #[inline(always)]
 fn remember(ctx: &SockAddrContext, orig: &OrigDst) -> bool {
     // SAFETY: the helper is given this program's own socket; a pointer it returns is that
@@ -211,6 +214,19 @@ fn remember(ctx: &SockAddrContext, orig: &OrigDst) -> bool {
     true
 }
 
+/// A connect that is not steered: a destination the socket was steered to before (a UDP
+/// socket connects again; a TCP one may after a failed connect) is forgotten, so getpeername
+/// and recvmsg show the socket's own peer. Not on sendmsg: an unconnected socket keeps the DNS
+/// server it last wrote to, for the replies still to come.
+#[inline(always)]
+fn forget(ctx: &SockAddrContext, hook: Hook) {
+    if hook == Hook::Connect {
+        // SAFETY: the context's socket (the verifier types it a socket, never null); deleting
+        // storage the socket does not have is a no-op (ENOENT).
+        let _ = unsafe { ORIG_DST_BY_SOCKET.delete((*ctx.sock_addr).__bindgen_anon_1.sk) };
+    }
+}
+
 /// Rewrites an IPv4 destination (connect4, sendmsg4) to the proxy if captured.
 #[inline(always)]
 pub fn steer4(ctx: &SockAddrContext, hook: Hook) -> i32 {
@@ -219,12 +235,14 @@ pub fn steer4(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let (ip, port) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
     // Loopback and the unspecified address (which connects to this host) stay in the pod.
     if is_loopback4(ip) || ip == 0 {
+        forget(ctx, hook);
         count_loopback(ctx, hook, mapped(ip), port);
         return ALLOW;
     }
     let (to, netns) = match target(ctx, PodIpKey::v4(ip).addr, port) {
         Ok(t) => t,
         Err(not) => {
+            forget(ctx, hook);
             count_pass(ctx, hook, not, mapped(ip), port);
             return ALLOW;
         }
@@ -258,12 +276,14 @@ pub fn steer6(ctx: &SockAddrContext, hook: Hook) -> i32 {
     };
     let mapped = is_v4_mapped(&ip);
     if (mapped && (is_loopback4(ip[3]) || ip[3] == 0)) || ip == LOOPBACK6 || ip == [0; 4] {
+        forget(ctx, hook);
         count_loopback(ctx, hook, ip, port);
         return ALLOW;
     }
     let (to, netns) = match target(ctx, ip, port) {
         Ok(t) => t,
         Err(not) => {
+            forget(ctx, hook);
             count_pass(ctx, hook, not, ip, port);
             return ALLOW;
         }

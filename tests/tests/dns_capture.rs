@@ -116,3 +116,52 @@ fn dns_is_not_captured_when_dns_capture_is_off() {
     let (n, _) = real.recv_from(&mut buf).expect("the real server got the query");
     assert_eq!(&buf[..n], b"query-4");
 }
+
+/// A UDP socket connected to a DNS server (captured), disconnected, and connected elsewhere
+/// (not captured) shows its new peer and talks to it: the destination it was steered to before
+/// is forgotten, as a new connect() replaces REDIRECT's NAT mapping. (Disconnected first: the
+/// steered connect bound the socket to loopback, the DNS listener's address, and a socket bound
+/// there cannot connect off the host; disconnecting unbinds an address the kernel chose.)
+#[test]
+fn a_udp_socket_connected_again_elsewhere_shows_and_reaches_its_new_peer() {
+    let mesh = dns(false).with_proxy("echo");
+    for v6 in [false, true] {
+        let dns_server = mesh.b(v6, ports::DNS_UPSTREAM);
+        let other = mesh.b(v6, 5300);
+        // A real UDP echo server at the second destination, in pod b.
+        let echo = mesh.pods.b.open().expect("netns b").run(|| UdpSocket::bind(other));
+        let echo = echo.expect("netns b").expect("bind echo");
+        echo.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        let server = std::thread::spawn(move || {
+            let mut buf = [0u8; 64];
+            let (n, from) = echo.recv_from(&mut buf)?;
+            echo.send_to(&buf[..n], from)
+        });
+
+        let sock = udp_in_a(&mesh, dns_server);
+        let a = mesh.pods.a.open().expect("netns a");
+        a.run(|| sock.connect(dns_server)).expect("netns").expect("connect to the DNS server");
+        assert_eq!(sock.peer_addr().expect("getpeername"), dns_server);
+        disconnect(&sock);
+        a.run(|| sock.connect(other)).expect("netns").expect("connect elsewhere");
+        assert_eq!(sock.peer_addr().expect("getpeername"), other, "v6={v6}");
+        sock.send(b"hello").expect("send");
+        let mut buf = [0u8; 64];
+        let n = sock.recv(&mut buf).expect("the real server's echo");
+        assert_eq!(&buf[..n], b"hello", "v6={v6}");
+        server.join().expect("echo server").expect("echo io");
+    }
+}
+
+/// connect(2) with an `AF_UNSPEC` address: the socket's association (and a local address the
+/// kernel chose for it) is dissolved.
+fn disconnect(sock: &UdpSocket) {
+    use std::os::fd::AsRawFd as _;
+    // SAFETY: a zeroed sockaddr of family AF_UNSPEC, passed with its own size, to an open socket.
+    let rc = unsafe {
+        let mut unspec: libc::sockaddr = std::mem::zeroed();
+        unspec.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
+        libc::connect(sock.as_raw_fd(), &unspec, size_of::<libc::sockaddr>() as libc::socklen_t)
+    };
+    assert_eq!(rc, 0, "disconnect: {}", std::io::Error::last_os_error());
+}

@@ -131,7 +131,7 @@ pub async fn handshake_with(
 ) -> Result<Connection, HboneError> {
     let name = rustls::pki_types::ServerName::IpAddress(gateway.ip().into());
     let tls = tokio_rustls::TlsConnector::from(tls)
-        .connect(name, tcp)
+        .connect(name, super::read_ahead::ReadAhead::new(tcp))
         .await
         .map_err(|e| HboneError::Tls(gateway, e))?;
     let (client, mut conn) = h2::client::Builder::new()

@@ -25,7 +25,7 @@ use crate::{
     identity::Identity,
     inpod::Pod,
     metrics::{ConnGuard, ConnInfo, Direction},
-    proxy::hbone,
+    proxy::{hbone, read_ahead::ReadAhead},
     state::authorization,
 };
 
@@ -53,17 +53,20 @@ async fn serve_connection(tcp: TcpStream, peer: SocketAddr, pod: &Arc<Pod>) -> a
     tcp.set_nodelay(true)?;
     let config = pod.server_tls().context("pod has no certificate")?;
     let limit = proxy.settings.handshake_timeout;
-    let tls = match tokio::time::timeout(limit, TlsAcceptor::from(config).accept(tcp)).await {
-        Ok(Ok(tls)) => tls,
-        Ok(Err(e)) => {
-            proxy.metrics.error(Direction::Inbound, "tls_handshake");
-            return Err(anyhow::Error::new(e).context("TLS handshake"));
-        }
-        Err(_) => {
-            proxy.metrics.error(Direction::Inbound, "handshake_timeout");
-            anyhow::bail!("TLS handshake not done within {limit:?}");
-        }
-    };
+    let tls =
+        match tokio::time::timeout(limit, TlsAcceptor::from(config).accept(ReadAhead::new(tcp)))
+            .await
+        {
+            Ok(Ok(tls)) => tls,
+            Ok(Err(e)) => {
+                proxy.metrics.error(Direction::Inbound, "tls_handshake");
+                return Err(anyhow::Error::new(e).context("TLS handshake"));
+            }
+            Err(_) => {
+                proxy.metrics.error(Direction::Inbound, "handshake_timeout");
+                anyhow::bail!("TLS handshake not done within {limit:?}");
+            }
+        };
     let client = match tls.get_ref().1.peer_certificates().and_then(|c| c.first()) {
         Some(cert) => tls::peer_identity(cert),
         None => Err("no client certificate".into()),

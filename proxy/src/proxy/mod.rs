@@ -1,6 +1,7 @@
 //! The traffic paths: a pod's outbound (15001), inbound HBONE (15008) and plaintext (15006),
 //! DNS (15053), and what they share (the HBONE protocol, the connection pool, the byte copy,
-//! accept loops with their caps and draining).
+//! accept loops with their caps and draining,
+//! the large reads under TLS).
 
 pub mod copy;
 pub mod dns;
@@ -10,4 +11,5 @@ pub mod inbound;
 pub mod inbound_plaintext;
 pub mod outbound;
 pub mod pool;
+pub mod read_ahead;
 pub mod transparent;

@@ -151,6 +151,49 @@ pub(crate) fn machine() -> Value {
     json!({ "cpu": cpu, "cpus": nproc, "kernel": kernel })
 }
 
+/// The share of CPU time the hypervisor gave to other guests ("steal" in /proc/stat) over a run:
+/// a run with much of it measured a disturbed machine, whatever the ratios say.
+pub(crate) struct Steal {
+    start: Option<(u64, u64)>,
+}
+
+impl Steal {
+    /// (all CPU time, stolen time), in ticks, since boot.
+    fn now() -> Option<(u64, u64)> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        // cpu  user nice system idle iowait irq softirq steal guest guest_nice
+        let v: Vec<u64> = stat
+            .lines()
+            .next()?
+            .split_whitespace()
+            .skip(1)
+            .take(8)
+            .filter_map(|x| x.parse().ok())
+            .collect();
+        Some((v.iter().sum(), *v.get(7)?))
+    }
+
+    pub(crate) fn start() -> Self {
+        Self { start: Self::now() }
+    }
+
+    /// Percent of CPU time stolen since `start` (`null` where /proc/stat could not be read).
+    pub(crate) fn pct(&self) -> Value {
+        let (Some((t0, s0)), Some((t1, s1))) = (self.start, Self::now()) else {
+            return Value::Null;
+        };
+        let all = t1.saturating_sub(t0).max(1) as f64;
+        json!((s1.saturating_sub(s0) as f64 * 1000.0 / all).round() / 10.0)
+    }
+}
+
+/// The run's steal share, as a line before its table.
+pub(crate) fn print_steal(r: &Value) {
+    if let Some(pct) = r["steal_pct"].as_f64() {
+        println!("CPU time stolen by the hypervisor over the run: {pct:.1}%\n");
+    }
+}
+
 /// What a scenario puts in place; dropped at the end of the scenario.
 enum Setup {
     Direct,
@@ -406,6 +449,7 @@ fn capture(
     // is the median over rounds.
     let names: Vec<&str> =
         SCENARIOS.into_iter().filter(|s| only.is_empty() || only.iter().any(|o| o == s)).collect();
+    let steal = Steal::start();
     let mut runs: Vec<Vec<Value>> = vec![Vec::new(); names.len()];
     for round in 0..rounds {
         eprintln!("bench: round {}/{rounds}", round + 1);
@@ -433,7 +477,7 @@ fn capture(
     }
     if max_pods == 0 {
         // Traffic only (`--pods 0`).
-        let result = json!({ "machine": machine(), "commit": commit(), "date": date(), "scenarios": scenarios });
+        let result = json!({ "machine": machine(), "commit": commit(), "date": date(), "steal_pct": steal.pct(), "scenarios": scenarios });
         std::fs::write(out, serde_json::to_string_pretty(&result)? + "\n")?;
         print_table(&result);
         return Ok(());
@@ -458,8 +502,10 @@ fn capture(
     scenarios["ebpf"]["cni_del_ms_per_pod"] = del;
     scenarios["iptables"]["cni_add_ms_per_pod"] = ipt_add;
     scenarios["iptables"]["cni_del_ms_per_pod"] = ipt_del;
-    let result =
-        json!({ "machine": machine(), "commit": commit(), "date": date(), "scenarios": scenarios });
+    let result = json!({
+        "machine": machine(), "commit": commit(), "date": date(), "steal_pct": steal.pct(),
+        "scenarios": scenarios,
+    });
     if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir)?;
     }
@@ -514,6 +560,7 @@ pub(crate) fn date() -> String {
 }
 
 fn print_table(r: &Value) {
+    print_steal(r);
     let s = &r["scenarios"];
     let f = |v: &Value| v.as_f64().map_or("n/a".to_owned(), |x| format!("{x:.2}"));
     println!("| scenario | throughput Gbit/s | conn/s | RR p50 µs | RR p99 µs | 100 clients: conn/s | RR p50 µs | RR p99 µs | set-up ms/pod (1 / 100 / N) |");

@@ -282,6 +282,7 @@ pub fn run(
 ) -> Result<()> {
     meshpath_tests::require_root();
     let names = ["direct", "hbone"];
+    let steal = crate::Steal::start();
     let mut runs: Vec<Vec<Value>> = vec![Vec::new(); names.len()];
     for round in 0..rounds {
         eprintln!("bench: round {}/{rounds}", round + 1);
@@ -302,7 +303,7 @@ pub fn run(
     }
     let result = json!({
         "machine": crate::machine(), "commit": crate::commit(), "date": crate::date(),
-        "proxy_args": proxy_args, "store_workloads": store.workloads,
+        "steal_pct": steal.pct(), "proxy_args": proxy_args, "store_workloads": store.workloads,
         "store_policies": store.policies, "scenarios": scenarios,
     });
     if let Some(dir) = out.parent() {
@@ -310,6 +311,7 @@ pub fn run(
     }
     std::fs::write(out, serde_json::to_string_pretty(&result)? + "\n")?;
     let f = |v: &Value| v.as_f64().map_or("n/a".to_owned(), |x| format!("{x:.2}"));
+    crate::print_steal(&result);
     let heads: Vec<&str> = KEYS.iter().map(|(_, head)| *head).collect();
     println!("| scenario | {} |", heads.join(" | "));
     println!("|---|{}", "---|".repeat(KEYS.len()));

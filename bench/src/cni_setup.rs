@@ -295,17 +295,9 @@ pub fn sizes(max: usize) -> Vec<usize> {
 /// otherwise be charged to whichever side is timed next.
 fn quiet() {
     fn busy_idle() -> Option<(u64, u64)> {
-        let stat = std::fs::read_to_string("/proc/stat").ok()?;
-        let v: Vec<u64> = stat
-            .lines()
-            .next()?
-            .split_whitespace()
-            .skip(1)
-            .filter_map(|x| x.parse().ok())
-            .collect();
-        // user nice system idle iowait irq softirq steal
-        let idle = v.get(3)? + v.get(4)?;
-        Some((v.iter().take(8).sum::<u64>() - idle, idle))
+        let v = crate::cpu_ticks()?;
+        let idle = v[3] + v[4];
+        Some((v.iter().sum::<u64>() - idle, idle))
     }
     let deadline = Instant::now() + Duration::from_secs(60);
     while Instant::now() < deadline {

@@ -151,6 +151,21 @@ pub(crate) fn machine() -> Value {
     json!({ "cpu": cpu, "cpus": nproc, "kernel": kernel })
 }
 
+/// All CPUs' time since boot, in ticks, from /proc/stat's first line: user, nice, system, idle,
+/// iowait, irq, softirq, steal.
+pub(crate) fn cpu_ticks() -> Option<Vec<u64>> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let v: Vec<u64> = stat
+        .lines()
+        .next()?
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    (v.len() == 8).then_some(v)
+}
+
 /// The share of CPU time the hypervisor gave to other guests ("steal" in /proc/stat) over a run:
 /// a run with much of it measured a disturbed machine, whatever the ratios say.
 pub(crate) struct Steal {
@@ -160,16 +175,7 @@ pub(crate) struct Steal {
 impl Steal {
     /// (all CPU time, stolen time), in ticks, since boot.
     fn now() -> Option<(u64, u64)> {
-        let stat = std::fs::read_to_string("/proc/stat").ok()?;
-        // cpu  user nice system idle iowait irq softirq steal guest guest_nice
-        let v: Vec<u64> = stat
-            .lines()
-            .next()?
-            .split_whitespace()
-            .skip(1)
-            .take(8)
-            .filter_map(|x| x.parse().ok())
-            .collect();
+        let v = cpu_ticks()?;
         Some((v.iter().sum(), *v.get(7)?))
     }
 

@@ -103,12 +103,13 @@ fn a_workload_file_that_does_not_parse_is_reported_and_the_previous_one_kept() {
         m.contains("meshpath_config_reloads_total{direction=\"-\",reason=\"error\"} 1")
     });
     assert!(reported, "the bad file was not reported");
-    let lines = nodes.proxies[1].proxy.lines();
-    assert!(
-        lines.iter().any(|l| l.contains("line 2") && l.contains("serviceAccount")),
-        "the error does not name the line and field:\n{}",
-        lines.join("\n")
+    // The metric can be counted a moment before the proxy's log line reaches the test.
+    let proxy = &nodes.proxies[1].proxy;
+    let named = proxy.wait_for_text(
+        "line 2, column 3: workloads[0]: missing field `serviceAccount`",
+        Duration::from_secs(5),
     );
+    assert!(named, "the error does not name the line and field:\n{}", proxy.lines().join("\n"));
     // The previous store is still in force: pod b is known, and the policy still denies.
     let allowed = nodes.b(false, 8092);
     nodes.echo_server_in_b(allowed);

@@ -49,12 +49,14 @@ impl<T> ReadAhead<T> {
     }
 
     /// Bytes read from the socket and not yet handed out.
-    pub fn buffered(&self) -> usize {
+    #[cfg(test)]
+    fn buffered(&self) -> usize {
         self.buf.len()
     }
 
     /// The buffer's capacity (0 while idle).
-    pub fn capacity(&self) -> usize {
+    #[cfg(test)]
+    fn capacity(&self) -> usize {
         self.buf.capacity()
     }
 }
@@ -75,23 +77,12 @@ impl<T: AsyncRead + Unpin> AsyncRead for ReadAhead<T> {
             // A fresh buffer, or the drained one's whole allocation back (an empty `BytesMut`
             // that owns its allocation reclaims it without copying).
             this.buf.reserve(CHUNK);
-            match tokio_util::io::poll_read_buf(Pin::new(&mut this.inner), cx, &mut this.buf) {
-                Poll::Pending => {
-                    // Nothing more for now: the connection may stay idle a long time, so
-                    // give the buffer back.
-                    this.buf = BytesMut::new();
-                    return Poll::Pending;
-                }
-                Poll::Ready(Err(e)) => {
-                    this.buf = BytesMut::new();
-                    return Poll::Ready(Err(e));
-                }
-                // End of stream: nothing put in `out` says so.
-                Poll::Ready(Ok(0)) => {
-                    this.buf = BytesMut::new();
-                    return Poll::Ready(Ok(()));
-                }
-                Poll::Ready(Ok(_)) => {}
+            let read = tokio_util::io::poll_read_buf(Pin::new(&mut this.inner), cx, &mut this.buf);
+            if !matches!(read, Poll::Ready(Ok(n)) if n > 0) {
+                // Nothing more for now (the connection may stay idle a long time), an error, or
+                // the end of stream (which nothing put in `out` says): give the buffer back.
+                this.buf = BytesMut::new();
+                return read.map_ok(|_| ());
             }
         }
         let n = out.remaining().min(this.buf.len());

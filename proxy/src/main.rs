@@ -121,6 +121,10 @@ struct Cli {
     /// On SIGTERM: how long open connections may take to finish, in seconds.
     #[arg(long, default_value_t = 30)]
     drain_seconds: u64,
+    /// Tokio worker threads carrying the connections (ztunnel's `ZTUNNEL_WORKER_THREADS`).
+    #[arg(long, default_value_t = meshpath_proxy::state::WORKER_THREADS,
+          value_parser = clap::value_parser!(u16).range(1..=1024))]
+    worker_threads: u16,
 }
 
 /// `meshpath-proxy new-ca DIR`: writes a new CA (ca.pem, ca-key.pem) for tests and the demo.
@@ -246,7 +250,7 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
         pods.push((uid.to_owned(), Netns::open(path.as_ref())?, workload));
     }
     tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(meshpath_proxy::state::WORKER_THREADS)
+        .worker_threads(cli.worker_threads.into())
         .enable_all()
         .build()?
         .block_on(async {

@@ -25,8 +25,8 @@ use crate::{
 /// each on this 2-core machine): spread 1 (all on one connection, as ztunnel) 0.97×, spread 2
 /// 0.93–1.12×, spread 4 1.04–1.24×; 100 clients' latency did not differ beyond the noise.
 pub const POOL_SPREAD: usize = 4;
-/// The proxy's tokio worker threads (ztunnel's default too).
-pub const WORKER_THREADS: usize = 2;
+/// The proxy's tokio worker threads by default (ztunnel's default too; `--worker-threads`).
+pub const WORKER_THREADS: u16 = 2;
 
 /// Tunables, from the command line.
 #[derive(Debug, Clone)]

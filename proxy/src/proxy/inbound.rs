@@ -57,7 +57,10 @@ async fn serve_connection(tcp: TcpStream, peer: SocketAddr, pod: &Arc<Pod>) -> a
         match tokio::time::timeout(limit, TlsAcceptor::from(config).accept(ReadAhead::new(tcp)))
             .await
         {
-            Ok(Ok(tls)) => tls,
+            Ok(Ok(mut tls)) => {
+                tls.get_mut().1.set_buffer_limit(Some(hbone::TLS_BUFFER_LIMIT));
+                tls
+            }
             Ok(Err(e)) => {
                 proxy.metrics.error(Direction::Inbound, "tls_handshake");
                 return Err(anyhow::Error::new(e).context("TLS handshake"));

@@ -137,11 +137,10 @@ pub async fn handshake_with(
     keepalive: Keepalive,
 ) -> Result<Connection, HboneError> {
     let name = rustls::pki_types::ServerName::IpAddress(gateway.ip().into());
-    let tls = tokio_rustls::TlsConnector::from(tls)
+    let mut tls = tokio_rustls::TlsConnector::from(tls)
         .connect(name, super::read_ahead::ReadAhead::new(tcp))
         .await
         .map_err(|e| HboneError::Tls(gateway, e))?;
-    let mut tls = tls;
     tls.get_mut().1.set_buffer_limit(Some(TLS_BUFFER_LIMIT));
     let (client, mut conn) = h2::client::Builder::new()
         .initial_window_size(STREAM_WINDOW)

@@ -20,8 +20,10 @@ pub const MAX_FRAME: u32 = 1 << 20;
 /// the socket (rustls' default: 64 KiB). With 64 KiB a bulk transfer was written to the socket
 /// about 52 KiB per `writev`; 256 KiB, six runs against six, alternating (`cargo xtask bench
 /// proxy --rounds 1`, 2026-12-02): one stream 7.54 Gbit/s mean against 6.73, proxy CPU 1.51
-/// s/GB against 1.72, five pairs of six the same way round. It is held only while the peer
-/// reads more slowly than we write, once per HTTP/2 connection (not per stream).
+/// s/GB against 1.72, five pairs of six the same way round. 1 MiB, six runs against six the
+/// same way (2026-12-02, another machine): one stream 7.12 Gbit/s mean against 256 KiB's 7.98,
+/// CPU 1.64 s/GB against 1.48, four pairs of six for 256 KiB; so not more. It is held only while
+/// the peer reads more slowly than we write, once per HTTP/2 connection (not per stream).
 pub const TLS_BUFFER_LIMIT: usize = 256 << 10;
 
 /// Why an HBONE connection failed.

@@ -265,6 +265,10 @@ fn istio_setup(ns: &str) -> Result<()> {
     iptables_restore(ns, true, &istio_rules::rules_v6())
 }
 
+/// The capture scenarios' proxy prints no line per connection: writing and reading them would be
+/// measured with the capture.
+const QUIET_PROXY: (&str, &str) = ("MESHPATH_TEST_PROXY_QUIET", "1");
+
 fn setup(name: &str, pods: &PodPair) -> Result<Setup> {
     let proxy_bin = sibling_bin("meshpath-test-proxy");
     let a = pods.a.path();
@@ -291,7 +295,7 @@ fn setup(name: &str, pods: &PodPair) -> Result<Setup> {
                 &cgroup,
                 "forward",
                 false,
-                &[("MESHPATH_TEST_PROXY_MARK", "0x539")],
+                &[("MESHPATH_TEST_PROXY_MARK", "0x539"), QUIET_PROXY],
             )?;
             Setup::Iptables { _proxy: proxy, _cgroup: cgroup }
         }
@@ -306,7 +310,7 @@ fn setup(name: &str, pods: &PodPair) -> Result<Setup> {
                 meshpath_loader::decisions::set_counting(&dp, name != "ebpf_no_decision_counters")?;
             }
             let monitor = if name == "ebpf_monitor" { Some(Drain::start(&root)?) } else { None };
-            let proxy = TestProxy::start(&proxy_bin, &a, &cgroup, "forward", true, &[])?;
+            let proxy = TestProxy::start(&proxy_bin, &a, &cgroup, "forward", true, &[QUIET_PROXY])?;
             Setup::Ebpf { _monitor: monitor, _proxy: proxy, _cgroup: cgroup, _root: root }
         }
         other => bail!("unknown scenario {other}"),

@@ -115,6 +115,10 @@ struct Cli {
     /// proxy default: an hour); 0: never.
     #[arg(long, default_value_t = 3600)]
     idle_timeout_seconds: u64,
+    /// Seconds an inbound HBONE connection may have no stream before it is told to go away
+    /// (GOAWAY) and closed, freeing its slot under the connection caps; 0: never.
+    #[arg(long, default_value_t = meshpath_proxy::state::HBONE_IDLE_SECONDS)]
+    hbone_idle_seconds: u64,
     /// How often files are checked for changes, in milliseconds.
     #[arg(long, default_value_t = 1000)]
     refresh_ms: u64,
@@ -234,6 +238,8 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
         max_connections_per_pod: cli.max_connections_per_pod.max(1),
         idle_timeout: (cli.idle_timeout_seconds > 0)
             .then(|| Duration::from_secs(cli.idle_timeout_seconds)),
+        hbone_idle: (cli.hbone_idle_seconds > 0)
+            .then(|| Duration::from_secs(cli.hbone_idle_seconds)),
         keepalive: meshpath_proxy::proxy::hbone::Keepalive {
             interval: Duration::from_millis(cli.hbone_keepalive_interval_ms.max(1)),
             timeout: Duration::from_millis(cli.hbone_keepalive_timeout_ms.max(1)),

@@ -35,6 +35,8 @@ pub struct Setup {
     pub view: View,
     /// Arguments given to both proxies.
     pub args: Vec<String>,
+    /// Arguments given to node 1's proxy only (after `args`; name no flag of `args` again).
+    pub node1_args: Vec<String>,
     /// YAML appended to both nodes' workload files (services, policies).
     pub yaml: String,
     /// Certificates from files (`--cert-dir`) rather than the local CA.
@@ -53,6 +55,7 @@ impl Default for Setup {
         Self {
             view: MESHED,
             args: Vec::new(),
+            node1_args: Vec::new(),
             yaml: String::new(),
             cert_files: false,
             capture_dns: false,
@@ -186,6 +189,9 @@ impl TwoNodes {
                 "100".into(),
             ]);
             args.extend(setup.args.iter().cloned());
+            if node == "node1" {
+                args.extend(setup.node1_args.iter().cloned());
+            }
             nodes.proxies.push(
                 NodeProxy::start(&args, &setup.proxy_env, &nodes._cgroup, "info")
                     .expect("meshpath-proxy"),
@@ -202,13 +208,13 @@ impl TwoNodes {
         SocketAddr::new(if v6 { self.pods.b_ip6.into() } else { self.pods.b_ip.into() }, port)
     }
 
-    /// One HBONE CONNECT to `dst`, as another node's proxy would send it: from pod b's netns (not
-    /// captured), presenting `cert`, expecting pod b to be `sa-b`.
-    pub async fn hbone_to_b(
+    /// An HBONE connection to pod b, as another node's proxy would open one: from pod b's netns
+    /// (not captured), presenting `cert`, expecting pod b to be `sa-b`.
+    pub async fn hbone_conn_to_b(
         &self,
         cert: &meshpath_proxy::identity::WorkloadCert,
-        dst: SocketAddr,
-    ) -> Result<(), meshpath_proxy::proxy::hbone::HboneError> {
+    ) -> Result<meshpath_proxy::proxy::hbone::Connection, meshpath_proxy::proxy::hbone::HboneError>
+    {
         let gateway = self.b(false, 15008);
         let roots = std::slice::from_ref(&self.ca.cert_der);
         let config = meshpath_proxy::identity::tls::client_config(cert, roots, vec![sa("sa-b")])
@@ -223,7 +229,18 @@ impl TwoNodes {
             .expect("tcp");
         std.set_nonblocking(true).expect("nonblocking");
         let tcp = tokio::net::TcpStream::from_std(std).expect("tokio");
-        meshpath_proxy::proxy::hbone::connect(tcp, gateway, dst, config, &Default::default())
+        meshpath_proxy::proxy::hbone::handshake(tcp, gateway, config).await
+    }
+
+    /// One HBONE CONNECT to `dst` on a new connection (see [`Self::hbone_conn_to_b`]).
+    pub async fn hbone_to_b(
+        &self,
+        cert: &meshpath_proxy::identity::WorkloadCert,
+        dst: SocketAddr,
+    ) -> Result<(), meshpath_proxy::proxy::hbone::HboneError> {
+        let conn = self.hbone_conn_to_b(cert).await?;
+        let gateway = self.b(false, 15008);
+        meshpath_proxy::proxy::hbone::open_stream(conn, gateway, dst, &Default::default())
             .await
             .map(drop)
     }

@@ -1,6 +1,8 @@
 //! The proxy caps the connections it carries, per pod and node-wide: one beyond the cap is
 //! closed at once (before a buffer or a task is spent on it) and counted; the connections
-//! within the cap are untouched, and a slot freed is usable again.
+//! within the cap are untouched, and a slot freed is usable again. An inbound HBONE stream
+//! counts like a connection (it has one to the app), and an HBONE connection that carries no
+//! stream gives its slot back after the HBONE idle time.
 
 use std::{
     io::{Read as _, Write as _},
@@ -12,7 +14,11 @@ use std::{
     time::Duration,
 };
 
-use meshpath_tests::two_nodes::{Setup, TwoNodes};
+use meshpath_proxy::proxy::hbone::{self, HboneError};
+use meshpath_tests::{
+    sum_metric,
+    two_nodes::{sa, Setup, TwoNodes},
+};
 
 fn round_trip(c: &mut TcpStream, byte: u8) -> std::io::Result<()> {
     c.set_read_timeout(Some(Duration::from_secs(5)))?;
@@ -23,14 +29,8 @@ fn round_trip(c: &mut TcpStream, byte: u8) -> std::io::Result<()> {
     Ok(())
 }
 
-#[test]
-fn a_connection_over_the_pods_cap_is_closed_and_counted_and_a_freed_slot_serves_again() {
-    let nodes = TwoNodes::start(Setup {
-        args: vec!["--max-connections-per-pod".into(), "3".into()],
-        ..Setup::default()
-    });
-    let dst = nodes.b(false, 8120);
-    // The app behind: counts every connection that reaches it.
+/// An echo app in pod b at `dst` that counts every connection reaching it.
+fn counting_echo(nodes: &TwoNodes, dst: std::net::SocketAddr) -> Arc<AtomicUsize> {
     let reached = Arc::new(AtomicUsize::new(0));
     let listener = nodes.pods.b.listen(dst).expect("bind");
     let seen = reached.clone();
@@ -48,6 +48,34 @@ fn a_connection_over_the_pods_cap_is_closed_and_counted_and_a_freed_slot_serves_
             });
         }
     });
+    reached
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime")
+}
+
+/// Waits up to 10 s for `f` to hold.
+async fn eventually(f: impl Fn() -> bool) -> bool {
+    for _ in 0..100 {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    f()
+}
+
+#[test]
+fn a_connection_over_the_pods_cap_is_closed_and_counted_and_a_freed_slot_serves_again() {
+    // Node 1's cap (pod a's outbound); node 2 counts each stream and each pooled connection the
+    // streams arrive on, and keeps its default.
+    let nodes = TwoNodes::start(Setup {
+        node1_args: vec!["--max-connections-per-pod".into(), "3".into()],
+        ..Setup::default()
+    });
+    let dst = nodes.b(false, 8120);
+    let reached = counting_echo(&nodes, dst);
     let mut open = Vec::new();
     for i in 0..3u8 {
         let mut c = nodes.connect_from_a(dst).expect("connect within the cap");
@@ -73,4 +101,84 @@ fn a_connection_over_the_pods_cap_is_closed_and_counted_and_a_freed_slot_serves_
     assert!(freed, "the closed connection was never counted closed");
     let mut again = nodes.connect_from_a(dst).expect("connect after a slot was freed");
     round_trip(&mut again, 42).expect("a freed slot did not serve");
+}
+
+#[test]
+fn an_hbone_stream_over_the_pods_cap_is_answered_503_and_never_reaches_the_app() {
+    let nodes = TwoNodes::start(Setup {
+        args: vec!["--max-connections-per-pod".into(), "3".into()],
+        ..Setup::default()
+    });
+    let dst = nodes.b(false, 8121);
+    let reached = counting_echo(&nodes, dst);
+    let cert = nodes.ca.issue(&sa("sa-a"), Duration::from_secs(600)).expect("cert");
+    let gateway = nodes.b(false, 15008);
+    let node2 = &nodes.proxies[1];
+    rt().block_on(async {
+        // Node 2 holds the connection (one slot) and two streams, each with its own
+        // connection to the app (two more): pod b's cap of 3 is full.
+        let conn = nodes.hbone_conn_to_b(&cert).await.expect("HBONE connection");
+        let first = hbone::open_stream(conn.clone(), gateway, dst, &Default::default()).await;
+        let first = first.expect("a stream within the cap");
+        let second = hbone::open_stream(conn.clone(), gateway, dst, &Default::default()).await;
+        let _second = second.expect("a stream within the cap");
+        let over = hbone::open_stream(conn.clone(), gateway, dst, &Default::default()).await;
+        match over {
+            Err(HboneError::Status { status, .. }) => assert_eq!(status, 503),
+            other => panic!("a stream over the cap was not answered 503: {:?}", other.map(drop)),
+        }
+        assert!(eventually(|| reached.load(Ordering::SeqCst) >= 2).await, "the app saw no stream");
+        let limit = [("reason", "connection_limit"), ("direction", "inbound")];
+        assert_eq!(node2.metric("meshpath_connection_errors_total", &limit).expect("metrics"), 1.0);
+        assert_eq!(reached.load(Ordering::SeqCst), 2, "the app saw a stream over the cap");
+        // One stream reset by the client: its slot (and its connection to the app) is given
+        // back, and a new stream is served.
+        drop(first);
+        let closed = eventually(|| {
+            node2
+                .metrics()
+                .is_ok_and(|m| sum_metric(&m, "istio_tcp_connections_closed_total", &[]) >= 1.0)
+        });
+        assert!(closed.await, "the reset stream was never closed");
+        let again = hbone::open_stream(conn, gateway, dst, &Default::default()).await;
+        assert!(again.is_ok(), "a freed slot did not serve: {:?}", again.map(drop));
+        assert_eq!(reached.load(Ordering::SeqCst), 3);
+    });
+}
+
+#[test]
+fn an_hbone_connection_left_without_streams_is_closed_after_the_idle_time_and_frees_its_slot() {
+    let nodes = TwoNodes::start(Setup {
+        args: vec![
+            "--max-connections-per-pod".into(),
+            "2".into(),
+            "--hbone-idle-seconds".into(),
+            "1".into(),
+        ],
+        ..Setup::default()
+    });
+    let dst = nodes.b(false, 8122);
+    nodes.echo_server_in_b(dst);
+    let cert = nodes.ca.issue(&sa("sa-a"), Duration::from_secs(600)).expect("cert");
+    let gateway = nodes.b(false, 15008);
+    rt().block_on(async {
+        // A peer that opened a connection, used it once and then holds it, sending nothing.
+        let held = nodes.hbone_conn_to_b(&cert).await.expect("HBONE connection");
+        let once = hbone::open_stream(held.clone(), gateway, dst, &Default::default()).await;
+        drop(once.expect("the first stream"));
+        // Another connection and its stream need two slots: with the held one keeping its slot
+        // there is one, so they are served only once the held one is closed for idleness.
+        let mut served = false;
+        for _ in 0..60 {
+            if nodes.hbone_to_b(&cert, dst).await.is_ok() {
+                served = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        assert!(served, "the idle HBONE connection kept its slot");
+        // The held connection was told to go away: no new stream on it.
+        let late = hbone::open_stream(held, gateway, dst, &Default::default()).await;
+        assert!(late.is_err(), "a stream was served on the connection closed for idleness");
+    });
 }

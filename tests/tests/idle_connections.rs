@@ -149,9 +149,12 @@ fn still_carried(app: &mut HoldingApp, clients: Vec<TcpStream>) {
 
 #[test]
 fn ten_thousand_idle_hbone_connections_stay_under_the_memory_bound_and_the_cap_refuses_one_more() {
+    // Node 1's caps: it carries the app's connections. Node 2 keeps its defaults: each stream
+    // counts there as a connection (it has one to the app), and so does each pooled HBONE
+    // connection the streams arrive on.
     let cap = IDLE.to_string();
     let nodes = TwoNodes::start(Setup {
-        args: vec![
+        node1_args: vec![
             "--max-connections".into(),
             cap.clone(),
             "--max-connections-per-pod".into(),

@@ -61,7 +61,8 @@ pub struct Pod {
     pub gone: CancellationToken,
     /// Whether connections to its apps keep the client's address (see `add`).
     transparent: bool,
-    /// Its cap on connections carried at once (all its listeners together).
+    /// Its cap on connections carried at once (all its listeners together, and each inbound
+    /// HBONE stream: it has a connection to the app of its own).
     conns: Arc<tokio::sync::Semaphore>,
 }
 
@@ -140,6 +141,12 @@ impl Pod {
             metrics: self.proxy.metrics.clone(),
             direction,
         }
+    }
+
+    /// A slot for one more connection of this pod (an inbound HBONE stream), under its cap and
+    /// the node's; `None` when either is reached.
+    pub fn admit(&self) -> Option<crate::proxy::drain::Permits> {
+        self.proxy.drain.admit(&self.conns)
     }
 
     /// Runs `task` as one of the pod's connections: tracked by the drain, ended if the pod is

@@ -6,7 +6,7 @@ use std::{future::Future, sync::Arc, time::Duration};
 
 use tokio::{
     net::{TcpListener, TcpStream},
-    sync::Semaphore,
+    sync::{OwnedSemaphorePermit, Semaphore},
 };
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
@@ -23,6 +23,14 @@ impl Default for Drain {
     fn default() -> Self {
         Self::new(crate::state::Settings::default().max_connections)
     }
+}
+
+/// One connection's (or one HBONE stream's) slots under the caps: one of the node's, one of its
+/// pod's; given back when dropped.
+#[derive(Debug)]
+pub struct Permits {
+    _node: OwnedSemaphorePermit,
+    _pod: OwnedSemaphorePermit,
 }
 
 /// What one listener's connections belong to: stopped with `stop` (the listener) and `kill`
@@ -46,6 +54,14 @@ impl Drain {
             tasks: TaskTracker::new(),
             global: Arc::new(Semaphore::new(max_connections.min(Semaphore::MAX_PERMITS))),
         }
+    }
+
+    /// A slot under the node-wide cap and one under `pod` (a pod's cap), or `None` when either
+    /// is reached.
+    pub fn admit(&self, pod: &Arc<Semaphore>) -> Option<Permits> {
+        let node = self.global.clone().try_acquire_owned().ok()?;
+        let pod = pod.clone().try_acquire_owned().ok()?;
+        Some(Permits { _node: node, _pod: pod })
     }
 
     /// A token cancelled at shutdown (and cancellable on its own: a pod's listeners).
@@ -83,8 +99,7 @@ impl Drain {
         F: Fn(TcpStream, std::net::SocketAddr, C) -> Fut + Send + 'static,
         Fut: Future<Output = anyhow::Result<()>> + Send + 'static,
     {
-        let tasks = self.tasks.clone();
-        let global = self.global.clone();
+        let drain = self.clone();
         let Scope { stop, kill, limit, metrics, direction } = scope;
         self.spawn(async move {
             loop {
@@ -92,8 +107,7 @@ impl Drain {
                     () = stop.cancelled() => return,
                     accepted = listener.accept() => match accepted {
                         Ok((conn, peer)) => {
-                            let permits = (global.clone().try_acquire_owned(), limit.clone().try_acquire_owned());
-                            let (Ok(node_permit), Ok(pod_permit)) = permits else {
+                            let Some(permits) = drain.admit(&limit) else {
                                 // Over a cap: closed now, before any buffer or task is spent on it.
                                 metrics.error(direction, "connection_limit");
                                 tracing::debug!(%peer, "{what}: connection limit reached; closed");
@@ -102,8 +116,8 @@ impl Drain {
                             };
                             let fut = handle(conn, peer, ctx.clone());
                             let kill = kill.clone();
-                            tasks.spawn(async move {
-                                let _permits = (node_permit, pod_permit);
+                            drain.spawn(async move {
+                                let _permits = permits;
                                 tokio::select! {
                                     r = fut => if let Err(e) = r {
                                         tracing::warn!(%peer, error = %format!("{e:#}"), "{what} connection failed");

@@ -120,6 +120,23 @@ impl Default for Keepalive {
     }
 }
 
+/// PINGs the peer every `keepalive.interval` and resolves, with why, once it stops answering
+/// within `keepalive.timeout` (never without `pings`: h2 hands them out once per connection).
+/// Both ends of an HBONE connection run it: the client to drop a dead pooled connection, the
+/// server to close one whose peer is gone (ztunnel's server PINGs too).
+pub async fn stopped_answering(pings: Option<h2::PingPong>, keepalive: Keepalive) -> String {
+    let Some(mut pings) = pings else { return std::future::pending().await };
+    loop {
+        tokio::time::sleep(keepalive.interval).await;
+        let pong = tokio::time::timeout(keepalive.timeout, pings.ping(h2::Ping::opaque()));
+        match pong.await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return format!("PING failed: {e}"),
+            Err(_) => return format!("no PING answer in {:?}", keepalive.timeout),
+        }
+    }
+}
+
 /// Opens an HBONE connection to `gateway` (a destination's `ip:15008`) over the connected TCP
 /// socket `tcp`, with `tls` (which verifies the peer's identity), and the default keepalive.
 pub async fn handshake(
@@ -154,20 +171,8 @@ pub async fn handshake_with(
         .handshake(tls)
         .await
         .map_err(|e| HboneError::H2(gateway, e))?;
-    let pings = conn.ping_pong();
+    let dead = stopped_answering(conn.ping_pong(), keepalive);
     tokio::spawn(async move {
-        let dead = async {
-            let Some(mut pings) = pings else { return std::future::pending().await };
-            loop {
-                tokio::time::sleep(keepalive.interval).await;
-                let pong = tokio::time::timeout(keepalive.timeout, pings.ping(h2::Ping::opaque()));
-                match pong.await {
-                    Ok(Ok(_)) => {}
-                    Ok(Err(e)) => return format!("PING failed: {e}"),
-                    Err(_) => return format!("no PING answer in {:?}", keepalive.timeout),
-                }
-            }
-        };
         tokio::select! {
             ended = &mut conn => {
                 if let Err(e) = ended {

@@ -7,9 +7,13 @@
 //!
 //! Limits: the TLS and HTTP/2 handshakes, and then the first CONNECT's headers, must each come
 //! within the handshake timeout; at most 200 concurrent streams and 64 KiB of headers per
-//! connection; h2's reset-flood protections on.
+//! connection; h2's reset-flood protections on. The connection holds a slot under the pod's and
+//! the node's connection caps, and so does each stream (it has a connection to the app of its
+//! own): a stream over a cap is answered 503 and counted (`connection_limit`). A connection
+//! with no stream for the HBONE idle time (`--hbone-idle-seconds`) is sent GOAWAY and closed,
+//! and one whose peer stops answering PINGs is closed, so no peer holds a slot for ever.
 
-use std::{io, net::SocketAddr, sync::Arc};
+use std::{io, net::SocketAddr, sync::Arc, time::Duration};
 
 use anyhow::Context as _;
 use bytes::Bytes;
@@ -108,11 +112,18 @@ async fn serve_connection(tcp: TcpStream, peer: SocketAddr, pod: &Arc<Pod>) -> a
     };
     // A peer opens an HBONE connection to send a CONNECT: the first one must come within the
     // handshake timeout too (a connection that never asks for anything is closed). When the
-    // proxy drains, the peer is told with GOAWAY to open no new stream here; the streams it has
-    // finish.
+    // proxy drains, or the connection has had no stream for the HBONE idle time, the peer is
+    // told with GOAWAY to open no new stream here; the streams it has finish. A peer that stops
+    // answering PINGs is gone: its connection is closed.
     let mut first = true;
     let stopping = proxy.drain.stopping();
     tokio::pin!(stopping);
+    let dead = hbone::stopped_answering(conn.ping_pong(), proxy.settings.keepalive);
+    tokio::pin!(dead);
+    // The connection's open streams; never "open" for new ones, so that `wait` resolves
+    // whenever none is left.
+    let streams = tokio_util::task::TaskTracker::new();
+    streams.close();
     let mut going_away = false;
     loop {
         let accept = async {
@@ -122,9 +133,19 @@ async fn serve_connection(tcp: TcpStream, peer: SocketAddr, pod: &Arc<Pod>) -> a
                 Some(conn.accept().await)
             }
         };
+        // Made anew with every stream accepted: it counts from the last stream's end.
+        let idle = idle_for(&streams, proxy.settings.hbone_idle);
         let next = tokio::select! {
             n = accept => Some(n),
             () = &mut stopping, if !going_away => None,
+            () = idle, if !going_away && !first => {
+                debug!("no stream for the HBONE idle time: GOAWAY");
+                None
+            }
+            why = &mut dead => {
+                proxy.metrics.error(Direction::Inbound, "peer_unresponsive");
+                anyhow::bail!("HBONE connection closed: {why}");
+            }
         };
         let Some(next) = next else {
             conn.graceful_shutdown();
@@ -137,24 +158,49 @@ async fn serve_connection(tcp: TcpStream, peer: SocketAddr, pod: &Arc<Pod>) -> a
         };
         first = false;
         let Some(stream) = next else { break };
-        let (req, respond) = match stream {
+        let (req, mut respond) = match stream {
             Ok(s) => s,
             Err(e) => {
                 proxy.metrics.error(Direction::Inbound, "http2_protocol");
                 return Err(anyhow::Error::new(e).context("HTTP/2"));
             }
         };
+        // Each stream has a connection to the app of its own: it counts under the pod's and
+        // the node's caps like any connection, or is refused.
+        let Some(permits) = pod.admit() else {
+            proxy.metrics.error(Direction::Inbound, "connection_limit");
+            warn!(src = %client, "HBONE request refused: 503 (connection limit)");
+            if let Err(e) = reply(&mut respond, StatusCode::SERVICE_UNAVAILABLE) {
+                debug!(error = %e, "the 503 could not be sent");
+            }
+            continue;
+        };
         let (p, client) = (pod.clone(), client.clone());
         pod.spawn(
-            async move {
-                if let Err(e) = serve_stream(req, respond, dialed, peer, &client, &p).await {
-                    debug!(error = %e, "HBONE stream ended with an error");
+            streams.track_future(
+                async move {
+                    let _permits = permits;
+                    if let Err(e) = serve_stream(req, respond, dialed, peer, &client, &p).await {
+                        debug!(error = %e, "HBONE stream ended with an error");
+                    }
                 }
-            }
-            .in_current_span(),
+                .in_current_span(),
+            ),
         );
     }
     Ok(())
+}
+
+/// Resolves once the connection has had no open stream for `idle` (never without one).
+async fn idle_for(streams: &tokio_util::task::TaskTracker, idle: Option<Duration>) {
+    let Some(idle) = idle else { return std::future::pending().await };
+    loop {
+        streams.wait().await;
+        tokio::time::sleep(idle).await;
+        if streams.is_empty() {
+            return;
+        }
+    }
 }
 
 fn reply(respond: &mut SendResponse<Bytes>, status: StatusCode) -> io::Result<()> {

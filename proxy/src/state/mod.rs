@@ -28,6 +28,9 @@ pub const POOL_SPREAD: usize = 4;
 /// The proxy's tokio worker threads by default (ztunnel's default too; `--worker-threads`).
 pub const WORKER_THREADS: u16 = 2;
 
+/// How long an inbound HBONE connection may have no stream (`--hbone-idle-seconds`).
+pub const HBONE_IDLE_SECONDS: u64 = 600;
+
 /// Tunables, from the command line.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -53,6 +56,10 @@ pub struct Settings {
     pub max_connections_per_pod: usize,
     /// A connection that carries nothing either way for this long is closed (`None`: never).
     pub idle_timeout: Option<Duration>,
+    /// An inbound HBONE connection with no stream for this long is told to go away (GOAWAY)
+    /// and closed, giving back its slot under the caps (`None`: never). Longer than a client's
+    /// pool idle time (ours and ztunnel's: 5 minutes), so that normally the client closes first.
+    pub hbone_idle: Option<Duration>,
 }
 
 impl Default for Settings {
@@ -69,6 +76,7 @@ impl Default for Settings {
             max_connections: 200_000,
             max_connections_per_pod: 20_000,
             idle_timeout: Some(Duration::from_secs(3600)),
+            hbone_idle: Some(Duration::from_secs(HBONE_IDLE_SECONDS)),
         }
     }
 }

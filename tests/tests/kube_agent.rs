@@ -245,3 +245,61 @@ async fn a_pod_deleted_from_the_api_leaves_the_mesh() {
     Api::<Pod>::namespaced(c.client.clone(), "shop").delete("web", &now).await.expect("delete");
     assert!(eventually(|| async { enrolled(&c) == 0 }).await, "a deleted pod stayed in the mesh");
 }
+
+/// Writes the pod's phase and address, as the kubelet does.
+async fn set_phase(c: &Cluster, ns: &str, name: &str, phase: &str, ip: IpAddr) {
+    let patch = json!({"status": {
+        "phase": phase, "podIP": ip.to_string(), "podIPs": [{"ip": ip.to_string()}]
+    }});
+    Api::<Pod>::namespaced(c.client.clone(), ns)
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .expect("status");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_finished_pods_old_address_does_not_mesh_the_pod_that_has_it_now() {
+    let c = cluster(88, true).await;
+    namespace(&c, "shop", true).await;
+    namespace(&c, "plain", false).await;
+    // A running pod outside the mesh…
+    pod(&c, "plain", "other", json!({})).await;
+    let other = tokio::task::block_in_place(|| plain_sandbox(&c, "other"));
+    set_ip(&c, "plain", "other", other.ip).await;
+    // …holds the address a finished Job pod of an ambient namespace still lists in its status
+    // (Kubernetes keeps a finished pod's podIPs; IPAM gave the address out again).
+    pod(&c, "shop", "job", json!({})).await;
+    set_phase(&c, "shop", "job", "Succeeded", other.ip).await;
+    // The agent reconciles every 2 s: several passes, none may take `other` in as `job`.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(enrolled(&c), 0, "a pod outside the mesh was captured as a finished pod");
+    // The same pod while it runs is found by that address: the phase alone kept it out.
+    set_phase(&c, "shop", "job", "Running", other.ip).await;
+    assert!(eventually(|| async { enrolled(&c) == 1 }).await, "a running pod was not found");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_served_pod_the_cache_lacks_keeps_its_capture_until_the_api_server_says_it_is_gone() {
+    let c = cluster(89, true).await;
+    namespace(&c, "shop", true).await;
+    // A pod the agent's cache never holds: its watch selects this node's pods, and this one
+    // names another node. Its CNI ADD asks the API server and enrols it, as it does for a pod
+    // whose watch event has not come in yet.
+    let p: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "web", "namespace": "shop"},
+        "spec": {"nodeName": "node-elsewhere", "containers": [{"name": "app", "image": "app"}]}
+    }))
+    .expect("pod");
+    let pods = Api::<Pod>::namespaced(c.client.clone(), "shop");
+    pods.create(&PostParams::default(), &p).await.expect("create pod");
+    let web = tokio::task::block_in_place(|| c.node.add_pod_in("shop", "web")).expect("ADD");
+    assert_eq!(enrolled(&c), 1, "the pod was not enrolled");
+    // The agent reconciles every 2 s: the API server still has the pod, so it stays captured.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(enrolled(&c), 1, "a pod the API server still has was taken out of the mesh");
+    // Gone from the API server: it leaves.
+    let now = kube::api::DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
+    pods.delete("web", &now).await.expect("delete");
+    assert!(eventually(|| async { enrolled(&c) == 0 }).await, "a deleted pod stayed in the mesh");
+    drop(web);
+}

@@ -1,7 +1,8 @@
 //! Kubernetes mode: keeps the node's pods in the mesh as the API says, between CNI requests.
 //! A pod that becomes meshed while it runs (its namespace or itself labelled later, or a pod
 //! that was running before the agent started) is found on the node by its IP addresses (every
-//! network namespace under /var/run/netns and of every process, as istio-cni does) and joins;
+//! network namespace under /var/run/netns and of every process) and joins, unless it has
+//! finished or is being deleted (its addresses may be another pod's by then);
 //! a pod that leaves the mesh (label removed, opt-out label) or is deleted is taken out; the
 //! redirection annotation is made to match. Nothing is done while the watches are down: the
 //! caches may be stale, and the pods the agent has keep their capture (fail closed).
@@ -16,6 +17,7 @@ use std::{
 };
 
 use datapath_common::consts::k8s;
+use k8s_openapi::api::core::v1::Pod;
 use tracing::{info, warn};
 
 use super::{
@@ -67,6 +69,11 @@ pub async fn reconcile(agent: &Arc<Agent>, kube: &Kube) -> anyhow::Result<()> {
         let serving = live.contains_key(&uid);
         match decision {
             Decision::Meshed(m) if !serving => {
+                // Found by address only while it runs: a finished pod keeps its addresses in
+                // its status, and IPAM may have given them to another pod since.
+                if !may_join_by_address(&pod) {
+                    continue;
+                }
                 // Not started yet (no address): its CNI ADD will bring it in.
                 let Some((path, netns)) = find_netns(&m.ips) else { continue };
                 info!(pod = %format!("{namespace}/{name}"), netns = %path.display(), "running pod joins the mesh");
@@ -96,12 +103,34 @@ pub async fn reconcile(agent: &Arc<Agent>, kube: &Kube) -> anyhow::Result<()> {
             Decision::NotMeshed(_) => {}
         }
     }
-    // Served pods the API no longer has: deleted.
-    for uid in live.keys().filter(|u| !seen.contains(*u)) {
-        info!(pod = %uid, "pod deleted from the API: leaves the mesh");
+    // Served pods the cache does not have: deleted, once the API server says so itself (the
+    // cache can lag behind a CNI ADD or behind the API server's return; taking such a pod out
+    // would leave it running uncaptured). Unconfirmed, a pod keeps its capture.
+    for (uid, (namespace, name)) in live.iter().filter(|(u, _)| !seen.contains(*u)) {
+        let pod = format!("{namespace}/{name}");
+        match kube.still_has(namespace, name, uid).await {
+            Ok(true) => continue,
+            Ok(false) => {}
+            Err(e) => {
+                warn!(%pod, error = %format!("{e:#}"), "not in the cache and the API server did not say whether it exists; it keeps its capture");
+                continue;
+            }
+        }
+        info!(%pod, %uid, "pod deleted from the API: leaves the mesh");
         membership::leave(agent, uid).await?;
     }
     Ok(())
+}
+
+/// Whether a meshed pod the agent does not serve may be looked for on the node by its
+/// addresses: not when it has finished (phase Succeeded or Failed: Kubernetes keeps
+/// `status.podIPs` on such pods, and the addresses may belong to a new pod by now, which would
+/// then be captured under the finished pod's identity) nor while it is being deleted. A pod the
+/// agent serves is not affected: it keeps its capture until its CNI DEL.
+fn may_join_by_address(pod: &Pod) -> bool {
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    let finished = matches!(phase, Some("Succeeded" | "Failed"));
+    !finished && pod.metadata.deletion_timestamp.is_none()
 }
 
 /// The network namespace on this node that holds one of `ips`, and a path to it: a bind mount

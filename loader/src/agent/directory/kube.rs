@@ -188,6 +188,14 @@ impl Kube {
             .collect()
     }
 
+    /// Whether the API server still has the pod `namespace/name` with this uid, asked live: the
+    /// cache can lag behind a CNI ADD (the pod's watch event not in yet) or behind the API
+    /// server's return after an outage (the watch still waiting out its backoff).
+    pub async fn still_has(&self, namespace: &str, name: &str, uid: &str) -> anyhow::Result<bool> {
+        let pod = Api::<Pod>::namespaced(self.client.clone(), namespace).get_opt(name).await?;
+        Ok(pod.is_some_and(|p| p.metadata.uid.as_deref() == Some(uid)))
+    }
+
     /// Whether the cache holds a pod with this uid.
     pub fn has_pod_uid(&self, uid: &str) -> bool {
         self.pods.state().iter().any(|p| p.metadata.uid.as_deref() == Some(uid))

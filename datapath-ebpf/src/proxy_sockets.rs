@@ -12,8 +12,8 @@
 //! - **Transparent connections to the app.** A connect made inside an enrolled pod to one of
 //!   the pod's own addresses from an address that is not the pod's (an `IP_TRANSPARENT` socket
 //!   bound to the client's address: the proxy keeping the client's address, which needs
-//!   CAP_NET_ADMIN in the pod) is filed in `PROXY_TRANSPARENT` once its 4-tuple is known
-//!   (`TCP_CONNECT_CB`, before its SYN is built) until it closes (`STATE_CB`, which this turns
+//!   CAP_NET_RAW or CAP_NET_ADMIN in the pod) is filed in `PROXY_TRANSPARENT` once its 4-tuple
+//!   is known (`TCP_CONNECT_CB`, before its SYN is built) until it closes (`STATE_CB`, which this turns
 //!   on for that socket only); sk_lookup lets its SYN reach the app. istio-cni never redirects a
 //!   connection made inside the pod to the pod itself either. The socket gets `marks::REPLY`:
 //!   its SYN carries the mark, `tcp_fwmark_accept` gives it to the app's accepted socket, and

@@ -169,7 +169,8 @@ async fn serve_connection(tcp: TcpStream, peer: SocketAddr, pod: &Arc<Pod>) -> a
         // the node's caps like any connection, or is refused.
         let Some(permits) = pod.admit() else {
             proxy.metrics.error(Direction::Inbound, "connection_limit");
-            warn!(src = %client, "HBONE request refused: 503 (connection limit)");
+            // Counted; logged only at debug, as refusals at accept are: a peer could flood it.
+            debug!(src = %client, "HBONE request refused: 503 (connection limit)");
             if let Err(e) = reply(&mut respond, StatusCode::SERVICE_UNAVAILABLE) {
                 debug!(error = %e, "the 503 could not be sent");
             }

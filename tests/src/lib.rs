@@ -450,7 +450,26 @@ impl TestProxy {
 
     /// As [`TestProxy::spawn`], its log lines shown as `LABEL: …` (the node agent's as
     /// `agent: …`).
-    pub fn spawn_as(label: &'static str, mut cmd: Command, cgroup: &CgroupGuard) -> Result<Self> {
+    pub fn spawn_as(label: &'static str, cmd: Command, cgroup: &CgroupGuard) -> Result<Self> {
+        let (proxy, ready) = Self::launch(label, cmd, cgroup)?;
+        ready
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .with_context(|| format!("the {label} did not become ready"))?;
+        Ok(proxy)
+    }
+
+    /// As [`TestProxy::spawn`], without waiting for `READY` (a proxy a test expects never to
+    /// get there).
+    pub fn spawn_unready(cmd: Command, cgroup: &CgroupGuard) -> Result<Self> {
+        Ok(Self::launch("proxy", cmd, cgroup)?.0)
+    }
+
+    /// Starts `cmd` in `cgroup`; the receiver gets its `READY` line.
+    fn launch(
+        label: &'static str,
+        mut cmd: Command,
+        cgroup: &CgroupGuard,
+    ) -> Result<(Self, std::sync::mpsc::Receiver<()>)> {
         use std::{io::BufRead as _, os::fd::AsRawFd as _, os::unix::process::CommandExt as _};
         let procs = std::fs::OpenOptions::new()
             .write(true)
@@ -490,11 +509,7 @@ impl TestProxy {
                 sink.lock().unwrap_or_else(|p| p.into_inner()).push(line);
             }
         });
-        let proxy = Self { child, lines };
-        ready_rx
-            .recv_timeout(std::time::Duration::from_secs(10))
-            .with_context(|| format!("the {label} did not become ready"))?;
-        Ok(proxy)
+        Ok((Self { child, lines }, ready_rx))
     }
 
     /// Lines printed so far (stdout and stderr).

@@ -305,3 +305,31 @@ fn a_new_proxy_takes_over_the_bypass_only_once_it_acknowledged_its_snapshot() {
     assert!(!ids.contains(&new), "a proxy that never acknowledged kept a bypass: {ids:?}");
     drop(stalled);
 }
+
+#[test]
+fn a_proxy_that_acknowledges_a_snapshot_pod_late_loses_its_session_and_no_later_request_takes_that_ack(
+) {
+    let mut node = CniNode::bare(&workloads(2)).expect("node");
+    node.start_agent_with(&["--ack-timeout-seconds".into(), "1".into()]).expect("agent");
+    node.start_ztunnel_like().expect("proxy");
+    let _p0 = node.add_pod("p0").expect("ADD p0");
+    // A new proxy whose ack for p0 (the snapshot's only pod) comes a second after the agent's
+    // timeout. Acks carry no id: were the session kept, that ack would answer `SnapshotSent`,
+    // and the ack of `SnapshotSent` the next ADD.
+    let late_cgroup = meshpath_tests::CgroupGuard::new().expect("cgroup");
+    let mut cmd = std::process::Command::new("nsenter");
+    cmd.arg(format!("--net={}", node.node.path().display()))
+        .arg(meshpath_tests::sibling_bin("ztunnel-like"))
+        .arg(node.zds_socket())
+        .arg(node.dir.join("ca.pem"))
+        .arg(node.dir.join("ca-key.pem"))
+        .arg(node.dir.join("workloads.yaml"))
+        .env("ZTUNNEL_LIKE_LATE_FIRST_ACK_MS", "2000");
+    let late = meshpath_tests::TestProxy::spawn_unready(cmd, &late_cgroup).expect("late proxy");
+    std::thread::sleep(Duration::from_secs(3));
+    // The agent gave the session up: with no proxy (this one does not reconnect), an ADD fails
+    // rather than succeeding on an ack that answered something else.
+    let added = node.add_pod("p1");
+    assert!(added.is_err(), "an ADD succeeded on a stale ack of a session that lost its place");
+    drop(late);
+}

@@ -19,6 +19,31 @@ use tracing::{info, warn};
 
 use super::{Agent, LivePod};
 
+/// Why a request to the proxy failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    #[error("no node proxy is connected")]
+    NotConnected,
+    /// The proxy answered and said no: the session is sound, the pod is not served.
+    #[error("the proxy refused: {0}")]
+    Refused(String),
+    /// No answer in time. Acks carry no id, so a late one would be read as the next request's:
+    /// the session cannot go on.
+    #[error("the proxy did not ack within {0:?}")]
+    NoAck(Duration),
+    #[error(transparent)]
+    Transport(#[from] meshpath_zds::ZdsError),
+    #[error("the proxy answered without an ack")]
+    NotAnAck,
+}
+
+impl RequestError {
+    /// Whether the connection must be given up (anything but a refusal), as istio-cni does.
+    fn ends_session(&self) -> bool {
+        !matches!(self, Self::Refused(_) | Self::NotConnected)
+    }
+}
+
 /// The proxy connection, if any.
 #[derive(Debug)]
 pub struct ZdsHub {
@@ -44,34 +69,37 @@ impl ZdsHub {
         conn: &SeqPacket,
         req: &WorkloadRequest,
         fd: Option<std::os::fd::BorrowedFd<'_>>,
-    ) -> Result<(), String> {
-        conn.send_msg(req, fd).await.map_err(|e| e.to_string())?;
+    ) -> Result<(), RequestError> {
+        conn.send_msg(req, fd).await?;
         let (resp, _) = tokio::time::timeout(self.ack_timeout, conn.recv_msg::<WorkloadResponse>())
             .await
-            .map_err(|_| format!("the proxy did not ack within {:?}", self.ack_timeout))?
-            .map_err(|e| e.to_string())?;
+            .map_err(|_| RequestError::NoAck(self.ack_timeout))??;
         match resp.payload {
             Some(meshpath_zds::proto::workload_response::Payload::Ack(a)) if a.error.is_empty() => {
                 Ok(())
             }
             Some(meshpath_zds::proto::workload_response::Payload::Ack(a)) => {
-                Err(format!("the proxy refused: {}", a.error))
+                Err(RequestError::Refused(a.error))
             }
-            None => Err("the proxy answered without an ack".into()),
+            None => Err(RequestError::NotAnAck),
         }
     }
 
-    /// Sends one request to the connected proxy and waits for its ack. A broken connection is
-    /// dropped (the proxy will reconnect and get a snapshot).
-    async fn request(&self, req: WorkloadRequest, pod: Option<&LivePod>) -> Result<(), String> {
+    /// Sends one request to the connected proxy and waits for its ack. A connection that failed
+    /// in any way but a refusal is dropped (the proxy will reconnect and get a snapshot).
+    async fn request(
+        &self,
+        req: WorkloadRequest,
+        pod: Option<&LivePod>,
+    ) -> Result<(), RequestError> {
         let mut guard = self.conn.lock().await;
         let Some(conn) = guard.as_ref() else {
-            return Err("no node proxy is connected".into());
+            return Err(RequestError::NotConnected);
         };
         let fd = pod.map(|p| p.netns.file().as_fd());
         let result = self.exchange(conn, &req, fd).await;
         if let Err(e) = &result {
-            if !e.starts_with("the proxy refused") {
+            if e.ends_session() {
                 warn!(error = %e, "ZDS connection broken; waiting for the proxy to reconnect");
                 *guard = None;
             }
@@ -80,12 +108,12 @@ impl ZdsHub {
     }
 
     /// Tells the proxy to serve a pod.
-    pub async fn add(&self, pod: &LivePod) -> Result<(), String> {
+    pub async fn add(&self, pod: &LivePod) -> Result<(), RequestError> {
         self.request(add_request(&pod.record), Some(pod)).await
     }
 
     /// Tells the proxy to stop serving a pod.
-    pub async fn del(&self, uid: &str) -> Result<(), String> {
+    pub async fn del(&self, uid: &str) -> Result<(), RequestError> {
         let req = WorkloadRequest { payload: Some(Payload::Del(DelWorkload { uid: uid.into() })) };
         self.request(req, None).await
     }
@@ -161,15 +189,7 @@ async fn welcome(agent: &Arc<Agent>, conn: SeqPacket) -> anyhow::Result<()> {
         .values()
         .map(|p| (p.record.clone(), p.netns.clone()))
         .collect();
-    for (record, netns) in &snapshot {
-        if let Err(e) = hub.exchange(&conn, &add_request(record), Some(netns.file().as_fd())).await
-        {
-            // A pod the proxy cannot serve stays captured and fails closed; others go on.
-            warn!(pod = %record.uid, error = %e, "the proxy did not take a pod of the snapshot");
-        }
-    }
-    let sent = WorkloadRequest { payload: Some(Payload::SnapshotSent(SnapshotSent {})) };
-    let acked = hub.exchange(&conn, &sent, None).await;
+    let acked = send_snapshot(hub, &conn, &snapshot).await;
     if let Some(id) = registered {
         // Acknowledged: the new proxy is the proxy; the previous one's cgroup goes. Not
         // acknowledged: the new one's goes, unless it is the current proxy's (it registers
@@ -188,8 +208,29 @@ async fn welcome(agent: &Arc<Agent>, conn: SeqPacket) -> anyhow::Result<()> {
             })?;
         }
     }
-    acked.map_err(anyhow::Error::msg)?;
+    acked?;
     info!(pods = snapshot.len(), "snapshot sent to the node proxy");
     *guard = Some(conn);
     Ok(())
+}
+
+/// Each pod with its netns, then `SnapshotSent`. A pod the proxy refuses stays captured and
+/// fails closed while the others go on; any other failure ends the session, since a late ack
+/// would be taken for the next request's (the proxy reconnects and gets a new snapshot).
+async fn send_snapshot(
+    hub: &ZdsHub,
+    conn: &SeqPacket,
+    snapshot: &[(super::records::PodRecord, Arc<crate::netns::Netns>)],
+) -> Result<(), RequestError> {
+    for (record, netns) in snapshot {
+        match hub.exchange(conn, &add_request(record), Some(netns.file().as_fd())).await {
+            Ok(()) => {}
+            Err(e @ RequestError::Refused(_)) => {
+                warn!(pod = %record.uid, error = %e, "the proxy did not take a pod of the snapshot");
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    let sent = WorkloadRequest { payload: Some(Payload::SnapshotSent(SnapshotSent {})) };
+    hub.exchange(conn, &sent, None).await
 }

@@ -24,6 +24,9 @@
 //! wire format, not the kernel contract this stand-in is the oracle of).
 //! - DNS: every datagram answered with `ANSWER <datagram>`.
 //!
+//! - Knobs for tests of the agent's side: `ZTUNNEL_LIKE_NO_SNAPSHOT_ACK` (never acknowledges
+//!   `SnapshotSent`), `ZTUNNEL_LIKE_LATE_FIRST_ACK_MS` (acknowledges its first Add that late).
+//!
 //! Prints `READY` after the agent's first snapshot, and one line per connection:
 //! `OUTBOUND <orig> FROM <peer>` (with ` VIA HBONE` when it was), `INBOUND <dst> FROM <peer>`,
 //! `HBONE <dst> FROM <peer>` (a CONNECT served), `SELF_CALL <dst>`. Usage:
@@ -91,18 +94,21 @@ async fn zds(path: PathBuf, node: Arc<Node>) -> Result<()> {
     // Dropping a pod's sender stops its thread (its listeners close).
     let mut pods: HashMap<String, oneshot::Sender<()>> = HashMap::new();
     let mut ready = false;
+    // A proxy that acknowledges its first Add late (tests of the agent's side): milliseconds.
+    let mut late_ack = std::env::var("ZTUNNEL_LIKE_LATE_FIRST_ACK_MS")
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+        .map(Duration::from_millis);
     loop {
         let (req, mut fds) = conn.recv_msg::<WorkloadRequest>().await?;
         let result = match req.payload {
-            Some(Payload::Add(add)) => match (fds.pop(), add.workload_info) {
-                (Some(fd), Some(info)) => {
-                    let id = Identity::new("cluster.local", &info.namespace, &info.service_account);
-                    serve_pod(add.uid.clone(), fd, Pod::new(&node, id)?).map(|stop| {
-                        pods.insert(add.uid, stop);
-                    })
+            Some(Payload::Add(add)) => {
+                if let Some(late) = late_ack.take() {
+                    // Served all the same: only the ack is late.
+                    tokio::time::sleep(late).await;
                 }
-                _ => Err(anyhow::anyhow!("AddWorkload without a netns fd or workload info")),
-            },
+                add_pod(&node, &mut pods, add, fds.pop())
+            }
             Some(Payload::Keep(_)) => Ok(()),
             Some(Payload::Del(del)) => {
                 pods.remove(&del.uid);
@@ -127,6 +133,22 @@ async fn zds(path: PathBuf, node: Arc<Node>) -> Result<()> {
         };
         conn.send_msg(&WorkloadResponse::ack(result.map_err(|e| format!("{e:#}"))), None).await?;
     }
+}
+
+/// Serves the pod an `AddWorkload` names, in the netns whose fd came with it.
+fn add_pod(
+    node: &Arc<Node>,
+    pods: &mut HashMap<String, oneshot::Sender<()>>,
+    add: meshpath_zds::proto::AddWorkload,
+    netns: Option<OwnedFd>,
+) -> Result<()> {
+    let (Some(fd), Some(info)) = (netns, add.workload_info) else {
+        bail!("AddWorkload without a netns fd or workload info");
+    };
+    let id = Identity::new("cluster.local", &info.namespace, &info.service_account);
+    let stop = serve_pod(add.uid.clone(), fd, Pod::new(node, id)?)?;
+    pods.insert(add.uid, stop);
+    Ok(())
 }
 
 /// One pod: its identity and certificate, and the node's workloads.

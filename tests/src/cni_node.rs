@@ -98,6 +98,8 @@ pub fn run_plugin(
 pub struct CniPod {
     pub name: String,
     pub container_id: String,
+    /// The `CNI_ARGS` its ADD had (a runtime gives its DEL and CHECK the same).
+    pub args: String,
     pub netns: NetnsGuard,
     /// The chain's final result (what the runtime caches for DEL).
     pub result: Value,
@@ -462,10 +464,24 @@ impl CniNode {
 
     /// Creates pod `name` of `namespace` with the chain `list`.
     pub fn add_pod_ns_with(&self, namespace: &str, name: &str, list: &Value) -> Result<CniPod> {
+        let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name}");
+        self.add_sandbox(name, args, list)
+    }
+
+    /// Creates a sandbox of pod `name` (namespace `default`) whose runtime passes the pod's uid
+    /// (`K8S_POD_UID`), as containerd and CRI-O do.
+    pub fn add_pod_with_uid(&self, name: &str, uid: &str) -> Result<CniPod> {
+        let args = format!(
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name};K8S_POD_UID={uid}"
+        );
+        self.add_sandbox(name, args, &self.conflist(&self.cni_socket()))
+    }
+
+    /// A new sandbox (netns, container id) for pod `name`, set up by the chain `list`.
+    fn add_sandbox(&self, name: &str, args: String, list: &Value) -> Result<CniPod> {
         let netns = NetnsGuard::new("mp-cnipod")?;
         let container_id = unique("ctr");
         let path = netns.path().display().to_string();
-        let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name}");
         let env = Self::env(&container_id, &path, &args);
         let lo = json!({"cniVersion": "1.0.0", "name": "lo", "type": "loopback"});
         let run = run_plugin(
@@ -491,7 +507,7 @@ impl CniNode {
                     .find(|i| i.is_ipv4())
                     .context("no IPv4 address in the chain's result")?;
                 let ip6 = ips.iter().find(|i| i.is_ipv6()).copied();
-                Ok(CniPod { name: name.into(), container_id, netns, result, ip, ip6 })
+                Ok(CniPod { name: name.into(), container_id, args, netns, result, ip, ip6 })
             }
             Err(run) => {
                 // As a runtime does after a failed ADD: DEL the whole chain, then drop the netns.
@@ -503,8 +519,7 @@ impl CniNode {
 
     /// The chain's DEL for `pod` (with `netns` as given: runtimes send "" the second time).
     pub fn del_pod(&self, pod: &CniPod, netns: &str) -> Result<std::result::Result<(), PluginRun>> {
-        let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={}", pod.name);
-        let env = Self::env(&pod.container_id, netns, &args);
+        let env = Self::env(&pod.container_id, netns, &pod.args);
         Ok(self
             .run_chain(&self.conflist(&self.cni_socket()), "DEL", &env, Some(&pod.result))?
             .map(drop))
@@ -512,9 +527,8 @@ impl CniNode {
 
     /// The chain's CHECK for `pod`.
     pub fn check_pod(&self, pod: &CniPod) -> Result<std::result::Result<(), PluginRun>> {
-        let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={}", pod.name);
         let path = pod.netns.path().display().to_string();
-        let env = Self::env(&pod.container_id, &path, &args);
+        let env = Self::env(&pod.container_id, &path, &pod.args);
         Ok(self
             .run_chain(&self.conflist(&self.cni_socket()), "CHECK", &env, Some(&pod.result))?
             .map(drop))

@@ -437,3 +437,27 @@ fn a_pod_uid_that_is_no_file_name_is_recorded_inside_the_state_directory() {
     node.del_pod(&web, &web.netns.path().display().to_string()).expect("DEL").expect("DEL ok");
     assert!(node.records().is_empty(), "the record was not removed");
 }
+
+#[test]
+fn a_late_del_of_a_pods_old_sandbox_leaves_its_new_sandbox_in_the_mesh() {
+    let node = CniNode::start(WORKLOADS).expect("node");
+    let db = node.add_pod("db").expect("ADD db");
+    node.echo_server(&db, 8080).expect("echo");
+    publish_db_address(&node, &db);
+    // The runtime recreates web's sandbox (the first one died); both carry web's uid.
+    let old = node.add_pod_with_uid("web", "uid-web").expect("ADD web");
+    let new = node.add_pod_with_uid("web", "uid-web").expect("ADD web's new sandbox");
+    // Then the old sandbox's DEL, as a runtime's garbage collection sends it.
+    let path = old.netns.path().display().to_string();
+    assert_eq!(node.del_pod(&old, &path).expect("DEL").map_err(|r| r.stdout), Ok(()));
+    let served = node.proxy_pods().expect("pods");
+    assert!(
+        served.contains(&"uid-web".to_owned()),
+        "the old sandbox's DEL took web out: {served:?}"
+    );
+    let back = echo_once(&new, SocketAddr::new(db.ip, 8080), b"new").expect("connection");
+    assert_eq!(back, b"new");
+    let labels = [("source_workload", "web"), ("connection_security_policy", "mutual_tls")];
+    let hbone = node.proxy_metric("istio_tcp_connections_opened_total", &labels).expect("metrics");
+    assert_eq!(hbone, 1.0, "the new sandbox's connection left the mesh");
+}

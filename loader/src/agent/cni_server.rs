@@ -94,14 +94,20 @@ async fn handle(agent: &Arc<Agent>, req: Request) -> anyhow::Result<bool> {
     }
 }
 
+/// The pod whose sandbox a request names: by the sandbox's container id. A pod the reconcile
+/// loop found (its container id unknown) is matched by uid only when the request names its
+/// netns: the runtime's late DEL of a pod's old sandbox must not take out its new one.
 fn find(agent: &Agent, req: &Request) -> Option<String> {
     let pods = agent.pods.lock().ok()?;
-    pods.values()
-        .find(|p| {
-            p.record.container_id == req.container_id
-                || (!req.pod_uid.is_empty() && p.record.uid == req.pod_uid)
-        })
-        .map(|p| p.record.uid.clone())
+    let by_container = pods
+        .values()
+        .find(|p| !req.container_id.is_empty() && p.record.container_id == req.container_id);
+    if let Some(p) = by_container {
+        return Some(p.record.uid.clone());
+    }
+    let found = pods.get(&req.pod_uid).filter(|p| p.record.container_id.is_empty())?;
+    let netns = Netns::open(Path::new(&req.netns)).ok()?;
+    (netns.inode() == found.netns.inode()).then(|| found.record.uid.clone())
 }
 
 async fn add(agent: &Arc<Agent>, req: Request) -> anyhow::Result<bool> {
@@ -120,7 +126,8 @@ async fn add(agent: &Arc<Agent>, req: Request) -> anyhow::Result<bool> {
             }
         };
     let netns = Netns::open(Path::new(&req.netns))?;
-    // A repeated ADD for the same sandbox, or a pod the reconcile loop found first: done.
+    // A repeated ADD for the same sandbox, or a pod the reconcile loop found first: done. The
+    // same pod (by uid) in another sandbox: the old one goes first.
     let known = find(agent, &req).or_else(|| {
         agent.pods.lock().ok().filter(|p| p.contains_key(&member.uid)).map(|_| member.uid.clone())
     });

@@ -91,6 +91,9 @@ pub mod k8s {
     pub const EXCLUDE_OUTBOUND_CIDRS: &str = "meshpath.io/exclude-outbound-cidrs";
     /// Comma-separated client prefixes inbound capture leaves alone.
     pub const EXCLUDE_INBOUND_CIDRS: &str = "meshpath.io/exclude-inbound-cidrs";
+    /// On a static pod's mirror in the API: the static pod's own uid (the one its runtime
+    /// passes as `K8S_POD_UID`).
+    pub const CONFIG_MIRROR: &str = "kubernetes.io/config.mirror";
     /// The label naming an application.
     pub const APP_NAME: &str = "app.kubernetes.io/name";
     /// [`APP_NAME`] of the node proxy's pods (deploy/), never meshed.

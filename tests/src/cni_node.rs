@@ -468,11 +468,11 @@ impl CniNode {
         self.add_sandbox(name, args, list)
     }
 
-    /// Creates a sandbox of pod `name` (namespace `default`) whose runtime passes the pod's uid
+    /// Creates a sandbox of pod `name` of `namespace` whose runtime passes the pod's uid
     /// (`K8S_POD_UID`), as containerd and CRI-O do.
-    pub fn add_pod_with_uid(&self, name: &str, uid: &str) -> Result<CniPod> {
+    pub fn add_pod_as(&self, namespace: &str, name: &str, uid: &str) -> Result<CniPod> {
         let args = format!(
-            "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name};K8S_POD_UID={uid}"
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name};K8S_POD_UID={uid}"
         );
         self.add_sandbox(name, args, &self.conflist(&self.cni_socket()))
     }

@@ -134,6 +134,26 @@ impl KubeApi {
         self.wait_ready(Duration::from_secs(60))
     }
 
+    /// Stops the API server (SIGSTOP): the kernel still accepts its connections, nothing is
+    /// answered, as a server that hangs. [`KubeApi::resume_apiserver`] lets it go on.
+    pub fn pause_apiserver(&self) -> Result<()> {
+        self.signal_apiserver(libc::SIGSTOP)
+    }
+
+    pub fn resume_apiserver(&self) -> Result<()> {
+        self.signal_apiserver(libc::SIGCONT)
+    }
+
+    fn signal_apiserver(&self, sig: libc::c_int) -> Result<()> {
+        let a = self.apiserver.as_ref().context("the API server is not running")?;
+        let pid = libc::pid_t::try_from(a.id())?;
+        // SAFETY: kill(2) on our own child, which has not been waited for.
+        if unsafe { libc::kill(pid, sig) } != 0 {
+            return Err(std::io::Error::last_os_error().into());
+        }
+        Ok(())
+    }
+
     /// Kills the API server (etcd keeps the state).
     pub fn stop_apiserver(&mut self) {
         if let Some(mut a) = self.apiserver.take() {

@@ -445,8 +445,8 @@ fn a_late_del_of_a_pods_old_sandbox_leaves_its_new_sandbox_in_the_mesh() {
     node.echo_server(&db, 8080).expect("echo");
     publish_db_address(&node, &db);
     // The runtime recreates web's sandbox (the first one died); both carry web's uid.
-    let old = node.add_pod_with_uid("web", "uid-web").expect("ADD web");
-    let new = node.add_pod_with_uid("web", "uid-web").expect("ADD web's new sandbox");
+    let old = node.add_pod_as("default", "web", "uid-web").expect("ADD web");
+    let new = node.add_pod_as("default", "web", "uid-web").expect("ADD web's new sandbox");
     // Then the old sandbox's DEL, as a runtime's garbage collection sends it.
     let path = old.netns.path().display().to_string();
     assert_eq!(node.del_pod(&old, &path).expect("DEL").map_err(|r| r.stdout), Ok(()));

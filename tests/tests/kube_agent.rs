@@ -303,3 +303,58 @@ async fn a_served_pod_the_cache_lacks_keeps_its_capture_until_the_api_server_say
     assert!(eventually(|| async { enrolled(&c) == 0 }).await, "a deleted pod stayed in the mesh");
     drop(web);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_api_server_that_stops_answering_turns_the_agent_unready_and_no_add_waits_on_it() {
+    let c = cluster(90, true).await;
+    namespace(&c, "shop", true).await;
+    pod(&c, "shop", "web", json!({})).await;
+    // Its watch event comes in within milliseconds.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    c.api.pause_apiserver().expect("pause");
+    assert!(
+        eventually(|| async { c.node.agent_ready() == Some(false) }).await,
+        "the agent stayed ready with an API server that does not answer"
+    );
+    // A pod the cache holds needs nothing of the API server to be added…
+    let web = tokio::task::block_in_place(|| c.node.add_pod_in("shop", "web"));
+    let web = web.expect("ADD of a pod the cache holds");
+    assert_eq!(enrolled(&c), 1);
+    // …one it does not is asked of the API server, and refused saying why, not left hanging
+    // (the plugin's own timeout would say only that the agent did not answer).
+    let db = tokio::task::block_in_place(|| c.node.add_pod_in("shop", "db"));
+    let Err(err) = db else { panic!("ADD of a pod nobody could look up succeeded") };
+    let err = format!("{err:#}");
+    assert!(err.contains("API server did not answer"), "{err}");
+    c.api.resume_apiserver().expect("resume");
+    assert!(eventually(|| async { c.node.agent_ready() == Some(true) }).await, "not ready again");
+    assert!(
+        eventually(|| async { redirection(&c, "shop", "web").await.as_deref() == Some("enabled") })
+            .await,
+        "the annotation left out while the API server hung was never written"
+    );
+    drop(web);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_add_for_a_recreated_pod_is_not_decided_by_the_cached_object_of_the_pod_it_replaced() {
+    let c = cluster(91, true).await;
+    namespace(&c, "shop", true).await;
+    // The cache's web opted out of the mesh.
+    pod(&c, "shop", "web", json!({"istio.io/dataplane-mode": "none"})).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The runtime sets up a sandbox for a web with another uid (a StatefulSet's pod recreated)
+    // while the API server does not answer: the old object must not decide for it.
+    c.api.pause_apiserver().expect("pause");
+    let added = tokio::task::block_in_place(|| c.node.add_pod_as("shop", "web", "uid-new-web"));
+    let Err(err) = added else { panic!("ADD decided by the replaced pod's object") };
+    let err = format!("{err:#}");
+    assert!(err.contains("API server did not answer"), "{err}");
+    assert_eq!(enrolled(&c), 0);
+    // Answered, the API server has only the old web: that uid is no pod it has.
+    c.api.resume_apiserver().expect("resume");
+    let again = tokio::task::block_in_place(|| c.node.add_pod_as("shop", "web", "uid-new-web"));
+    let Err(err) = again else { panic!("ADD for a pod the API server does not have") };
+    let err = format!("{err:#}");
+    assert!(err.contains("replaced"), "{err}");
+}

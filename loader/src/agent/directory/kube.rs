@@ -7,11 +7,13 @@
 
 use std::{
     collections::HashSet,
+    future::Future,
     path::PathBuf,
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc, Mutex,
     },
+    time::Duration,
 };
 
 use datapath_common::consts::k8s;
@@ -26,6 +28,38 @@ use tokio::sync::Notify;
 use tracing::{info, warn};
 
 use super::enablement::{decide, Decision};
+
+/// How long any one request to the API server may take (the watches aside). kube-rs sets no
+/// read timeout, and these requests are made holding the lock every CNI request takes: one
+/// that never came back would hold up every ADD on the node, and the readiness probe with it.
+pub const API_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// `call`, given up after [`API_TIMEOUT`].
+async fn bounded<T>(
+    what: &str,
+    call: impl Future<Output = Result<T, kube::Error>>,
+) -> anyhow::Result<T> {
+    match tokio::time::timeout(API_TIMEOUT, call).await {
+        Ok(r) => r.map_err(|e| anyhow::anyhow!("{what}: {e}")),
+        Err(_) => {
+            anyhow::bail!("{what}: the Kubernetes API server did not answer within {API_TIMEOUT:?}")
+        }
+    }
+}
+
+/// Whether `pod` is the pod a runtime's `K8S_POD_UID` names (any, when it passed none): its
+/// uid, or for a static pod's mirror the static pod's.
+fn is_pod(pod: &Pod, uid: &str) -> bool {
+    uid.is_empty()
+        || pod.metadata.uid.as_deref() == Some(uid)
+        || pod
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(k8s::CONFIG_MIRROR))
+            .map(String::as_str)
+            == Some(uid)
+}
 
 /// How the agent reaches the API and which pods are its node's.
 #[derive(Debug, Clone)]
@@ -113,7 +147,8 @@ impl Kube {
         tokio::spawn(async move {
             let namespaces = Api::<Namespace>::all(k.client.clone());
             loop {
-                let up = namespaces.list_metadata(&ListParams::default().limit(1)).await.is_ok();
+                let one = ListParams::default().limit(1);
+                let up = bounded("probe", namespaces.list_metadata(&one)).await.is_ok();
                 if k.reachable.swap(up, Ordering::Relaxed) != up {
                     if up {
                         info!("Kubernetes API server reachable");
@@ -157,16 +192,35 @@ impl Kube {
             && self.reachable.load(Ordering::Relaxed)
     }
 
-    /// The decision for a pod of this node, from the caches.
-    pub fn decide_cached(&self, namespace: &str, name: &str) -> Option<Decision> {
+    /// Whether the API server answered the last probe.
+    pub fn reachable(&self) -> bool {
+        self.reachable.load(Ordering::Relaxed)
+    }
+
+    /// The decision for a pod of this node, from the caches: only for the pod with the
+    /// runtime's `uid` (a recreated pod, a StatefulSet's, has the old one's name, and the
+    /// cache may not have seen it replaced yet).
+    pub fn decide_cached(&self, uid: &str, namespace: &str, name: &str) -> Option<Decision> {
         let pod = self.pods.get(&ObjectRef::new(name).within(namespace))?;
-        Some(self.decide(&pod))
+        is_pod(&pod, uid).then(|| self.decide(&pod))
     }
 
     /// The decision for a pod, read from the API (a pod the cache has not seen yet: CNI ADD
-    /// can come before its watch event).
-    pub async fn decide_live(&self, namespace: &str, name: &str) -> anyhow::Result<Decision> {
-        let pod = Api::<Pod>::namespaced(self.client.clone(), namespace).get(name).await?;
+    /// can come before its watch event). A sandbox for a pod the API no longer has (another
+    /// pod of that name has replaced it) is refused.
+    pub async fn decide_live(
+        &self,
+        uid: &str,
+        namespace: &str,
+        name: &str,
+    ) -> anyhow::Result<Decision> {
+        let api = Api::<Pod>::namespaced(self.client.clone(), namespace);
+        let pod = bounded(&format!("reading pod {namespace}/{name}"), api.get(name)).await?;
+        anyhow::ensure!(
+            is_pod(&pod, uid),
+            "pod {namespace}/{name} is {:?} in the API, not the runtime's {uid}: it was replaced",
+            pod.metadata.uid.as_deref().unwrap_or_default()
+        );
         Ok(self.decide(&pod))
     }
 
@@ -192,7 +246,8 @@ impl Kube {
     /// cache can lag behind a CNI ADD (the pod's watch event not in yet) or behind the API
     /// server's return after an outage (the watch still waiting out its backoff).
     pub async fn still_has(&self, namespace: &str, name: &str, uid: &str) -> anyhow::Result<bool> {
-        let pod = Api::<Pod>::namespaced(self.client.clone(), namespace).get_opt(name).await?;
+        let api = Api::<Pod>::namespaced(self.client.clone(), namespace);
+        let pod = bounded(&format!("reading pod {namespace}/{name}"), api.get_opt(name)).await?;
         Ok(pod.is_some_and(|p| p.metadata.uid.as_deref() == Some(uid)))
     }
 
@@ -206,8 +261,9 @@ impl Kube {
         let value =
             if on { serde_json::json!(k8s::REDIRECTION_ENABLED) } else { serde_json::Value::Null };
         let patch = serde_json::json!({"metadata": {"annotations": {k8s::REDIRECTION: value}}});
-        Api::<Pod>::namespaced(self.client.clone(), namespace)
-            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        let api = Api::<Pod>::namespaced(self.client.clone(), namespace);
+        let (params, patch) = (PatchParams::default(), Patch::Merge(&patch));
+        bounded(&format!("annotating pod {namespace}/{name}"), api.patch(name, &params, &patch))
             .await?;
         Ok(())
     }
@@ -256,9 +312,9 @@ impl Kube {
             count: Some(1),
             ..Default::default()
         };
-        if let Err(e) = Api::<Event>::namespaced(self.client.clone(), &namespace)
-            .create(&PostParams::default(), &event)
-            .await
+        let events = Api::<Event>::namespaced(self.client.clone(), &namespace);
+        if let Err(e) =
+            bounded("writing an Event", events.create(&PostParams::default(), &event)).await
         {
             warn!(error = %e, "could not write an Event on the pod");
         }

@@ -40,10 +40,10 @@ impl Directory {
     pub async fn lookup(&self, uid: &str, namespace: &str, name: &str) -> anyhow::Result<Decision> {
         match self {
             Self::File(f) => f.lookup(uid, namespace, name),
-            Self::Kube(k) => match k.decide_cached(namespace, name) {
+            Self::Kube(k) => match k.decide_cached(uid, namespace, name) {
                 Some(d) => Ok(d),
                 // Not in the cache yet (CNI ADD can come before the pod's watch event).
-                None => k.decide_live(namespace, name).await,
+                None => k.decide_live(uid, namespace, name).await,
             },
         }
     }
@@ -59,8 +59,14 @@ impl Directory {
     /// Tells the API a pod is (`true`) or no longer is captured: the
     /// `ambient.istio.io/redirection` annotation (istiod gives a pod HBONE only with it). Best
     /// effort: the reconcile loop sets it again if this fails.
+    /// While the API server does not answer, not even tried: an ADD would wait out
+    /// [`kube::API_TIMEOUT`] for nothing.
     pub async fn set_redirected(&self, namespace: &str, name: &str, on: bool) {
         if let Self::Kube(k) = self {
+            if !k.reachable() {
+                tracing::info!(pod = %format!("{namespace}/{name}"), on, "the API server is unreachable: the redirection annotation waits for the reconcile loop");
+                return;
+            }
             if let Err(e) = k.annotate(namespace, name, on).await {
                 tracing::warn!(pod = %format!("{namespace}/{name}"), error = %e, on, "redirection annotation not written; the reconcile loop retries");
             }

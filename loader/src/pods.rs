@@ -115,9 +115,7 @@ pub struct PodStatus {
 /// ([`MAX_EXCLUSIONS_PER_POD`] entries in each).
 fn check_exclusions(pod: &str, opts: &EnrolOptions) -> Result<()> {
     let ports = opts.exclude_outbound_ports.len() + opts.exclude_inbound_ports.len();
-    let prefixes = opts.exclude_outbound_cidrs.len()
-        + opts.capture_outbound_cidrs.len()
-        + opts.exclude_inbound_cidrs.len();
+    let prefixes = prefix_rules(opts).len();
     for (what, count) in [("excluded ports", ports), ("prefix rules", prefixes)] {
         if count > MAX_EXCLUSIONS_PER_POD {
             let (pod, max) = (pod.to_owned(), MAX_EXCLUSIONS_PER_POD);
@@ -191,17 +189,10 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
     }
 
     let mut cidrs = dp.excluded_cidrs()?;
-    let rules = [
-        (&opts.exclude_outbound_cidrs, direction::OUTBOUND, cidr_action::EXCLUDE),
-        (&opts.capture_outbound_cidrs, direction::OUTBOUND, cidr_action::CAPTURE),
-        (&opts.exclude_inbound_cidrs, direction::INBOUND, cidr_action::EXCLUDE),
-    ];
-    for (nets, direction, action) in rules {
-        for net in nets {
-            cidrs
-                .insert(&cidr_key(cookie, direction, *net), action, 0)
-                .map_err(|e| Error::bpf(format!("pod {pod}: prefix {net}"), e))?;
-        }
+    for (net, direction, action) in prefix_rules(opts) {
+        cidrs
+            .insert(&cidr_key(cookie, direction, net), action, 0)
+            .map_err(|e| Error::bpf(format!("pod {pod}: prefix {net}"), e))?;
     }
 
     let dir = dp.pod_dir(cookie);
@@ -300,6 +291,36 @@ pub fn ip_key(ip: IpAddr) -> PodIpKey {
     let o = v6.octets();
     let word = |i: usize| u32::from_ne_bytes([o[i], o[i + 1], o[i + 2], o[i + 3]]);
     PodIpKey { addr: [word(0), word(4), word(8), word(12)] }
+}
+
+/// The pod's prefix rules as `EXCLUDED_CIDRS` holds them, in the order they are written (a
+/// later one for the same prefix replaces an earlier). The keys are IPv6 with IPv4 v4-mapped,
+/// so an IPv6 prefix that covers `::ffff:0:0/96` (`::/0`, say) would cover every IPv4 address
+/// too: in each direction that has one, `::ffff:0:0/96` → capture comes first, which leaves
+/// IPv4 to the pod's IPv4 rules (longer prefixes: they win), as an ip6tables rule leaves IPv4
+/// to iptables. (A prefix inside `::ffff:0:0/96` is an IPv4 prefix written as IPv6, and acts
+/// as one.)
+pub fn prefix_rules(opts: &EnrolOptions) -> Vec<(IpNet, u16, u32)> {
+    let v4_mapped =
+        IpNet::V6(ipnet::Ipv6Net::new_assert(std::net::Ipv4Addr::UNSPECIFIED.to_ipv6_mapped(), 96));
+    let rules = [
+        (&opts.exclude_outbound_cidrs, direction::OUTBOUND, cidr_action::EXCLUDE),
+        (&opts.capture_outbound_cidrs, direction::OUTBOUND, cidr_action::CAPTURE),
+        (&opts.exclude_inbound_cidrs, direction::INBOUND, cidr_action::EXCLUDE),
+    ];
+    let mut out: Vec<(IpNet, u16, u32)> = Vec::new();
+    for (nets, direction, _) in rules {
+        let covers_ipv4 =
+            |n: &IpNet| matches!(n, IpNet::V6(_)) && n.contains(&v4_mapped) && *n != v4_mapped;
+        let guard = (v4_mapped, direction, cidr_action::CAPTURE);
+        if nets.iter().any(covers_ipv4) && !out.contains(&guard) {
+            out.push(guard);
+        }
+    }
+    for (nets, direction, action) in rules {
+        out.extend(nets.iter().map(|n| (n.trunc(), direction, action)));
+    }
+    out
 }
 
 /// The `EXCLUDED_CIDRS` key of a prefix rule.
@@ -759,6 +780,26 @@ mod tests {
             ["10.1.2.3", "10.1.2.4", "fd00::1"].map(|a| a.parse().expect("ip")).into();
         assert!(!covers_all(&two_v4));
         assert_eq!(pod_addrs_keys(&pod_addrs(&two_v4)).len(), 2, "only the first of each family");
+    }
+
+    #[test]
+    fn an_ipv6_prefix_covering_the_v4_mapped_space_is_preceded_by_a_capture_of_it() {
+        let net = |s: &str| -> IpNet { s.parse().expect("net") };
+        let opts = EnrolOptions {
+            exclude_outbound_cidrs: vec![net("::/0"), net("10.0.0.0/8")],
+            exclude_inbound_cidrs: vec![net("fd00::/8")],
+            ..EnrolOptions::default()
+        };
+        let mapped = net("::ffff:0:0/96");
+        assert_eq!(
+            prefix_rules(&opts),
+            [
+                (mapped, direction::OUTBOUND, cidr_action::CAPTURE),
+                (net("::/0"), direction::OUTBOUND, cidr_action::EXCLUDE),
+                (net("10.0.0.0/8"), direction::OUTBOUND, cidr_action::EXCLUDE),
+                (net("fd00::/8"), direction::INBOUND, cidr_action::EXCLUDE),
+            ]
+        );
     }
 
     #[test]

@@ -366,6 +366,24 @@ fn excluded_outbound_cidrs_bypass_the_proxy_by_longest_prefix() {
 }
 
 #[test]
+fn an_ipv6_exclusion_of_every_address_leaves_ipv4_captured() {
+    // `::/0` as ip6tables has it: all of IPv6, none of IPv4 (whose keys are v4-mapped IPv6).
+    let mesh = Mesh::new(EnrolOptions {
+        capture_outbound: true,
+        exclude_outbound_cidrs: vec!["::/0".parse().expect("cidr")],
+        ..EnrolOptions::default()
+    });
+    // No proxy runs: a captured connection is refused, an excluded one connects directly.
+    let v6 = mesh.b(true, 8090);
+    let server = mesh.echo_server_in_b(v6);
+    drop(mesh.connect_from_a(v6, None).expect("IPv6 is excluded: it connects directly"));
+    server.join().expect("server").expect("server io");
+    let sentinel = Sentinel::new(&mesh.pods.b, mesh.b(false, 8090));
+    assert!(mesh.connect_from_a(mesh.b(false, 8090), None).is_err(), "IPv4 left the mesh");
+    sentinel.assert_untouched("an IPv4 destination under an IPv6 exclusion");
+}
+
+#[test]
 fn a_pod_reaching_its_own_address_is_not_captured() {
     let mesh = Mesh::capturing();
     // No proxy runs: only an uncaptured connection can succeed.

@@ -13,8 +13,8 @@
 //!   the pod's own addresses from an address that is not the pod's (an `IP_TRANSPARENT` socket
 //!   bound to the client's address: the proxy keeping the client's address, which needs
 //!   CAP_NET_RAW or CAP_NET_ADMIN in the pod) is filed in `PROXY_TRANSPARENT` once its 4-tuple
-//!   is known (`TCP_CONNECT_CB`, before its SYN is built) until it closes (`STATE_CB`, which this turns
-//!   on for that socket only); sk_lookup lets its SYN reach the app. istio-cni never redirects a
+//!   is known (`TCP_CONNECT_CB`, before its SYN is built) until it closes (`STATE_CB`, which this
+//!   turns on for that socket only; removed at close even if the pod has left); sk_lookup lets its SYN reach the app. istio-cni never redirects a
 //!   connection made inside the pod to the pod itself either. The socket gets `marks::REPLY`:
 //!   its SYN carries the mark, `tcp_fwmark_accept` gives it to the app's accepted socket, and
 //!   the pod's `fwmark 0x111/0xfff lookup 133` rule (written at enrolment) delivers the app's
@@ -78,12 +78,7 @@ fn transparent_key(ctx: &SockOpsContext) -> Option<TransparentKey> {
     if loopback || unsafe { POD_IPS.get(&PodIpKey { addr: k.local }) } == Some(&netns) {
         return None;
     }
-    Some(TransparentKey {
-        local: k.remote,
-        remote: k.local,
-        local_port: k.remote_port as u16,
-        remote_port: k.local_port as u16,
-    })
+    Some(reversed(&k))
 }
 
 /// `TCP_CONNECT_CB`: files a transparent connection to the pod itself and marks its socket.
@@ -113,13 +108,28 @@ pub fn connecting(ctx: &SockOpsContext) {
 }
 
 /// `STATE_CB` (on only for filed transparent connections): removes the entry once the
-/// connection is closed.
+/// connection is closed. Whether or not the pod is still enrolled: a pod taken out with the
+/// connection open would otherwise leave the entry behind, and a pod given its address later
+/// would let that 4-tuple reach its app around the proxy.
 #[inline(always)]
 pub fn state_changed(ctx: &SockOpsContext) {
     if ctx.arg(1) != BPF_TCP_CLOSE {
         return;
     }
-    if let Some(key) = transparent_key(ctx) {
-        let _ = PROXY_TRANSPARENT.remove(&key);
+    // The socket's own netns: only the 4-tuple of the key comes from it.
+    // SAFETY: helper called with this program's own context.
+    let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let _ = PROXY_TRANSPARENT.remove(&reversed(&sock_ops_key(ctx.ops, netns)));
+}
+
+/// The [`TransparentKey`] of a connection seen from its connecting end (the app's end is
+/// local in the key).
+#[inline(always)]
+fn reversed(k: &datapath_common::SockKey) -> TransparentKey {
+    TransparentKey {
+        local: k.remote,
+        remote: k.local,
+        local_port: k.remote_port as u16,
+        remote_port: k.local_port as u16,
     }
 }

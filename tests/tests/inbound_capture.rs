@@ -214,3 +214,38 @@ fn excluded_inbound_client_cidrs_reach_the_app_directly() {
     assert!(mesh.connect_from_b(mesh.a(true, 8093), None).is_err());
     sentinel.assert_untouched("a client that is not excluded");
 }
+
+#[test]
+fn a_transparent_connection_closed_after_its_pod_left_leaves_no_entry_behind() {
+    let mesh = inbound(EnrolOptions::default());
+    let dp = mesh.datapath();
+    let filed = || dp.proxy_transparent().expect("PROXY_TRANSPARENT").keys().flatten().count();
+    let app = mesh.pods.a.listen(mesh.a(false, 8094)).expect("app");
+    // What a proxy opens to reach the app: inside the pod, from a client's address.
+    let client: IpAddr = "10.199.0.2".parse().expect("ip");
+    let ns = mesh.pods.a.open().expect("netns");
+    let conn = ns
+        .run(|| -> std::io::Result<socket2::Socket> {
+            let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+            s.set_ip_transparent(true)?;
+            s.set_freebind(true)?;
+            s.bind(&SocketAddr::new(client, 0).into())?;
+            s.connect(&mesh.a(false, 8094).into())?;
+            Ok(s)
+        })
+        .expect("netns")
+        .expect("transparent connection to the app");
+    let (_accepted, from) = app.accept().expect("the app accepted it");
+    assert_eq!(from.ip(), client);
+    assert_eq!(filed(), 1, "the transparent connection was not filed");
+    // The pod leaves with the connection open; then the connection closes.
+    let cookie = meshpath_loader::pods::list(&dp).expect("pods")[0].cookie;
+    meshpath_loader::pods::unenrol(&dp, cookie).expect("unenrol");
+    conn.set_linger(Some(std::time::Duration::ZERO)).expect("linger");
+    drop(conn);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while filed() != 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(filed(), 0, "a closed connection's 4-tuple stayed filed for the pod's address");
+}

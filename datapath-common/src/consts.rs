@@ -148,9 +148,15 @@ pub mod programs {
     pub const RECVMSG4: &str = "mp_recvmsg4";
     /// cgroup/recvmsg6.
     pub const RECVMSG6: &str = "mp_recvmsg6";
+    /// cgroup/bind4: refuses binds to the proxy's ports in a pod from outside the proxy's cgroup.
+    pub const BIND4: &str = "mp_bind4";
+    /// cgroup/bind6.
+    pub const BIND6: &str = "mp_bind6";
     /// Every node-wide cgroup program, in the order the loader attaches them: the ones that
     /// start capturing (connect, sendmsg) last, once everything they rely on is in place.
-    pub const CGROUP: [&str; 10] = [
+    pub const CGROUP: [&str; 12] = [
+        BIND4,
+        BIND6,
         SOCK_OPS,
         GETSOCKOPT,
         GETPEERNAME4,
@@ -193,6 +199,9 @@ pub mod map_names {
     /// [`crate::OrigDst`] in the storage of each socket the proxy accepted from a captured app
     /// (socket storage), for its getsockopt.
     pub const ORIG_DST_BY_ACCEPTED: &str = "ORIG_DST_BY_ACCEPTED";
+    /// Sockets the proxy bound to one of its ports in an enrolled pod (socket storage, a `u8`
+    /// whose presence is the mark): the only ones taken as a pod's inbound listener.
+    pub const PROXY_BOUND: &str = "PROXY_BOUND";
     /// Ports excluded from capture, by [`crate::PortKey`], value unused.
     pub const EXCLUDED_PORTS: &str = "EXCLUDED_PORTS";
     /// SOCKHASH of both ends of captured app↔proxy connections, by [`crate::SockKey`].

@@ -88,6 +88,9 @@ pub mod reason {
     pub const ORIGINAL_DST_ANSWERED: u32 = 60;
     /// No captured connection matched: the proxy gets ENOENT, as from netfilter.
     pub const ORIGINAL_DST_REFUSED: u32 = 61;
+    // cgroup bind4/6 in an enrolled pod.
+    /// A bind to one of the proxy's ports from outside the proxy's cgroup: refused (EPERM).
+    pub const BIND_REFUSED_PROXY_PORT: u32 = 80;
 }
 
 /// (code, hook, decision, reason) for every reason code: labels for people and metrics.
@@ -114,6 +117,7 @@ pub const REASONS: &[(u32, &str, &str, &str)] = &[
     (reason::IN_PASS_IN_POD, "inbound", "passed", "in pod"),
     (reason::ORIGINAL_DST_ANSWERED, "getsockopt", "answered", "original destination"),
     (reason::ORIGINAL_DST_REFUSED, "getsockopt", "refused", "no captured connection"),
+    (reason::BIND_REFUSED_PROXY_PORT, "bind", "refused", "proxy port"),
 ];
 
 /// The labels of a reason code (`None` for a code this build does not know).
@@ -129,6 +133,7 @@ pub fn is_drop(code: u32) -> bool {
             | reason::IN_DROP_NO_LISTENER
             | reason::IN_DROP_UNKNOWN_ADDRESS
             | reason::ORIGINAL_DST_REFUSED
+            | reason::BIND_REFUSED_PROXY_PORT
     )
 }
 

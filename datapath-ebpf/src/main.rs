@@ -13,6 +13,7 @@
 //!   listeners and its transparent connections to the app (with their reply mark).
 //! - `probes`: node side of the kubelet probe contract (probe source address, no SNAT).
 //! - `original_dst`: cgroup getsockopt answering SO_ORIGINAL_DST for the proxy.
+//! - `proxy_ports`: cgroup bind4/6 keeping the proxy's ports in a pod for the proxy.
 
 #![no_std]
 #![no_main]
@@ -27,6 +28,7 @@ mod original_dst;
 mod outbound;
 mod pod_traffic;
 mod probes;
+mod proxy_ports;
 mod proxy_sockets;
 
 #[cfg(not(test))]

@@ -67,6 +67,14 @@ pub static ORIG_DST_BY_CONN: LruHashMap<ConnKey, OrigDst> =
 #[btf_map]
 pub static ORIG_DST_BY_ACCEPTED: SkStorage<OrigDst> = SkStorage::new();
 
+/// Sockets bound to one of the proxy's ports inside an enrolled pod by the proxy (set by the
+/// bind hook, `proxy_ports.rs`): only such a socket listening on 15006 is taken as the pod's
+/// inbound listener, never one that got the port without `bind()` (an unbound socket's
+/// `listen()` takes a port from the pod's `ip_local_port_range`) or bound it before the pod was
+/// enrolled. The value is unused: having one is the mark.
+#[btf_map]
+pub static PROXY_BOUND: SkStorage<u8> = SkStorage::new();
+
 /// Transparent connections made inside a pod to the pod itself (filed by sock_ops while they
 /// live): not captured inbound.
 #[map]
@@ -107,7 +115,7 @@ pub static POD_ADDRS: HashMap<NetnsCookie, PodAddrs> = HashMap::pinned(MAX_PODS,
 #[unsafe(no_mangle)]
 pub static POD_COOKIE: Global<NetnsCookie> = Global::new(0);
 
-/// The `OrigDst` of socket `sk` in the socket storage `map` (null: none, or, with `create`, no
+/// The value of socket `sk` in the socket storage `map` (null: none, or, with `create`, no
 /// memory for one; created zeroed). For the contexts aya-ebpf's `SkStorage` does not take (it
 /// takes only a sock_addr context): sock_ops and sockopt. The map pointer is the map's own
 /// definition, as that wrapper passes it.
@@ -115,11 +123,7 @@ pub static POD_COOKIE: Global<NetnsCookie> = Global::new(0);
 /// # Safety
 /// `sk` must be a non-null socket pointer of the running program's context.
 #[inline(always)]
-pub unsafe fn orig_dst_slot(
-    map: &SkStorage<OrigDst>,
-    sk: *mut bpf_sock,
-    create: bool,
-) -> *mut OrigDst {
+pub unsafe fn sk_storage_slot<T>(map: &SkStorage<T>, sk: *mut bpf_sock, create: bool) -> *mut T {
     let flags = if create { u64::from(BPF_SK_STORAGE_GET_F_CREATE) } else { 0 };
     let map = core::ptr::from_ref(map).cast_mut().cast();
     // SAFETY: as the caller promises. The helper reads the socket's storage; with `create` it

@@ -26,7 +26,7 @@ use datapath_common::{
 
 use crate::{
     decisions::{mapped, record, Tuple},
-    maps::{orig_dst_slot, ORIG_DST_BY_ACCEPTED, ORIG_DST_BY_CONN, PODS, PROXY_CGROUPS},
+    maps::{sk_storage_slot, ORIG_DST_BY_ACCEPTED, ORIG_DST_BY_CONN, PODS, PROXY_CGROUPS},
     net::{is_v4_mapped, words_to_bytes, SockaddrIn, SockaddrIn6, V4_MAPPED_PREFIX},
 };
 
@@ -175,7 +175,7 @@ pub fn accepted(ctx: &SockOpsContext) {
         if sk.is_null() {
             return;
         }
-        let slot = orig_dst_slot(&ORIG_DST_BY_ACCEPTED, sk, true);
+        let slot = sk_storage_slot(&ORIG_DST_BY_ACCEPTED, sk, true);
         // Without memory for it, the entry stays where getsockopt also looks.
         if slot.is_null() {
             return;
@@ -191,7 +191,7 @@ unsafe fn accepted_orig(sk: *mut aya_ebpf::bindings::bpf_sock) -> Option<OrigDst
     // SAFETY: `sk` is the (non-null) socket of this call; a slot the helper returns is that
     // socket's OrigDst.
     unsafe {
-        let slot = orig_dst_slot(&ORIG_DST_BY_ACCEPTED, sk, false);
+        let slot = sk_storage_slot(&ORIG_DST_BY_ACCEPTED, sk, false);
         if slot.is_null() {
             None
         } else {

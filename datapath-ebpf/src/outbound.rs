@@ -42,7 +42,7 @@ use crate::{
     accelerate,
     decisions::{mapped, record, Tuple},
     maps::{
-        orig_dst_slot, EXCLUDED_PORTS, ORIG_DST_BY_CONN, ORIG_DST_BY_SOCKET, PODS, POD_ADDRS,
+        sk_storage_slot, EXCLUDED_PORTS, ORIG_DST_BY_CONN, ORIG_DST_BY_SOCKET, PODS, POD_ADDRS,
         POD_IPS, PROXY_CGROUPS,
     },
     net::{cidr_excluded, is_loopback4, is_v4_mapped, LOOPBACK4, LOOPBACK6, V4_MAPPED_PREFIX},
@@ -363,7 +363,7 @@ fn orig_of_sock_ops(ctx: &SockOpsContext) -> Option<OrigDst> {
         if sk.is_null() {
             return None;
         }
-        let slot = orig_dst_slot(&ORIG_DST_BY_SOCKET, sk, false);
+        let slot = sk_storage_slot(&ORIG_DST_BY_SOCKET, sk, false);
         if slot.is_null() {
             None
         } else {

@@ -6,9 +6,10 @@
 //! - **The inbound listener.** A socket that starts listening on 15006 in an enrolled pod
 //!   (`TCP_LISTEN_CB`, run in `listen()`) is filed in `INBOUND_LISTENERS` under the pod and the
 //!   socket's family; sk_lookup steers the pod's inbound TCP to it, and the kernel drops the
-//!   entry when the socket closes (proxy gone → nothing to steer to → refused). Whatever
-//!   listens on 15006 in the pod gets the pod's inbound traffic, exactly as under istio-cni's
-//!   `REDIRECT --to-ports 15006`.
+//!   entry when the socket closes (proxy gone → nothing to steer to → refused). Only a socket
+//!   the proxy bound (`PROXY_BOUND`, set by the bind hook in `proxy_ports.rs`, which refuses
+//!   anyone else these ports in the pod) counts; the proxy's listener gets the pod's inbound
+//!   traffic, as under istio-cni's `REDIRECT --to-ports 15006`.
 //! - **Transparent connections to the app.** A connect made inside an enrolled pod to one of
 //!   the pod's own addresses from an address that is not the pod's (an `IP_TRANSPARENT` socket
 //!   bound to the client's address: the proxy keeping the client's address, which needs
@@ -34,7 +35,7 @@ use datapath_common::{
 };
 
 use crate::{
-    maps::{INBOUND_LISTENERS, PODS, POD_IPS, PROXY_TRANSPARENT},
+    maps::{sk_storage_slot, INBOUND_LISTENERS, PODS, POD_IPS, PROXY_BOUND, PROXY_TRANSPARENT},
     net::{is_loopback4, is_v4_mapped, sock_ops_key, LOOPBACK6},
 };
 
@@ -46,7 +47,7 @@ fn enrolled_netns(ctx: &SockOpsContext) -> Option<NetnsCookie> {
     unsafe { PODS.get(&netns) }.map(|_| netns)
 }
 
-/// `TCP_LISTEN_CB`: files a pod's 15006 listener.
+/// `TCP_LISTEN_CB`: files a pod's 15006 listener, if the proxy bound it (`PROXY_BOUND`).
 #[inline(always)]
 pub fn listening(ctx: &SockOpsContext) {
     if ctx.local_port() != u32::from(ports::INBOUND_PLAINTEXT) {
@@ -55,6 +56,15 @@ pub fn listening(ctx: &SockOpsContext) {
     let Some(netns) = enrolled_netns(ctx) else {
         return;
     };
+    // SAFETY: `sk` is this callback's socket (the verifier has it "socket or null": checked);
+    // a slot the helper returns is that socket's mark.
+    let bound_by_proxy = unsafe {
+        let sk = (*ctx.ops).__bindgen_anon_2.sk;
+        !sk.is_null() && !sk_storage_slot(&PROXY_BOUND, sk, false).is_null()
+    };
+    if !bound_by_proxy {
+        return;
+    }
     let family = if ctx.family() == u32::from(AF_INET) { AF_INET } else { AF_INET6 };
     let key = ListenerKey { netns, port: ports::INBOUND_PLAINTEXT, family, _pad: 0 };
     // SAFETY: the context is the kernel's bpf_sock_ops for this callback.

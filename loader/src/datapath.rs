@@ -144,6 +144,7 @@ impl Datapath {
                 map_names::ORIG_DST_BY_ACCEPTED,
                 self.map_pin(map_names::ORIG_DST_BY_ACCEPTED),
             )
+            .map_pin_path(map_names::PROXY_BOUND, self.map_pin(map_names::PROXY_BOUND))
             .override_global(globals::POD_COOKIE, &pod_cookie, true)
             .load(EBPF_OBJECT)
             .map_err(|e| Error::bpf("loading the embedded eBPF object", e))

@@ -75,6 +75,20 @@ impl NetnsGuard {
         Ok(self.open()?.run(|| TcpListener::bind(addr))??)
     }
 
+    /// A TCP listener on `addr` inside this namespace, bound as the proxy binds it: from a
+    /// process in `cgroup`. In an enrolled pod the datapath lets only the proxy's cgroup bind
+    /// the proxy's ports, so a test that stands in for the proxy on one of them binds this way.
+    pub fn listen_in_cgroup(&self, addr: SocketAddr, cgroup: &CgroupGuard) -> Result<TcpListener> {
+        let domain = if addr.is_ipv4() { socket2::Domain::IPV4 } else { socket2::Domain::IPV6 };
+        let sock =
+            self.open()?.run(|| socket2::Socket::new(domain, socket2::Type::STREAM, None))??;
+        sock.set_reuse_address(true)?;
+        bind_in_cgroup(&sock, &addr.into(), cgroup.path())
+            .with_context(|| format!("binding {addr} from cgroup {}", cgroup.path().display()))?;
+        sock.listen(128)?;
+        Ok(sock.into())
+    }
+
     /// `nsenter --net=<this netns> ARGS…`, not waited for: killed when the guard drops.
     pub fn spawn(&self, args: &[&str]) -> Result<ChildGuard> {
         let child = Command::new("nsenter")
@@ -387,6 +401,47 @@ pub fn transfer_counting_retransmits(
     Ok((got, retransmitted))
 }
 
+/// Binds `sock` to `addr` in a forked child that first moves itself into `cgroup`: the
+/// datapath judges a `bind()` by the cgroup of the task that makes it, and a thread cannot
+/// change cgroup alone. The socket is the caller's; the child only binds it and exits.
+fn bind_in_cgroup(sock: &socket2::Socket, addr: &socket2::SockAddr, cgroup: &Path) -> Result<()> {
+    use std::os::fd::AsRawFd as _;
+
+    use nix::{
+        sys::wait::{waitpid, WaitStatus},
+        unistd::{fork, ForkResult},
+    };
+
+    /// The child's exit code when it could not join the cgroup (a bind error exits with errno).
+    const NO_CGROUP: i32 = 255;
+    let procs = std::fs::OpenOptions::new().write(true).open(cgroup.join("cgroup.procs"))?;
+    let (procs_fd, sock_fd) = (procs.as_raw_fd(), sock.as_raw_fd());
+    // SAFETY: after the fork the child makes only async-signal-safe calls (write, bind, _exit)
+    // on memory and descriptors set up before it; it never returns into Rust code.
+    match unsafe { fork() }? {
+        ForkResult::Child => unsafe {
+            // "0" is the writing process itself.
+            if libc::write(procs_fd, b"0".as_ptr().cast(), 1) != 1 {
+                libc::_exit(NO_CGROUP);
+            }
+            let code = if libc::bind(sock_fd, addr.as_ptr().cast(), addr.len()) == 0 {
+                0
+            } else {
+                *libc::__errno_location()
+            };
+            libc::_exit(code)
+        },
+        ForkResult::Parent { child } => match waitpid(child, None)? {
+            WaitStatus::Exited(_, 0) => Ok(()),
+            WaitStatus::Exited(_, NO_CGROUP) => {
+                bail!("the binding child could not join the cgroup")
+            }
+            WaitStatus::Exited(_, errno) => Err(std::io::Error::from_raw_os_error(errno).into()),
+            other => bail!("the binding child ended as {other:?}"),
+        },
+    }
+}
+
 /// A cgroup v2 directory of its own (for the proxy), removed on drop.
 #[derive(Debug)]
 pub struct CgroupGuard {
@@ -681,6 +736,15 @@ mod mesh {
         pub fn echo_server_in_a(&self, addr: SocketAddr) -> JoinHandle<io::Result<SocketAddr>> {
             echo_server(&self.pods.a, addr)
         }
+
+        /// An echo server in pod a on one of the proxy's ports, bound from the proxy's cgroup
+        /// (only the proxy may bind them in an enrolled pod), for one connection.
+        pub fn echo_server_as_proxy_in_a(
+            &self,
+            addr: SocketAddr,
+        ) -> JoinHandle<io::Result<SocketAddr>> {
+            serve_echo(self.pods.a.listen_in_cgroup(addr, &self.cgroup).expect("bind as the proxy"))
+        }
     }
 
     fn connect(
@@ -706,7 +770,10 @@ mod mesh {
     }
 
     fn echo_server(ns: &NetnsGuard, addr: SocketAddr) -> JoinHandle<io::Result<SocketAddr>> {
-        let listener = ns.listen(addr).expect("bind");
+        serve_echo(ns.listen(addr).expect("bind"))
+    }
+
+    fn serve_echo(listener: std::net::TcpListener) -> JoinHandle<io::Result<SocketAddr>> {
         std::thread::spawn(move || {
             let (mut conn, peer) = listener.accept()?;
             let mut buf = [0u8; 65536];

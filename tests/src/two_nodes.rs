@@ -69,7 +69,8 @@ impl Default for Setup {
 #[derive(Debug)]
 pub struct TwoNodes {
     pub proxies: Vec<NodeProxy>,
-    _cgroup: CgroupGuard,
+    /// The proxies' cgroup, registered as the proxy's.
+    pub cgroup: CgroupGuard,
     pub pods: PodPair,
     _root: PinRoot,
     pub ca: LocalCa,
@@ -152,7 +153,7 @@ impl TwoNodes {
         let dir = std::env::temp_dir().join(unique("meshpath-hbone-"));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let ca = LocalCa::generate("meshpath test CA").expect("CA");
-        let mut nodes = Self { proxies: Vec::new(), _cgroup: cgroup, pods, _root: root, ca, dir };
+        let mut nodes = Self { proxies: Vec::new(), cgroup, pods, _root: root, ca, dir };
         let (cert_pem, key_pem) = nodes.ca.to_pem();
         std::fs::write(nodes.dir.join("ca.pem"), cert_pem).expect("ca.pem");
         std::fs::write(nodes.dir.join("ca-key.pem"), key_pem).expect("ca-key.pem");
@@ -193,7 +194,7 @@ impl TwoNodes {
                 args.extend(setup.node1_args.iter().cloned());
             }
             nodes.proxies.push(
-                NodeProxy::start(&args, &setup.proxy_env, &nodes._cgroup, "info")
+                NodeProxy::start(&args, &setup.proxy_env, &nodes.cgroup, "info")
                     .expect("meshpath-proxy"),
             );
         }

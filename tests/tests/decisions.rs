@@ -308,7 +308,7 @@ fn inbound_to_the_hbone_port_is_counted_as_a_proxy_port() {
     let mesh = inbound(EnrolOptions::default()).with_proxy("echo");
     let monitor = Monitor::start(&mesh.root, &[]);
     let hbone = mesh.a(false, ports::HBONE);
-    let server = mesh.echo_server_in_a(hbone);
+    let server = mesh.echo_server_as_proxy_in_a(hbone);
     drop(mesh.connect_from_b(hbone, None).expect("connect to 15008"));
     server.join().expect("server").expect("15008 took the connection");
     assert_eq!(count(&mesh, cookie_a(&mesh), "inbound", "passed", "proxy port"), 1);
@@ -412,7 +412,7 @@ fn a_monitor_for_drops_only_shows_no_other_decision() {
     let mesh = inbound(EnrolOptions::default());
     let monitor = Monitor::start(&mesh.root, &["--only", "drops"]);
     let open = mesh.a(false, ports::HBONE);
-    let app = mesh.echo_server_in_a(open);
+    let app = mesh.echo_server_as_proxy_in_a(open);
     drop(mesh.connect_from_b(open, None).expect("connect to 15008"));
     app.join().expect("app").expect("15008 took the connection");
     let dst = mesh.a(false, 8087);

@@ -298,7 +298,8 @@ async fn the_connect_request_is_what_ztunnel_sends() {
         .expect("cert");
     let config = tls::server_config(&server_cert, std::slice::from_ref(&nodes.ca.cert_der))
         .expect("server config");
-    let listener = nodes.pods.b.listen(nodes.b(false, 15008)).expect("bind 15008");
+    let listener =
+        nodes.pods.b.listen_in_cgroup(nodes.b(false, 15008), &nodes.cgroup).expect("bind 15008");
     listener.set_nonblocking(true).expect("nonblocking");
     let listener = tokio::net::TcpListener::from_std(listener).expect("tokio");
     let server = tokio::spawn(async move {

@@ -38,7 +38,7 @@ fn hbone_port_is_not_steered() {
     let mesh = inbound(EnrolOptions::default()).with_proxy("echo");
     for v6 in [false, true] {
         let hbone = mesh.a(v6, ports::HBONE);
-        let server = mesh.echo_server_in_a(hbone);
+        let server = mesh.echo_server_as_proxy_in_a(hbone);
         drop(mesh.connect_from_b(hbone, None).expect("connect to 15008"));
         let client = server.join().expect("server").expect("accept on 15008");
         assert_eq!(client.ip(), mesh.b(v6, 0).ip(), "15008 was not reached directly (v6={v6})");
@@ -248,4 +248,54 @@ fn a_transparent_connection_closed_after_its_pod_left_leaves_no_entry_behind() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     assert_eq!(filed(), 0, "a closed connection's 4-tuple stayed filed for the pod's address");
+}
+
+#[test]
+fn an_app_cannot_bind_the_proxys_ports_in_its_pod_so_never_takes_its_inbound_traffic() {
+    // No proxy runs (as while it restarts): the pod's inbound traffic is refused, and an app
+    // that listens on 15006 must not get it.
+    let mesh = inbound(EnrolOptions::default());
+    let taken = mesh.pods.a.listen(mesh.a(false, ports::INBOUND_PLAINTEXT));
+    let err = taken.expect_err("an app listened on the proxy's inbound port");
+    let err = err.downcast::<std::io::Error>().expect("an io error");
+    assert_eq!(err.kind(), std::io::ErrorKind::PermissionDenied, "{err}");
+    // The app's own port (a listener that must see nothing) stays refused too.
+    let app = Sentinel::new(&mesh.pods.a, mesh.a(false, 8095));
+    assert!(mesh.connect_from_b(mesh.a(false, 8095), None).is_err(), "inbound was delivered");
+    app.assert_untouched("inbound with no proxy");
+    // Every proxy port, either protocol, any address; other pods' ports are theirs.
+    let ns = mesh.pods.a.open().expect("netns");
+    for port in ports::PROXY_PORTS {
+        let udp = ns.run(|| std::net::UdpSocket::bind(("127.0.0.1", port))).expect("netns");
+        let tcp = ns.run(|| std::net::TcpListener::bind(("::", port))).expect("netns");
+        assert!(udp.is_err() && tcp.is_err(), "port {port} was bound by an app");
+    }
+    drop(mesh.pods.b.listen(mesh.b(false, ports::INBOUND_PLAINTEXT)).expect("a pod not enrolled"));
+}
+
+#[test]
+fn a_listener_that_got_15006_without_binding_it_is_not_taken_for_the_proxys() {
+    // A pod may set its ephemeral port range (a Kubernetes "safe" sysctl) to the proxy's port:
+    // listen() on an unbound socket then takes 15006 without a bind() the hook could refuse.
+    // No proxy runs: the pod's inbound must be refused, and that listener must see nothing.
+    let mesh = inbound(EnrolOptions::default());
+    let ns = mesh.pods.a.open().expect("netns");
+    let listener = ns
+        .run(|| -> std::io::Result<socket2::Socket> {
+            std::fs::write("/proc/sys/net/ipv4/ip_local_port_range", "15006 15006")?;
+            let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+            sock.listen(16)?;
+            Ok(sock)
+        })
+        .expect("netns")
+        .expect("an app listening on an ephemeral port");
+    let local = listener.local_addr().expect("local").as_socket().expect("inet");
+    assert_eq!(local.port(), ports::INBOUND_PLAINTEXT, "the port range did not give 15006");
+    listener.set_nonblocking(true).expect("nonblocking");
+    assert!(mesh.connect_from_b(mesh.a(false, 8096), None).is_err(), "inbound was delivered");
+    match listener.accept() {
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+        Ok((_, peer)) => panic!("the app's 15006 took inbound traffic from {peer:?}"),
+        Err(e) => panic!("accept: {e}"),
+    }
 }

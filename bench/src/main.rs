@@ -569,6 +569,19 @@ pub(crate) fn date() -> String {
         .unwrap_or_default()
 }
 
+/// One traffic metric of a scenario for the printed table: its median, and how many rounds
+/// failed to measure it (`failed_rounds`), so a median over fewer rounds says so.
+fn traffic_cell(scenario: &Value, key: &str, decimals: usize) -> String {
+    let rounds = scenario["rounds"].as_array().map_or(0, Vec::len);
+    let failed = scenario["failed_rounds"][key].as_u64().unwrap_or(0);
+    match (scenario[key].as_f64(), failed) {
+        (Some(v), 0) => format!("{v:.decimals$}"),
+        (Some(v), n) => format!("{v:.decimals$} ({n} of {rounds} rounds failed)"),
+        (None, 0) => "n/a".to_owned(),
+        (None, n) => format!("failed ({n} of {rounds} rounds)"),
+    }
+}
+
 fn print_table(r: &Value) {
     print_steal(r);
     let s = &r["scenarios"];
@@ -581,16 +594,16 @@ fn print_table(r: &Value) {
         let setup = e
             .as_object()
             .map_or("n/a".to_owned(), |o| o.values().map(f).collect::<Vec<_>>().join(" / "));
-        let rate = |k: &str| x[k].as_f64().map_or("n/a".to_owned(), |c| format!("{c:.0}"));
+        let cell = |k: &str, decimals: usize| traffic_cell(x, k, decimals);
         println!(
             "| {name} | {} | {} | {} | {} | {} | {} | {} | {setup} |",
-            f(&x["throughput_gbps"]),
-            rate("conn_per_s"),
-            f(&x["rr_p50_us"]),
-            f(&x["rr_p99_us"]),
-            rate("conn_per_s_100"),
-            f(&x["rr_p50_us_100"]),
-            f(&x["rr_p99_us_100"])
+            cell("throughput_gbps", 2),
+            cell("conn_per_s", 0),
+            cell("rr_p50_us", 2),
+            cell("rr_p99_us", 2),
+            cell("conn_per_s_100", 0),
+            cell("rr_p50_us_100", 2),
+            cell("rr_p99_us_100", 2)
         );
     }
     let ratio = |k: &str| {
@@ -642,4 +655,31 @@ fn print_table(r: &Value) {
         cost("ebpf_monitor", "ebpf", "conn_per_s"),
         cost("ebpf_monitor", "ebpf", "rr_p99_us"),
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::traffic_cell;
+
+    #[test]
+    fn a_median_over_fewer_rounds_says_how_many_failed() {
+        let s = json!({ "throughput_gbps": 6.724, "failed_rounds": { "throughput_gbps": 3 },
+                        "rounds": [{}, {}, {}, {}, {}] });
+        assert_eq!(traffic_cell(&s, "throughput_gbps", 2), "6.72 (3 of 5 rounds failed)");
+    }
+
+    #[test]
+    fn a_metric_every_round_failed_is_shown_failed_not_missing() {
+        let s = json!({ "throughput_gbps": null, "failed_rounds": { "throughput_gbps": 5 },
+                        "rounds": [{}, {}, {}, {}, {}] });
+        assert_eq!(traffic_cell(&s, "throughput_gbps", 2), "failed (5 of 5 rounds)");
+    }
+
+    #[test]
+    fn a_metric_no_round_failed_is_its_median_alone() {
+        let s = json!({ "conn_per_s": 4466.1, "failed_rounds": {}, "rounds": [{}, {}, {}] });
+        assert_eq!(traffic_cell(&s, "conn_per_s", 0), "4466");
+    }
 }

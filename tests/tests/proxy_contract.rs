@@ -77,13 +77,16 @@ fn ip(pod: &CniPod, v6: bool) -> IpAddr {
 /// address it was connected from (v4-mapped addresses as IPv4).
 fn app(pod: &CniPod, dst: SocketAddr) -> JoinHandle<std::io::Result<IpAddr>> {
     let listener = pod.netns.listen(dst).expect("listen");
-    std::thread::spawn(move || {
-        let (mut c, peer) = listener.accept()?;
-        let mut buf = [0u8; 5];
-        c.read_exact(&mut buf)?;
-        c.write_all(&buf)?;
-        Ok(peer.ip())
-    })
+    std::thread::spawn(move || echo_once(&listener))
+}
+
+/// Accepts one connection on `listener`, echoes five bytes: the client's address.
+fn echo_once(listener: &TcpListener) -> std::io::Result<IpAddr> {
+    let (mut c, peer) = listener.accept()?;
+    let mut buf = [0u8; 5];
+    c.read_exact(&mut buf)?;
+    c.write_all(&buf)?;
+    Ok(peer.ip())
 }
 
 fn round_trip(mut c: TcpStream) -> Vec<u8> {
@@ -292,12 +295,18 @@ fn without_the_proxy_inbound_is_refused_and_the_app_sees_nothing(proxy: Proxy) {
     let mut node = node(proxy);
     let (db, legacy) = (node.add_pod("db").expect("db"), node.add_pod("legacy").expect("legacy"));
     let dst = SocketAddr::new(db.ip, 8082);
-    // Through the proxy first: the path works.
-    let server = app(&db, dst);
-    assert_eq!(round_trip(legacy.connect(dst).expect("connect")), b"hello");
-    server.join().expect("app").expect("app io");
-    // A real app behind the port, which must see nothing once the proxy is gone.
+    // One listener for both halves: binding the port again after the first connection could
+    // meet a socket still holding it (the closing connection, or a copy of the listener in a
+    // child another test thread is spawning) and fail with EADDRINUSE.
     let listener: TcpListener = db.netns.listen(dst).expect("listen");
+    // Through the proxy first: the path works.
+    let server = std::thread::scope(|s| {
+        let server = s.spawn(|| echo_once(&listener));
+        assert_eq!(round_trip(legacy.connect(dst).expect("connect")), b"hello");
+        server.join().expect("app")
+    });
+    server.expect("app io");
+    // The same real app behind the port, which must see nothing once the proxy is gone.
     listener.set_nonblocking(true).expect("nonblocking");
     node.proxy = None;
     let refused = legacy.connect(dst);

@@ -21,7 +21,11 @@
 //! Fail closed: a pod whose inbound listener is missing (the proxy is not running) gets no
 //! socket: SK_DROP makes the TCP lookup fail, and the kernel answers the SYN with a reset.
 
-use aya_ebpf::{bindings::bpf_sk_lookup, macros::sk_lookup, programs::SkLookupContext};
+use aya_ebpf::{
+    bindings::{bpf_sk_lookup, BPF_SK_LOOKUP_F_NO_REUSEPORT},
+    macros::sk_lookup,
+    programs::SkLookupContext,
+};
 use core::ptr::{addr_of, read_volatile};
 use datapath_common::{
     consts::{ports, probe},
@@ -174,16 +178,20 @@ fn decide(ctx: &SkLookupContext, l: &Lookup) -> (u32, NetnsCookie, u32) {
         return (SK_PASS, netns, reason::IN_PASS_EXCLUDED_CIDR);
     }
     let port = ports::INBOUND_PLAINTEXT;
+    // NO_REUSEPORT: exactly the socket the proxy bound, never another member of its
+    // SO_REUSEPORT group (ztunnel sets SO_REUSEPORT; an app that held 15006 with it before its
+    // pod was enrolled would otherwise share the pod's inbound with the proxy).
+    let flags = u64::from(BPF_SK_LOOKUP_F_NO_REUSEPORT);
     if l.family == u32::from(AF_INET) {
         let v4 = ListenerKey { netns, port, family: AF_INET, _pad: 0 };
-        if INBOUND_LISTENERS.redirect_sk_lookup(ctx, v4, 0).is_ok() {
+        if INBOUND_LISTENERS.redirect_sk_lookup(ctx, v4, flags).is_ok() {
             return (SK_PASS, netns, reason::IN_STEERED);
         }
     }
     // A dual-stack [::]:15006 (ztunnel's) serves both families; the kernel refuses to assign a
     // v6-only one to an IPv4 lookup.
     let v6 = ListenerKey { netns, port, family: AF_INET6, _pad: 0 };
-    match INBOUND_LISTENERS.redirect_sk_lookup(ctx, v6, 0) {
+    match INBOUND_LISTENERS.redirect_sk_lookup(ctx, v6, flags) {
         Ok(()) => (SK_PASS, netns, reason::IN_STEERED),
         Err(_) => (SK_DROP, netns, reason::IN_DROP_NO_LISTENER),
     }

@@ -79,10 +79,22 @@ impl NetnsGuard {
     /// process in `cgroup`. In an enrolled pod the datapath lets only the proxy's cgroup bind
     /// the proxy's ports, so a test that stands in for the proxy on one of them binds this way.
     pub fn listen_in_cgroup(&self, addr: SocketAddr, cgroup: &CgroupGuard) -> Result<TcpListener> {
+        self.listen_in_cgroup_with(addr, cgroup, false)
+    }
+
+    /// [`Self::listen_in_cgroup`], with `SO_REUSEPORT` set when `reuse_port` (as ztunnel sets
+    /// it on its in-pod listeners).
+    pub fn listen_in_cgroup_with(
+        &self,
+        addr: SocketAddr,
+        cgroup: &CgroupGuard,
+        reuse_port: bool,
+    ) -> Result<TcpListener> {
         let domain = if addr.is_ipv4() { socket2::Domain::IPV4 } else { socket2::Domain::IPV6 };
         let sock =
             self.open()?.run(|| socket2::Socket::new(domain, socket2::Type::STREAM, None))??;
         sock.set_reuse_address(true)?;
+        sock.set_reuse_port(reuse_port)?;
         bind_in_cgroup(&sock, &addr.into(), cgroup.path())
             .with_context(|| format!("binding {addr} from cgroup {}", cgroup.path().display()))?;
         sock.listen(128)?;

@@ -274,6 +274,55 @@ fn an_app_cannot_bind_the_proxys_ports_in_its_pod_so_never_takes_its_inbound_tra
 }
 
 #[test]
+fn an_app_in_the_proxys_reuseport_group_on_15006_gets_none_of_the_pods_inbound() {
+    // ztunnel sets SO_REUSEPORT on its in-pod listeners. An app that holds 15006 with it (taken
+    // without bind(), through the pod's ephemeral port range, or before the pod was enrolled)
+    // shares the port's group once the proxy binds it; the inbound must still all go to the
+    // socket the proxy bound, and the app's, in the same group, must see nothing.
+    let mesh = inbound(EnrolOptions::default());
+    let ns = mesh.pods.a.open().expect("netns");
+    let app = ns
+        .run(|| -> std::io::Result<socket2::Socket> {
+            std::fs::write("/proc/sys/net/ipv4/ip_local_port_range", "15006 15006")?;
+            let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+            sock.set_reuse_address(true)?;
+            sock.set_reuse_port(true)?;
+            sock.listen(128)?;
+            Ok(sock)
+        })
+        .expect("netns")
+        .expect("an app listening on 15006 with SO_REUSEPORT");
+    let local = app.local_addr().expect("local").as_socket().expect("inet");
+    assert_eq!(local.port(), ports::INBOUND_PLAINTEXT, "the port range did not give 15006");
+    app.set_nonblocking(true).expect("nonblocking");
+    let proxy = mesh
+        .pods
+        .a
+        .listen_in_cgroup_with(local, &mesh.cgroup, true)
+        .expect("the proxy joins the port's reuseport group");
+    proxy.set_nonblocking(true).expect("nonblocking");
+    // Spread over the group, 32 connections all missing the app's socket would be 1 in 2^32.
+    let conns: Vec<_> = (0..32)
+        .map(|_| mesh.connect_from_b(mesh.a(false, 8097), None).expect("inbound connect"))
+        .collect();
+    // The server side is queued when the client's ACK is processed: wait for it, bounded.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let mut to_proxy = 0;
+    while to_proxy < conns.len() && std::time::Instant::now() < deadline {
+        match proxy.accept() {
+            Ok(_) => to_proxy += 1,
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
+        }
+    }
+    match app.accept() {
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+        Ok((_, peer)) => panic!("the app's socket in the group took inbound from {peer:?}"),
+        Err(e) => panic!("accept: {e}"),
+    }
+    assert_eq!(to_proxy, conns.len(), "every inbound connection reaches the proxy's socket");
+}
+
+#[test]
 fn a_listener_that_got_15006_without_binding_it_is_not_taken_for_the_proxys() {
     // A pod may set its ephemeral port range (a Kubernetes "safe" sysctl) to the proxy's port:
     // listen() on an unbound socket then takes 15006 without a bind() the hook could refuse.

@@ -14,6 +14,31 @@ fn inbound(opts: EnrolOptions) -> Mesh {
     Mesh::new(EnrolOptions { capture_inbound: true, ..opts })
 }
 
+/// An app's listener on 15006 in pod a, got without bind(): the pod's ephemeral port range (a
+/// Kubernetes "safe" sysctl) set to 15006 and listen() on an unbound socket, with SO_REUSEPORT
+/// when `reuse_port`. Non-blocking; with its local address.
+fn app_on_15006_through_the_port_range(
+    mesh: &Mesh,
+    reuse_port: bool,
+) -> (socket2::Socket, SocketAddr) {
+    let ns = mesh.pods.a.open().expect("netns");
+    let app = ns
+        .run(|| -> std::io::Result<socket2::Socket> {
+            std::fs::write("/proc/sys/net/ipv4/ip_local_port_range", "15006 15006")?;
+            let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+            sock.set_reuse_address(true)?;
+            sock.set_reuse_port(reuse_port)?;
+            sock.listen(128)?;
+            Ok(sock)
+        })
+        .expect("netns")
+        .expect("an app listening on an ephemeral port");
+    let local = app.local_addr().expect("local").as_socket().expect("inet");
+    assert_eq!(local.port(), ports::INBOUND_PLAINTEXT, "the port range did not give 15006");
+    app.set_nonblocking(true).expect("nonblocking");
+    (app, local)
+}
+
 fn reaches_the_proxy_with_destination_and_client(v6: bool) {
     let mesh = inbound(EnrolOptions::default()).with_proxy("echo");
     // Nothing listens on pod a's port 8080: only capture can answer.
@@ -280,21 +305,7 @@ fn an_app_in_the_proxys_reuseport_group_on_15006_gets_none_of_the_pods_inbound()
     // shares the port's group once the proxy binds it; the inbound must still all go to the
     // socket the proxy bound, and the app's, in the same group, must see nothing.
     let mesh = inbound(EnrolOptions::default());
-    let ns = mesh.pods.a.open().expect("netns");
-    let app = ns
-        .run(|| -> std::io::Result<socket2::Socket> {
-            std::fs::write("/proc/sys/net/ipv4/ip_local_port_range", "15006 15006")?;
-            let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-            sock.set_reuse_address(true)?;
-            sock.set_reuse_port(true)?;
-            sock.listen(128)?;
-            Ok(sock)
-        })
-        .expect("netns")
-        .expect("an app listening on 15006 with SO_REUSEPORT");
-    let local = app.local_addr().expect("local").as_socket().expect("inet");
-    assert_eq!(local.port(), ports::INBOUND_PLAINTEXT, "the port range did not give 15006");
-    app.set_nonblocking(true).expect("nonblocking");
+    let (app, local) = app_on_15006_through_the_port_range(&mesh, true);
     let proxy = mesh
         .pods
         .a
@@ -328,19 +339,7 @@ fn a_listener_that_got_15006_without_binding_it_is_not_taken_for_the_proxys() {
     // listen() on an unbound socket then takes 15006 without a bind() the hook could refuse.
     // No proxy runs: the pod's inbound must be refused, and that listener must see nothing.
     let mesh = inbound(EnrolOptions::default());
-    let ns = mesh.pods.a.open().expect("netns");
-    let listener = ns
-        .run(|| -> std::io::Result<socket2::Socket> {
-            std::fs::write("/proc/sys/net/ipv4/ip_local_port_range", "15006 15006")?;
-            let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-            sock.listen(16)?;
-            Ok(sock)
-        })
-        .expect("netns")
-        .expect("an app listening on an ephemeral port");
-    let local = listener.local_addr().expect("local").as_socket().expect("inet");
-    assert_eq!(local.port(), ports::INBOUND_PLAINTEXT, "the port range did not give 15006");
-    listener.set_nonblocking(true).expect("nonblocking");
+    let (listener, _) = app_on_15006_through_the_port_range(&mesh, false);
     assert!(mesh.connect_from_b(mesh.a(false, 8096), None).is_err(), "inbound was delivered");
     match listener.accept() {
         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}

@@ -64,8 +64,8 @@ pub mod reason {
     // Inbound: sk_lookup in the pod's netns (TCP).
     /// Steered to the proxy's inbound listener (15006).
     pub const IN_STEERED: u32 = 40;
-    /// To the proxy's own ports (15008 HBONE, 15006): not steered.
-    pub const IN_PASS_PROXY_PORT: u32 = 41;
+    /// To the proxy's own ports (15008 HBONE, 15006): to the proxy's socket on that port.
+    pub const IN_STEERED_PROXY_PORT: u32 = 41;
     /// From kubelet's probe source, with bypass on.
     pub const IN_PASS_PROBE: u32 = 42;
     /// To a port excluded for the pod.
@@ -106,7 +106,7 @@ pub const REASONS: &[(u32, &str, &str, &str)] = &[
     (reason::OUT_PASS_NOT_ENROLLED, "outbound", "passed", "not enrolled"),
     (reason::DNS_CAPTURED, "dns", "captured", "to dns proxy"),
     (reason::IN_STEERED, "inbound", "steered", "to proxy"),
-    (reason::IN_PASS_PROXY_PORT, "inbound", "passed", "proxy port"),
+    (reason::IN_STEERED_PROXY_PORT, "inbound", "steered", "proxy port"),
     (reason::IN_PASS_PROBE, "inbound", "passed", "probe"),
     (reason::IN_PASS_EXCLUDED_PORT, "inbound", "passed", "excluded port"),
     (reason::IN_PASS_EXCLUDED_CIDR, "inbound", "passed", "excluded cidr"),

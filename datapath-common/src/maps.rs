@@ -286,8 +286,8 @@ pub struct PodAddrs {
     pub v4: u32,
 }
 
-/// The proxy's inbound (15006) listener of one pod and address family, as `sock_ops` files it
-/// when the listener starts listening. A dual-stack `[::]` listener is filed as [`AF_INET6`]
+/// The proxy's inbound listener (15006, or HBONE's 15008) of one pod, port and address family,
+/// as `sock_ops` files it when the listener starts listening. A dual-stack `[::]` listener is filed as [`AF_INET6`]
 /// and also serves IPv4 lookups when no [`AF_INET`] listener is filed.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -6,19 +6,23 @@
 //! Addresses are not rewritten: the accepted socket's local address is the original destination
 //! and its peer the real client.
 //!
-//! The listener is the one `sock_ops` saw start listening on 15006 in the pod
-//! (`proxy_sockets.rs`): of the lookup's family first, then a dual-stack IPv6 one.
+//! The listeners are the ones `sock_ops` saw the proxy start on 15006 and 15008 in the pod
+//! (`proxy_sockets.rs`): of the lookup's family first, then a dual-stack IPv6 one. Traffic for
+//! HBONE (15008) and for 15006 itself goes to the proxy's socket on that port, as every other
+//! port's goes to its 15006 one: never to the kernel's lookup, which would share it with an app
+//! in the proxy's SO_REUSEPORT group on that port (an app that held the port before its pod was
+//! enrolled, or got it through the pod's ephemeral port range).
 //!
-//! Left alone: HBONE (15008) and the inbound listener's own port; transparent connections made
-//! inside the pod to the pod itself (`PROXY_TRANSPARENT`, filed by sock_ops: the proxy reaching
-//! the app with the client's address); traffic that stays inside the
-//! pod (loopback addresses, or a source address equal to the destination, which is what the
-//! kernel picks when a pod connects to its own address: the app talking to itself, the outbound
-//! hop to the proxy, the proxy connecting to the app); kubelet probes when bypass is on;
-//! excluded ports. `ingress_ifindex` cannot tell local traffic apart: for a packet to a local
-//! address it reports the interface that owns the address, not `lo`.
+//! Left alone: transparent connections made inside the pod to the pod itself
+//! (`PROXY_TRANSPARENT`, filed by sock_ops: the proxy reaching the app with the client's
+//! address); traffic that stays inside the pod (loopback addresses, or a source address equal
+//! to the destination, which is what the kernel picks when a pod connects to its own address:
+//! the app talking to itself, the outbound hop to the proxy, the proxy connecting to the app);
+//! kubelet probes when bypass is on; excluded ports and client CIDRs (never a proxy port).
+//! `ingress_ifindex` cannot tell local traffic apart: for a packet to a local address it
+//! reports the interface that owns the address, not `lo`.
 //!
-//! Fail closed: a pod whose inbound listener is missing (the proxy is not running) gets no
+//! Fail closed: a pod whose listener for a port is missing (the proxy is not running) gets no
 //! socket: SK_DROP makes the TCP lookup fail, and the kernel answers the SYN with a reset.
 
 use aya_ebpf::{
@@ -138,9 +142,6 @@ fn decide(ctx: &SkLookupContext, l: &Lookup) -> (u32, NetnsCookie, u32) {
         return (SK_PASS, pod_of(l), reason::IN_PASS_IN_POD);
     }
     let port = l.local_port;
-    if port == ports::HBONE || port == ports::INBOUND_PLAINTEXT {
-        return (SK_PASS, pod_of(l), reason::IN_PASS_PROXY_PORT);
-    }
     // A transparent connection made inside the pod to the pod (the proxy connecting to the app
     // with the client's address): never recaptured.
     let transparent = TransparentKey {
@@ -166,6 +167,11 @@ fn decide(ctx: &SkLookupContext, l: &Lookup) -> (u32, NetnsCookie, u32) {
     if pod.flags & pod_flags::CAPTURE_INBOUND == 0 {
         return (SK_PASS, netns, reason::IN_PASS_NOT_CAPTURED);
     }
+    // HBONE, or 15006 asked for directly: the proxy's own socket on that port, before any
+    // exclusion (a proxy port is never the app's).
+    if port == ports::HBONE || port == ports::INBOUND_PLAINTEXT {
+        return steer(ctx, l, netns, port, reason::IN_STEERED_PROXY_PORT);
+    }
     if pod.flags & pod_flags::PROBE_BYPASS != 0 && l.remote == probe_source(l.family) {
         return (SK_PASS, netns, reason::IN_PASS_PROBE);
     }
@@ -177,22 +183,34 @@ fn decide(ctx: &SkLookupContext, l: &Lookup) -> (u32, NetnsCookie, u32) {
     if cidr_excluded(netns, direction::INBOUND, l.remote.addr) {
         return (SK_PASS, netns, reason::IN_PASS_EXCLUDED_CIDR);
     }
-    let port = ports::INBOUND_PLAINTEXT;
+    steer(ctx, l, netns, ports::INBOUND_PLAINTEXT, reason::IN_STEERED)
+}
+
+/// Assigns the lookup to the proxy's listener on `port` in the pod (`steered` is why, when it
+/// is there), or refuses it.
+#[inline(always)]
+fn steer(
+    ctx: &SkLookupContext,
+    l: &Lookup,
+    netns: NetnsCookie,
+    port: u16,
+    steered: u32,
+) -> (u32, NetnsCookie, u32) {
     // NO_REUSEPORT: exactly the socket the proxy bound, never another member of its
-    // SO_REUSEPORT group (ztunnel sets SO_REUSEPORT; an app that held 15006 with it before its
-    // pod was enrolled would otherwise share the pod's inbound with the proxy).
+    // SO_REUSEPORT group (ztunnel sets SO_REUSEPORT; an app that held the port with it before
+    // its pod was enrolled would otherwise share the pod's inbound with the proxy).
     let flags = u64::from(BPF_SK_LOOKUP_F_NO_REUSEPORT);
     if l.family == u32::from(AF_INET) {
         let v4 = ListenerKey { netns, port, family: AF_INET, _pad: 0 };
         if INBOUND_LISTENERS.redirect_sk_lookup(ctx, v4, flags).is_ok() {
-            return (SK_PASS, netns, reason::IN_STEERED);
+            return (SK_PASS, netns, steered);
         }
     }
-    // A dual-stack [::]:15006 (ztunnel's) serves both families; the kernel refuses to assign a
-    // v6-only one to an IPv4 lookup.
+    // A dual-stack [::] listener (ztunnel's) serves both families; the kernel refuses to assign
+    // a v6-only one to an IPv4 lookup.
     let v6 = ListenerKey { netns, port, family: AF_INET6, _pad: 0 };
     match INBOUND_LISTENERS.redirect_sk_lookup(ctx, v6, flags) {
-        Ok(()) => (SK_PASS, netns, reason::IN_STEERED),
+        Ok(()) => (SK_PASS, netns, steered),
         Err(_) => (SK_DROP, netns, reason::IN_DROP_NO_LISTENER),
     }
 }

@@ -101,9 +101,10 @@ pub static EXCLUDED_CIDRS: LpmTrie<CidrKey, u32> = LpmTrie::pinned(EXCLUSION_MAP
 #[map]
 pub static POD_IPS: HashMap<PodIpKey, NetnsCookie> = HashMap::pinned(MAX_PODS * 4, 0);
 
-/// The proxy's inbound listeners, filed by sock_ops when they start listening.
+/// The proxy's inbound listeners (15006 and 15008, each of either family), filed by sock_ops
+/// when they start listening.
 #[map]
-pub static INBOUND_LISTENERS: SockHash<ListenerKey> = SockHash::pinned(MAX_PODS * 2, 0);
+pub static INBOUND_LISTENERS: SockHash<ListenerKey> = SockHash::pinned(MAX_PODS * 4, 0);
 
 /// Each pod's own addresses: where the outbound hook sends the app's connections.
 #[map]

@@ -3,13 +3,14 @@
 //! ZDS); it writes no map, registers nothing and installs no route. So the kernel side finds,
 //! from `sock_ops` (node-wide, filtered by the pods' netns cookies):
 //!
-//! - **The inbound listener.** A socket that starts listening on 15006 in an enrolled pod
-//!   (`TCP_LISTEN_CB`, run in `listen()`) is filed in `INBOUND_LISTENERS` under the pod and the
-//!   socket's family; sk_lookup steers the pod's inbound TCP to it, and the kernel drops the
-//!   entry when the socket closes (proxy gone → nothing to steer to → refused). Only a socket
-//!   the proxy bound (`PROXY_BOUND`, set by the bind hook in `proxy_ports.rs`, which refuses
-//!   anyone else these ports in the pod) counts; the proxy's listener gets the pod's inbound
-//!   traffic, as under istio-cni's `REDIRECT --to-ports 15006`.
+//! - **The inbound listeners.** A socket that starts listening on 15006 or 15008 in an enrolled
+//!   pod (`TCP_LISTEN_CB`, run in `listen()`) is filed in `INBOUND_LISTENERS` under the pod, the
+//!   port and the socket's family; sk_lookup steers the pod's inbound TCP to it (HBONE to the
+//!   15008 one, every other port to the 15006 one), and the kernel drops the entry when the
+//!   socket closes (proxy gone → nothing to steer to → refused). Only a socket the proxy bound
+//!   (`PROXY_BOUND`, set by the bind hook in `proxy_ports.rs`, which refuses anyone else these
+//!   ports in the pod) counts; the proxy's listener gets the pod's inbound traffic, as under
+//!   istio-cni's `REDIRECT --to-ports 15006`.
 //! - **Transparent connections to the app.** A connect made inside an enrolled pod to one of
 //!   the pod's own addresses from an address that is not the pod's (an `IP_TRANSPARENT` socket
 //!   bound to the client's address: the proxy keeping the client's address, which needs
@@ -47,12 +48,18 @@ fn enrolled_netns(ctx: &SockOpsContext) -> Option<NetnsCookie> {
     unsafe { PODS.get(&netns) }.map(|_| netns)
 }
 
-/// `TCP_LISTEN_CB`: files a pod's 15006 listener, if the proxy bound it (`PROXY_BOUND`).
+/// `TCP_LISTEN_CB`: files a pod's 15006 or 15008 listener, if the proxy bound it
+/// (`PROXY_BOUND`).
 #[inline(always)]
 pub fn listening(ctx: &SockOpsContext) {
-    if ctx.local_port() != u32::from(ports::INBOUND_PLAINTEXT) {
+    let port = ctx.local_port();
+    let port = if port == u32::from(ports::INBOUND_PLAINTEXT) {
+        ports::INBOUND_PLAINTEXT
+    } else if port == u32::from(ports::HBONE) {
+        ports::HBONE
+    } else {
         return;
-    }
+    };
     let Some(netns) = enrolled_netns(ctx) else {
         return;
     };
@@ -66,7 +73,7 @@ pub fn listening(ctx: &SockOpsContext) {
         return;
     }
     let family = if ctx.family() == u32::from(AF_INET) { AF_INET } else { AF_INET6 };
-    let key = ListenerKey { netns, port: ports::INBOUND_PLAINTEXT, family, _pad: 0 };
+    let key = ListenerKey { netns, port, family, _pad: 0 };
     // SAFETY: the context is the kernel's bpf_sock_ops for this callback.
     let _ = INBOUND_LISTENERS.update(key, unsafe { &mut *ctx.ops }, u64::from(BPF_ANY));
 }

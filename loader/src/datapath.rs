@@ -460,15 +460,17 @@ impl Datapath {
     }
 }
 
-/// The SOCKHASH keys a pod's inbound listeners may be filed under (one per family).
-pub fn inbound_listener_keys(cookie: NetnsCookie) -> [ListenerKey; 2] {
-    let key = |family| ListenerKey {
-        netns: cookie,
-        port: datapath_common::consts::ports::INBOUND_PLAINTEXT,
-        family,
-        _pad: 0,
-    };
-    [key(datapath_common::AF_INET), key(datapath_common::AF_INET6)]
+/// The SOCKHASH keys a pod's inbound listeners may be filed under (15006 and 15008, one per
+/// family each).
+pub fn inbound_listener_keys(cookie: NetnsCookie) -> [ListenerKey; 4] {
+    use datapath_common::{consts::ports, AF_INET, AF_INET6};
+    let key = |port, family| ListenerKey { netns: cookie, port, family, _pad: 0 };
+    [
+        key(ports::INBOUND_PLAINTEXT, AF_INET),
+        key(ports::INBOUND_PLAINTEXT, AF_INET6),
+        key(ports::HBONE, AF_INET),
+        key(ports::HBONE, AF_INET6),
+    ]
 }
 
 /// A program load result, with a rejection turned into [`Error::Verifier`].

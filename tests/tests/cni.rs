@@ -68,8 +68,13 @@ fn the_agent_exports_its_pods_datapath_decisions_and_drops_a_pod_that_left() {
     assert_eq!(echo_once(&web, SocketAddr::new(db.ip, 8080), b"hi").expect("connect"), b"hi");
     let metric = "meshpath_datapath_decisions_total";
     let web_captured = [("pod", "default/web"), ("hook", "outbound"), ("decision", "captured")];
-    // Over HBONE: the proxy's 15008 in db's netns is reached directly, not steered.
-    let db_steered = [("pod", "default/db"), ("hook", "inbound"), ("reason", "proxy port")];
+    // Over HBONE: steered to the proxy's own 15008 in db's netns.
+    let db_steered = [
+        ("pod", "default/db"),
+        ("hook", "inbound"),
+        ("decision", "steered"),
+        ("reason", "proxy port"),
+    ];
     assert_eq!(node.agent_metric(metric, &web_captured).expect("metrics"), 1.0);
     assert_eq!(node.agent_metric(metric, &db_steered).expect("metrics"), 1.0);
     // The proxy's own connection to db's app (with web's address, IP_TRANSPARENT) is recognised

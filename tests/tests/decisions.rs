@@ -304,15 +304,15 @@ fn inbound_to_an_unknown_address_is_counted_node_wide_as_dropped() {
 }
 
 #[test]
-fn inbound_to_the_hbone_port_is_counted_as_a_proxy_port() {
+fn inbound_to_the_hbone_port_is_counted_as_steered_to_a_proxy_port() {
     let mesh = inbound(EnrolOptions::default()).with_proxy("echo");
     let monitor = Monitor::start(&mesh.root, &[]);
     let hbone = mesh.a(false, ports::HBONE);
     let server = mesh.echo_server_as_proxy_in_a(hbone);
     drop(mesh.connect_from_b(hbone, None).expect("connect to 15008"));
     server.join().expect("server").expect("15008 took the connection");
-    assert_eq!(count(&mesh, cookie_a(&mesh), "inbound", "passed", "proxy port"), 1);
-    monitor.expect("inbound", "passed", "proxy port", Some(hbone));
+    assert_eq!(count(&mesh, cookie_a(&mesh), "inbound", "steered", "proxy port"), 1);
+    monitor.expect("inbound", "steered", "proxy port", Some(hbone));
 }
 
 #[test]

@@ -1,8 +1,8 @@
 //! Inbound capture without netfilter: TCP arriving at an enrolled pod, on any port, reaches the
 //! proxy's inbound listener (15006) with the original destination (SO_ORIGINAL_DST and
-//! getsockname agree) and the real client address; HBONE (15008), kubelet probes and excluded
-//! ports reach their sockets directly; without the proxy the pod refuses, it never delivers
-//! around the proxy. IPv4 and IPv6, real kernel, real namespaces, real TCP.
+//! getsockname agree) and the real client address; HBONE (15008) reaches the proxy's own 15008
+//! listener; kubelet probes and excluded ports reach their sockets directly; without the proxy
+//! the pod refuses, it never delivers around the proxy. IPv4 and IPv6, real kernel, real namespaces, real TCP.
 
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
@@ -14,17 +14,18 @@ fn inbound(opts: EnrolOptions) -> Mesh {
     Mesh::new(EnrolOptions { capture_inbound: true, ..opts })
 }
 
-/// An app's listener on 15006 in pod a, got without bind(): the pod's ephemeral port range (a
-/// Kubernetes "safe" sysctl) set to 15006 and listen() on an unbound socket, with SO_REUSEPORT
-/// when `reuse_port`. Non-blocking; with its local address.
-fn app_on_15006_through_the_port_range(
+/// An app's listener on one of the proxy's ports in pod a, got without bind(): the pod's
+/// ephemeral port range (a Kubernetes "safe" sysctl) set to that port and listen() on an
+/// unbound socket, with SO_REUSEPORT when `reuse_port`. Non-blocking; with its local address.
+fn app_on_a_proxy_port_through_the_port_range(
     mesh: &Mesh,
+    port: u16,
     reuse_port: bool,
-) -> (socket2::Socket, SocketAddr) {
+) -> (std::net::TcpListener, SocketAddr) {
     let ns = mesh.pods.a.open().expect("netns");
     let app = ns
         .run(|| -> std::io::Result<socket2::Socket> {
-            std::fs::write("/proc/sys/net/ipv4/ip_local_port_range", "15006 15006")?;
+            std::fs::write("/proc/sys/net/ipv4/ip_local_port_range", format!("{port} {port}"))?;
             let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
             sock.set_reuse_address(true)?;
             sock.set_reuse_port(reuse_port)?;
@@ -34,9 +35,54 @@ fn app_on_15006_through_the_port_range(
         .expect("netns")
         .expect("an app listening on an ephemeral port");
     let local = app.local_addr().expect("local").as_socket().expect("inet");
-    assert_eq!(local.port(), ports::INBOUND_PLAINTEXT, "the port range did not give 15006");
+    assert_eq!(local.port(), port, "the port range did not give {port}");
     app.set_nonblocking(true).expect("nonblocking");
-    (app, local)
+    (app.into(), local)
+}
+
+/// Accepts on a non-blocking listener until `n` connections came or 5 s passed; how many came.
+fn accept_up_to(listener: &std::net::TcpListener, n: usize) -> usize {
+    // The server side is queued when the client's ACK is processed: wait for it, bounded.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let mut got = 0;
+    while got < n && std::time::Instant::now() < deadline {
+        match listener.accept() {
+            Ok(_) => got += 1,
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
+        }
+    }
+    got
+}
+
+/// Asserts a non-blocking listener has nothing to accept.
+fn assert_nothing_queued(listener: &std::net::TcpListener, what: &str) {
+    match listener.accept() {
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+        Ok((_, peer)) => panic!("{what} took inbound from {peer:?}"),
+        Err(e) => panic!("accept: {e}"),
+    }
+}
+
+/// An app holds `port` in SO_REUSEPORT (taken without bind(), through the pod's ephemeral port
+/// range, or before the pod was enrolled) and the proxy joins its group, as ztunnel, which sets
+/// SO_REUSEPORT, would: 32 connections to pod a's `dst_port` must all reach the socket the
+/// proxy bound, and the app's, in the same group, must see none (spread over the group, all 32
+/// missing it would be 1 in 2^32).
+fn an_app_in_the_proxys_reuseport_group_gets_nothing(port: u16, dst_port: u16) {
+    let mesh = inbound(EnrolOptions::default());
+    let (app, local) = app_on_a_proxy_port_through_the_port_range(&mesh, port, true);
+    let proxy = mesh
+        .pods
+        .a
+        .listen_in_cgroup_with(local, &mesh.cgroup, true)
+        .expect("the proxy joins the port's reuseport group");
+    proxy.set_nonblocking(true).expect("nonblocking");
+    let conns: Vec<_> = (0..32)
+        .map(|_| mesh.connect_from_b(mesh.a(false, dst_port), None).expect("inbound connect"))
+        .collect();
+    let to_proxy = accept_up_to(&proxy, conns.len());
+    assert_nothing_queued(&app, "the app's socket in the group");
+    assert_eq!(to_proxy, conns.len(), "every inbound connection reaches the proxy's socket");
 }
 
 fn reaches_the_proxy_with_destination_and_client(v6: bool) {
@@ -59,14 +105,14 @@ fn inbound_tcp_to_any_port_reaches_the_proxy_with_destination_and_client_v6() {
 }
 
 #[test]
-fn hbone_port_is_not_steered() {
+fn hbone_reaches_the_proxys_own_15008_listener() {
     let mesh = inbound(EnrolOptions::default()).with_proxy("echo");
     for v6 in [false, true] {
         let hbone = mesh.a(v6, ports::HBONE);
         let server = mesh.echo_server_as_proxy_in_a(hbone);
         drop(mesh.connect_from_b(hbone, None).expect("connect to 15008"));
         let client = server.join().expect("server").expect("accept on 15008");
-        assert_eq!(client.ip(), mesh.b(v6, 0).ip(), "15008 was not reached directly (v6={v6})");
+        assert_eq!(client.ip(), mesh.b(v6, 0).ip(), "15008 did not see the client (v6={v6})");
     }
 }
 
@@ -300,50 +346,50 @@ fn an_app_cannot_bind_the_proxys_ports_in_its_pod_so_never_takes_its_inbound_tra
 
 #[test]
 fn an_app_in_the_proxys_reuseport_group_on_15006_gets_none_of_the_pods_inbound() {
-    // ztunnel sets SO_REUSEPORT on its in-pod listeners. An app that holds 15006 with it (taken
-    // without bind(), through the pod's ephemeral port range, or before the pod was enrolled)
-    // shares the port's group once the proxy binds it; the inbound must still all go to the
-    // socket the proxy bound, and the app's, in the same group, must see nothing.
+    an_app_in_the_proxys_reuseport_group_gets_nothing(ports::INBOUND_PLAINTEXT, 8097);
+}
+
+#[test]
+fn an_app_in_the_proxys_reuseport_group_on_15006_gets_none_of_the_traffic_sent_to_15006() {
+    an_app_in_the_proxys_reuseport_group_gets_nothing(
+        ports::INBOUND_PLAINTEXT,
+        ports::INBOUND_PLAINTEXT,
+    );
+}
+
+#[test]
+fn an_app_in_the_proxys_reuseport_group_on_15008_gets_none_of_the_pods_hbone() {
+    an_app_in_the_proxys_reuseport_group_gets_nothing(ports::HBONE, ports::HBONE);
+}
+
+/// A pod may set its ephemeral port range (a Kubernetes "safe" sysctl) to a proxy port:
+/// listen() on an unbound socket then takes it without a bind() the hook could refuse. No proxy
+/// runs: TCP to pod a's `dst_port` must be refused, and that listener must see nothing.
+fn a_listener_that_got_a_proxy_port_without_binding_it_gets_nothing(port: u16, dst_port: u16) {
     let mesh = inbound(EnrolOptions::default());
-    let (app, local) = app_on_15006_through_the_port_range(&mesh, true);
-    let proxy = mesh
-        .pods
-        .a
-        .listen_in_cgroup_with(local, &mesh.cgroup, true)
-        .expect("the proxy joins the port's reuseport group");
-    proxy.set_nonblocking(true).expect("nonblocking");
-    // Spread over the group, 32 connections all missing the app's socket would be 1 in 2^32.
-    let conns: Vec<_> = (0..32)
-        .map(|_| mesh.connect_from_b(mesh.a(false, 8097), None).expect("inbound connect"))
-        .collect();
-    // The server side is queued when the client's ACK is processed: wait for it, bounded.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    let mut to_proxy = 0;
-    while to_proxy < conns.len() && std::time::Instant::now() < deadline {
-        match proxy.accept() {
-            Ok(_) => to_proxy += 1,
-            Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
-        }
-    }
-    match app.accept() {
-        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-        Ok((_, peer)) => panic!("the app's socket in the group took inbound from {peer:?}"),
-        Err(e) => panic!("accept: {e}"),
-    }
-    assert_eq!(to_proxy, conns.len(), "every inbound connection reaches the proxy's socket");
+    let (listener, _) = app_on_a_proxy_port_through_the_port_range(&mesh, port, false);
+    let dst = mesh.a(false, dst_port);
+    assert!(mesh.connect_from_b(dst, None).is_err(), "inbound to {dst} was delivered");
+    assert_nothing_queued(&listener, "the app's listener on a proxy port");
 }
 
 #[test]
 fn a_listener_that_got_15006_without_binding_it_is_not_taken_for_the_proxys() {
-    // A pod may set its ephemeral port range (a Kubernetes "safe" sysctl) to the proxy's port:
-    // listen() on an unbound socket then takes 15006 without a bind() the hook could refuse.
-    // No proxy runs: the pod's inbound must be refused, and that listener must see nothing.
-    let mesh = inbound(EnrolOptions::default());
-    let (listener, _) = app_on_15006_through_the_port_range(&mesh, false);
-    assert!(mesh.connect_from_b(mesh.a(false, 8096), None).is_err(), "inbound was delivered");
-    match listener.accept() {
-        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-        Ok((_, peer)) => panic!("the app's 15006 took inbound traffic from {peer:?}"),
-        Err(e) => panic!("accept: {e}"),
-    }
+    a_listener_that_got_a_proxy_port_without_binding_it_gets_nothing(
+        ports::INBOUND_PLAINTEXT,
+        8096,
+    );
+}
+
+#[test]
+fn a_listener_that_got_15006_without_binding_it_gets_none_of_the_traffic_sent_to_15006() {
+    a_listener_that_got_a_proxy_port_without_binding_it_gets_nothing(
+        ports::INBOUND_PLAINTEXT,
+        ports::INBOUND_PLAINTEXT,
+    );
+}
+
+#[test]
+fn a_listener_that_got_15008_without_binding_it_gets_none_of_the_pods_hbone() {
+    a_listener_that_got_a_proxy_port_without_binding_it_gets_nothing(ports::HBONE, ports::HBONE);
 }

@@ -14,6 +14,7 @@
 //!
 //! Writes `results/capture.json` and prints a markdown table. Not a test: no assertion on speed.
 
+mod bpf_cost;
 mod charts;
 mod cni_setup;
 mod istio_rules;
@@ -366,6 +367,17 @@ fn traffic(name: &str, secs: f64) -> Result<Value> {
             }
         }
     }
+    // Where the time of a connection goes in the datapath's programs (meshpath's path only).
+    if name == "ebpf" {
+        match bpf_cost::per_connection(&a, oneshot_addr, secs) {
+            Ok(Value::Object(cost)) => out.extend(cost),
+            Ok(_) => unreachable!("per_connection returns an object"),
+            Err(e) => {
+                record("bpf_us_per_conn", Err(anyhow::anyhow!("{e:#}")));
+                record("bpf_share_of_conn", Err(e));
+            }
+        }
+    }
     let f = |k: &str| out[k].as_f64().map_or("failed".to_owned(), |x| format!("{x:.1}"));
     eprintln!(
         "bench: {name}: {} Gbit/s, {} conn/s, rr p50 {} us p99 {} us; 100 clients: {} conn/s, rr p50 {} us p99 {} us",
@@ -472,6 +484,10 @@ fn capture(
         let mut m = serde_json::Map::new();
         let mut failed = serde_json::Map::new();
         for key in TRAFFIC_KEYS {
+            // Not measured in this scenario (as opposed to failed in a round).
+            if runs[i].iter().all(|r| r.get(key).is_none()) {
+                continue;
+            }
             let mut v: Vec<f64> = runs[i].iter().filter_map(|r| r[key].as_f64()).collect();
             // A round that failed is reported, not silently left out of the median.
             let lost = runs[i].len() - v.len();
@@ -480,6 +496,9 @@ fn capture(
             }
             v.sort_by(f64::total_cmp);
             m.insert(key.into(), json!(v.get(v.len() / 2)));
+        }
+        if let Some(by_program) = median_by_program(&runs[i]) {
+            m.insert("bpf_per_conn_by_program".into(), by_program);
         }
         m.insert("failed_rounds".into(), Value::Object(failed));
         m.insert("rounds".into(), Value::Array(runs[i].clone()));
@@ -525,8 +544,31 @@ fn capture(
     Ok(())
 }
 
-/// What `traffic` measures per scenario and round.
-const TRAFFIC_KEYS: [&str; 7] = [
+/// The median over rounds of each program's time and runs per connection
+/// (`bpf_per_conn_by_program`), if any round measured them.
+fn median_by_program(rounds: &[Value]) -> Option<Value> {
+    let measured: Vec<&serde_json::Map<String, Value>> =
+        rounds.iter().filter_map(|r| r["bpf_per_conn_by_program"].as_object()).collect();
+    let names: std::collections::BTreeSet<&String> =
+        measured.iter().flat_map(|m| m.keys()).collect();
+    if names.is_empty() {
+        return None;
+    }
+    let median = |name: &str, k: &str| {
+        let mut v: Vec<f64> = measured.iter().filter_map(|m| m.get(name)?[k].as_f64()).collect();
+        v.sort_by(f64::total_cmp);
+        json!(v.get(v.len() / 2))
+    };
+    Some(Value::Object(
+        names
+            .into_iter()
+            .map(|n| (n.clone(), json!({ "us": median(n, "us"), "runs": median(n, "runs") })))
+            .collect(),
+    ))
+}
+
+/// What `traffic` measures per scenario and round (the `bpf_` ones in meshpath's scenario only).
+const TRAFFIC_KEYS: [&str; 9] = [
     "throughput_gbps",
     "conn_per_s",
     "rr_p50_us",
@@ -534,6 +576,8 @@ const TRAFFIC_KEYS: [&str; 7] = [
     "conn_per_s_100",
     "rr_p50_us_100",
     "rr_p99_us_100",
+    "bpf_us_per_conn",
+    "bpf_share_of_conn",
 ];
 
 /// The scenarios of `capture`, in the order they run each round.
@@ -648,6 +692,24 @@ fn print_table(r: &Value) {
             .zip(s[without][k].as_f64())
             .map_or("n/a".to_owned(), |(a, b)| format!("{:.2}", a / b))
     };
+    let e = &s["ebpf"];
+    if let (Some(us), Some(share)) =
+        (e["bpf_us_per_conn"].as_f64(), e["bpf_share_of_conn"].as_f64())
+    {
+        let parts: Vec<String> = e["bpf_per_conn_by_program"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter_map(|(n, v)| {
+                Some(format!("{n} {:.2} µs ({:.1} runs)", v["us"].as_f64()?, v["runs"].as_f64()?))
+            })
+            .collect();
+        println!(
+            "ebpf programs per connection (1 client): {us:.2} µs, {:.1}% of its time; {}",
+            share * 100.0,
+            parts.join(", ")
+        );
+    }
     println!(
         "decision counters on / off: conn/s {}, p99 {}; monitor attached / not: conn/s {}, p99 {}",
         cost("ebpf", "ebpf_no_decision_counters", "conn_per_s"),
@@ -661,7 +723,7 @@ fn print_table(r: &Value) {
 mod tests {
     use serde_json::json;
 
-    use super::traffic_cell;
+    use super::{median_by_program, traffic_cell};
 
     #[test]
     fn a_median_over_fewer_rounds_says_how_many_failed() {
@@ -681,5 +743,19 @@ mod tests {
     fn a_metric_no_round_failed_is_its_median_alone() {
         let s = json!({ "conn_per_s": 4466.1, "failed_rounds": {}, "rounds": [{}, {}, {}] });
         assert_eq!(traffic_cell(&s, "conn_per_s", 0), "4466");
+    }
+
+    #[test]
+    fn each_programs_cost_per_connection_is_its_median_over_the_rounds_that_measured_it() {
+        let round = |c: f64, s: f64| {
+            json!({ "bpf_per_conn_by_program": {
+                "mp_connect4": { "us": c, "runs": 2.0 }, "mp_sk_lookup": { "us": s, "runs": 1.0 } } })
+        };
+        // A round whose measurement failed has no breakdown.
+        let rounds = [round(1.5, 0.2), json!({}), round(0.9, 0.3), round(1.1, 0.25)];
+        let m = median_by_program(&rounds).expect("measured");
+        assert_eq!(m["mp_connect4"], json!({ "us": 1.1, "runs": 2.0 }));
+        assert_eq!(m["mp_sk_lookup"], json!({ "us": 0.25, "runs": 1.0 }));
+        assert_eq!(median_by_program(&[json!({}), json!({})]), None);
     }
 }

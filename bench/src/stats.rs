@@ -55,6 +55,17 @@ pub fn start_oneshot_server(ns: &Netns, addr: SocketAddr) -> Result<()> {
 /// one request, reads the response, waits for the server to close, closes, again, for `secs`
 /// seconds.
 pub fn conn_per_s(ns: &Netns, to: SocketAddr, secs: f64, clients: usize) -> Result<f64> {
+    let (n, elapsed) = connections(ns, to, secs, clients)?;
+    Ok(n as f64 / elapsed.as_secs_f64())
+}
+
+/// What [`conn_per_s`] runs: the connections made, and the time they took.
+pub fn connections(
+    ns: &Netns,
+    to: SocketAddr,
+    secs: f64,
+    clients: usize,
+) -> Result<(u64, Duration)> {
     let client = |start: Instant| -> Result<u64> {
         let mut n = 0u64;
         let mut buf = [0u8; MESSAGE];
@@ -70,10 +81,10 @@ pub fn conn_per_s(ns: &Netns, to: SocketAddr, secs: f64, clients: usize) -> Resu
         }
         Ok(n)
     };
-    ns.run(|| -> Result<f64> {
+    ns.run(|| -> Result<(u64, Duration)> {
         let start = Instant::now();
         let counts = in_threads(clients, || client(start))?;
-        Ok(counts.iter().sum::<u64>() as f64 / start.elapsed().as_secs_f64())
+        Ok((counts.iter().sum(), start.elapsed()))
     })?
 }
 

@@ -1,0 +1,61 @@
+//! Where a captured connection's time goes in the kernel's eBPF programs: the run time of every
+//! meshpath program (the kernel's `BPF_ENABLE_STATS` counters, on only while this measures)
+//! over a stretch of one-client connections, per connection, by program.
+//!
+//! Every meshpath program is counted, whichever socket it ran for: the app's connection to the
+//! proxy, the proxy's to the server, the server's end. The bench is the only thing loading
+//! meshpath programs while it runs (programs are told apart by their `mp_` names).
+
+use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
+
+use anyhow::{Context as _, Result};
+use meshpath_loader::netns::Netns;
+use serde_json::{json, Value};
+
+use crate::stats;
+
+/// Program name → (run time, run count), for every loaded meshpath program.
+fn snapshot() -> Result<BTreeMap<String, (Duration, u64)>> {
+    let mut by_name = BTreeMap::new();
+    for info in aya::programs::loaded_programs() {
+        let info = info.context("listing loaded eBPF programs")?;
+        let Some(name) = info.name_as_str().filter(|n| n.starts_with("mp_")) else {
+            continue;
+        };
+        let e = by_name.entry(name.to_owned()).or_insert((Duration::ZERO, 0));
+        e.0 += info.run_time();
+        e.1 += info.run_count();
+    }
+    Ok(by_name)
+}
+
+/// One-client connections to `to` from `ns` for `secs` with run-time statistics on: the keys
+/// `bpf_us_per_conn` (every meshpath program's time per connection, µs), `bpf_share_of_conn`
+/// (that over the connection's own time) and `bpf_per_conn_by_program` (µs and runs per
+/// connection, by program).
+pub fn per_connection(ns: &Netns, to: SocketAddr, secs: f64) -> Result<Value> {
+    let _on = aya::sys::enable_stats(aya::sys::Stats::RunTime)
+        .context("turning on eBPF run-time statistics (BPF_ENABLE_STATS)")?;
+    let before = snapshot()?;
+    let (conns, elapsed) = stats::connections(ns, to, secs, 1)?;
+    let after = snapshot()?;
+    anyhow::ensure!(conns > 0, "no connection was made");
+    let per_conn = conns as f64;
+    let mut by_program = serde_json::Map::new();
+    let mut total_us = 0.0;
+    for (name, (time, runs)) in &after {
+        let (t0, r0) = before.get(name).copied().unwrap_or_default();
+        let us = time.saturating_sub(t0).as_secs_f64() * 1e6 / per_conn;
+        let runs = runs.saturating_sub(r0) as f64 / per_conn;
+        if runs > 0.0 {
+            total_us += us;
+            by_program.insert(name.clone(), json!({ "us": us, "runs": runs }));
+        }
+    }
+    let conn_us = elapsed.as_secs_f64() * 1e6 / per_conn;
+    Ok(json!({
+        "bpf_us_per_conn": total_us,
+        "bpf_share_of_conn": total_us / conn_us,
+        "bpf_per_conn_by_program": by_program,
+    }))
+}

@@ -165,6 +165,18 @@ fn usage(pid: u32) -> Result<(f64, f64)> {
     Ok((ticks / hz, rss))
 }
 
+/// Records metric `key` of scenario `name` in `out`: its value, or null (failed, and said why).
+fn record(out: &mut serde_json::Map<String, Value>, name: &str, key: &str, v: Result<f64>) {
+    let value = match v {
+        Ok(x) => json!(x),
+        Err(e) => {
+            eprintln!("bench: {name}: {key} failed: {e:#}");
+            json!(null)
+        }
+    };
+    out.insert(key.to_owned(), value);
+}
+
 /// iperf3 from pod a to pod b with `streams` parallel streams: (Gbit/s, bytes received).
 fn iperf3(pods: &PodPair, secs: f64, streams: u32) -> Result<(f64, f64)> {
     let (secs, streams) = (format!("{secs}"), streams.to_string());
@@ -189,16 +201,63 @@ fn scenario(name: &str, secs: f64, proxy_args: &[String], store: Store) -> Resul
     let pids: Vec<u32> = hbone.iter().flat_map(|h| h.proxies.iter().map(TestProxy::pid)).collect();
     let cpu = |pids: &[u32]| -> Result<f64> { pids.iter().map(|&p| usage(p).map(|u| u.0)).sum() };
 
-    let cpu0 = cpu(&pids)?;
-    let (gbps, bytes) = iperf3(&pods, secs, 1)?;
-    let cpu_s_per_gb =
-        if pids.is_empty() { None } else { Some((cpu(&pids)? - cpu0) / (bytes / 1e9)) };
-    let (gbps4, _) = iperf3(&pods, secs, 4)?;
-    let cps = stats::conn_per_s(&a, oneshot, secs, 1)?;
-    let (p50, p99) = stats::rr_latency(&a, rr, 2_000, 20_000, 1)?;
-    let cps_100 = stats::conn_per_s(&a, oneshot, secs, 100)?;
-    let (p50_100, p99_100) = stats::rr_latency(&a, rr, 2_000, 20_000, 100)?;
-    eprintln!("bench: {name}: {gbps:.2} Gbit/s (4 streams {gbps4:.2}), {cps:.0} conn/s ({cps_100:.0} from 100 clients), rr p50 {p50:.1} us p99 {p99:.1} us (100 clients: {p50_100:.1} / {p99_100:.1}), cpu {cpu_s_per_gb:?} s/GB");
+    // A metric that fails is recorded as failed (null), not the end of the whole run.
+    let mut out = serde_json::Map::new();
+    let cpu0 = cpu(&pids);
+    match iperf3(&pods, secs, 1) {
+        Ok((gbps, bytes)) => {
+            record(&mut out, name, "throughput_gbps", Ok(gbps));
+            if !pids.is_empty() {
+                let used = cpu0.and_then(|c0| Ok(cpu(&pids)? - c0));
+                record(&mut out, name, "cpu_s_per_gb", used.map(|s| s / (bytes / 1e9)));
+            }
+        }
+        Err(e) => {
+            if !pids.is_empty() {
+                record(&mut out, name, "cpu_s_per_gb", Err(anyhow::anyhow!("{e:#}")));
+            }
+            record(&mut out, name, "throughput_gbps", Err(e));
+        }
+    }
+    record(&mut out, name, "throughput_4_gbps", iperf3(&pods, secs, 4).map(|(gbps, _)| gbps));
+    for (clients, suffix) in [(1, ""), (100, "_100")] {
+        record(
+            &mut out,
+            name,
+            &format!("conn_per_s{suffix}"),
+            stats::conn_per_s(&a, oneshot, secs, clients),
+        );
+        match stats::rr_latency(&a, rr, 2_000, 20_000, clients) {
+            Ok((p50, p99)) => {
+                record(&mut out, name, &format!("rr_p50_us{suffix}"), Ok(p50));
+                record(&mut out, name, &format!("rr_p99_us{suffix}"), Ok(p99));
+            }
+            Err(e) => {
+                record(
+                    &mut out,
+                    name,
+                    &format!("rr_p50_us{suffix}"),
+                    Err(anyhow::anyhow!("{e:#}")),
+                );
+                record(&mut out, name, &format!("rr_p99_us{suffix}"), Err(e));
+            }
+        }
+    }
+    let f = |out: &serde_json::Map<String, Value>, k: &str| {
+        out.get(k).and_then(Value::as_f64).map_or("failed".to_owned(), |x| format!("{x:.1}"))
+    };
+    eprintln!(
+        "bench: {name}: {} Gbit/s (4 streams {}), {} conn/s ({} from 100 clients), rr p50 {} us p99 {} us (100 clients: {} / {}), cpu {} s/GB",
+        f(&out, "throughput_gbps"),
+        f(&out, "throughput_4_gbps"),
+        f(&out, "conn_per_s"),
+        f(&out, "conn_per_s_100"),
+        f(&out, "rr_p50_us"),
+        f(&out, "rr_p99_us"),
+        f(&out, "rr_p50_us_100"),
+        f(&out, "rr_p99_us_100"),
+        f(&out, "cpu_s_per_gb"),
+    );
     let hold = |n: usize| -> Result<Vec<TcpStream>> {
         (0..n)
             .map(|_| {
@@ -236,28 +295,29 @@ fn scenario(name: &str, secs: f64, proxy_args: &[String], store: Store) -> Resul
         std::thread::sleep(Duration::from_millis(300));
         Ok((usage(pid)?.1 - before) / 100.0)
     };
-    let (rss_kib_per_conn, rss_kib_per_idle_conn) = if let Some(old) = hbone.take() {
+    if let Some(old) = hbone.take() {
         drop(old);
         // Per open stream: 100 connections held open, streams of one pooled HTTP/2 connection.
-        let per_stream = fresh_rss_per_conn(&[], true)?;
+        record(&mut out, name, "rss_kib_per_conn", fresh_rss_per_conn(&[], true));
         // Per idle pooled connection: one stream per connection allowed, 100 connections opened
         // (100 HTTP/2 connections) and closed, their HTTP/2 connections left idle in the pool.
-        let per_idle = fresh_rss_per_conn(&["--pool-max-streams", "1"], false)?;
-        (Some(per_stream), Some(per_idle))
-    } else {
-        (None, None)
-    };
-    eprintln!("bench: {name}: rss {rss_kib_per_conn:?} KiB/stream, {rss_kib_per_idle_conn:?} KiB/idle conn");
-    Ok(json!({
-        "throughput_gbps": gbps, "throughput_4_gbps": gbps4, "rr_p50_us": p50, "rr_p99_us": p99,
-        "conn_per_s": cps, "conn_per_s_100": cps_100, "rr_p50_us_100": p50_100,
-        "rr_p99_us_100": p99_100, "cpu_s_per_gb": cpu_s_per_gb, "rss_kib_per_conn": rss_kib_per_conn,
-        "rss_kib_per_idle_conn": rss_kib_per_idle_conn,
-    }))
+        record(
+            &mut out,
+            name,
+            "rss_kib_per_idle_conn",
+            fresh_rss_per_conn(&["--pool-max-streams", "1"], false),
+        );
+        eprintln!(
+            "bench: {name}: rss {} KiB/stream, {} KiB/idle conn",
+            f(&out, "rss_kib_per_conn"),
+            f(&out, "rss_kib_per_idle_conn")
+        );
+    }
+    Ok(Value::Object(out))
 }
 
 /// Each scenario's metrics (the median over rounds goes in the results file) and their column
-/// in the printed table.
+/// in the printed table. The last three are the proxies' own, measured for `hbone` only.
 const KEYS: [(&str, &str); 11] = [
     ("throughput_gbps", "Gbit/s 1 stream"),
     ("throughput_4_gbps", "Gbit/s 4 streams"),
@@ -271,6 +331,32 @@ const KEYS: [(&str, &str); 11] = [
     ("rss_kib_per_conn", "RSS KiB/open stream"),
     ("rss_kib_per_idle_conn", "RSS KiB/idle pooled conn"),
 ];
+
+/// Whether scenario `name` measures `key`: the proxies' CPU and memory only where there are
+/// proxies.
+fn measures(name: &str, key: &str) -> bool {
+    name == "hbone" || !matches!(key, "cpu_s_per_gb" | "rss_kib_per_conn" | "rss_kib_per_idle_conn")
+}
+
+/// A scenario's results: each metric's median over its rounds, how many rounds each metric
+/// failed in (`failed_rounds`: a round that failed is reported, not silently left out of the
+/// median), and the rounds.
+fn summarize(name: &str, rounds: &[Value]) -> Value {
+    let mut m = serde_json::Map::new();
+    let mut failed = serde_json::Map::new();
+    for (key, _) in KEYS.into_iter().filter(|(k, _)| measures(name, k)) {
+        let mut v: Vec<f64> = rounds.iter().filter_map(|r| r[key].as_f64()).collect();
+        let lost = rounds.len() - v.len();
+        if lost > 0 {
+            failed.insert(key.into(), json!(lost));
+        }
+        v.sort_by(f64::total_cmp);
+        m.insert(key.into(), json!(v.get(v.len() / 2)));
+    }
+    m.insert("failed_rounds".into(), Value::Object(failed));
+    m.insert("rounds".into(), Value::Array(rounds.to_vec()));
+    Value::Object(m)
+}
 
 /// Runs the proxy benchmark, writes `out`, prints a table.
 pub fn run(
@@ -287,19 +373,18 @@ pub fn run(
     for round in 0..rounds {
         eprintln!("bench: round {}/{rounds}", round + 1);
         for (i, name) in names.iter().enumerate() {
-            runs[i].push(scenario(name, secs, proxy_args, store)?);
+            // A round whose set-up failed is recorded as failed for every metric, and the
+            // rounds go on.
+            let round = scenario(name, secs, proxy_args, store).unwrap_or_else(|e| {
+                eprintln!("bench: {name}: round {} failed: {e:#}", round + 1);
+                json!({ "error": format!("{e:#}") })
+            });
+            runs[i].push(round);
         }
     }
     let mut scenarios = json!({});
     for (i, name) in names.iter().enumerate() {
-        let mut m = serde_json::Map::new();
-        for (key, _) in KEYS {
-            let mut v: Vec<f64> = runs[i].iter().filter_map(|r| r[key].as_f64()).collect();
-            v.sort_by(f64::total_cmp);
-            m.insert(key.into(), json!(v.get(v.len() / 2)));
-        }
-        m.insert("rounds".into(), Value::Array(runs[i].clone()));
-        scenarios[*name] = Value::Object(m);
+        scenarios[*name] = summarize(name, &runs[i]);
     }
     let result = json!({
         "machine": crate::machine(), "commit": crate::commit(), "date": crate::date(),
@@ -310,13 +395,13 @@ pub fn run(
         std::fs::create_dir_all(dir)?;
     }
     std::fs::write(out, serde_json::to_string_pretty(&result)? + "\n")?;
-    let f = |v: &Value| v.as_f64().map_or("n/a".to_owned(), |x| format!("{x:.2}"));
     crate::print_steal(&result);
     let heads: Vec<&str> = KEYS.iter().map(|(_, head)| *head).collect();
     println!("| scenario | {} |", heads.join(" | "));
     println!("|---|{}", "---|".repeat(KEYS.len()));
     for name in names {
-        let cells: Vec<String> = KEYS.iter().map(|(k, _)| f(&scenarios[name][*k])).collect();
+        let cells: Vec<String> =
+            KEYS.iter().map(|(k, _)| crate::traffic_cell(&scenarios[name], k, 2)).collect();
         println!("| {name} | {} |", cells.join(" | "));
     }
     let (d, h) = (&scenarios["direct"], &scenarios["hbone"]);
@@ -339,4 +424,33 @@ pub fn run(
     }
     eprintln!("bench: wrote {} and {}", out.display(), crate::charts::write_for(out)?.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::summarize;
+
+    #[test]
+    fn a_round_whose_set_up_failed_counts_as_failed_for_every_metric_of_its_scenario() {
+        let rounds = [
+            json!({ "throughput_gbps": 9.0, "cpu_s_per_gb": 1.2 }),
+            json!({ "error": "starting the proxies" }),
+            json!({ "throughput_gbps": 8.0, "cpu_s_per_gb": null }),
+        ];
+        let s = summarize("hbone", &rounds);
+        assert_eq!(s["throughput_gbps"], json!(9.0));
+        assert_eq!(s["failed_rounds"]["throughput_gbps"], json!(1));
+        assert_eq!(s["failed_rounds"]["cpu_s_per_gb"], json!(2));
+        assert_eq!(s["failed_rounds"]["conn_per_s"], json!(3));
+    }
+
+    #[test]
+    fn direct_is_not_failed_for_the_proxies_own_metrics() {
+        let s = summarize("direct", &[json!({ "throughput_gbps": 20.0 })]);
+        assert!(s.get("cpu_s_per_gb").is_none());
+        assert!(s["failed_rounds"].get("rss_kib_per_idle_conn").is_none());
+        assert_eq!(s["failed_rounds"]["conn_per_s"], json!(1));
+    }
 }

@@ -544,6 +544,16 @@ fn capture(
     Ok(())
 }
 
+/// The median over rounds of `a`'s metric `k` over `b`'s in the same round (rounds where either
+/// failed left out), if any round has both.
+fn paired_ratio(a: &Value, b: &Value, k: &str) -> Option<f64> {
+    let (a, b) = (a["rounds"].as_array()?, b["rounds"].as_array()?);
+    let mut v: Vec<f64> =
+        a.iter().zip(b).filter_map(|(x, y)| Some(x[k].as_f64()? / y[k].as_f64()?)).collect();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied()
+}
+
 /// The median over rounds of each program's time and runs per connection
 /// (`bpf_per_conn_by_program`), if any round measured them.
 fn median_by_program(rounds: &[Value]) -> Option<Value> {
@@ -615,7 +625,7 @@ pub(crate) fn date() -> String {
 
 /// One traffic metric of a scenario for the printed table: its median, and how many rounds
 /// failed to measure it (`failed_rounds`), so a median over fewer rounds says so.
-fn traffic_cell(scenario: &Value, key: &str, decimals: usize) -> String {
+pub(crate) fn traffic_cell(scenario: &Value, key: &str, decimals: usize) -> String {
     let rounds = scenario["rounds"].as_array().map_or(0, Vec::len);
     let failed = scenario["failed_rounds"][key].as_u64().unwrap_or(0);
     match (scenario[key].as_f64(), failed) {
@@ -650,9 +660,15 @@ fn print_table(r: &Value) {
             cell("rr_p99_us_100", 2)
         );
     }
+    // The ratio of the medians, then the median of the rounds' own ratios (the scenarios of a
+    // round run back to back, so a round's ratio is free of drift between rounds).
     let ratio = |k: &str| {
         let (e, i) = (s["ebpf"][k].as_f64(), s["iptables"][k].as_f64());
-        e.zip(i).map_or("n/a".to_owned(), |(e, i)| format!("{:.2}", e / i))
+        let medians = e.zip(i).map_or("n/a".to_owned(), |(e, i)| format!("{:.2}", e / i));
+        match paired_ratio(&s["ebpf"], &s["iptables"], k) {
+            Some(p) => format!("{medians} (by round {p:.2})"),
+            None => medians,
+        }
     };
     println!();
     println!(
@@ -723,7 +739,7 @@ fn print_table(r: &Value) {
 mod tests {
     use serde_json::json;
 
-    use super::{median_by_program, traffic_cell};
+    use super::{median_by_program, paired_ratio, traffic_cell};
 
     #[test]
     fn a_median_over_fewer_rounds_says_how_many_failed() {
@@ -757,5 +773,14 @@ mod tests {
         assert_eq!(m["mp_connect4"], json!({ "us": 1.1, "runs": 2.0 }));
         assert_eq!(m["mp_sk_lookup"], json!({ "us": 0.25, "runs": 1.0 }));
         assert_eq!(median_by_program(&[json!({}), json!({})]), None);
+    }
+
+    #[test]
+    fn a_paired_ratio_is_the_median_of_the_rounds_own_ratios() {
+        let a = json!({ "rounds": [{ "c": 12.0 }, { "c": 8.0 }, { "c": 9.0 }, { "c": 1.0 }] });
+        // Round 2 drifted slow for both; round 4 failed for b.
+        let b = json!({ "rounds": [{ "c": 10.0 }, { "c": 5.0 }, { "c": 10.0 }, { "c": null }] });
+        assert_eq!(paired_ratio(&a, &b, "c"), Some(1.2));
+        assert_eq!(paired_ratio(&a, &b, "missing"), None);
     }
 }

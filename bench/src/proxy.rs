@@ -243,8 +243,10 @@ fn scenario(name: &str, secs: f64, proxy_args: &[String], store: Store) -> Resul
             }
         }
     }
-    let f = |out: &serde_json::Map<String, Value>, k: &str| {
-        out.get(k).and_then(Value::as_f64).map_or("failed".to_owned(), |x| format!("{x:.1}"))
+    // Not measured here (the proxies' own metrics for direct): n/a; measured and failed: failed.
+    let f = |out: &serde_json::Map<String, Value>, k: &str| match out.get(k) {
+        None => "n/a".to_owned(),
+        Some(v) => v.as_f64().map_or("failed".to_owned(), |x| format!("{x:.1}")),
     };
     eprintln!(
         "bench: {name}: {} Gbit/s (4 streams {}), {} conn/s ({} from 100 clients), rr p50 {} us p99 {} us (100 clients: {} / {}), cpu {} s/GB",

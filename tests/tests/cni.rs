@@ -114,6 +114,35 @@ fn the_agent_logs_the_datapaths_drops_when_asked_to() {
 }
 
 #[test]
+fn a_pod_looping_on_a_refused_bind_writes_a_bounded_number_of_agent_log_lines() {
+    use datapath_common::consts::ports;
+    use meshpath_loader::agent::ebpf_log::RECORDS_PER_REASON_PER_SECOND as LIMIT;
+    let mut node = CniNode::bare(WORKLOADS).expect("node");
+    node.start_agent_with(&["--ebpf-log".into(), "info".into()]).expect("agent");
+    node.start_proxy().expect("proxy");
+    let db = node.add_pod("db").expect("ADD db");
+    let ns = db.netns.open().expect("netns");
+    let bind = || std::net::TcpListener::bind(("0.0.0.0", ports::INBOUND_PLAINTEXT)).is_err();
+    // An app in the pod tries the proxy's port 2000 times: each is refused, and logged at info.
+    let refused = ns.run(|| (0..2000).filter(|_| bind()).count()).expect("netns");
+    assert_eq!(refused, 2000, "a bind to the proxy's port was let through");
+    let agent = node.agent.as_ref().expect("agent");
+    let line = "reason=\"proxy port\"";
+    assert!(agent.wait_for_text(line, Duration::from_secs(10)), "{:#?}", agent.lines());
+    // One more a second later: logged, with how many were left out before it.
+    std::thread::sleep(Duration::from_millis(1100));
+    assert!(ns.run(bind).expect("netns"), "a bind to the proxy's port was let through");
+    assert!(agent.wait_for_text("left_out=", Duration::from_secs(10)), "{:#?}", agent.lines());
+    let logged = agent
+        .lines()
+        .into_iter()
+        .filter(|l| l.contains(line) && l.contains("datapath decision"))
+        .count();
+    // The loop's second (or two, if it straddled one), and the last bind.
+    assert!(logged <= 2 * LIMIT as usize + 1, "{logged} lines for 2001 refused binds");
+}
+
+#[test]
 fn an_unmeshed_pod_passes_through_the_chain_untouched() {
     let node = CniNode::start(WORKLOADS).expect("node");
     let legacy = node.add_pod("legacy").expect("ADD legacy");

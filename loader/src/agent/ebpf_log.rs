@@ -3,13 +3,22 @@
 //! so it changes at run time and costs nothing when off (the default): the programs write no
 //! record unless asked. Records carry numbers (`decision=<reason code> netns=… dst_port=…`);
 //! this side names the reason from datapath_common's one table and logs structured fields.
+//!
+//! At most [`RECORDS_PER_REASON_PER_SECOND`] records of one reason are logged each second: what a
+//! pod or a peer can make the datapath refuse (a bind loop on a proxy port, SYNs to a pod whose
+//! proxy is down) would otherwise write a line each. The rest are counted and the count is
+//! logged with the next record of that reason; the decision counters (metrics) have them all.
 
-use std::str::FromStr;
+use std::{
+    str::FromStr,
+    sync::Mutex,
+    time::{Duration, Instant},
+};
 
 use aya::programs::SkLookup;
 use datapath_common::{
     consts::{pins, programs},
-    decisions::labels,
+    decisions::{labels, REASONS},
     node_flags,
 };
 use tokio::io::unix::AsyncFd;
@@ -56,8 +65,58 @@ pub fn set_level(dp: &Datapath, level: EbpfLog) -> crate::Result<()> {
     dp.update_node_flags(level.flags(), all & !level.flags())
 }
 
-/// Turns the datapath's records into `tracing` events (target `meshpath::datapath`).
-struct Forward;
+/// Records of one reason logged per second at most.
+pub const RECORDS_PER_REASON_PER_SECOND: u32 = 20;
+
+/// One reason's current second: how many of its records were logged and left out.
+#[derive(Debug, Default, Clone, Copy)]
+struct Window {
+    start: Option<Instant>,
+    logged: u32,
+    left_out: u64,
+}
+
+impl Window {
+    /// Whether a record at `now` is logged, and how many were left out of the second that ended
+    /// before it (0 if none, or if its second is still running).
+    fn admit(&mut self, now: Instant) -> (bool, u64) {
+        let mut ended = 0;
+        if self.start.is_none_or(|s| now.duration_since(s) >= Duration::from_secs(1)) {
+            ended = std::mem::take(&mut self.left_out);
+            *self = Window { start: Some(now), logged: 0, left_out: 0 };
+        }
+        if self.logged < RECORDS_PER_REASON_PER_SECOND {
+            self.logged += 1;
+            (true, ended)
+        } else {
+            self.left_out += 1;
+            (false, ended)
+        }
+    }
+}
+
+/// Turns the datapath's records into `tracing` events (target `meshpath::datapath`), each
+/// reason's at most [`RECORDS_PER_REASON_PER_SECOND`] a second.
+struct Forward {
+    /// One per reason of [`REASONS`], in its order, then one for codes this build does not know
+    /// and for records that are not decisions: bounded, whatever the records say.
+    windows: Mutex<Vec<Window>>,
+}
+
+impl Forward {
+    fn new() -> Self {
+        Self { windows: Mutex::new(vec![Window::default(); REASONS.len() + 1]) }
+    }
+
+    /// [`Window::admit`] for the window of reason `code`.
+    fn admit(&self, code: Option<u64>) -> (bool, u64) {
+        let slot = code
+            .and_then(|c| REASONS.iter().position(|r| u64::from(r.0) == c))
+            .unwrap_or(REASONS.len());
+        let mut windows = self.windows.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        windows[slot].admit(Instant::now())
+    }
+}
 
 impl log::Log for Forward {
     fn enabled(&self, _: &log::Metadata<'_>) -> bool {
@@ -70,13 +129,23 @@ impl log::Log for Forward {
             text.split_whitespace()
                 .find_map(|w| w.strip_prefix(name)?.strip_prefix('=')?.parse().ok())
         };
-        let (Some(code), netns, dst_port) = (field("decision"), field("netns"), field("dst_port"))
-        else {
+        let code = field("decision");
+        let (logged, left_out) = self.admit(code);
+        let (hook, decision, reason) = code
+            .and_then(|c| u32::try_from(c).ok())
+            .and_then(labels)
+            .unwrap_or(("?", "?", "unknown reason code"));
+        if left_out > 0 {
+            warn!(target: "meshpath::datapath", hook, decision, reason, left_out,
+                "datapath records of this reason left out of the log in the last second (rate limit; the decision counters have them all)");
+        }
+        if !logged {
+            return;
+        }
+        let (Some(_), netns, dst_port) = (code, field("netns"), field("dst_port")) else {
             info!(target: "meshpath::datapath", "{text}");
             return;
         };
-        let (hook, decision, reason) =
-            u32::try_from(code).ok().and_then(labels).unwrap_or(("?", "?", "unknown reason code"));
         let (netns, dst_port) = (netns.unwrap_or(0), dst_port.unwrap_or(0));
         if record.level() <= log::Level::Info {
             info!(target: "meshpath::datapath", hook, decision, reason, netns, dst_port, "datapath decision");
@@ -95,7 +164,7 @@ pub fn spawn(dp: &Datapath) -> anyhow::Result<()> {
     let pin = dp.root().join(pins::PROGRAMS_DIR).join(programs::SK_LOOKUP);
     let prog = SkLookup::from_pin(&pin).context("opening the pinned sk_lookup program")?;
     let id = prog.info().context("reading its id")?.id();
-    let logger = aya_log::EbpfLogger::init_from_id_with_logger(id, Forward)
+    let logger = aya_log::EbpfLogger::init_from_id_with_logger(id, Forward::new())
         .context("opening the datapath's log ring (AYA_LOGS)")?;
     // SAFETY: the logger owns its ring buffer's fd, which stays open and the same for as long
     // as the logger (moved into the AsyncFd) lives.
@@ -115,4 +184,39 @@ pub fn spawn(dp: &Datapath) -> anyhow::Result<()> {
         }
     });
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::{Forward, Window, RECORDS_PER_REASON_PER_SECOND};
+
+    #[test]
+    fn a_reason_is_logged_at_most_its_share_a_second_and_the_rest_counted_for_the_next_second() {
+        let (mut w, t0) = (Window::default(), Instant::now());
+        let limit = RECORDS_PER_REASON_PER_SECOND as usize;
+        let admitted = (0..limit + 30).filter(|_| w.admit(t0).0).count();
+        assert_eq!(admitted, limit);
+        // The next second: logged again, with the count of the 30 left out.
+        assert_eq!(w.admit(t0 + Duration::from_millis(1000)), (true, 30));
+        assert_eq!(w.admit(t0 + Duration::from_millis(1001)), (true, 0));
+    }
+
+    #[test]
+    fn reasons_have_their_own_share_and_unknown_codes_share_one() {
+        let f = Forward::new();
+        let limit = RECORDS_PER_REASON_PER_SECOND as usize;
+        let bind = Some(u64::from(datapath_common::decisions::reason::BIND_REFUSED_PROXY_PORT));
+        assert_eq!((0..limit * 2).filter(|_| f.admit(bind).0).count(), limit);
+        let no_listener = Some(u64::from(datapath_common::decisions::reason::IN_DROP_NO_LISTENER));
+        assert!(f.admit(no_listener).0, "another reason's flood took this one's share");
+        // Codes no build knows, however many, are one reason.
+        let unknown = (0..limit as u64 * 2).filter(|c| f.admit(Some(10_000 + c)).0).count();
+        assert_eq!(unknown, limit);
+        assert_eq!(
+            f.windows.lock().expect("lock").len(),
+            datapath_common::decisions::REASONS.len() + 1
+        );
+    }
 }

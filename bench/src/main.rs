@@ -339,42 +339,19 @@ fn traffic(name: &str, secs: f64) -> Result<Value> {
     let _iperf_server = pods.b.iperf3_server(pods.b_ip.into(), IPERF_PORT, false)?;
     let _setup = setup(name, &pods)?;
 
-    // A metric that fails is recorded as an error, not the end of the whole run.
+    // A metric that fails is recorded as failed, not the end of the whole run.
     let mut out = serde_json::Map::new();
-    let mut record = |key: &str, v: Result<f64>| {
-        let value = match v {
-            Ok(x) => json!(x),
-            Err(e) => {
-                eprintln!("bench: {name}: {key} failed: {e:#}");
-                json!(null)
-            }
-        };
-        out.insert(key.to_owned(), value);
-    };
-    record("throughput_gbps", iperf3_gbps(&pods, secs));
-    // From one client (latency-bound: each connection waits for the one before) and from 100
-    // at once (bound by the CPU the path costs).
-    for (clients, suffix) in [(1, ""), (100, "_100")] {
-        record(&format!("conn_per_s{suffix}"), stats::conn_per_s(&a, oneshot_addr, secs, clients));
-        match stats::rr_latency(&a, rr_addr, 2_000, 20_000, clients) {
-            Ok((p50, p99)) => {
-                record(&format!("rr_p50_us{suffix}"), Ok(p50));
-                record(&format!("rr_p99_us{suffix}"), Ok(p99));
-            }
-            Err(e) => {
-                record(&format!("rr_p50_us{suffix}"), Err(anyhow::anyhow!("{e:#}")));
-                record(&format!("rr_p99_us{suffix}"), Err(e));
-            }
-        }
-    }
+    stats::record(&mut out, name, "throughput_gbps", iperf3_gbps(&pods, secs));
+    stats::record_rate_and_latency(&mut out, name, &a, oneshot_addr, rr_addr, secs);
     // Where the time of a connection goes in the datapath's programs (meshpath's path only).
     if name == "ebpf" {
         match bpf_cost::per_connection(&a, oneshot_addr, secs) {
             Ok(Value::Object(cost)) => out.extend(cost),
             Ok(_) => unreachable!("per_connection returns an object"),
             Err(e) => {
-                record("bpf_us_per_conn", Err(anyhow::anyhow!("{e:#}")));
-                record("bpf_share_of_conn", Err(e));
+                let us = Err(anyhow::anyhow!("{e:#}"));
+                stats::record(&mut out, name, "bpf_us_per_conn", us);
+                stats::record(&mut out, name, "bpf_share_of_conn", Err(e));
             }
         }
     }

@@ -22,7 +22,7 @@ use meshpath_proxy::identity::LocalCa;
 use meshpath_tests::{sibling_bin, unique, CgroupGuard, PinRoot, PodPair, TestProxy};
 use serde_json::{json, Value};
 
-use crate::stats;
+use crate::stats::{self, record};
 
 const RR_PORT: u16 = 7100;
 const ONESHOT_PORT: u16 = 7101;
@@ -165,18 +165,6 @@ fn usage(pid: u32) -> Result<(f64, f64)> {
     Ok((ticks / hz, rss))
 }
 
-/// Records metric `key` of scenario `name` in `out`: its value, or null (failed, and said why).
-fn record(out: &mut serde_json::Map<String, Value>, name: &str, key: &str, v: Result<f64>) {
-    let value = match v {
-        Ok(x) => json!(x),
-        Err(e) => {
-            eprintln!("bench: {name}: {key} failed: {e:#}");
-            json!(null)
-        }
-    };
-    out.insert(key.to_owned(), value);
-}
-
 /// iperf3 from pod a to pod b with `streams` parallel streams: (Gbit/s, bytes received).
 fn iperf3(pods: &PodPair, secs: f64, streams: u32) -> Result<(f64, f64)> {
     let (secs, streams) = (format!("{secs}"), streams.to_string());
@@ -220,29 +208,7 @@ fn scenario(name: &str, secs: f64, proxy_args: &[String], store: Store) -> Resul
         }
     }
     record(&mut out, name, "throughput_4_gbps", iperf3(&pods, secs, 4).map(|(gbps, _)| gbps));
-    for (clients, suffix) in [(1, ""), (100, "_100")] {
-        record(
-            &mut out,
-            name,
-            &format!("conn_per_s{suffix}"),
-            stats::conn_per_s(&a, oneshot, secs, clients),
-        );
-        match stats::rr_latency(&a, rr, 2_000, 20_000, clients) {
-            Ok((p50, p99)) => {
-                record(&mut out, name, &format!("rr_p50_us{suffix}"), Ok(p50));
-                record(&mut out, name, &format!("rr_p99_us{suffix}"), Ok(p99));
-            }
-            Err(e) => {
-                record(
-                    &mut out,
-                    name,
-                    &format!("rr_p50_us{suffix}"),
-                    Err(anyhow::anyhow!("{e:#}")),
-                );
-                record(&mut out, name, &format!("rr_p99_us{suffix}"), Err(e));
-            }
-        }
-    }
+    stats::record_rate_and_latency(&mut out, name, &a, oneshot, rr, secs);
     // Not measured here (the proxies' own metrics for direct): n/a; measured and failed: failed.
     let f = |out: &serde_json::Map<String, Value>, k: &str| match out.get(k) {
         None => "n/a".to_owned(),

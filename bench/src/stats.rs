@@ -9,6 +9,7 @@ use std::{
 
 use anyhow::Result;
 use meshpath_loader::netns::Netns;
+use serde_json::{json, Map, Value};
 
 /// Size of one request and one response.
 pub const MESSAGE: usize = 64;
@@ -86,6 +87,41 @@ pub fn connections(
         let counts = in_threads(clients, || client(start))?;
         Ok((counts.iter().sum(), start.elapsed()))
     })?
+}
+
+/// Records metric `key` of scenario `name` in `out`: its value, or null (failed, and said
+/// why). A metric that fails is not the end of the whole run.
+pub fn record(out: &mut Map<String, Value>, name: &str, key: &str, v: Result<f64>) {
+    let value = match v {
+        Ok(x) => json!(x),
+        Err(e) => {
+            eprintln!("bench: {name}: {key} failed: {e:#}");
+            json!(null)
+        }
+    };
+    out.insert(key.to_owned(), value);
+}
+
+/// Connection rate (to `oneshot`) and request/response p50 and p99 (to `rr`) from `ns`, from
+/// one client (latency-bound: each connection waits for the one before) and from 100 at once
+/// (`*_100`, bound by the CPU the path costs), each recorded in `out`.
+pub fn record_rate_and_latency(
+    out: &mut Map<String, Value>,
+    name: &str,
+    ns: &Netns,
+    oneshot: SocketAddr,
+    rr: SocketAddr,
+    secs: f64,
+) {
+    for (clients, suffix) in [(1, ""), (100, "_100")] {
+        record(out, name, &format!("conn_per_s{suffix}"), conn_per_s(ns, oneshot, secs, clients));
+        let (p50, p99) = match rr_latency(ns, rr, 2_000, 20_000, clients) {
+            Ok((p50, p99)) => (Ok(p50), Ok(p99)),
+            Err(e) => (Err(anyhow::anyhow!("{e:#}")), Err(e)),
+        };
+        record(out, name, &format!("rr_p50_us{suffix}"), p50);
+        record(out, name, &format!("rr_p99_us{suffix}"), p99);
+    }
 }
 
 /// Request/response latency from `clients` threads at once, each on its own connection:

@@ -30,6 +30,16 @@ pub mod ports {
     pub const fn is_proxy_port(port: u16) -> bool {
         port == OUTBOUND || port == INBOUND_PLAINTEXT || port == HBONE || port == DNS
     }
+
+    /// The ports of the proxy's inbound listeners in a pod, the ones inbound capture hands
+    /// connections to: traffic for each of them goes to the proxy's own socket on that port,
+    /// every other port's to its [`INBOUND_PLAINTEXT`] one.
+    pub const INBOUND_LISTENER_PORTS: [u16; 2] = [INBOUND_PLAINTEXT, HBONE];
+
+    /// Whether `port` is one of [`INBOUND_LISTENER_PORTS`].
+    pub const fn is_inbound_listener_port(port: u16) -> bool {
+        port == HBONE || port == INBOUND_PLAINTEXT
+    }
 }
 
 /// Kubelet health probes: istio-cni SNATs them on the host to these link-local sources, and the
@@ -269,4 +279,28 @@ pub mod sockopt {
     pub const SO_ORIGINAL_DST: i32 = 80;
     /// `IP6T_SO_ORIGINAL_DST` (linux/netfilter_ipv6/ip6_tables.h), level `SOL_IPV6`.
     pub const IP6T_SO_ORIGINAL_DST: i32 = 80;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ports;
+
+    /// The predicates the eBPF programs call (a loop over a const array is not what the
+    /// verifier wants there) say yes to exactly the ports of their lists.
+    #[test]
+    fn each_port_predicate_holds_for_exactly_the_ports_of_its_list() {
+        for port in 0..=u16::MAX {
+            assert_eq!(ports::is_proxy_port(port), ports::PROXY_PORTS.contains(&port), "{port}");
+            assert_eq!(
+                ports::is_inbound_listener_port(port),
+                ports::INBOUND_LISTENER_PORTS.contains(&port),
+                "{port}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_inbound_listener_ports_are_proxy_ports() {
+        assert!(ports::INBOUND_LISTENER_PORTS.iter().all(|&p| ports::is_proxy_port(p)));
+    }
 }

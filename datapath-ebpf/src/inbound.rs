@@ -169,7 +169,7 @@ fn decide(ctx: &SkLookupContext, l: &Lookup) -> (u32, NetnsCookie, u32) {
     }
     // HBONE, or 15006 asked for directly: the proxy's own socket on that port, before any
     // exclusion (a proxy port is never the app's).
-    if port == ports::HBONE || port == ports::INBOUND_PLAINTEXT {
+    if ports::is_inbound_listener_port(port) {
         return steer(ctx, l, netns, port, reason::IN_STEERED_PROXY_PORT);
     }
     if pod.flags & pod_flags::PROBE_BYPASS != 0 && l.remote == probe_source(l.family) {

@@ -12,7 +12,7 @@ use aya_ebpf::{
     Global,
 };
 use datapath_common::{
-    consts::{EXCLUSION_MAP_ENTRIES, MAX_PODS, MAX_TRACKED_CONNECTIONS},
+    consts::{ports, EXCLUSION_MAP_ENTRIES, MAX_PODS, MAX_TRACKED_CONNECTIONS},
     decisions::{DecisionKey, MAX_DECISION_KEYS, MONITOR_RING_BYTES},
     CidrKey, ConnKey, ListenerKey, NetnsCookie, OrigDst, PodAddrs, PodCounters, PodInfo, PodIpKey,
     PortKey, SockKey, TransparentKey,
@@ -101,10 +101,11 @@ pub static EXCLUDED_CIDRS: LpmTrie<CidrKey, u32> = LpmTrie::pinned(EXCLUSION_MAP
 #[map]
 pub static POD_IPS: HashMap<PodIpKey, NetnsCookie> = HashMap::pinned(MAX_PODS * 4, 0);
 
-/// The proxy's inbound listeners (15006 and 15008, each of either family), filed by sock_ops
-/// when they start listening.
+/// The proxy's inbound listeners (`ports::INBOUND_LISTENER_PORTS`, each of either family), filed
+/// by sock_ops when they start listening.
 #[map]
-pub static INBOUND_LISTENERS: SockHash<ListenerKey> = SockHash::pinned(MAX_PODS * 4, 0);
+pub static INBOUND_LISTENERS: SockHash<ListenerKey> =
+    SockHash::pinned(MAX_PODS * (ports::INBOUND_LISTENER_PORTS.len() as u32 * 2), 0);
 
 /// Each pod's own addresses: where the outbound hook sends the app's connections.
 #[map]

@@ -48,18 +48,16 @@ fn enrolled_netns(ctx: &SockOpsContext) -> Option<NetnsCookie> {
     unsafe { PODS.get(&netns) }.map(|_| netns)
 }
 
-/// `TCP_LISTEN_CB`: files a pod's 15006 or 15008 listener, if the proxy bound it
+/// `TCP_LISTEN_CB`: files a pod's listener on an inbound listener port (15006, 15008), if the
+/// proxy bound it
 /// (`PROXY_BOUND`).
 #[inline(always)]
 pub fn listening(ctx: &SockOpsContext) {
-    let port = ctx.local_port();
-    let port = if port == u32::from(ports::INBOUND_PLAINTEXT) {
-        ports::INBOUND_PLAINTEXT
-    } else if port == u32::from(ports::HBONE) {
-        ports::HBONE
-    } else {
+    // `local_port` is in host order and fits in 16 bits.
+    let port = ctx.local_port() as u16;
+    if !ports::is_inbound_listener_port(port) {
         return;
-    };
+    }
     let Some(netns) = enrolled_netns(ctx) else {
         return;
     };

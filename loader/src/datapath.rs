@@ -460,17 +460,13 @@ impl Datapath {
     }
 }
 
-/// The SOCKHASH keys a pod's inbound listeners may be filed under (15006 and 15008, one per
-/// family each).
+/// The SOCKHASH keys a pod's inbound listeners may be filed under (each of
+/// `INBOUND_LISTENER_PORTS`, one per family).
 pub fn inbound_listener_keys(cookie: NetnsCookie) -> [ListenerKey; 4] {
-    use datapath_common::{consts::ports, AF_INET, AF_INET6};
+    use datapath_common::{consts::ports::INBOUND_LISTENER_PORTS, AF_INET, AF_INET6};
+    let [plaintext, hbone] = INBOUND_LISTENER_PORTS;
     let key = |port, family| ListenerKey { netns: cookie, port, family, _pad: 0 };
-    [
-        key(ports::INBOUND_PLAINTEXT, AF_INET),
-        key(ports::INBOUND_PLAINTEXT, AF_INET6),
-        key(ports::HBONE, AF_INET),
-        key(ports::HBONE, AF_INET6),
-    ]
+    [key(plaintext, AF_INET), key(plaintext, AF_INET6), key(hbone, AF_INET), key(hbone, AF_INET6)]
 }
 
 /// A program load result, with a rejection turned into [`Error::Verifier`].

@@ -9,6 +9,7 @@ use std::{
 
 use anyhow::{Context as _, Result};
 use clap::Parser;
+use datapath_common::consts::ports;
 use meshpath_podnet::netns::Netns;
 use meshpath_proxy::{
     admin::{self, Endpoints, LogControl},
@@ -66,7 +67,7 @@ struct Cli {
     dns_upstreams: Vec<SocketAddr>,
     /// Admin endpoint (/config_dump, /logging, /quitquitquit) on TCP. Any process of the host
     /// reaches it under hostNetwork: deploy turns it off (`--no-admin-tcp`) for the socket.
-    #[arg(long, default_value = "127.0.0.1:15000")]
+    #[arg(long, default_value_t = SocketAddr::from(([127, 0, 0, 1], ports::ADMIN)))]
     admin_addr: SocketAddr,
     /// Also serve admin on this unix socket, reachable by root only (mode 0600, its directory
     /// 0700).
@@ -76,10 +77,10 @@ struct Cli {
     #[arg(long, requires = "admin_socket")]
     no_admin_tcp: bool,
     /// Prometheus endpoint (/metrics).
-    #[arg(long, default_value = "[::]:15020")]
+    #[arg(long, default_value_t = SocketAddr::from(([0u16; 8], ports::METRICS)))]
     stats_addr: SocketAddr,
     /// Readiness endpoint (/healthz/ready).
-    #[arg(long, default_value = "[::]:15021")]
+    #[arg(long, default_value_t = SocketAddr::from(([0u16; 8], ports::READINESS)))]
     readiness_addr: SocketAddr,
     /// Streams per pooled HBONE connection before another is opened.
     #[arg(long, default_value_t = 100)]

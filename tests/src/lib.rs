@@ -95,9 +95,22 @@ impl NetnsGuard {
             self.open()?.run(|| socket2::Socket::new(domain, socket2::Type::STREAM, None))??;
         sock.set_reuse_address(true)?;
         sock.set_reuse_port(reuse_port)?;
-        bind_in_cgroup(&sock, &addr.into(), cgroup.path())
+        in_cgroup(&sock, SocketCall::Bind, &addr.into(), cgroup.path())
             .with_context(|| format!("binding {addr} from cgroup {}", cgroup.path().display()))?;
         sock.listen(128)?;
+        Ok(sock.into())
+    }
+
+    /// A TCP connection to `to` from inside this namespace, connected as the proxy connects:
+    /// from a process in `cgroup`, so the datapath does not capture it (a peer node's proxy
+    /// reaching a pod's HBONE port from its own pod's address).
+    pub fn connect_in_cgroup(&self, to: SocketAddr, cgroup: &CgroupGuard) -> Result<TcpStream> {
+        let domain = if to.is_ipv4() { socket2::Domain::IPV4 } else { socket2::Domain::IPV6 };
+        let sock =
+            self.open()?.run(|| socket2::Socket::new(domain, socket2::Type::STREAM, None))??;
+        in_cgroup(&sock, SocketCall::Connect, &to.into(), cgroup.path()).with_context(|| {
+            format!("connecting to {to} from cgroup {}", cgroup.path().display())
+        })?;
         Ok(sock.into())
     }
 
@@ -413,10 +426,23 @@ pub fn transfer_counting_retransmits(
     Ok((got, retransmitted))
 }
 
-/// Binds `sock` to `addr` in a forked child that first moves itself into `cgroup`: the
-/// datapath judges a `bind()` by the cgroup of the task that makes it, and a thread cannot
-/// change cgroup alone. The socket is the caller's; the child only binds it and exits.
-fn bind_in_cgroup(sock: &socket2::Socket, addr: &socket2::SockAddr, cgroup: &Path) -> Result<()> {
+/// The socket call [`in_cgroup`] makes.
+#[derive(Debug, Clone, Copy)]
+enum SocketCall {
+    Bind,
+    Connect,
+}
+
+/// Binds or connects `sock` to `addr` in a forked child that first moves itself into `cgroup`:
+/// the datapath judges a `bind()` or `connect()` by the cgroup of the task that makes it, and a
+/// thread cannot change cgroup alone. The socket is the caller's; the child only makes the one
+/// call (a blocking connect completes there) and exits.
+fn in_cgroup(
+    sock: &socket2::Socket,
+    call: SocketCall,
+    addr: &socket2::SockAddr,
+    cgroup: &Path,
+) -> Result<()> {
     use std::os::fd::AsRawFd as _;
 
     use nix::{
@@ -424,7 +450,7 @@ fn bind_in_cgroup(sock: &socket2::Socket, addr: &socket2::SockAddr, cgroup: &Pat
         unistd::{fork, ForkResult},
     };
 
-    /// The child's exit code when it could not join the cgroup (a bind error exits with errno).
+    /// The child's exit code when it could not join the cgroup (a failed call exits with errno).
     const NO_CGROUP: i32 = 255;
     let procs = std::fs::OpenOptions::new().write(true).open(cgroup.join("cgroup.procs"))?;
     let (procs_fd, sock_fd) = (procs.as_raw_fd(), sock.as_raw_fd());
@@ -436,20 +462,20 @@ fn bind_in_cgroup(sock: &socket2::Socket, addr: &socket2::SockAddr, cgroup: &Pat
             if libc::write(procs_fd, b"0".as_ptr().cast(), 1) != 1 {
                 libc::_exit(NO_CGROUP);
             }
-            let code = if libc::bind(sock_fd, addr.as_ptr().cast(), addr.len()) == 0 {
-                0
-            } else {
-                *libc::__errno_location()
+            let ret = match call {
+                SocketCall::Bind => libc::bind(sock_fd, addr.as_ptr().cast(), addr.len()),
+                SocketCall::Connect => libc::connect(sock_fd, addr.as_ptr().cast(), addr.len()),
             };
+            let code = if ret == 0 { 0 } else { *libc::__errno_location() };
             libc::_exit(code)
         },
         ForkResult::Parent { child } => match waitpid(child, None)? {
             WaitStatus::Exited(_, 0) => Ok(()),
             WaitStatus::Exited(_, NO_CGROUP) => {
-                bail!("the binding child could not join the cgroup")
+                bail!("the {call:?} child could not join the cgroup")
             }
             WaitStatus::Exited(_, errno) => Err(std::io::Error::from_raw_os_error(errno).into()),
-            other => bail!("the binding child ended as {other:?}"),
+            other => bail!("the {call:?} child ended as {other:?}"),
         },
     }
 }

@@ -217,9 +217,6 @@ impl TwoNodes {
     ) -> Result<meshpath_proxy::proxy::hbone::Connection, meshpath_proxy::proxy::hbone::HboneError>
     {
         let gateway = self.b(false, 15008);
-        let roots = std::slice::from_ref(&self.ca.cert_der);
-        let config = meshpath_proxy::identity::tls::client_config(cert, roots, vec![sa("sa-b")])
-            .expect("client config");
         let std = self
             .pods
             .b
@@ -228,6 +225,35 @@ impl TwoNodes {
             .run(|| TcpStream::connect(gateway))
             .expect("netns")
             .expect("tcp");
+        self.hbone_handshake_to_b(std, cert).await
+    }
+
+    /// An HBONE connection to pod b's 15008 from pod a's address, made as node 1's proxy
+    /// makes it (from the proxies' cgroup, so not captured), with `cert`.
+    pub async fn hbone_conn_from_a(
+        &self,
+        cert: &meshpath_proxy::identity::WorkloadCert,
+    ) -> Result<meshpath_proxy::proxy::hbone::Connection, meshpath_proxy::proxy::hbone::HboneError>
+    {
+        let std = self
+            .pods
+            .a
+            .connect_in_cgroup(self.b(false, 15008), &self.cgroup)
+            .expect("TCP from pod a to pod b's 15008");
+        self.hbone_handshake_to_b(std, cert).await
+    }
+
+    /// TLS and HTTP/2 over `std`, a TCP connection to pod b's 15008, as a client with `cert`.
+    async fn hbone_handshake_to_b(
+        &self,
+        std: TcpStream,
+        cert: &meshpath_proxy::identity::WorkloadCert,
+    ) -> Result<meshpath_proxy::proxy::hbone::Connection, meshpath_proxy::proxy::hbone::HboneError>
+    {
+        let gateway = self.b(false, 15008);
+        let roots = std::slice::from_ref(&self.ca.cert_der);
+        let config = meshpath_proxy::identity::tls::client_config(cert, roots, vec![sa("sa-b")])
+            .expect("client config");
         std.set_nonblocking(true).expect("nonblocking");
         let tcp = tokio::net::TcpStream::from_std(std).expect("tokio");
         meshpath_proxy::proxy::hbone::handshake(tcp, gateway, config).await

@@ -10,8 +10,12 @@ use std::{
     time::Duration,
 };
 
-use meshpath_proxy::{identity::tls, identity::Identity, proxy::hbone::HboneError};
-use meshpath_tests::two_nodes::{Setup, TwoNodes, View, MESHED};
+use meshpath_proxy::{
+    identity::tls,
+    identity::Identity,
+    proxy::hbone::{self, HboneError},
+};
+use meshpath_tests::two_nodes::{sa, Setup, TwoNodes, View, MESHED};
 
 fn hbone_round_trip(v6: bool) {
     let nodes = TwoNodes::new(MESHED);
@@ -106,6 +110,25 @@ async fn connect_to_an_address_other_than_the_one_dialed_is_answered_400() {
         Err(HboneError::Status { status, .. }) => assert_eq!(status, 400),
         other => panic!("expected 400, got {other:?}"),
     }
+}
+
+/// ztunnel connects to the address dialed with the authority's port: an IPv4 address named in
+/// its IPv6 form (`[::ffff:a.b.c.d]`) is the same destination, and the app still sees the
+/// client's own address, not its pod's.
+#[tokio::test]
+async fn connect_naming_the_dialed_ipv4_address_in_its_ipv6_form_keeps_the_clients_address() {
+    let nodes = TwoNodes::new(MESHED);
+    let dst = nodes.b(false, 8086);
+    let server = nodes.echo_in_b(dst);
+    let cert = nodes.ca.issue(&sa("sa-a"), Duration::from_secs(600)).expect("cert");
+    let conn = nodes.hbone_conn_from_a(&cert).await.expect("HBONE from pod a");
+    let mapped = SocketAddr::new(nodes.pods.b_ip.to_ipv6_mapped().into(), dst.port());
+    let stream = hbone::open_stream(conn, nodes.b(false, 15008), mapped, &Default::default())
+        .await
+        .expect("200");
+    drop(stream);
+    let from = server.join().expect("server").expect("server io");
+    assert_eq!(from.ip(), IpAddr::from(nodes.pods.a_ip), "the app saw {from}, not pod a");
 }
 
 #[tokio::test]

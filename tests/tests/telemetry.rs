@@ -63,26 +63,54 @@ fn a_connection_is_counted_by_the_destination_proxy_with_the_client_identity() {
     assert_eq!(m.metric("meshpath_active_connections", &[]).expect("metrics"), 0.0);
 }
 
+/// Node `node`'s one access line for the connection, checked for every field of `fields`.
+fn assert_one_access_line(nodes: &TwoNodes, node: usize, fields: &[&str]) {
+    let lines = nodes.proxies[node].proxy.lines();
+    let access: Vec<&String> = lines.iter().filter(|l| l.contains("connection complete")).collect();
+    assert_eq!(access.len(), 1, "node {node}'s access lines:\n{}", lines.join("\n"));
+    let line = access[0];
+    for field in fields {
+        assert!(line.contains(field), "{field} missing from node {node}'s line: {line}");
+    }
+}
+
 #[test]
 fn each_connection_writes_one_access_log_line_with_both_identities() {
     let nodes = one_connection();
-    let lines = nodes.proxies[0].proxy.lines();
-    let access: Vec<&String> = lines.iter().filter(|l| l.contains("connection complete")).collect();
-    assert_eq!(access.len(), 1, "access lines:\n{}", lines.join("\n"));
-    let line = access[0];
-    for field in [
-        "src.workload=app-a",
-        "src.identity=spiffe://cluster.local/ns/default/sa/sa-a",
-        "dst.workload=app-b",
-        "dst.identity=spiffe://cluster.local/ns/default/sa/sa-b",
-        &format!("dst.hbone_addr={}", nodes.b(false, 15008)),
-        &format!("dst.addr={}", nodes.b(false, 8095)),
-        "bytes_sent=1000",
-        "bytes_recv=1000",
-        "outbound",
-    ] {
-        assert!(line.contains(field), "{field} missing from: {line}");
-    }
+    assert_one_access_line(
+        &nodes,
+        0,
+        &[
+            "src.workload=app-a",
+            "src.identity=spiffe://cluster.local/ns/default/sa/sa-a",
+            "dst.workload=app-b",
+            "dst.identity=spiffe://cluster.local/ns/default/sa/sa-b",
+            &format!("dst.hbone_addr={}", nodes.b(false, 15008)),
+            &format!("dst.addr={}", nodes.b(false, 8095)),
+            "bytes_sent=1000",
+            "bytes_recv=1000",
+            "outbound",
+        ],
+    );
+}
+
+/// The destination's line names the addresses as the source's does: an IPv4 pod's HBONE
+/// address in IPv4 form, as the pod knows it, not as the dual-stack listener saw it.
+#[test]
+fn the_destination_proxy_writes_one_access_log_line_with_the_addresses_in_ipv4_form() {
+    let nodes = one_connection();
+    assert_one_access_line(
+        &nodes,
+        1,
+        &[
+            "src.workload=app-a",
+            "src.identity=spiffe://cluster.local/ns/default/sa/sa-a",
+            "dst.workload=app-b",
+            &format!("dst.hbone_addr={}", nodes.b(false, 15008)),
+            &format!("dst.addr={}", nodes.b(false, 8095)),
+            "inbound",
+        ],
+    );
 }
 
 #[test]

@@ -43,6 +43,8 @@ pub fn start(pod: Arc<Pod>) -> anyhow::Result<()> {
         pod,
         "HBONE",
         |tcp, peer, pod| async move {
+            // The dual-stack listener reports an IPv4 peer in its IPv6 form.
+            let peer = SocketAddr::new(canonical(peer.ip()), peer.port());
             let span = info_span!("inbound", pod = %pod.uid, %peer);
             serve_connection(tcp, peer, &pod).instrument(span).await
         },
@@ -230,18 +232,23 @@ async fn serve_stream(
     let Some(target) = target else {
         return bad(&mut respond, "authority is not IP:PORT");
     };
-    if canonical(target.ip()) != canonical(dialed.ip()) {
+    let dialed_ip = canonical(dialed.ip());
+    if canonical(target.ip()) != dialed_ip {
         return bad(&mut respond, "authority is not the address dialed");
     }
+    // From here the target is the address dialed, as the pod knows it, with the authority's
+    // port (as ztunnel's): an IPv4 address named in its IPv6 form (`[::ffff:a.b.c.d]`) would
+    // otherwise be reached over IPv6, from the pod's own address rather than the client's.
+    let target = SocketAddr::new(dialed_ip, target.port());
     // Before policy: CONNECT to one of the proxy's own ports would have the proxy dial itself.
     if ports::is_proxy_port(target.port()) {
         proxy.metrics.error(Direction::Inbound, crate::proxy::outbound::SELF_CALL);
         warn!(src = %client, dst = %target, "HBONE request refused: 400 (a proxy port)");
         return reply(&mut respond, StatusCode::BAD_REQUEST);
     }
-    // The peer's address is the source pod's own (its proxy connects from inside the pod), so
-    // policy and telemetry trust it; `forwarded: for=` only adds the app's port, when it agrees.
-    let peer = SocketAddr::new(canonical(peer.ip()), peer.port());
+    // The peer's address (canonical: see `start`) is the source pod's own (its proxy connects
+    // from inside the pod), so policy and telemetry trust it; `forwarded: for=` only adds the
+    // app's port, when it agrees.
     let src = forwarded_for(&req).filter(|f| canonical(f.ip()) == peer.ip()).unwrap_or(peer);
     let store = proxy.store();
     let src_workload = store.by_ip(src.ip()).cloned();
@@ -259,7 +266,7 @@ async fn serve_stream(
         src_workload,
         src_identity: Some(client.clone()),
         dst_addr: target,
-        hbone_addr: Some(SocketAddr::new(dialed.ip(), ports::HBONE)),
+        hbone_addr: Some(SocketAddr::new(dialed_ip, ports::HBONE)),
         dst_workload: Some(pod.workload.clone()),
         dst_identity: Some(pod.identity.clone()),
         dst_service: None,

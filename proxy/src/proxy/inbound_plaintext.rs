@@ -27,6 +27,8 @@ pub fn start(pod: Arc<Pod>) -> anyhow::Result<()> {
         pod,
         "inbound plaintext",
         |conn, peer, pod: Arc<Pod>| async move {
+            // The dual-stack listener reports an IPv4 peer in its IPv6 form.
+            let peer = SocketAddr::new(crate::proxy::inbound::canonical(peer.ip()), peer.port());
             let span = info_span!("inbound_plaintext", pod = %pod.uid, %peer);
             handle(conn, peer, &pod).instrument(span).await
         },
@@ -36,7 +38,6 @@ pub fn start(pod: Arc<Pod>) -> anyhow::Result<()> {
 
 async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<()> {
     let proxy = &pod.proxy;
-    let peer = SocketAddr::new(crate::proxy::inbound::canonical(peer.ip()), peer.port());
     // sk_lookup does not rewrite: the original destination is the accepted socket's address
     // (SO_ORIGINAL_DST, answered by the datapath, agrees).
     let dst = original_dst(&conn)?;

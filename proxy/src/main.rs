@@ -109,7 +109,8 @@ struct Cli {
     /// (`meshpath_connection_errors_total{reason="connection_limit"}`).
     #[arg(long, default_value_t = 200_000)]
     max_connections: usize,
-    /// Connections carried at once for one pod (all its listeners together).
+    /// Connections carried at once for one pod, in each direction: to it (15008, 15006, and
+    /// each inbound HBONE stream) and from it (15001, TCP 15053), each under its own cap.
     #[arg(long, default_value_t = 20_000)]
     max_connections_per_pod: usize,
     /// Seconds a connection may carry nothing either way before it is closed (Envoy's TCP

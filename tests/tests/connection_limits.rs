@@ -2,7 +2,8 @@
 //! closed at once (before a buffer or a task is spent on it) and counted; the connections
 //! within the cap are untouched, and a slot freed is usable again. An inbound HBONE stream
 //! counts like a connection (it has one to the app), and an HBONE connection that carries no
-//! stream gives its slot back after the HBONE idle time.
+//! stream gives its slot back after the HBONE idle time. A pod's inbound and outbound
+//! connections have a cap each.
 
 use std::{
     io::{Read as _, Write as _},
@@ -101,6 +102,42 @@ fn a_connection_over_the_pods_cap_is_closed_and_counted_and_a_freed_slot_serves_
     assert!(freed, "the closed connection was never counted closed");
     let mut again = nodes.connect_from_a(dst).expect("connect after a slot was freed");
     round_trip(&mut again, 42).expect("a freed slot did not serve");
+}
+
+/// Anyone who reaches a pod can open connections to its HBONE port and hold them, before any
+/// credential is checked, until the handshake times out: they fill the pod's inbound cap, and
+/// the pod's own connections out keep theirs.
+#[test]
+fn connections_held_open_to_a_pods_hbone_port_leave_its_outbound_connections_their_slots() {
+    let nodes = TwoNodes::start(Setup {
+        node1_args: vec![
+            "--max-connections-per-pod".into(),
+            "3".into(),
+            "--handshake-timeout-seconds".into(),
+            "120".into(),
+        ],
+        ..Setup::default()
+    });
+    let dst = nodes.b(false, 8122);
+    let reached = counting_echo(&nodes, dst);
+    // Plain TCP to pod a's 15008 from pod b's address, as a peer proxy connects, never starting
+    // TLS: three fill pod a's inbound cap, and node 1 closes the fourth.
+    let node1 = &nodes.proxies[0];
+    let held: Vec<TcpStream> = (0..4)
+        .map(|_| nodes.pods.b.connect_in_cgroup(nodes.a(false, 15008), &nodes.cgroup))
+        .collect::<Result<_, _>>()
+        .expect("TCP to pod a's 15008");
+    let limit = [("reason", "connection_limit"), ("direction", "inbound")];
+    let full = node1.wait_metrics(Duration::from_secs(10), |m| {
+        sum_metric(m, "meshpath_connection_errors_total", &limit) >= 1.0
+    });
+    assert!(full, "node 1 never refused an inbound connection over pod a's cap");
+    let mut out = nodes.connect_from_a(dst).expect("pod a connects out");
+    round_trip(&mut out, 7).expect("pod a's outbound connection was not carried");
+    assert_eq!(reached.load(Ordering::SeqCst), 1);
+    let outbound = [("reason", "connection_limit"), ("direction", "outbound")];
+    assert_eq!(node1.metric("meshpath_connection_errors_total", &outbound).expect("metrics"), 0.0);
+    drop(held);
 }
 
 #[test]

@@ -61,9 +61,36 @@ pub struct Pod {
     pub gone: CancellationToken,
     /// Whether connections to its apps keep the client's address (see `add`).
     transparent: bool,
-    /// Its cap on connections carried at once (all its listeners together, and each inbound
-    /// HBONE stream: it has a connection to the app of its own).
-    conns: Arc<tokio::sync::Semaphore>,
+    /// Its caps on connections carried at once, one per direction, so that connections opened
+    /// to the pod (by anyone who can reach it, before any credential is checked) cannot take
+    /// the slots of its own outbound connections, nor these the slots of its inbound.
+    conns: PodCaps,
+}
+
+/// A pod's connection caps. Inbound counts its 15008 and 15006 connections and each inbound
+/// HBONE stream (it has a connection to the app of its own); outbound its 15001 and TCP 15053.
+#[derive(Debug)]
+struct PodCaps {
+    inbound: Arc<tokio::sync::Semaphore>,
+    outbound: Arc<tokio::sync::Semaphore>,
+}
+
+impl PodCaps {
+    fn new(per_direction: usize) -> Self {
+        let cap = || {
+            Arc::new(tokio::sync::Semaphore::new(
+                per_direction.min(tokio::sync::Semaphore::MAX_PERMITS),
+            ))
+        };
+        Self { inbound: cap(), outbound: cap() }
+    }
+
+    fn of(&self, direction: crate::metrics::Direction) -> &Arc<tokio::sync::Semaphore> {
+        match direction {
+            crate::metrics::Direction::Inbound => &self.inbound,
+            crate::metrics::Direction::Outbound => &self.outbound,
+        }
+    }
 }
 
 impl std::fmt::Debug for Pod {
@@ -137,16 +164,16 @@ impl Pod {
         crate::proxy::drain::Scope {
             stop: self.listening.clone(),
             kill: self.gone.clone(),
-            limit: self.conns.clone(),
+            limit: self.conns.of(direction).clone(),
             metrics: self.proxy.metrics.clone(),
             direction,
         }
     }
 
-    /// A slot for one more connection of this pod (an inbound HBONE stream), under its cap and
-    /// the node's; `None` when either is reached.
-    pub fn admit(&self) -> Option<crate::proxy::drain::Permits> {
-        self.proxy.drain.admit(&self.conns)
+    /// A slot for one more inbound connection of this pod (an inbound HBONE stream), under its
+    /// inbound cap and the node's; `None` when either is reached.
+    pub fn admit_inbound(&self) -> Option<crate::proxy::drain::Permits> {
+        self.proxy.drain.admit(&self.conns.inbound)
     }
 
     /// Runs `task` as one of the pod's connections: tracked by the drain, ended if the pod is
@@ -222,9 +249,7 @@ pub fn add(
         listening: proxy.drain.child_token(),
         gone: CancellationToken::new(),
         transparent,
-        conns: Arc::new(tokio::sync::Semaphore::new(
-            proxy.settings.max_connections_per_pod.min(tokio::sync::Semaphore::MAX_PERMITS),
-        )),
+        conns: PodCaps::new(proxy.settings.max_connections_per_pod),
     });
     let started = (|| -> anyhow::Result<()> {
         outbound::start(pod.clone())?;

@@ -169,7 +169,7 @@ async fn serve_connection(tcp: TcpStream, peer: SocketAddr, pod: &Arc<Pod>) -> a
         };
         // Each stream has a connection to the app of its own: it counts under the pod's and
         // the node's caps like any connection, or is refused.
-        let Some(permits) = pod.admit() else {
+        let Some(permits) = pod.admit_inbound() else {
             proxy.metrics.error(Direction::Inbound, "connection_limit");
             // Counted; logged only at debug, as refusals at accept are: a peer could flood it.
             debug!(src = %client, "HBONE request refused: 503 (connection limit)");

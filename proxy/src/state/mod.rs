@@ -52,7 +52,8 @@ pub struct Settings {
     pub keepalive: crate::proxy::hbone::Keepalive,
     /// Connections carried at once, over all pods (each takes two file descriptors or so).
     pub max_connections: usize,
-    /// Connections carried at once for one pod (its 15001, 15006, 15008 and 15053 together).
+    /// Connections carried at once for one pod in each direction: inbound (15008, 15006 and
+    /// each inbound HBONE stream) and outbound (15001 and TCP 15053) have a cap each.
     pub max_connections_per_pod: usize,
     /// A connection that carries nothing either way for this long is closed (`None`: never).
     pub idle_timeout: Option<Duration>,

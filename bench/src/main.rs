@@ -24,7 +24,7 @@ mod stats;
 use std::{
     io::Write as _,
     net::SocketAddr,
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::{Command, Stdio},
     time::Instant,
 };
@@ -110,7 +110,10 @@ const ONESHOT_PORT: u16 = 7001;
 const IPERF_PORT: u16 = 5201;
 
 fn main() -> std::process::ExitCode {
-    let res = match Cli::parse().command {
+    let cli = Cli::parse();
+    // What is measured is what the tree is now (see `commit`).
+    let _ = commit();
+    let res = match cli.command {
         Cmd::Capture { out, secs, pods, rounds, scenarios } => {
             capture(&out, secs, pods, rounds, &scenarios)
         }
@@ -571,10 +574,21 @@ const TRAFFIC_KEYS: [&str; 9] = [
 const SCENARIOS: [&str; 6] =
     ["direct", "iptables", "ebpf", "ebpf_sockmap", "ebpf_no_decision_counters", "ebpf_monitor"];
 
-/// The commit measured (`+dirty` when the tree had changes), so results stay comparable.
+/// The commit measured (`+dirty` when the tree had changes), so results stay comparable. Read
+/// once, when the run starts (`main`): by then xtask has built every binary the run uses, so an
+/// edit made while it measures is not in what it measures.
 pub(crate) fn commit() -> String {
+    static MEASURED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    MEASURED.get_or_init(|| commit_of(Path::new("."))).clone()
+}
+
+/// The commit of the checkout at `dir`, `+dirty` when a tracked file outside `results/` has
+/// changed: the benches' own output (one bench's results waiting to be committed while the
+/// next runs) changes nothing measured.
+fn commit_of(dir: &Path) -> String {
     let git = |args: &[&str]| {
         Command::new("git")
+            .current_dir(dir)
             .args(args)
             .output()
             .ok()
@@ -582,8 +596,9 @@ pub(crate) fn commit() -> String {
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
     };
     let head = git(&["rev-parse", "HEAD"]).unwrap_or_else(|| "unknown".into());
-    let dirty =
-        git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+    let status =
+        ["status", "--porcelain", "--untracked-files=no", "--", ":/", ":(exclude,top)results"];
+    let dirty = git(&status).is_some_and(|s| !s.is_empty());
     if dirty {
         format!("{head}+dirty")
     } else {
@@ -716,7 +731,63 @@ fn print_table(r: &Value) {
 mod tests {
     use serde_json::json;
 
-    use super::{median_by_program, paired_ratio, traffic_cell};
+    use super::{commit_of, median_by_program, paired_ratio, traffic_cell};
+
+    /// A directory of its own, removed on drop.
+    struct TempDir(std::path::PathBuf);
+
+    impl TempDir {
+        fn path(&self) -> &std::path::Path {
+            &self.0
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A git checkout in a fresh directory with one commit of `src/a.rs` and
+    /// `results/capture.json`.
+    fn checkout() -> (TempDir, String) {
+        let dir = TempDir(std::env::temp_dir().join(meshpath_tests::unique("meshpath-bench-git-")));
+        std::fs::create_dir(dir.path()).expect("temp dir");
+        let git = |args: &[&str]| {
+            let out = std::process::Command::new("git")
+                .current_dir(dir.path())
+                .args(["-c", "user.name=t", "-c", "user.email=t@t"])
+                .args(args)
+                .output()
+                .expect("git");
+            assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+            String::from_utf8_lossy(&out.stdout).trim().to_owned()
+        };
+        std::fs::create_dir_all(dir.path().join("src")).expect("src");
+        std::fs::create_dir_all(dir.path().join("results")).expect("results");
+        std::fs::write(dir.path().join("src/a.rs"), "fn a() {}\n").expect("write");
+        std::fs::write(dir.path().join("results/capture.json"), "{}\n").expect("write");
+        git(&["init", "-q"]);
+        git(&["add", "."]);
+        git(&["commit", "-q", "-m", "one"]);
+        let head = git(&["rev-parse", "HEAD"]);
+        (dir, head)
+    }
+
+    #[test]
+    fn a_changed_results_file_leaves_the_measured_commit_clean() {
+        let (dir, head) = checkout();
+        std::fs::write(dir.path().join("results/capture.json"), "{\"x\": 1}\n").expect("write");
+        assert_eq!(commit_of(dir.path()), head);
+        assert_eq!(commit_of(&dir.path().join("src")), head, "from a subdirectory too");
+    }
+
+    #[test]
+    fn a_changed_source_file_marks_the_measured_commit_dirty() {
+        let (dir, head) = checkout();
+        std::fs::write(dir.path().join("src/a.rs"), "fn b() {}\n").expect("write");
+        assert_eq!(commit_of(dir.path()), format!("{head}+dirty"));
+    }
 
     #[test]
     fn a_median_over_fewer_rounds_says_how_many_failed() {

@@ -292,3 +292,35 @@ async fn a_client_certificate_with_two_identities_is_refused() {
     let one = nodes.ca.issue(&sa("sa-a"), Duration::from_secs(600)).expect("cert");
     nodes.hbone_to_b(&one, dst).await.expect("one identity is served");
 }
+
+/// Anyone who reaches a pod can open connections to its HBONE port and drop them before the
+/// handshake, as fast as they like: each is counted, and the log gets at most its budget of
+/// lines a second, the rest counted in the next line logged (`left_out=`).
+#[test]
+fn a_peer_opening_and_dropping_connections_writes_a_bounded_number_of_log_lines() {
+    use meshpath_proxy::proxy::drain::FAILED_CONNECTIONS_LOGGED_PER_SECOND as LIMIT;
+    const N: usize = 1000;
+    let nodes = nodes();
+    let node2 = &nodes.proxies[1];
+    let failed = [("reason", "tls_handshake")];
+    let start = Instant::now();
+    for _ in 0..N {
+        drop(tcp_to_hbone(&nodes));
+    }
+    let counted = node2.wait_metrics(Duration::from_secs(30), |m| {
+        sum_metric(m, "meshpath_connection_errors_total", &failed) >= N as f64
+    });
+    assert!(counted, "not every dropped connection was counted");
+    let secs = start.elapsed().as_secs() as usize;
+    // One more a second later: logged, with how many were left out before it.
+    std::thread::sleep(Duration::from_millis(1100));
+    drop(tcp_to_hbone(&nodes));
+    assert!(node2.proxy.wait_for_text("left_out=", Duration::from_secs(10)), "no left_out= line");
+    let logged =
+        node2.proxy.lines().iter().filter(|l| l.contains("HBONE connection failed")).count();
+    let bound = LIMIT as usize * (secs + 2) + 1;
+    assert!(
+        logged <= bound,
+        "{logged} lines for {N} failed connections in {secs} s (at most {bound})"
+    );
+}

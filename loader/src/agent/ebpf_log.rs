@@ -9,11 +9,7 @@
 //! proxy is down) would otherwise write a line each. The rest are counted and the count is
 //! logged with the next record of that reason; the decision counters (metrics) have them all.
 
-use std::{
-    str::FromStr,
-    sync::Mutex,
-    time::{Duration, Instant},
-};
+use std::{str::FromStr, sync::Mutex, time::Instant};
 
 use aya::programs::SkLookup;
 use datapath_common::{
@@ -21,6 +17,7 @@ use datapath_common::{
     decisions::{labels, REASONS},
     node_flags,
 };
+use meshpath_loglimit::PerSecond;
 use tokio::io::unix::AsyncFd;
 use tracing::{info, warn};
 
@@ -68,47 +65,21 @@ pub fn set_level(dp: &Datapath, level: EbpfLog) -> crate::Result<()> {
 /// Records of one reason logged per second at most.
 pub const RECORDS_PER_REASON_PER_SECOND: u32 = 20;
 
-/// One reason's current second: how many of its records were logged and left out.
-#[derive(Debug, Default, Clone, Copy)]
-struct Window {
-    start: Option<Instant>,
-    logged: u32,
-    left_out: u64,
-}
-
-impl Window {
-    /// Whether a record at `now` is logged, and how many were left out of the second that ended
-    /// before it (0 if none, or if its second is still running).
-    fn admit(&mut self, now: Instant) -> (bool, u64) {
-        let mut ended = 0;
-        if self.start.is_none_or(|s| now.duration_since(s) >= Duration::from_secs(1)) {
-            ended = std::mem::take(&mut self.left_out);
-            *self = Window { start: Some(now), logged: 0, left_out: 0 };
-        }
-        if self.logged < RECORDS_PER_REASON_PER_SECOND {
-            self.logged += 1;
-            (true, ended)
-        } else {
-            self.left_out += 1;
-            (false, ended)
-        }
-    }
-}
-
 /// Turns the datapath's records into `tracing` events (target `meshpath::datapath`), each
 /// reason's at most [`RECORDS_PER_REASON_PER_SECOND`] a second.
 struct Forward {
     /// One per reason of [`REASONS`], in its order, then one for codes this build does not know
     /// and for records that are not decisions: bounded, whatever the records say.
-    windows: Mutex<Vec<Window>>,
+    windows: Mutex<Vec<PerSecond>>,
 }
 
 impl Forward {
     fn new() -> Self {
-        Self { windows: Mutex::new(vec![Window::default(); REASONS.len() + 1]) }
+        let window = PerSecond::new(RECORDS_PER_REASON_PER_SECOND);
+        Self { windows: Mutex::new(vec![window; REASONS.len() + 1]) }
     }
 
-    /// [`Window::admit`] for the window of reason `code`.
+    /// [`PerSecond::admit`] for the window of reason `code`.
     fn admit(&self, code: Option<u64>) -> (bool, u64) {
         let slot = code
             .and_then(|c| REASONS.iter().position(|r| u64::from(r.0) == c))
@@ -188,20 +159,7 @@ pub fn spawn(dp: &Datapath) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use std::time::{Duration, Instant};
-
-    use super::{Forward, Window, RECORDS_PER_REASON_PER_SECOND};
-
-    #[test]
-    fn a_reason_is_logged_at_most_its_share_a_second_and_the_rest_counted_for_the_next_second() {
-        let (mut w, t0) = (Window::default(), Instant::now());
-        let limit = RECORDS_PER_REASON_PER_SECOND as usize;
-        let admitted = (0..limit + 30).filter(|_| w.admit(t0).0).count();
-        assert_eq!(admitted, limit);
-        // The next second: logged again, with the count of the 30 left out.
-        assert_eq!(w.admit(t0 + Duration::from_millis(1000)), (true, 30));
-        assert_eq!(w.admit(t0 + Duration::from_millis(1001)), (true, 0));
-    }
+    use super::{Forward, RECORDS_PER_REASON_PER_SECOND};
 
     #[test]
     fn reasons_have_their_own_share_and_unknown_codes_share_one() {

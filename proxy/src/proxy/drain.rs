@@ -2,13 +2,24 @@
 //! accepting — its listeners close, so the datapath refuses new captured connections (fail
 //! closed) — and lets the connections it carries finish, up to a deadline.
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use meshpath_loglimit::PerSecond;
 
 use tokio::{
     net::{TcpListener, TcpStream},
     sync::{OwnedSemaphorePermit, Semaphore},
 };
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
+
+/// Failed connections logged (at warn) per second at most, over the node: anyone who reaches a
+/// pod can open connections to its HBONE port and fail them before any credential is checked
+/// (each is counted in `meshpath_connection_errors_total` all the same).
+pub const FAILED_CONNECTIONS_LOGGED_PER_SECOND: u32 = 20;
 
 /// The proxy's shutdown switch and the connections it waits for; and the cap on how many it
 /// carries at once, node-wide.
@@ -17,6 +28,8 @@ pub struct Drain {
     stop: CancellationToken,
     tasks: TaskTracker,
     global: Arc<Semaphore>,
+    /// The log's budget for failed connections.
+    failed_logged: Arc<Mutex<PerSecond>>,
 }
 
 impl Default for Drain {
@@ -53,6 +66,9 @@ impl Drain {
             stop: CancellationToken::new(),
             tasks: TaskTracker::new(),
             global: Arc::new(Semaphore::new(max_connections.min(Semaphore::MAX_PERMITS))),
+            failed_logged: Arc::new(Mutex::new(PerSecond::new(
+                FAILED_CONNECTIONS_LOGGED_PER_SECOND,
+            ))),
         }
     }
 
@@ -116,11 +132,12 @@ impl Drain {
                             };
                             let fut = handle(conn, peer, ctx.clone());
                             let kill = kill.clone();
+                            let failed_logged = drain.failed_logged.clone();
                             drain.spawn(async move {
                                 let _permits = permits;
                                 tokio::select! {
                                     r = fut => if let Err(e) = r {
-                                        tracing::warn!(%peer, error = %format!("{e:#}"), "{what} connection failed");
+                                        log_failed(&failed_logged, what, peer, &e);
                                     },
                                     () = kill.cancelled() => {}
                                 }
@@ -151,5 +168,23 @@ impl Drain {
             return self.tasks.len();
         }
         0
+    }
+}
+
+/// Logs a failed `what` connection from `peer` at warn, within the node's budget; past it, only
+/// at debug, and the next line logged says how many were left out (`left_out=`).
+fn log_failed(
+    budget: &Mutex<PerSecond>,
+    what: &str,
+    peer: std::net::SocketAddr,
+    e: &anyhow::Error,
+) {
+    let (logged, left_out) =
+        budget.lock().unwrap_or_else(std::sync::PoisonError::into_inner).admit(Instant::now());
+    let error = format!("{e:#}");
+    match (logged, left_out) {
+        (true, 0) => tracing::warn!(%peer, error, "{what} connection failed"),
+        (true, n) => tracing::warn!(%peer, error, left_out = n, "{what} connection failed"),
+        (false, _) => tracing::debug!(%peer, error, "{what} connection failed"),
     }
 }

@@ -113,6 +113,11 @@ struct Cli {
     /// each inbound HBONE stream) and from it (15001, TCP 15053), each under its own cap.
     #[arg(long, default_value_t = 20_000)]
     max_connections_per_pod: usize,
+    /// Connections one source address may hold to a pod's HBONE port (15008) before its TLS
+    /// handshake has proven an identity; more from it are closed at once and counted
+    /// (`reason="handshake_limit"`), so that one peer cannot take all of the pod's inbound cap.
+    #[arg(long, default_value_t = meshpath_proxy::state::MAX_HANDSHAKES_PER_SOURCE)]
+    max_handshakes_per_source: usize,
     /// Seconds a connection may carry nothing either way before it is closed (Envoy's TCP
     /// proxy default: an hour); 0: never.
     #[arg(long, default_value_t = 3600)]
@@ -238,6 +243,7 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
         preserve_source: !cli.no_preserve_source,
         max_connections: cli.max_connections.max(1),
         max_connections_per_pod: cli.max_connections_per_pod.max(1),
+        max_handshakes_per_source: cli.max_handshakes_per_source.max(1),
         idle_timeout: (cli.idle_timeout_seconds > 0)
             .then(|| Duration::from_secs(cli.idle_timeout_seconds)),
         hbone_idle: (cli.hbone_idle_seconds > 0)

@@ -3,10 +3,11 @@
 //! within the cap are untouched, and a slot freed is usable again. An inbound HBONE stream
 //! counts like a connection (it has one to the app), and an HBONE connection that carries no
 //! stream gives its slot back after the HBONE idle time. A pod's inbound and outbound
-//! connections have a cap each.
+//! connections have a cap each, and one source may hold only a share of a pod's inbound
+//! before its connections have proven an identity.
 
 use std::{
-    io::{Read as _, Write as _},
+    io::{ErrorKind, Read as _, Write as _},
     net::TcpStream,
     sync::{
         atomic::{AtomicUsize, Ordering},
@@ -105,8 +106,9 @@ fn a_connection_over_the_pods_cap_is_closed_and_counted_and_a_freed_slot_serves_
 }
 
 /// Anyone who reaches a pod can open connections to its HBONE port and hold them, before any
-/// credential is checked, until the handshake times out: they fill the pod's inbound cap, and
-/// the pod's own connections out keep theirs.
+/// credential is checked, until the handshake times out: from enough addresses (or, as here, with
+/// a cap below one address's share) they fill the pod's inbound cap, and the pod's own
+/// connections out keep theirs.
 #[test]
 fn connections_held_open_to_a_pods_hbone_port_leave_its_outbound_connections_their_slots() {
     let nodes = TwoNodes::start(Setup {
@@ -179,6 +181,8 @@ fn an_hbone_stream_over_the_pods_cap_is_answered_503_and_never_reaches_the_app()
         assert!(closed.await, "the reset stream was never closed");
         let again = hbone::open_stream(conn, gateway, dst, &Default::default()).await;
         assert!(again.is_ok(), "a freed slot did not serve: {:?}", again.map(drop));
+        // The app's accept may come just after the 200 (sent once the connect is done).
+        assert!(eventually(|| reached.load(Ordering::SeqCst) == 3).await, "the app saw no stream");
         assert_eq!(reached.load(Ordering::SeqCst), 3);
     });
 }
@@ -218,4 +222,85 @@ fn an_hbone_connection_left_without_streams_is_closed_after_the_idle_time_and_fr
         let late = hbone::open_stream(held, gateway, dst, &Default::default()).await;
         assert!(late.is_err(), "a stream was served on the connection closed for idleness");
     });
+}
+
+/// A source that opens connections to a pod's HBONE port and never starts TLS holds at most
+/// its share of the pod's inbound cap: its connections beyond it are closed and counted, the
+/// ones within it stay open, and another peer still gets a slot and is served.
+#[test]
+fn a_source_holding_connections_in_their_handshake_leaves_other_peers_slots_on_the_pod() {
+    let nodes = TwoNodes::start(Setup {
+        args: vec![
+            "--max-connections-per-pod".into(),
+            "6".into(),
+            "--max-handshakes-per-source".into(),
+            "2".into(),
+            "--handshake-timeout-seconds".into(),
+            "120".into(),
+        ],
+        ..Setup::default()
+    });
+    let dst = nodes.b(false, 8123);
+    let reached = counting_echo(&nodes, dst);
+    let node2 = &nodes.proxies[1];
+    // From pod a's address, as a peer proxy connects, sending nothing: six would fill pod b's
+    // inbound cap.
+    let mut held: Vec<TcpStream> = (0..6)
+        .map(|_| nodes.pods.a.connect_in_cgroup(nodes.b(false, 15008), &nodes.cgroup))
+        .collect::<Result<_, _>>()
+        .expect("TCP to pod b's 15008");
+    let over = [("reason", "handshake_limit"), ("direction", "inbound")];
+    let refused = node2.wait_metrics(Duration::from_secs(10), |m| {
+        sum_metric(m, "meshpath_connection_errors_total", &over) >= 4.0
+    });
+    assert!(refused, "node 2 did not close the connections beyond the source's share");
+    // Two are open (a read waits), four were closed (a read ends at once).
+    let mut open = 0;
+    for c in &mut held {
+        c.set_read_timeout(Some(Duration::from_millis(500))).expect("timeout");
+        match c.read(&mut [0u8; 1]) {
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => open += 1,
+            Ok(0) | Err(_) => {}
+            Ok(_) => panic!("node 2 sent bytes to a client that never started TLS"),
+        }
+    }
+    assert_eq!(open, 2, "the source kept other than its share of pod b's inbound");
+    // Another peer (pod b's own address here) connects, and its stream reaches the app.
+    let cert = nodes.ca.issue(&sa("sa-a"), Duration::from_secs(600)).expect("cert");
+    rt().block_on(nodes.hbone_to_b(&cert, dst)).expect("another peer was refused a slot");
+    assert_eq!(reached.load(Ordering::SeqCst), 1);
+    let limit = [("reason", "connection_limit"), ("direction", "inbound")];
+    assert_eq!(node2.metric("meshpath_connection_errors_total", &limit).expect("metrics"), 0.0);
+    assert_eq!(node2.metric("meshpath_connection_errors_total", &over).expect("metrics"), 4.0);
+    drop(held);
+}
+
+/// The per-source share counts connections only until their client certificate is checked:
+/// a peer that has proven its identity holds more connections from one address than the share.
+#[test]
+fn connections_whose_client_certificate_was_checked_no_longer_count_against_the_sources_share() {
+    let nodes = TwoNodes::start(Setup {
+        args: vec!["--max-handshakes-per-source".into(), "1".into()],
+        ..Setup::default()
+    });
+    let dst = nodes.b(false, 8124);
+    let reached = counting_echo(&nodes, dst);
+    let cert = nodes.ca.issue(&sa("sa-a"), Duration::from_secs(600)).expect("cert");
+    let gateway = nodes.b(false, 15008);
+    rt().block_on(async {
+        // Each connection is held, and carries a stream (its 200 says the server has checked
+        // the certificate: the client's side of the handshake ends before that), before the
+        // next is opened from the same address.
+        let mut held = Vec::new();
+        for i in 0..3 {
+            let conn = nodes.hbone_conn_to_b(&cert).await;
+            let conn = conn.unwrap_or_else(|e| panic!("connection {i} from one address: {e}"));
+            let s = hbone::open_stream(conn.clone(), gateway, dst, &Default::default()).await;
+            let s = s.unwrap_or_else(|e| panic!("a stream on connection {i}: {e}"));
+            held.push((conn, s));
+        }
+        assert!(eventually(|| reached.load(Ordering::SeqCst) == 3).await, "the app saw no stream");
+    });
+    let over = [("reason", "handshake_limit"), ("direction", "inbound")];
+    assert_eq!(nodes.proxies[1].metric("meshpath_connection_errors_total", &over).expect("m"), 0.0);
 }

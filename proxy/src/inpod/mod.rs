@@ -30,6 +30,7 @@ use crate::{
     proxy::inbound,
     proxy::inbound_plaintext,
     proxy::outbound,
+    proxy::per_source::{PerSource, SourceSlot},
     state::workloads::Workload,
     state::Proxy,
 };
@@ -73,16 +74,22 @@ pub struct Pod {
 struct PodCaps {
     inbound: Arc<tokio::sync::Semaphore>,
     outbound: Arc<tokio::sync::Semaphore>,
+    /// The share of `inbound` one source may hold on 15008 before it has proven an identity.
+    unauthenticated: Arc<PerSource>,
 }
 
 impl PodCaps {
-    fn new(per_direction: usize) -> Self {
+    fn new(per_direction: usize, unauthenticated_per_source: usize) -> Self {
         let cap = || {
             Arc::new(tokio::sync::Semaphore::new(
                 per_direction.min(tokio::sync::Semaphore::MAX_PERMITS),
             ))
         };
-        Self { inbound: cap(), outbound: cap() }
+        Self {
+            inbound: cap(),
+            outbound: cap(),
+            unauthenticated: PerSource::new(unauthenticated_per_source),
+        }
     }
 
     fn of(&self, direction: crate::metrics::Direction) -> &Arc<tokio::sync::Semaphore> {
@@ -176,6 +183,12 @@ impl Pod {
         self.proxy.drain.admit(&self.conns.inbound)
     }
 
+    /// A count for one more connection from `source` to the pod's HBONE port that has not yet
+    /// proven an identity; `None` when `source` holds its share of the inbound cap already.
+    pub fn admit_unauthenticated(&self, source: std::net::IpAddr) -> Option<SourceSlot> {
+        self.conns.unauthenticated.admit(source)
+    }
+
     /// Runs `task` as one of the pod's connections: tracked by the drain, ended if the pod is
     /// removed.
     pub fn spawn(&self, task: impl Future<Output = ()> + Send + 'static) {
@@ -249,7 +262,10 @@ pub fn add(
         listening: proxy.drain.child_token(),
         gone: CancellationToken::new(),
         transparent,
-        conns: PodCaps::new(proxy.settings.max_connections_per_pod),
+        conns: PodCaps::new(
+            proxy.settings.max_connections_per_pod,
+            proxy.settings.max_handshakes_per_source,
+        ),
     });
     let started = (|| -> anyhow::Result<()> {
         outbound::start(pod.clone())?;

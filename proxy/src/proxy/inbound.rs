@@ -6,7 +6,9 @@
 //! connection to the app is made from inside the pod's netns.
 //!
 //! Limits: the TLS and HTTP/2 handshakes, and then the first CONNECT's headers, must each come
-//! within the handshake timeout; at most 200 concurrent streams and 64 KiB of headers per
+//! within the handshake timeout; one source address may hold at most
+//! `--max-handshakes-per-source` connections whose client certificate is not yet checked
+//! (`per_source`); at most 200 concurrent streams and 64 KiB of headers per
 //! connection; h2's reset-flood protections on. The connection holds a slot under the pod's and
 //! the node's connection caps, and so does each stream (it has a connection to the app of its
 //! own): a stream over a cap is answered 503 and counted (`connection_limit`). A connection
@@ -57,6 +59,15 @@ async fn serve_connection(tcp: TcpStream, peer: SocketAddr, pod: &Arc<Pod>) -> a
     let dialed = tcp.local_addr()?;
     // HTTP/2 writes small frames (responses, window updates): no Nagle delay on them.
     tcp.set_nodelay(true)?;
+    // Until its certificate is checked the peer is anyone who can reach the pod: one source
+    // may hold only its share of the pod's inbound cap so.
+    let Some(unauthenticated) = pod.admit_unauthenticated(peer.ip()) else {
+        proxy.metrics.error(Direction::Inbound, "handshake_limit");
+        anyhow::bail!(
+            "{} connections from this address are in their handshake already; closed",
+            proxy.settings.max_handshakes_per_source
+        );
+    };
     let config = pod.server_tls().context("pod has no certificate")?;
     let limit = proxy.settings.handshake_timeout;
     let tls =
@@ -91,6 +102,8 @@ async fn serve_connection(tcp: TcpStream, peer: SocketAddr, pod: &Arc<Pod>) -> a
         proxy.metrics.error(Direction::Inbound, "trust_domain");
         anyhow::bail!("client {client} is not in trust domain {}", pod.identity.trust_domain);
     }
+    // A workload of the trust domain: what it holds from here is its own to answer for.
+    drop(unauthenticated);
     let handshake = h2::server::Builder::new()
         .initial_window_size(hbone::STREAM_WINDOW)
         .initial_connection_window_size(hbone::CONNECTION_WINDOW)

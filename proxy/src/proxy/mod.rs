@@ -1,6 +1,6 @@
 //! The traffic paths: a pod's outbound (15001), inbound HBONE (15008) and plaintext (15006),
 //! DNS (15053), and what they share (the HBONE protocol, the connection pool, the byte copy,
-//! accept loops with their caps and draining,
+//! accept loops with their caps and draining, the per-source cap on unauthenticated inbound,
 //! the large reads under TLS).
 
 pub mod copy;
@@ -10,6 +10,7 @@ pub mod hbone;
 pub mod inbound;
 pub mod inbound_plaintext;
 pub mod outbound;
+pub mod per_source;
 pub mod pool;
 pub mod read_ahead;
 pub mod transparent;

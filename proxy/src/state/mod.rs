@@ -30,6 +30,11 @@ pub const WORKER_THREADS: u16 = 2;
 
 /// How long an inbound HBONE connection may have no stream (`--hbone-idle-seconds`).
 pub const HBONE_IDLE_SECONDS: u64 = 600;
+/// Unauthenticated connections one source may hold to a pod's HBONE port
+/// (`--max-handshakes-per-source`). A client's pool opens a few connections to a pod at once
+/// (ours up to `POOL_SPREAD`, ztunnel one per key); a gateway or waypoint carrying many
+/// clients' traffic may open more in a burst, and each handshake takes milliseconds.
+pub const MAX_HANDSHAKES_PER_SOURCE: usize = 64;
 
 /// Tunables, from the command line.
 #[derive(Debug, Clone)]
@@ -55,6 +60,9 @@ pub struct Settings {
     /// Connections carried at once for one pod in each direction: inbound (15008, 15006 and
     /// each inbound HBONE stream) and outbound (15001 and TCP 15053) have a cap each.
     pub max_connections_per_pod: usize,
+    /// Connections one source address may hold open to a pod's HBONE port before they have
+    /// proven an identity (through the TLS handshake), out of the pod's inbound cap.
+    pub max_handshakes_per_source: usize,
     /// A connection that carries nothing either way for this long is closed (`None`: never).
     pub idle_timeout: Option<Duration>,
     /// An inbound HBONE connection with no stream for this long is told to go away (GOAWAY)
@@ -76,6 +84,7 @@ impl Default for Settings {
             keepalive: crate::proxy::hbone::Keepalive::default(),
             max_connections: 200_000,
             max_connections_per_pod: 20_000,
+            max_handshakes_per_source: MAX_HANDSHAKES_PER_SOURCE,
             idle_timeout: Some(Duration::from_secs(3600)),
             hbone_idle: Some(Duration::from_secs(HBONE_IDLE_SECONDS)),
         }

@@ -60,13 +60,15 @@ async fn serve_connection(tcp: TcpStream, peer: SocketAddr, pod: &Arc<Pod>) -> a
     // HTTP/2 writes small frames (responses, window updates): no Nagle delay on them.
     tcp.set_nodelay(true)?;
     // Until its certificate is checked the peer is anyone who can reach the pod: one source
-    // may hold only its share of the pod's inbound cap so.
+    // address may hold only its share of the pod's inbound cap so. A refusal is counted and
+    // logged at debug, as one over a cap is: the address could send one a connection.
     let Some(unauthenticated) = pod.admit_unauthenticated(peer.ip()) else {
         proxy.metrics.error(Direction::Inbound, "handshake_limit");
-        anyhow::bail!(
-            "{} connections from this address are in their handshake already; closed",
-            proxy.settings.max_handshakes_per_source
+        debug!(
+            limit = proxy.settings.max_handshakes_per_source,
+            "this address holds its share of the pod's connections in their handshake; closed"
         );
+        return Ok(());
     };
     let config = pod.server_tls().context("pod has no certificate")?;
     let limit = proxy.settings.handshake_timeout;

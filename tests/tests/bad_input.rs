@@ -297,6 +297,21 @@ async fn a_client_certificate_with_two_identities_is_refused() {
 /// handshake, as fast as they like: each is counted, and the log gets at most its budget of
 /// lines a second, the rest counted in the next line logged (`left_out=`).
 #[test]
+fn a_failed_connections_log_line_names_an_ipv4_peer_in_its_ipv4_form() {
+    let nodes = nodes();
+    let node2 = &nodes.proxies[1];
+    let tcp = tcp_to_hbone(&nodes);
+    let peer = tcp.local_addr().expect("local address");
+    drop(tcp);
+    let line = format!("peer={peer}");
+    assert!(
+        node2.proxy.wait_for_text(&line, Duration::from_secs(10)),
+        "no failure line with {line}: {:?}",
+        node2.proxy.lines().iter().filter(|l| l.contains("connection failed")).collect::<Vec<_>>()
+    );
+}
+
+#[test]
 fn a_peer_opening_and_dropping_connections_writes_a_bounded_number_of_log_lines() {
     use meshpath_proxy::proxy::drain::FAILED_CONNECTIONS_LOGGED_PER_SECOND as LIMIT;
     const N: usize = 1000;

@@ -126,6 +126,7 @@ impl Drain {
                             let Some(permits) = drain.admit(&limit) else {
                                 // Over a cap: closed now, before any buffer or task is spent on it.
                                 metrics.error(direction, "connection_limit");
+                                let peer = canonical_peer(peer);
                                 tracing::debug!(%peer, "{what}: connection limit reached; closed");
                                 drop(conn);
                                 continue;
@@ -171,6 +172,12 @@ impl Drain {
     }
 }
 
+/// The peer as the handlers name it: an IPv4 client as itself, not in the `::ffff:a.b.c.d`
+/// form a dual-stack listener reports it in. Used only where a connection is refused or failed.
+fn canonical_peer(peer: std::net::SocketAddr) -> std::net::SocketAddr {
+    std::net::SocketAddr::new(super::inbound::canonical(peer.ip()), peer.port())
+}
+
 /// Logs a failed `what` connection from `peer` at warn, within the node's budget; past it, only
 /// at debug, and the next line logged says how many were left out (`left_out=`).
 fn log_failed(
@@ -181,6 +188,7 @@ fn log_failed(
 ) {
     let (logged, left_out) =
         budget.lock().unwrap_or_else(std::sync::PoisonError::into_inner).admit(Instant::now());
+    let peer = canonical_peer(peer);
     let error = format!("{e:#}");
     match (logged, left_out) {
         (true, 0) => tracing::warn!(%peer, error, "{what} connection failed"),

@@ -48,7 +48,8 @@ impl PerSource {
     }
 
     /// How many addresses hold a count now.
-    pub fn sources(&self) -> usize {
+    #[cfg(test)]
+    fn sources(&self) -> usize {
         self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len()
     }
 }

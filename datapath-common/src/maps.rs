@@ -68,6 +68,13 @@ pub mod pod_flags {
     /// deletes those keys instead of walking `POD_IPS` (a walk per removal made removing a pod
     /// cost more the more pods the node had). Without it, removal walks.
     pub const ADDRESSES_IN_POD_ADDRS: u32 = 1 << 4;
+    /// Read by no program: the node agent's note that the pod has no entry in `EXCLUDED_PORTS`,
+    /// so taking it out does not walk that map, which holds every pod's excluded ports (a walk
+    /// per removal made removing any pod cost more the more exclusions other pods had).
+    /// Without it, removal walks.
+    pub const NO_EXCLUDED_PORTS: u32 = 1 << 5;
+    /// Read by no program: likewise for `EXCLUDED_CIDRS`: the pod has no prefix rule.
+    pub const NO_PREFIX_RULES: u32 = 1 << 6;
 }
 
 impl PodInfo {

@@ -49,8 +49,13 @@ impl Datapath {
     pub fn open_or_load(root: &Path) -> Result<Self> {
         ensure_bpffs(root)?;
         for dir in [pins::MAPS_DIR, pins::PODS_DIR, pins::NODE_LINKS_DIR, pins::PROGRAMS_DIR] {
-            fs::create_dir_all(root.join(dir))
-                .map_err(|e| Error::io(format!("creating {}", root.join(dir).display()), e))?;
+            // The agent opens the datapath for every pod added or removed: one stat when the
+            // directory is there (create_dir_all would try to create it, then stat it).
+            let dir = root.join(dir);
+            if !dir.is_dir() {
+                fs::create_dir_all(&dir)
+                    .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+            }
         }
         let dp = Self::locked(root)?;
         dp.check_socket_storage_pins()?;

@@ -181,6 +181,7 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
     let mut excluded = dp.excluded_ports()?;
     let outbound = opts.exclude_outbound_ports.iter().map(|&p| (p, direction::OUTBOUND));
     let inbound = opts.exclude_inbound_ports.iter().map(|&p| (p, direction::INBOUND));
+    let ports_excluded = opts.exclude_outbound_ports.len() + opts.exclude_inbound_ports.len();
     for (port, direction) in outbound.chain(inbound) {
         let key = PortKey { netns: cookie, port, direction, _pad: 0 };
         excluded
@@ -189,7 +190,9 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
     }
 
     let mut cidrs = dp.excluded_cidrs()?;
-    for (net, direction, action) in prefix_rules(opts) {
+    let rules = prefix_rules(opts);
+    let rules_len = rules.len();
+    for (net, direction, action) in rules {
         cidrs
             .insert(&cidr_key(cookie, direction, net), action, 0)
             .map_err(|e| Error::bpf(format!("pod {pod}: prefix {net}"), e))?;
@@ -212,6 +215,8 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
         (opts.probe_bypass, pod_flags::PROBE_BYPASS),
         (opts.capture_dns, pod_flags::CAPTURE_DNS),
         (covers_all(&ips), pod_flags::ADDRESSES_IN_POD_ADDRS),
+        (ports_excluded == 0, pod_flags::NO_EXCLUDED_PORTS),
+        (rules_len == 0, pod_flags::NO_PREFIX_RULES),
     ] {
         if on {
             info.flags |= flag;
@@ -479,7 +484,11 @@ pub fn is_enrolled(dp: &Datapath, cookie: NetnsCookie) -> Result<bool> {
 fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
     // Every step runs even if one fails; the failures are reported together at the end.
     let mut failed: Vec<String> = Vec::new();
-    fn map_step(failed: &mut Vec<String>, what: &str, res: Result<Vec<Result<(), MapError>>>) {
+    fn map_step<E: std::fmt::Display>(
+        failed: &mut Vec<String>,
+        what: &str,
+        res: std::result::Result<Vec<std::result::Result<(), MapError>>, E>,
+    ) {
         match res {
             Ok(results) => {
                 for r in results {
@@ -495,18 +504,21 @@ fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
             Err(e) => failed.push(format!("{what}: {e}")),
         }
     }
-    // Read before PODS goes: whether the pod's POD_IPS keys are those of its POD_ADDRS entry.
-    // Best effort like every step here: without it, the walk below.
-    let own_keys = dp
-        .pods()
+    // Read before PODS goes: the agent's notes on which entries are the pod's (see the flags).
+    // Best effort like every step here: without them, the walks below.
+    let mut pods = dp.pods();
+    let flags = pods.as_ref().ok().and_then(|m| m.get(&cookie, 0).ok()).map_or(0, |i| i.flags);
+    let noted = |flag: u32| flags & flag != 0;
+    let mut pod_addrs = dp.pod_addrs();
+    let own_keys = pod_addrs
+        .as_ref()
         .ok()
+        .filter(|_| noted(pod_flags::ADDRESSES_IN_POD_ADDRS))
         .and_then(|m| m.get(&cookie, 0).ok())
-        .filter(|info| info.flags & pod_flags::ADDRESSES_IN_POD_ADDRS != 0)
-        .and_then(|_| dp.pod_addrs().ok()?.get(&cookie, 0).ok())
         .map(|addrs| pod_addrs_keys(&addrs));
     // PODS first: capture turns off for the pod while everything it relies on is still there
     // (inbound, still linked, then refuses: POD_IPS without PODS is SK_DROP).
-    map_step(&mut failed, "PODS", dp.pods().map(|mut m| vec![m.remove(&cookie)]));
+    map_step(&mut failed, "PODS", pods.as_mut().map(|m| vec![m.remove(&cookie)]));
 
     let dir = dp.pod_dir(cookie);
     let unpin = || -> io::Result<()> {
@@ -527,25 +539,29 @@ fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
         Err(e) => failed.push(format!("unpinning {}: {e}", dir.display())),
     }
 
-    map_step(
-        &mut failed,
-        "EXCLUDED_PORTS",
-        dp.excluded_ports().map(|mut m| {
-            let keys: Vec<PortKey> = m.keys().flatten().filter(|k| k.netns == cookie).collect();
-            keys.iter().map(|k| m.remove(k)).collect()
-        }),
-    );
+    if !noted(pod_flags::NO_EXCLUDED_PORTS) {
+        map_step(
+            &mut failed,
+            "EXCLUDED_PORTS",
+            dp.excluded_ports().map(|mut m| {
+                let keys: Vec<PortKey> = m.keys().flatten().filter(|k| k.netns == cookie).collect();
+                keys.iter().map(|k| m.remove(k)).collect()
+            }),
+        );
+    }
     map_step(&mut failed, "POD_COUNTERS", dp.counters().map(|mut m| vec![m.remove(&cookie)]));
-    let mine = cookie.to_ne_bytes();
-    map_step(
-        &mut failed,
-        "EXCLUDED_CIDRS",
-        dp.excluded_cidrs().map(|mut m| {
-            let keys: Vec<Key<CidrKey>> =
-                m.keys().flatten().filter(|k| k.data().netns == mine).collect();
-            keys.iter().map(|k| m.remove(k)).collect()
-        }),
-    );
+    if !noted(pod_flags::NO_PREFIX_RULES) {
+        let mine = cookie.to_ne_bytes();
+        map_step(
+            &mut failed,
+            "EXCLUDED_CIDRS",
+            dp.excluded_cidrs().map(|mut m| {
+                let keys: Vec<Key<CidrKey>> =
+                    m.keys().flatten().filter(|k| k.data().netns == mine).collect();
+                keys.iter().map(|k| m.remove(k)).collect()
+            }),
+        );
+    }
     map_step(
         &mut failed,
         "POD_IPS",
@@ -560,7 +576,7 @@ fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
             keys.iter().map(|k| m.remove(k)).collect()
         }),
     );
-    map_step(&mut failed, "POD_ADDRS", dp.pod_addrs().map(|mut m| vec![m.remove(&cookie)]));
+    map_step(&mut failed, "POD_ADDRS", pod_addrs.as_mut().map(|m| vec![m.remove(&cookie)]));
     map_step(
         &mut failed,
         "INBOUND_LISTENERS",

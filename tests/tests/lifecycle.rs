@@ -65,6 +65,37 @@ fn reconcile_removes_a_half_done_enrolment_and_keeps_live_pods() {
     assert!(!orphan.exists());
 }
 
+/// A pod enrolled without exclusions is noted so in `PODS`, and its removal skips the shared
+/// exclusion maps; a pod with exclusions is not, and its removal still finds all of its entries.
+#[test]
+fn only_a_pod_without_exclusions_is_removed_without_walking_the_exclusion_maps() {
+    require_root();
+    let (root, pods) = (PinRoot::new(), PodPair::new().expect("pods"));
+    let dp = root.datapath().expect("datapath");
+    let none = EnrolOptions { counters: false, capture_outbound: true, ..EnrolOptions::default() };
+    let some = EnrolOptions {
+        counters: false,
+        exclude_outbound_cidrs: vec!["10.250.0.0/16".parse().expect("cidr")],
+        ..full_capture()
+    };
+    let a = pods::enrol(&dp, &pods.a.open().expect("netns a"), &none).expect("enrol a");
+    let b = pods::enrol(&dp, &pods.b.open().expect("netns b"), &some).expect("enrol b");
+    let flags = |cookie| dp.pods().expect("PODS").get(&cookie, 0).expect("PODS entry").flags;
+    let skips = pod_flags::NO_EXCLUDED_PORTS | pod_flags::NO_PREFIX_RULES;
+    assert_eq!(flags(a) & skips, skips, "pod a has no exclusion");
+    assert_eq!(flags(b) & skips, 0, "pod b has exclusions of both kinds");
+    let entries = |dp: &meshpath_loader::datapath::Datapath| {
+        let ports = dp.excluded_ports().expect("EXCLUDED_PORTS").keys().count();
+        (ports, dp.excluded_cidrs().expect("EXCLUDED_CIDRS").keys().count())
+    };
+    assert_eq!(entries(&dp), (2, 1), "pod b's two ports and one prefix");
+
+    pods::unenrol(&dp, a).expect("unenrol a");
+    assert_eq!(entries(&dp), (2, 1), "pod a's removal touched pod b's exclusions");
+    pods::unenrol(&dp, b).expect("unenrol b");
+    assert_eq!(entries(&dp), (0, 0), "pod b's exclusions were left behind");
+}
+
 #[test]
 fn a_thousand_enrol_unenrol_cycles_leave_no_map_entry_and_no_pin() {
     require_root();

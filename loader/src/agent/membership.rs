@@ -88,11 +88,9 @@ pub async fn leave(agent: &Arc<Agent>, uid: &str) -> anyhow::Result<()> {
     let pod = agent.pods.lock().map_err(|_| anyhow::anyhow!("pods lock"))?.remove(uid);
     if let Some(p) = &pod {
         let cookie = p.record.cookie;
-        agent.with_datapath(|dp| {
-            if pods::is_enrolled(dp, cookie)? {
-                pods::unenrol(dp, cookie)?;
-            }
-            Ok(())
+        agent.with_datapath(|dp| match pods::unenrol(dp, cookie) {
+            Ok(()) | Err(crate::Error::NotEnrolled { .. }) => Ok(()),
+            Err(e) => Err(e.into()),
         })?;
     }
     records::delete(&agent.cfg.state_dir, uid)?;

@@ -660,7 +660,30 @@ pub fn reconcile(dp: &Datapath) -> Result<ReconcileReport> {
             warn!(error = %e, "removing a stale decision count");
         }
     }
+    for r in remove_orphan_exclusions(dp, &live)? {
+        if let Err(e) = r {
+            warn!(error = %e, "removing a stale exclusion entry");
+        }
+    }
     Ok(report)
+}
+
+/// Removes the exclusion entries of cookies not in `live` (reconcile). A loader killed after
+/// writing a pod's exclusions but before its directory leaves entries no pod owns; a removal
+/// that goes by the pod's `NO_EXCLUDED_PORTS` / `NO_PREFIX_RULES` notes would never find them
+/// (a cookie is never reused), so without this they would hold room in the shared maps for good.
+fn remove_orphan_exclusions(
+    dp: &Datapath,
+    live: &[NetnsCookie],
+) -> Result<Vec<std::result::Result<(), MapError>>> {
+    let mut ports = dp.excluded_ports()?;
+    let stray: Vec<PortKey> = ports.keys().flatten().filter(|k| !live.contains(&k.netns)).collect();
+    let mut results: Vec<_> = stray.iter().map(|k| ports.remove(k)).collect();
+    let mut cidrs = dp.excluded_cidrs()?;
+    let owned = |k: &Key<CidrKey>| live.iter().any(|c| c.to_ne_bytes() == k.data().netns);
+    let stray: Vec<Key<CidrKey>> = cidrs.keys().flatten().filter(|k| !owned(k)).collect();
+    results.extend(stray.iter().map(|k| cidrs.remove(k)));
+    Ok(results)
 }
 
 /// Whether the pod's netns still exists: its pinned sk_lookup link is still attached (the

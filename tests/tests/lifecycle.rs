@@ -8,7 +8,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use datapath_common::pod_flags;
+use datapath_common::{cidr_action, direction, pod_flags, PortKey};
 use meshpath_loader::pods::{self, EnrolOptions};
 use meshpath_tests::{loader, loader_bin, require_root, Mesh, PinRoot, PodPair};
 
@@ -65,35 +65,69 @@ fn reconcile_removes_a_half_done_enrolment_and_keeps_live_pods() {
     assert!(!orphan.exists());
 }
 
-/// A pod enrolled without exclusions is noted so in `PODS`, and its removal skips the shared
-/// exclusion maps; a pod with exclusions is not, and its removal still finds all of its entries.
+fn exclusion_entries(dp: &meshpath_loader::datapath::Datapath) -> (usize, usize) {
+    let ports = dp.excluded_ports().expect("EXCLUDED_PORTS").keys().count();
+    (ports, dp.excluded_cidrs().expect("EXCLUDED_CIDRS").keys().count())
+}
+
+/// A pod enrolled with no excluded port, or no prefix rule, is noted so in `PODS`, and its
+/// removal does not walk that exclusion map: an entry planted there under its cookie stays. The
+/// map it has entries in is walked, and all of its entries go.
 #[test]
-fn only_a_pod_without_exclusions_is_removed_without_walking_the_exclusion_maps() {
+fn a_pods_removal_walks_only_the_exclusion_maps_it_has_entries_in() {
     require_root();
     let (root, pods) = (PinRoot::new(), PodPair::new().expect("pods"));
     let dp = root.datapath().expect("datapath");
-    let none = EnrolOptions { counters: false, capture_outbound: true, ..EnrolOptions::default() };
-    let some = EnrolOptions {
-        counters: false,
+    let base = EnrolOptions { counters: false, capture_outbound: true, ..EnrolOptions::default() };
+    let ports_only = EnrolOptions { exclude_outbound_ports: vec![9090], ..base.clone() };
+    let prefixes_only = EnrolOptions {
         exclude_outbound_cidrs: vec!["10.250.0.0/16".parse().expect("cidr")],
-        ..full_capture()
+        ..base.clone()
     };
-    let a = pods::enrol(&dp, &pods.a.open().expect("netns a"), &none).expect("enrol a");
-    let b = pods::enrol(&dp, &pods.b.open().expect("netns b"), &some).expect("enrol b");
+    let a = pods::enrol(&dp, &pods.a.open().expect("netns a"), &ports_only).expect("enrol a");
+    let b = pods::enrol(&dp, &pods.b.open().expect("netns b"), &prefixes_only).expect("enrol b");
     let flags = |cookie| dp.pods().expect("PODS").get(&cookie, 0).expect("PODS entry").flags;
-    let skips = pod_flags::NO_EXCLUDED_PORTS | pod_flags::NO_PREFIX_RULES;
-    assert_eq!(flags(a) & skips, skips, "pod a has no exclusion");
-    assert_eq!(flags(b) & skips, 0, "pod b has exclusions of both kinds");
-    let entries = |dp: &meshpath_loader::datapath::Datapath| {
-        let ports = dp.excluded_ports().expect("EXCLUDED_PORTS").keys().count();
-        (ports, dp.excluded_cidrs().expect("EXCLUDED_CIDRS").keys().count())
-    };
-    assert_eq!(entries(&dp), (2, 1), "pod b's two ports and one prefix");
+    let notes = pod_flags::NO_EXCLUDED_PORTS | pod_flags::NO_PREFIX_RULES;
+    assert_eq!(flags(a) & notes, pod_flags::NO_PREFIX_RULES, "pod a has excluded ports only");
+    assert_eq!(flags(b) & notes, pod_flags::NO_EXCLUDED_PORTS, "pod b has prefix rules only");
+    // Planted in the map each pod has nothing in: a walk of it would take them.
+    let planted_port = PortKey { netns: b, port: 1, direction: direction::OUTBOUND, _pad: 0 };
+    dp.excluded_ports().expect("EXCLUDED_PORTS").insert(planted_port, 1, 0).expect("plant");
+    let net = "10.251.0.0/16".parse().expect("cidr");
+    let planted_prefix = pods::cidr_key(a, direction::OUTBOUND, net);
+    let mut cidrs = dp.excluded_cidrs().expect("EXCLUDED_CIDRS");
+    cidrs.insert(&planted_prefix, cidr_action::EXCLUDE, 0).expect("plant");
+    assert_eq!(exclusion_entries(&dp), (2, 2));
 
     pods::unenrol(&dp, a).expect("unenrol a");
-    assert_eq!(entries(&dp), (2, 1), "pod a's removal touched pod b's exclusions");
+    assert_eq!(exclusion_entries(&dp), (1, 2), "pod a's port left, or a prefix map walk");
     pods::unenrol(&dp, b).expect("unenrol b");
-    assert_eq!(entries(&dp), (0, 0), "pod b's exclusions were left behind");
+    assert_eq!(exclusion_entries(&dp), (1, 1), "pod b's prefix left, or a port map walk");
+}
+
+/// Exclusion entries under a cookie no enrolled pod has (a loader killed after writing them,
+/// before the pod's directory) are removed by reconcile; a live pod's are kept.
+#[test]
+fn reconcile_removes_exclusion_entries_no_enrolled_pod_owns() {
+    require_root();
+    let (root, pods) = (PinRoot::new(), PodPair::new().expect("pods"));
+    let dp = root.datapath().expect("datapath");
+    let opts = EnrolOptions { counters: false, ..full_capture() };
+    let a = pods::enrol(&dp, &pods.a.open().expect("netns a"), &opts).expect("enrol a");
+    let nobody = 999_999_997;
+    let port = PortKey { netns: nobody, port: 9090, direction: direction::OUTBOUND, _pad: 0 };
+    dp.excluded_ports().expect("EXCLUDED_PORTS").insert(port, 1, 0).expect("plant");
+    let prefix =
+        pods::cidr_key(nobody, direction::OUTBOUND, "10.251.0.0/16".parse().expect("cidr"));
+    let mut cidrs = dp.excluded_cidrs().expect("EXCLUDED_CIDRS");
+    cidrs.insert(&prefix, cidr_action::EXCLUDE, 0).expect("plant");
+    assert_eq!(exclusion_entries(&dp), (3, 1), "pod a's two ports and the planted entries");
+
+    let report = pods::reconcile(&dp).expect("reconcile");
+
+    assert_eq!(report.kept, [a]);
+    assert_eq!(exclusion_entries(&dp), (2, 0), "the planted entries stayed, or pod a's went");
+    assert!(dp.excluded_ports().expect("map").keys().flatten().all(|k| k.netns == a));
 }
 
 #[test]

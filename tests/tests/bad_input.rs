@@ -293,9 +293,8 @@ async fn a_client_certificate_with_two_identities_is_refused() {
     nodes.hbone_to_b(&one, dst).await.expect("one identity is served");
 }
 
-/// Anyone who reaches a pod can open connections to its HBONE port and drop them before the
-/// handshake, as fast as they like: each is counted, and the log gets at most its budget of
-/// lines a second, the rest counted in the next line logged (`left_out=`).
+/// A connection that fails is logged with its peer as the handlers name it: an IPv4 client in
+/// IPv4 form, not as the dual-stack listener reports it (`[::ffff:a.b.c.d]`).
 #[test]
 fn a_failed_connections_log_line_names_an_ipv4_peer_in_its_ipv4_form() {
     let nodes = nodes();
@@ -311,6 +310,9 @@ fn a_failed_connections_log_line_names_an_ipv4_peer_in_its_ipv4_form() {
     );
 }
 
+/// Anyone who reaches a pod can open connections to its HBONE port and drop them before the
+/// handshake, as fast as they like: each is counted, and the log gets at most its budget of
+/// lines a second, the rest counted in the next line logged (`left_out=`).
 #[test]
 fn a_peer_opening_and_dropping_connections_writes_a_bounded_number_of_log_lines() {
     use meshpath_proxy::proxy::drain::FAILED_CONNECTIONS_LOGGED_PER_SECOND as LIMIT;

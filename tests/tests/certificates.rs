@@ -96,10 +96,15 @@ fn connect_with(nodes: &TwoNodes, cert: &WorkloadCert) -> Result<(), HboneError>
     rt.block_on(nodes.hbone_to_b(cert, nodes.b(false, 8100)))
 }
 
+/// Node 2's count of refused handshakes, once it has counted one (its task counts the refusal
+/// after the client has seen it) or after 10 s.
 fn tls_refusals(nodes: &TwoNodes) -> f64 {
-    nodes.proxies[1]
-        .metric("meshpath_connection_errors_total", &[("reason", "tls_handshake")])
-        .expect("metrics")
+    let refused = [("reason", "tls_handshake")];
+    let node2 = &nodes.proxies[1];
+    node2.wait_metrics(Duration::from_secs(10), |m| {
+        meshpath_tests::sum_metric(m, "meshpath_connection_errors_total", &refused) >= 1.0
+    });
+    node2.metric("meshpath_connection_errors_total", &refused).expect("metrics")
 }
 
 #[test]

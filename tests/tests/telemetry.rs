@@ -65,6 +65,8 @@ fn a_connection_is_counted_by_the_destination_proxy_with_the_client_identity() {
 
 /// Node `node`'s one access line for the connection, checked for every field of `fields`.
 fn assert_one_access_line(nodes: &TwoNodes, node: usize, fields: &[&str]) {
+    // The line may reach the proxy's log reader after the metrics said the connection closed.
+    nodes.proxies[node].proxy.wait_for_text("connection complete", Duration::from_secs(10));
     let lines = nodes.proxies[node].proxy.lines();
     let access: Vec<&String> = lines.iter().filter(|l| l.contains("connection complete")).collect();
     assert_eq!(access.len(), 1, "node {node}'s access lines:\n{}", lines.join("\n"));

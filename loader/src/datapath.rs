@@ -6,6 +6,7 @@
 use std::{
     fs::{self, File},
     io,
+    net::IpAddr,
     path::{Path, PathBuf},
 };
 
@@ -296,37 +297,13 @@ impl Datapath {
         };
         let v4 = std::net::Ipv4Addr::from(probe::SOURCE_V4);
         let v6 = std::net::Ipv6Addr::from(probe::SOURCE_V6);
-        // iproute2, run inside the node's netns (a child forked from a thread that entered it
-        // runs there): `replace` makes this idempotent.
+        // Over rtnetlink from a thread inside the node's netns: `replace` is idempotent.
         node.run(|| -> Result<()> {
-            for args in [
-                vec![
-                    "addr".to_owned(),
-                    "replace".into(),
-                    format!("{v4}/32"),
-                    "dev".into(),
-                    "lo".into(),
-                ],
-                vec![
-                    "-6".to_owned(),
-                    "addr".into(),
-                    "replace".into(),
-                    format!("{v6}/128"),
-                    "dev".into(),
-                    "lo".into(),
-                    "nodad".into(),
-                ],
-            ] {
-                let out = std::process::Command::new("ip")
-                    .args(&args)
-                    .output()
-                    .map_err(|e| Error::io("running ip (iproute2)", e))?;
-                if !out.status.success() {
-                    return Err(Error::io(
-                        format!("ip {}", args.join(" ")),
-                        io::Error::other(String::from_utf8_lossy(&out.stderr).trim().to_owned()),
-                    ));
-                }
+            let mut rt = meshpath_podnet::rtnetlink::Socket::open()
+                .map_err(|e| Error::io("opening rtnetlink in the node's netns", e))?;
+            for (addr, prefix) in [(IpAddr::V4(v4), 32), (IpAddr::V6(v6), 128)] {
+                rt.replace_address(addr, prefix, "lo")
+                    .map_err(|e| Error::io(format!("adding {addr}/{prefix} to lo"), e))?;
             }
             Ok(())
         })??;
@@ -483,7 +460,7 @@ pub(crate) fn load(res: Result<(), ProgramError>, name: &str) -> Result<()> {
 /// attach. /sys/fs/cgroup on most nodes, /sys/fs/cgroup/unified on hybrid hosts.
 pub fn cgroup2_root() -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("MESHPATH_CGROUP_ROOT") {
-        return Ok(PathBuf::from(p));
+        return cgroup2_at(Path::new(&p));
     }
     let mountinfo = fs::read_to_string("/proc/self/mountinfo")
         .map_err(|e| Error::io("reading /proc/self/mountinfo", e))?;
@@ -512,6 +489,30 @@ pub fn cgroup2_root() -> Result<PathBuf> {
         ));
     }
     Ok(point)
+}
+
+/// `CGROUP2_SUPER_MAGIC` (linux/magic.h).
+const CGROUP2_MAGIC: i64 = 0x6367_7270;
+
+fn is_cgroup2(dir: &Path) -> bool {
+    nix::sys::statfs::statfs(dir).is_ok_and(|s| s.filesystem_type().0 as i64 == CGROUP2_MAGIC)
+}
+
+/// The cgroup v2 hierarchy an operator pointed at (a DaemonSet mounts the host's /sys/fs/cgroup
+/// whatever its layout): that directory if it is cgroup2, or on a hybrid host (cgroup v1
+/// controllers, v2 beside them) its `unified` subdirectory.
+fn cgroup2_at(dir: &Path) -> Result<PathBuf> {
+    if is_cgroup2(dir) {
+        return Ok(dir.to_path_buf());
+    }
+    let unified = dir.join("unified");
+    if is_cgroup2(&unified) {
+        return Ok(unified);
+    }
+    Err(Error::io(
+        format!("MESHPATH_CGROUP_ROOT={}", dir.display()),
+        io::Error::other("neither it nor its unified/ subdirectory is a cgroup v2 mount"),
+    ))
 }
 
 /// A cgroup v2 directory's id, as `bpf_get_current_cgroup_id` reports it: its inode number.

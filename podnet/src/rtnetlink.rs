@@ -1,6 +1,8 @@
 //! Just enough of rtnetlink for the reply routing: add and delete one fwmark rule and one
-//! `local` route, and list the rules. The requests `ip rule` and `ip route` would send, sent
-//! from this process: no `ip` process per pod (two spawns were most of a pod's enrolment time).
+//! `local` route, and list the rules; and for the node, one host address on `lo` (the kubelet
+//! probe source). The requests `ip rule`, `ip route` and `ip addr` would send, sent from this
+//! process: no `ip` process per pod (two spawns were most of a pod's enrolment time), and no
+//! iproute2 in the image.
 //!
 //! A [`Socket`] belongs to the netns of the thread that opens it, for its whole life: open it
 //! inside `netns::Netns::run`. Message layouts are those of `linux/netlink.h`,
@@ -8,6 +10,7 @@
 
 use std::{
     io,
+    net::IpAddr,
     os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
 };
 
@@ -15,6 +18,13 @@ use std::{
 const NLMSG_HDR_LEN: usize = 16;
 /// `struct fib_rule_hdr` and `struct rtmsg` are both 12 bytes.
 const BODY_LEN: usize = 12;
+/// `struct ifaddrmsg`: family, prefix length, flags, scope, interface index.
+const IFADDR_LEN: usize = 8;
+// linux/if_addr.h
+const IFA_ADDRESS: u16 = 1;
+const IFA_LOCAL: u16 = 2;
+const IFA_FLAGS: u16 = 8;
+const IFA_F_NODAD: u32 = 0x02;
 
 // linux/fib_rules.h (not all in the libc crate).
 const FRA_PRIORITY: u16 = 6;
@@ -109,6 +119,28 @@ impl Socket {
     pub fn delete_local_default(&mut self, family: Family, table: u32) -> io::Result<bool> {
         let msg = local_default_message(family, table)?;
         absent_is_false(self.ack(libc::RTM_DELROUTE, 0, &msg))
+    }
+
+    /// `addr replace ADDR/PREFIX dev IFNAME` (scope global; IPv6 without duplicate address
+    /// detection, `nodad`, so the address is usable at once). Idempotent.
+    pub fn replace_address(&mut self, addr: IpAddr, prefix: u8, ifname: &str) -> io::Result<()> {
+        let index = nix::net::if_::if_nametoindex(ifname).map_err(io::Error::from)?;
+        let (family, bytes): (Family, Vec<u8>) = match addr {
+            IpAddr::V4(a) => (Family::V4, a.octets().to_vec()),
+            IpAddr::V6(a) => (Family::V6, a.octets().to_vec()),
+        };
+        let mut msg = vec![0u8; IFADDR_LEN];
+        msg[0] = family.af();
+        msg[1] = prefix;
+        msg[4..8].copy_from_slice(&index.to_ne_bytes());
+        push_attr(&mut msg, IFA_LOCAL, &bytes);
+        push_attr(&mut msg, IFA_ADDRESS, &bytes);
+        if family == Family::V6 {
+            msg[2] = IFA_F_NODAD as u8;
+            push_u32_attr(&mut msg, IFA_FLAGS, IFA_F_NODAD);
+        }
+        let flags = (libc::NLM_F_CREATE | libc::NLM_F_REPLACE) as u16;
+        self.ack(libc::RTM_NEWADDR, flags, &msg)
     }
 
     /// The fwmark rules of `family` (rules matching no mark are left out).
@@ -223,9 +255,16 @@ fn error_code(payload: &[u8]) -> io::Result<()> {
 }
 
 fn push_u32_attr(msg: &mut Vec<u8>, kind: u16, value: u32) {
-    msg.extend_from_slice(&8u16.to_ne_bytes());
+    push_attr(msg, kind, &value.to_ne_bytes());
+}
+
+/// One attribute, padded to 4 bytes.
+fn push_attr(msg: &mut Vec<u8>, kind: u16, value: &[u8]) {
+    let len = 4 + value.len();
+    msg.extend_from_slice(&(len as u16).to_ne_bytes());
     msg.extend_from_slice(&kind.to_ne_bytes());
-    msg.extend_from_slice(&value.to_ne_bytes());
+    msg.extend_from_slice(value);
+    msg.resize(msg.len() + (align(len) - len), 0);
 }
 
 /// `struct fib_rule_hdr` and the rule's attributes.

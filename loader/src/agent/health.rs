@@ -30,12 +30,14 @@ fn answer(agent: &Agent, req: &Request<Incoming>) -> Response<Full<Bytes>> {
         };
     }
     let (status, body) = match req.uri().path() {
-        "/healthz" => (StatusCode::OK, "ok\n"),
-        "/readyz" if agent.is_ready() => (StatusCode::OK, "ready\n"),
-        "/readyz" => (StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
-        _ => (StatusCode::NOT_FOUND, "not found\n"),
+        "/healthz" => (StatusCode::OK, "ok\n".to_owned()),
+        "/readyz" if agent.is_ready() => (StatusCode::OK, "ready\n".to_owned()),
+        "/readyz" => {
+            (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {}\n", agent.not_ready_reason()))
+        }
+        _ => (StatusCode::NOT_FOUND, "not found\n".to_owned()),
     };
-    let mut r = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
+    let mut r = Response::new(Full::new(Bytes::from(body)));
     *r.status_mut() = status;
     r
 }

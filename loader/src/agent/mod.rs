@@ -111,6 +111,8 @@ pub struct Agent {
     pub zds: zds_server::ZdsHub,
     pub directory: directory::Directory,
     ready: AtomicBool,
+    /// Why the datapath could not be set up, while it cannot (the readiness endpoint says it).
+    not_ready_reason: Mutex<Option<String>>,
     /// One CNI request at a time: a retried ADD, or a DEL racing an ADD, must see the first
     /// one's outcome, not its middle.
     cni_lock: tokio::sync::Mutex<()>,
@@ -131,7 +133,55 @@ impl Agent {
     pub fn is_ready(&self) -> bool {
         self.ready.load(Ordering::Relaxed) && self.directory.healthy()
     }
+
+    /// Why the agent is not ready, when it knows: the datapath could not be set up (a kernel
+    /// feature missing, a mount absent), or the API is not watched yet.
+    pub fn not_ready_reason(&self) -> String {
+        if let Some(r) = self.not_ready_reason.lock().ok().and_then(|r| r.clone()) {
+            return r;
+        }
+        if !self.directory.healthy() {
+            return "the Kubernetes API is not watched yet (or unreachable)".to_owned();
+        }
+        "starting".to_owned()
+    }
+
+    fn set_not_ready_reason(&self, reason: Option<String>) {
+        if let Ok(mut r) = self.not_ready_reason.lock() {
+            *r = reason;
+        }
+    }
+
+    /// Loads (or opens) the datapath and brings it to the agent's configuration; reconciles
+    /// the pods it holds.
+    fn set_up_datapath(&self) -> anyhow::Result<()> {
+        self.with_datapath(|dp| {
+            for cg in &self.cfg.proxy_cgroups {
+                dp.register_proxy_cgroup(cg)
+                    .with_context(|| format!("proxy cgroup {}", cg.display()))?;
+            }
+            if self.cfg.probe_source {
+                let me = Netns::open(std::path::Path::new("/proc/self/ns/net"))?;
+                dp.set_probe_source(Some(&me)).context("setting the probe source")?;
+            }
+            ebpf_log::set_level(dp, self.cfg.ebpf_log).context("setting the eBPF log level")?;
+            if self.cfg.ebpf_log != ebpf_log::EbpfLog::Off {
+                ebpf_log::spawn(dp)?;
+            }
+            let report = pods::reconcile(dp)?;
+            info!(
+                kept = report.kept.len(),
+                vanished = report.vanished.len(),
+                partial = report.partial.len(),
+                "datapath reconciled"
+            );
+            Ok(())
+        })
+    }
 }
+
+/// How often a datapath that could not be set up is tried again.
+const DATAPATH_RETRY: Duration = Duration::from_secs(15);
 
 /// Reconciles, then serves until SIGTERM.
 pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
@@ -143,30 +193,35 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
         dp_lock: Mutex::new(()),
         pods: Mutex::new(BTreeMap::new()),
         ready: AtomicBool::new(false),
+        not_ready_reason: Mutex::new(None),
         cni_lock: tokio::sync::Mutex::new(()),
     });
-    agent.with_datapath(|dp| {
-        for cg in &agent.cfg.proxy_cgroups {
-            dp.register_proxy_cgroup(cg)
-                .with_context(|| format!("proxy cgroup {}", cg.display()))?;
+    // Probes first: a node where the datapath cannot be set up keeps an agent that is alive
+    // and says why it is not ready (`/readyz`, and an Event on the Node), instead of one that
+    // crash-loops with the reason in a log.
+    if let Some(addr) = agent.cfg.health_addr {
+        let bound = health::serve(agent.clone(), addr).await?;
+        println!("HEALTH {bound}");
+    }
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    loop {
+        match agent.set_up_datapath() {
+            Ok(()) => break,
+            Err(e) => {
+                let reason = format!("{e:#}");
+                warn!(error = %reason, retry_in = ?DATAPATH_RETRY, "the datapath cannot be set up on this node; not ready");
+                agent.set_not_ready_reason(Some(reason.clone()));
+                if let directory::Directory::Kube(k) = &agent.directory {
+                    k.warn_node("DatapathUnavailable", &reason).await;
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(DATAPATH_RETRY) => {}
+                    _ = term.recv() => return Ok(()),
+                }
+            }
         }
-        if agent.cfg.probe_source {
-            let me = Netns::open(std::path::Path::new("/proc/self/ns/net"))?;
-            dp.set_probe_source(Some(&me)).context("setting the probe source")?;
-        }
-        ebpf_log::set_level(dp, agent.cfg.ebpf_log).context("setting the eBPF log level")?;
-        if agent.cfg.ebpf_log != ebpf_log::EbpfLog::Off {
-            ebpf_log::spawn(dp)?;
-        }
-        let report = pods::reconcile(dp)?;
-        info!(
-            kept = report.kept.len(),
-            vanished = report.vanished.len(),
-            partial = report.partial.len(),
-            "datapath reconciled"
-        );
-        Ok(())
-    })?;
+    }
+    agent.set_not_ready_reason(None);
     let restored = records::restore(&agent)?;
     info!(pods = restored, "pods restored from the state directory");
     if let (Some(bin), Some(conf)) = (&agent.cfg.cni_bin_dir, &agent.cfg.cni_conf_dir) {
@@ -181,17 +236,12 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
     zds_server::spawn(agent.clone(), zds_listener);
     let cni_listener = cni_server::bind(&agent.cfg.cni_socket)?;
     cni_server::spawn(agent.clone(), cni_listener);
-    if let Some(addr) = agent.cfg.health_addr {
-        let bound = health::serve(agent.clone(), addr).await?;
-        println!("HEALTH {bound}");
-    }
     if let directory::Directory::Kube(k) = &agent.directory {
         tokio::spawn(mesh_sync::run(agent.clone(), k.clone()));
     }
     agent.ready.store(true, Ordering::Relaxed);
     println!("READY");
     info!(cni = %agent.cfg.cni_socket.display(), zds = %agent.cfg.zds_socket.display(), "agent serving");
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         _ = term.recv() => {}
         r = tokio::signal::ctrl_c() => r?,

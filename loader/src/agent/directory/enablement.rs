@@ -7,11 +7,12 @@
 //! proxy's own pods, and pods of excluded namespaces.
 //!
 //! Options, from annotations: Istio's `ambient.istio.io/bypass-inbound-capture: "true"` (no
-//! inbound capture) and `ambient.istio.io/dns-capture: "false"` (no DNS capture); meshpath's
+//! inbound capture) and `ambient.istio.io/dns-capture: "false"` (no DNS capture), read as Go's
+//! ParseBool reads them (a value it rejects is ignored, as istio-cni ignores it); meshpath's
 //! `meshpath.io/exclude-outbound-ports`, `meshpath.io/exclude-inbound-ports` (comma-separated
 //! ports), `meshpath.io/exclude-outbound-cidrs`, `meshpath.io/exclude-inbound-cidrs`
-//! (comma-separated prefixes). An annotation that does not parse leaves the pod out of the mesh
-//! (never half in it) with the reason.
+//! (comma-separated prefixes). A meshpath annotation that does not parse leaves the pod out of
+//! the mesh (never half in it) with the reason.
 
 use std::{collections::BTreeMap, net::IpAddr};
 
@@ -109,13 +110,10 @@ pub fn decide(pod: &Pod, ns: Option<&Namespace>, excluded: &[String]) -> Decisio
 
 fn options(annotations: Option<&BTreeMap<String, String>>) -> Result<MeshOptions, String> {
     let get = |k: &str| annotations.and_then(|a| a.get(k)).map(|v| v.trim());
-    let boolean = |k: &str, default: bool| -> Result<bool, String> {
-        match get(k) {
-            None => Ok(default),
-            Some("true") => Ok(true),
-            Some("false") => Ok(false),
-            Some(v) => Err(format!("annotation {k}: {v:?} is neither \"true\" nor \"false\"")),
-        }
+    // Istio's own boolean annotations, read as istio-cni reads them: a value Go's
+    // strconv.ParseBool takes ("True", "1", "f", …) counts; any other is ignored, as if absent.
+    let istio_boolean = |k: &str, default: bool| -> bool {
+        annotations.and_then(|a| a.get(k)).and_then(|v| go_parse_bool(v)).unwrap_or(default)
     };
     fn list<T: std::str::FromStr>(k: &str, v: Option<&str>) -> Result<Vec<T>, String>
     where
@@ -129,8 +127,8 @@ fn options(annotations: Option<&BTreeMap<String, String>>) -> Result<MeshOptions
             .collect()
     }
     Ok(MeshOptions {
-        capture_inbound: !boolean(k8s::BYPASS_INBOUND_CAPTURE, false)?,
-        capture_dns: boolean(k8s::DNS_CAPTURE, true)?,
+        capture_inbound: !istio_boolean(k8s::BYPASS_INBOUND_CAPTURE, false),
+        capture_dns: istio_boolean(k8s::DNS_CAPTURE, true),
         exclude_outbound_ports: list(
             k8s::EXCLUDE_OUTBOUND_PORTS,
             get(k8s::EXCLUDE_OUTBOUND_PORTS),
@@ -142,6 +140,15 @@ fn options(annotations: Option<&BTreeMap<String, String>>) -> Result<MeshOptions
         )?,
         exclude_inbound_cidrs: list(k8s::EXCLUDE_INBOUND_CIDRS, get(k8s::EXCLUDE_INBOUND_CIDRS))?,
     })
+}
+
+/// Go's `strconv.ParseBool`: exactly these spellings, nothing trimmed.
+fn go_parse_bool(v: &str) -> Option<bool> {
+    match v {
+        "1" | "t" | "T" | "TRUE" | "true" | "True" => Some(true),
+        "0" | "f" | "F" | "FALSE" | "false" | "False" => Some(false),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -233,12 +240,30 @@ mod tests {
     }
 
     #[test]
-    fn a_malformed_annotation_leaves_the_pod_out_with_the_reason() {
-        for (k, v) in [
-            (k8s::EXCLUDE_OUTBOUND_PORTS, "90x"),
-            (k8s::EXCLUDE_INBOUND_CIDRS, "10.1.0.0/33"),
-            (k8s::DNS_CAPTURE, "maybe"),
-        ] {
+    fn istios_boolean_annotations_are_read_as_go_parses_booleans() {
+        for (v, bypass) in
+            [("True", true), ("1", true), ("T", true), ("FALSE", false), ("0", false)]
+        {
+            let p = pod(&[], &[(k8s::BYPASS_INBOUND_CAPTURE, v)]);
+            let Decision::Meshed(m) = decide(&p, Some(&ns(true)), &[]) else { panic!("{v}") };
+            assert_eq!(m.options.capture_inbound, !bypass, "{v}");
+        }
+    }
+
+    #[test]
+    fn an_istio_boolean_annotation_go_cannot_parse_is_ignored_and_the_pod_meshed_in_full() {
+        for v in ["yes", "on", " true", "maybe"] {
+            let p = pod(&[], &[(k8s::BYPASS_INBOUND_CAPTURE, v), (k8s::DNS_CAPTURE, v)]);
+            let Decision::Meshed(m) = decide(&p, Some(&ns(true)), &[]) else { panic!("{v:?}") };
+            assert!(m.options.capture_inbound && m.options.capture_dns, "{v:?}");
+        }
+    }
+
+    #[test]
+    fn a_malformed_meshpath_annotation_leaves_the_pod_out_with_the_reason() {
+        for (k, v) in
+            [(k8s::EXCLUDE_OUTBOUND_PORTS, "90x"), (k8s::EXCLUDE_INBOUND_CIDRS, "10.1.0.0/33")]
+        {
             match decide(&pod(&[], &[(k, v)]), Some(&ns(true)), &[]) {
                 Decision::Invalid(why) => assert!(why.contains(k), "{why}"),
                 other => panic!("{k}={v}: {other:?}"),

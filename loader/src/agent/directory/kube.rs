@@ -1,7 +1,7 @@
 //! The agent's view of the Kubernetes API, as istio-cni's node agent has it: a reflector of the
 //! Pods of this node (field selector `spec.nodeName`) and one of all Namespaces, kept by
-//! kube-runtime watchers that relist on their own after a 410 Gone and retry with backoff while
-//! the API server is unreachable (the caches keep their last state meanwhile). Also what the
+//! kube-runtime watchers that relist at once after a 410 Gone and retry with a short backoff
+//! while the API server is unreachable (the caches keep their last state meanwhile; `Retry`). Also what the
 //! agent writes back: the `ambient.istio.io/redirection` annotation, and an Event on a pod
 //! whose annotations do not parse.
 
@@ -61,6 +61,38 @@ fn is_pod(pod: &Pod, uid: &str) -> bool {
             == Some(uid)
 }
 
+/// How soon a watch is polled again after an event. After a success, at once. After 410 Gone
+/// (its resource version is too old for the server, as after an outage), at once too: the
+/// watcher relists, and a relist is what a 410 asks for. After any other failure, with a
+/// backoff from 100 ms doubling to [`Retry::MAX`]: short enough that a change made right after
+/// the API server returns applies within seconds (kube-runtime's default backoff grew to tens
+/// of seconds over an outage, and a label change then waited it out), and the two-second
+/// reachability probe cuts it short anyway.
+#[derive(Debug, Default)]
+struct Retry {
+    next: Option<Duration>,
+}
+
+impl Retry {
+    const FIRST: Duration = Duration::from_millis(100);
+    const MAX: Duration = Duration::from_secs(2);
+
+    fn after<K>(&mut self, ev: &Result<watcher::Event<K>, watcher::Error>) -> Option<Duration> {
+        match ev {
+            Ok(_) => {
+                self.next = None;
+                None
+            }
+            Err(watcher::Error::WatchError(status)) if status.code == 410 => None,
+            Err(_) => {
+                let d = self.next.map_or(Self::FIRST, |d| (d * 2).min(Self::MAX));
+                self.next = Some(d);
+                Some(d)
+            }
+        }
+    }
+}
+
 /// How the agent reaches the API and which pods are its node's.
 #[derive(Debug, Clone)]
 pub struct KubeConfig {
@@ -85,6 +117,8 @@ pub struct Kube {
     reachable: AtomicBool,
     /// Signalled on every change the watchers see.
     pub changed: Notify,
+    /// Signalled when the API server answers again after it did not.
+    api_back: Notify,
     /// Pods an Event was already written for (uid and message): one Event per problem.
     reported: Mutex<HashSet<(String, String)>>,
 }
@@ -117,28 +151,33 @@ impl Kube {
             namespaces_synced: AtomicBool::new(false),
             reachable: AtomicBool::new(false),
             changed: Notify::new(),
+            api_back: Notify::new(),
             reported: Mutex::new(HashSet::new()),
         });
         let selector = format!("spec.nodeName={}", cfg.node_name);
         let pod_watch =
             watcher(Api::<Pod>::all(client.clone()), watcher::Config::default().fields(&selector))
-                .default_backoff()
                 .reflect(pods_writer);
-        let ns_watch = watcher(Api::<Namespace>::all(client), watcher::Config::default())
-            .default_backoff()
-            .reflect(ns_writer);
+        let ns_watch =
+            watcher(Api::<Namespace>::all(client), watcher::Config::default()).reflect(ns_writer);
         let k = kube.clone();
         tokio::spawn(async move {
             let mut s = std::pin::pin!(pod_watch);
+            let mut pace = Retry::default();
             while let Some(ev) = s.next().await {
+                let after = pace.after(&ev);
                 k.observe(&k.pods_synced, "pods", ev);
+                k.retry_after(after).await;
             }
         });
         let k = kube.clone();
         tokio::spawn(async move {
             let mut s = std::pin::pin!(ns_watch);
+            let mut pace = Retry::default();
             while let Some(ev) = s.next().await {
+                let after = pace.after(&ev);
                 k.observe(&k.namespaces_synced, "namespaces", ev);
+                k.retry_after(after).await;
             }
         });
         // A watch that resumes after an outage says nothing until something changes: whether
@@ -152,6 +191,8 @@ impl Kube {
                 if k.reachable.swap(up, Ordering::Relaxed) != up {
                     if up {
                         info!("Kubernetes API server reachable");
+                        // Watches waiting out a failure retry now, not at their next step.
+                        k.api_back.notify_waiters();
                     } else {
                         warn!("Kubernetes API server unreachable; serving the pods already known");
                     }
@@ -163,12 +204,28 @@ impl Kube {
         Ok(kube)
     }
 
+    /// Waits before a watch is polled again after a failure: `after`, cut short when the API
+    /// server is seen answering again.
+    async fn retry_after(&self, after: Option<Duration>) {
+        if let Some(d) = after {
+            tokio::select! {
+                _ = tokio::time::sleep(d) => {}
+                _ = self.api_back.notified() => {}
+            }
+        }
+    }
+
     fn observe<K>(
         &self,
         synced: &AtomicBool,
         what: &str,
         ev: Result<watcher::Event<K>, watcher::Error>,
     ) {
+        if ev.is_ok() && !self.reachable.swap(true, Ordering::Relaxed) {
+            // The server answered the watch: it is reachable, whatever the last probe said.
+            info!(watch = what, "Kubernetes API server reachable");
+            self.api_back.notify_waiters();
+        }
         match ev {
             Ok(watcher::Event::InitDone) => {
                 if !synced.swap(true, Ordering::Relaxed) {
@@ -177,6 +234,11 @@ impl Kube {
                 self.changed.notify_one();
             }
             Ok(_) => self.changed.notify_one(),
+            // The server answered: its history no longer reaches our resource version. The
+            // watcher relists (Retry lets it at once); nothing says the server is away.
+            Err(watcher::Error::WatchError(status)) if status.code == 410 => {
+                info!(watch = what, "Kubernetes watch expired (410 Gone); relisting");
+            }
             Err(e) => {
                 if self.reachable.swap(false, Ordering::Relaxed) {
                     warn!(watch = what, error = %e, "Kubernetes watch failed; retrying with backoff");
@@ -273,33 +335,72 @@ impl Kube {
         let uid = pod.metadata.uid.clone().unwrap_or_default();
         let key = (uid.clone(), message.to_owned());
         if let Ok(mut seen) = self.reported.lock() {
-            // Bounded by the pods of this node: entries of pods that are gone are dropped.
+            // Bounded by the pods of this node: entries of pods that are gone are dropped
+            // (the node's own entry, keyed by its name, is not a pod's and stays).
             let live: HashSet<String> =
                 self.pods.state().iter().filter_map(|p| p.metadata.uid.clone()).collect();
-            seen.retain(|(u, _)| live.contains(u));
+            seen.retain(|(u, _)| live.contains(u) || u == &self.node_key());
             if !seen.insert(key) {
                 return;
             }
         }
         let namespace = pod.metadata.namespace.clone().unwrap_or_default();
-        let name = pod.metadata.name.clone().unwrap_or_default();
+        let involved = ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            name: pod.metadata.name.clone(),
+            namespace: Some(namespace.clone()),
+            uid: Some(uid),
+            ..Default::default()
+        };
+        self.write_event(&namespace, involved, reason, message).await;
+    }
+
+    fn node_key(&self) -> String {
+        format!("node/{}", self.cfg.node_name)
+    }
+
+    /// Writes a Warning Event on this agent's Node (what `kubectl describe node` shows), once
+    /// per message: the node cannot run the datapath, and why.
+    pub async fn warn_node(&self, reason: &str, message: &str) {
+        if let Ok(mut seen) = self.reported.lock() {
+            // One message for the node at a time: a new reason replaces the last.
+            let key = (self.node_key(), message.to_owned());
+            if seen.contains(&key) {
+                return;
+            }
+            seen.retain(|(u, _)| u != &key.0);
+            seen.insert(key);
+        }
+        let involved = ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Node".into()),
+            name: Some(self.cfg.node_name.clone()),
+            // Events about cluster-scoped objects live in `default`, as kubelet's do.
+            namespace: None,
+            ..Default::default()
+        };
+        self.write_event("default", involved, reason, message).await;
+    }
+
+    async fn write_event(
+        &self,
+        namespace: &str,
+        involved: ObjectReference,
+        reason: &str,
+        message: &str,
+    ) {
         let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
             k8s_openapi::jiff::Timestamp::now(),
         );
+        let name = involved.name.clone().unwrap_or_default();
         let event = Event {
             metadata: kube::api::ObjectMeta {
                 generate_name: Some(format!("{name}.meshpath.")),
-                namespace: Some(namespace.clone()),
+                namespace: Some(namespace.to_owned()),
                 ..Default::default()
             },
-            involved_object: ObjectReference {
-                api_version: Some("v1".into()),
-                kind: Some("Pod".into()),
-                name: Some(name),
-                namespace: Some(namespace.clone()),
-                uid: Some(uid),
-                ..Default::default()
-            },
+            involved_object: involved,
             reason: Some(reason.into()),
             message: Some(message.into()),
             type_: Some("Warning".into()),
@@ -312,11 +413,11 @@ impl Kube {
             count: Some(1),
             ..Default::default()
         };
-        let events = Api::<Event>::namespaced(self.client.clone(), &namespace);
+        let events = Api::<Event>::namespaced(self.client.clone(), namespace);
         if let Err(e) =
             bounded("writing an Event", events.create(&PostParams::default(), &event)).await
         {
-            warn!(error = %e, "could not write an Event on the pod");
+            warn!(error = %e, "could not write an Event");
         }
     }
 }

@@ -17,10 +17,55 @@ use datapath_common::consts::marks;
 
 use crate::rtnetlink::{Family, FwmarkRule, Socket};
 
-/// The sysctls set to 1 in the pod (IPv4; IPv6 shares `tcp_fwmark_accept` with IPv4).
-const SYSCTLS_V4: [&str; 2] =
-    ["/proc/sys/net/ipv4/tcp_fwmark_accept", "/proc/sys/net/ipv4/fwmark_reflect"];
-const SYSCTL_V6: &str = "/proc/sys/net/ipv6/fwmark_reflect";
+/// The sysctls set to 1 in the pod, below /proc/sys (IPv4; IPv6 shares `tcp_fwmark_accept`
+/// with IPv4).
+const SYSCTLS_V4: [&str; 2] = ["net/ipv4/tcp_fwmark_accept", "net/ipv4/fwmark_reflect"];
+const SYSCTL_V6: &str = "net/ipv6/fwmark_reflect";
+
+/// Writes a network sysctl of the calling thread's netns (`/proc/sys/net` always shows the
+/// netns of the task that opens it, whichever procfs mount it goes through). In a container
+/// the runtime mounts /proc/sys read-only (unless privileged): the same file is then written
+/// through a procfs of this process's own, mounted once under the temporary directory (the
+/// agent's DaemonSet grants CAP_SYS_ADMIN for setns already; the mount lives and dies with its
+/// container).
+fn write_sysctl(rel: &str, value: &str) -> io::Result<()> {
+    let direct = format!("/proc/sys/{rel}");
+    match std::fs::write(&direct, value) {
+        Err(e) if e.raw_os_error() == Some(libc::EROFS) => {
+            let own = own_procfs()
+                .map_err(|e2| io::Error::new(e2.kind(), format!("{direct}: {e}; {e2}")))?;
+            let path = own.join("sys").join(rel);
+            std::fs::write(&path, value).map_err(|e2| {
+                io::Error::new(e2.kind(), format!("{direct}: {e}; {}: {e2}", path.display()))
+            })
+        }
+        r => r.map_err(|e| io::Error::new(e.kind(), format!("{direct}: {e}"))),
+    }
+}
+
+/// A writable procfs of this process's own (see [`write_sysctl`]), mounted on first use.
+fn own_procfs() -> io::Result<std::path::PathBuf> {
+    static MOUNTED: std::sync::OnceLock<Result<std::path::PathBuf, String>> =
+        std::sync::OnceLock::new();
+    MOUNTED
+        .get_or_init(|| {
+            let dir = std::env::temp_dir().join(format!("meshpath-procfs-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            nix::mount::mount(
+                Some("proc"),
+                &dir,
+                Some("proc"),
+                nix::mount::MsFlags::MS_NOSUID
+                    | nix::mount::MsFlags::MS_NODEV
+                    | nix::mount::MsFlags::MS_NOEXEC,
+                None::<&str>,
+            )
+            .map_err(|e| format!("mounting a procfs at {} (for sysctls): {e}", dir.display()))?;
+            Ok(dir)
+        })
+        .clone()
+        .map_err(io::Error::other)
+}
 
 /// `fwmark 0x111/0xfff lookup 133` for `family`.
 fn rule(family: Family) -> FwmarkRule {
@@ -37,12 +82,11 @@ fn rule(family: Family) -> FwmarkRule {
 /// only (the pod has no IPv6, or it failed); `Err`: not even IPv4. Idempotent.
 pub fn set_up() -> io::Result<Option<String>> {
     for knob in SYSCTLS_V4 {
-        std::fs::write(knob, "1").map_err(|e| io::Error::new(e.kind(), format!("{knob}: {e}")))?;
+        write_sysctl(knob, "1")?;
     }
     let mut rtnl = Socket::open().map_err(|e| context("opening rtnetlink", e))?;
     install(&mut rtnl, Family::V4).map_err(|e| context("IPv4", e))?;
-    let v6 = std::fs::write(SYSCTL_V6, "1")
-        .map_err(|e| context(SYSCTL_V6, e))
+    let v6 = write_sysctl(SYSCTL_V6, "1")
         .and_then(|()| install(&mut rtnl, Family::V6).map_err(|e| context("IPv6", e)));
     Ok(v6.err().map(|e| e.to_string()))
 }
@@ -59,7 +103,8 @@ pub fn remove() -> io::Result<()> {
 
 /// Whether it is in place for IPv4 (read-only checks).
 pub fn is_set_up() -> bool {
-    let accept = std::fs::read_to_string(SYSCTLS_V4[0]).is_ok_and(|v| v.trim() == "1");
+    let accept = std::fs::read_to_string(format!("/proc/sys/{}", SYSCTLS_V4[0]))
+        .is_ok_and(|v| v.trim() == "1");
     let want = rule(Family::V4);
     accept
         && Socket::open().and_then(|mut s| s.fwmark_rules(Family::V4)).is_ok_and(|rules| {

@@ -282,7 +282,7 @@ async fn serve_stream(
         src_identity: Some(client.clone()),
         dst_addr: target,
         hbone_addr: Some(SocketAddr::new(dialed_ip, ports::HBONE)),
-        dst_workload: Some(pod.workload.clone()),
+        dst_workload: Some(pod.current_workload(&store).clone()),
         dst_identity: Some(pod.identity.clone()),
         dst_service: None,
     };

@@ -74,7 +74,7 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
         src_identity: None,
         dst_addr: dst,
         hbone_addr: None,
-        dst_workload: Some(pod.workload.clone()),
+        dst_workload: Some(pod.current_workload(&store).clone()),
         dst_identity: Some(pod.identity.clone()),
         dst_service: None,
     };

@@ -108,7 +108,7 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
     let info = ConnInfo {
         direction: Direction::Outbound,
         src_addr: peer,
-        src_workload: Some(pod.workload.clone()),
+        src_workload: Some(pod.current_workload(&store).clone()),
         src_identity: Some(pod.identity.clone()),
         dst_addr: target.addr,
         hbone_addr: hbone.then(|| SocketAddr::new(target.addr.ip(), ports::HBONE)),
@@ -178,7 +178,7 @@ async fn via_hbone(
             return Err(e.into());
         }
     };
-    let headers = StreamHeaders::for_source(peer, &pod.workload);
+    let headers = StreamHeaders::for_source(peer, pod.current_workload(&proxy.store()));
     let stream = Box::pin(tokio::time::timeout(
         proxy.settings.connect_timeout,
         hbone::open_stream(h2conn, gateway, target.addr, &headers),

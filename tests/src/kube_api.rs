@@ -29,7 +29,7 @@ pub fn kube_apiserver_bin() -> PathBuf {
             .unwrap_or_else(|| PathBuf::from("/var/cache"))
             .join("meshpath")
     });
-    base.join("kube-apiserver").join("kube-apiserver")
+    base.join("kubernetes").join("kube-apiserver")
 }
 
 fn free_port() -> Result<u16> {
@@ -166,18 +166,7 @@ impl KubeApi {
         let deadline = Instant::now() + limit;
         loop {
             let out = Command::new("curl")
-                // Not curl's user agent: for it the API server pretty-prints, and this build's
-                // JSON encoder (json-iterator on Go 1.19) crashes the server doing so.
-                .args([
-                    "-sk",
-                    "-A",
-                    "meshpath-tests",
-                    "-o",
-                    "/dev/null",
-                    "-w",
-                    "%{http_code}",
-                    "-H",
-                ])
+                .args(["-sk", "-o", "/dev/null", "-w", "%{http_code}", "-H"])
                 .arg(format!("Authorization: Bearer {}", self.token))
                 .arg(format!("https://127.0.0.1:{}/readyz", self.port))
                 .output();

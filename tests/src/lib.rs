@@ -827,6 +827,7 @@ mod mesh {
 
 pub use node_proxy::{sum_metric, NodeProxy};
 
+pub mod cluster;
 pub mod cni_node;
 pub mod kube_api;
 pub mod two_nodes;

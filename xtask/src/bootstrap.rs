@@ -57,6 +57,14 @@ pub struct Needs {
     /// What booting Debian's kernels under QEMU needs (packages only; kernels are fetched by
     /// vm.rs when a run asks for them).
     pub vm: bool,
+    /// Kubernetes' server binaries built from Debian's source (kubernetes.rs): the agent's
+    /// tests, `demo --kube` and the single-node cluster.
+    pub kubernetes: bool,
+}
+
+impl Needs {
+    pub const NOTHING: Self =
+        Self { ebpf_toolchain: false, runtime: false, vm: false, kubernetes: false };
 }
 
 /// Brings the machine to what `needs` asks for. Returns the directory to put first on PATH so
@@ -71,10 +79,12 @@ pub fn ensure(needs: Needs) -> Result<Option<PathBuf>> {
         ensure_debian_packages(DEBIAN_PACKAGES)?;
         ensure_bpffs()?;
         ensure_kubernetes_validate()?;
-        crate::kube_api::ensure_kube_apiserver()?;
     }
     if needs.vm {
         ensure_debian_packages(VM_PACKAGES)?;
+    }
+    if needs.kubernetes {
+        crate::kubernetes::ensure()?;
     }
     Ok(path_dir)
 }

@@ -15,10 +15,21 @@ pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
 }
 
+/// Where xtask's builds go: `CARGO_TARGET_DIR` if set, else `target/` under the tool cache
+/// (~/.cache/meshpath/target), outside the checkout as CI systems cache it: a fresh clone on a
+/// machine that built meshpath before compiles only the workspace's own crates, not its
+/// dependencies again. (A plain `cargo build` in the checkout still uses ./target.)
+pub fn target_dir() -> PathBuf {
+    env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| crate::bootstrap::cache_dir().join("target"))
+}
+
 /// A cargo command run from the workspace root with `extra_path` first on PATH.
 fn cargo(extra_path: Option<&Path>) -> Result<Command> {
     let mut cmd = Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
     cmd.current_dir(workspace_root());
+    cmd.env("CARGO_TARGET_DIR", target_dir());
     if let Some(dir) = extra_path {
         let old = env::var_os("PATH").unwrap_or_default();
         // Only when missing: a PATH that changes between cargo runs makes build scripts that
@@ -81,7 +92,7 @@ pub fn build(extra_path: Option<&Path>, release: bool) -> Result<PathBuf> {
         cmd.arg("--release");
     }
     run_cargo(cmd)?;
-    Ok(workspace_root().join("target").join(if release { "release" } else { "debug" }))
+    Ok(target_dir().join(if release { "release" } else { "debug" }))
 }
 
 /// rustfmt check and clippy with warnings as errors.
@@ -93,7 +104,8 @@ pub fn checks(extra_path: Option<&Path>) -> Result<()> {
 
     println!("test: cargo clippy -D warnings");
     let mut clippy = cargo(extra_path)?;
-    clippy.args(["clippy", "--all-targets", "--", "-D", "warnings"]);
+    // The cluster suite is no default test target (it needs the cluster): named here.
+    clippy.args(["clippy", "--all-targets", "--test", "cluster", "--", "-D", "warnings"]);
     run_cargo(clippy)
 }
 
@@ -211,12 +223,36 @@ pub fn test(extra_path: Option<&Path>, bin_dir: &Path, filter: Option<&str>) -> 
     let mut test = cargo(extra_path)?;
     test.args(["test", "--no-fail-fast", "--all-targets"]);
     test.env("MESHPATH_LOADER", bin_dir.join("meshpath-loader"));
-    test.env("MESHPATH_KUBE_APISERVER", crate::kube_api::kube_apiserver_path());
+    test.env("MESHPATH_KUBE_APISERVER", crate::kubernetes::binary("kube-apiserver"));
     if let Some(f) = filter {
         test.args(["--", f]);
     }
     // Tee the harness output and add up its `test result:` lines, so the run ends with one
     // total (the last harness line is otherwise some crate's empty doc-test run).
+    run_tee(test)
+}
+
+/// The cluster suite (tests/tests/cluster.rs) against the cluster that is up, one test at a
+/// time.
+pub fn test_cluster(
+    extra_path: Option<&Path>,
+    bin_dir: &Path,
+    filter: Option<&str>,
+) -> Result<Totals> {
+    println!("test: cargo test --test cluster (the single-node cluster)");
+    let mut test = cargo(extra_path)?;
+    test.args(["test", "--no-fail-fast", "-p", "meshpath-tests", "--test", "cluster", "--"]);
+    if let Some(f) = filter {
+        test.arg(f);
+    }
+    test.args(["--test-threads", "1"]);
+    test.env("MESHPATH_LOADER", bin_dir.join("meshpath-loader"));
+    test.env("MESHPATH_CLUSTER", "1");
+    run_tee(test)
+}
+
+/// Runs a `cargo test`, printing its output and adding up its results.
+fn run_tee(mut test: Command) -> Result<Totals> {
     let mut child = test.stdout(Stdio::piped()).spawn().context("starting cargo test")?;
     let stdout = child.stdout.take().context("cargo test stdout")?;
     let mut totals = Totals::default();

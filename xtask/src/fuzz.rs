@@ -1,7 +1,7 @@
 //! `cargo xtask fuzz`: the cargo-fuzz targets in fuzz/ (libFuzzer with AddressSanitizer, the
-//! nightly), built into target/fuzz. Each target starts from its committed seeds
+//! nightly), built into fuzz/ of xtask's target directory (cargo.rs, `target_dir`). Each target starts from its committed seeds
 //! (fuzz/seeds/TARGET, which also hold every input that once crashed it) plus what earlier runs
-//! on this machine found (target/fuzz/corpus/TARGET). A crash stops the run with the input's
+//! on this machine found (fuzz/corpus/TARGET there). A crash stops the run with the input's
 //! path; it becomes a seed and a regression test.
 
 use std::{path::Path, process::Command};
@@ -47,7 +47,7 @@ pub fn run(which: &[&str], secs: u64) -> Result<()> {
     ensure_cargo_fuzz()?;
     let root = workspace_root();
     let fuzz = root.join("fuzz");
-    let target_dir = root.join("target").join("fuzz");
+    let target_dir = crate::cargo::target_dir().join("fuzz");
     bootstrap::run(
         nightly_cargo(&fuzz).arg("fuzz").arg("build").arg("--target-dir").arg(&target_dir),
     )

@@ -3,9 +3,12 @@
 
 mod bootstrap;
 mod cargo;
+mod cluster;
 mod demo;
 mod fuzz;
+mod images;
 mod kube_api;
+mod kubernetes;
 mod vm;
 
 use std::process::ExitCode;
@@ -18,6 +21,29 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum ClusterCmd {
+    /// Start it (taking down one already there), with meshpath's image built from the release
+    /// build (`--debug`: the test build).
+    Up {
+        #[arg(long)]
+        debug: bool,
+    },
+    /// Stop it and undo what it changed on the host.
+    Down,
+    /// Rebuild meshpath's image and import it into the running cluster (`--debug`: from the
+    /// test build); restart the DaemonSets' pods to run it.
+    Image {
+        #[arg(long)]
+        debug: bool,
+    },
+    /// kubectl as the cluster's administrator, inside the node's network namespace.
+    Kubectl {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -43,6 +69,10 @@ enum Cmd {
         /// `all`: this machine's kernel, then every series in the matrix (6.1, 6.12).
         #[arg(long, value_parser = ["all"])]
         kernels: Option<String>,
+        /// Only the cluster suite: meshpath's DaemonSets on a real single-node cluster
+        /// (brought up for the run and taken down after; `cargo xtask test` runs it last).
+        #[arg(long, conflicts_with_all = ["kernel", "kernels"])]
+        cluster: bool,
     },
     /// Run two local nodes (agent and proxy each), pods made through the real CNI chain, real
     /// traffic across nodes over HBONE.
@@ -68,6 +98,13 @@ enum Cmd {
         /// Seconds per target.
         #[arg(long, default_value_t = 60)]
         secs: u64,
+    },
+    /// A real single-node Kubernetes cluster on this machine (kubelet, containerd, the control
+    /// plane; built from Debian's packages), with meshpath's image built from this workspace
+    /// and imported: `kubectl apply -k tests/cluster` installs meshpath on it.
+    Cluster {
+        #[command(subcommand)]
+        action: ClusterCmd,
     },
     /// Make a CA for the proxies (DIR/ca.pem, DIR/ca-key.pem), as the demo and tests do.
     Ca { dir: std::path::PathBuf },
@@ -99,38 +136,48 @@ fn run(cli: Cli) -> Result<()> {
     use bootstrap::Needs;
     match cli.command {
         Cmd::Setup => {
-            bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: true, vm: true })?;
+            bootstrap::ensure(Needs {
+                ebpf_toolchain: true,
+                runtime: true,
+                vm: true,
+                kubernetes: true,
+            })?;
             println!("setup: everything meshpath needs is installed");
         }
         Cmd::Build { release } => {
-            let path =
-                bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: false, vm: false })?;
+            let path = bootstrap::ensure(Needs { ebpf_toolchain: true, ..Needs::NOTHING })?;
             cargo::build(path.as_deref(), release)?;
         }
-        Cmd::Test { filter, kernel, kernels } => {
+        Cmd::Test { filter, kernel, kernels, cluster } => {
             if !bootstrap::is_root() {
                 bail!(
                     "the tests load eBPF programs and create network namespaces: run them as root"
                 );
             }
             let (host, series): (bool, Vec<&str>) = match (kernel.as_deref(), kernels.is_some()) {
+                _ if cluster => (false, vec![]),
                 (_, true) => (true, vm::SERIES.to_vec()),
                 (Some("host"), _) => (true, vec![]),
                 (Some(one), _) => (false, vec![one]),
                 (None, _) => (true, vec![vm::FLOOR]),
             };
+            // The cluster suite runs in a full run (no filter, this machine's kernel included)
+            // or alone.
+            let with_cluster = cluster || (host && filter.is_none() && kernel.is_none());
             let path = bootstrap::ensure(Needs {
                 ebpf_toolchain: true,
                 runtime: true,
                 vm: !series.is_empty(),
+                kubernetes: host || cluster,
             })?;
-            test(path.as_deref(), filter.as_deref(), host, &series)?;
+            test(path.as_deref(), filter.as_deref(), host, &series, with_cluster)?;
         }
         Cmd::Bench { which, args } => {
             if !bootstrap::is_root() {
                 bail!("the benchmarks load eBPF programs and create network namespaces: run them as root");
             }
-            let path = bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: true, vm: false })?;
+            let path =
+                bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: true, ..Needs::NOTHING })?;
             let bin_dir = cargo::build(path.as_deref(), true)?;
             let mut cmd = std::process::Command::new(bin_dir.join("meshpath-bench"));
             cmd.arg(&which);
@@ -144,17 +191,45 @@ fn run(cli: Cli) -> Result<()> {
             bootstrap::run(cmd.args(args))?;
         }
         Cmd::Fuzz { target, secs } => {
-            bootstrap::ensure(Needs { ebpf_toolchain: false, runtime: false, vm: false })?;
+            bootstrap::ensure(Needs::NOTHING)?;
             let which: Vec<&str> = target.as_deref().into_iter().collect();
             fuzz::run(&which, secs)?;
         }
         Cmd::Ca { dir } => {
-            let path =
-                bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: false, vm: false })?;
+            let path = bootstrap::ensure(Needs { ebpf_toolchain: true, ..Needs::NOTHING })?;
             let bin_dir = cargo::build(path.as_deref(), false)?;
             bootstrap::run(
                 std::process::Command::new(bin_dir.join("meshpath-proxy")).arg("new-ca").arg(&dir),
             )?;
+        }
+        Cmd::Cluster { action } => {
+            if !bootstrap::is_root() {
+                bail!("the cluster runs kubelet, containerd and eBPF programs: run it as root");
+            }
+            match action {
+                ClusterCmd::Up { debug } => {
+                    let path = bootstrap::ensure(Needs {
+                        ebpf_toolchain: true,
+                        runtime: true,
+                        kubernetes: true,
+                        ..Needs::NOTHING
+                    })?;
+                    let bin_dir = cargo::build(path.as_deref(), !debug)?;
+                    cluster::up(&cargo::workspace_root(), &bin_dir)?;
+                }
+                ClusterCmd::Down => cluster::down()?,
+                ClusterCmd::Image { debug } => {
+                    let path = bootstrap::ensure(Needs { ebpf_toolchain: true, ..Needs::NOTHING })?;
+                    let bin_dir = cargo::build(path.as_deref(), !debug)?;
+                    cluster::reload_image(&cargo::workspace_root(), &bin_dir)?;
+                }
+                ClusterCmd::Kubectl { args } => {
+                    let status = cluster::kubectl().args(&args).status()?;
+                    if !status.success() {
+                        bail!("kubectl failed with {status}");
+                    }
+                }
+            }
         }
         Cmd::Demo { keep, proxy, kube } => {
             if !bootstrap::is_root() {
@@ -162,7 +237,12 @@ fn run(cli: Cli) -> Result<()> {
                     "the demo loads eBPF programs and creates network namespaces: run it as root"
                 );
             }
-            let path = bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: true, vm: false })?;
+            let path = bootstrap::ensure(Needs {
+                ebpf_toolchain: true,
+                runtime: true,
+                kubernetes: kube,
+                ..Needs::NOTHING
+            })?;
             let bin_dir = cargo::build(path.as_deref(), false)?;
             let proxy = if proxy == "ztunnel-like" {
                 demo::Proxy::ZtunnelLike
@@ -182,6 +262,7 @@ fn test(
     filter: Option<&str>,
     host: bool,
     series: &[&str],
+    with_cluster: bool,
 ) -> Result<()> {
     let mut lines = Vec::new();
     let mut total = cargo::Totals::default();
@@ -216,6 +297,36 @@ fn test(
                 lines.push(format!("fuzz targets: failed: {e:#}"));
                 bad.push("the fuzz targets".to_owned());
             }
+        }
+    }
+    if with_cluster {
+        // The image is built from this build's binaries; the cluster is taken down whatever
+        // the tests did.
+        let t = match cluster::up(&cargo::workspace_root(), &bin_dir) {
+            Ok(()) => {
+                let t = cargo::test_cluster(path, &bin_dir, if host { None } else { filter });
+                if let Err(e) = cluster::down() {
+                    println!("cluster: {e:#}");
+                }
+                t?
+            }
+            Err(e) => {
+                println!("cluster: {e:#}");
+                failures.push(format!("the cluster: could not start it: {e:#}"));
+                let mut t = cargo::Totals::default();
+                t.failed = 1;
+                t
+            }
+        };
+        lines.push(format!(
+            "tests on the single-node cluster: {} passed, {} failed",
+            t.passed, t.failed
+        ));
+        total.passed += t.passed;
+        total.failed += t.failed;
+        failures.extend(t.failure_lines("the cluster: "));
+        if t.failed > 0 {
+            bad.push("the cluster".to_owned());
         }
     }
     if !series.is_empty() {

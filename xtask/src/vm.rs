@@ -310,7 +310,7 @@ pub fn run_matrix_entry(
             .with_context(|| format!("cargo test built no `{target}` test binary"))?;
         suites.push((exe.display().to_string(), filters));
     }
-    let vm_dir = crate::cargo::workspace_root().join("target/vm").join(&kernel.release);
+    let vm_dir = crate::cargo::target_dir().join("vm").join(&kernel.release);
     fs::create_dir_all(&vm_dir)?;
     let script = vm_dir.join("run.sh");
     fs::write(&script, guest_script(&kernel, &bin_dir.join("meshpath-loader"), &suites))?;

@@ -1,0 +1,444 @@
+//! The real single-node cluster `cargo xtask cluster up` starts (xtask/src/cluster.rs: etcd,
+//! kube-apiserver, controller-manager, scheduler, kubelet, containerd, in the node's network
+//! namespace `meshpath-node`), as the cluster tests (tests/tests/cluster.rs) drive it: kubectl as
+//! its administrator, meshpath installed with `kubectl apply -k tests/cluster` (deploy/install
+//! with the local image), workloads made from the tests' image, the node's files read where
+//! kubelet and the DaemonSets leave them.
+//!
+//! `cargo xtask test` brings the cluster up, runs these tests one at a time (some restart the
+//! DaemonSets every other test relies on) and takes it down. Run by hand: `cargo xtask cluster
+//! up --debug`, then `MESHPATH_CLUSTER=1 cargo test -p meshpath-tests --test cluster --
+//! --test-threads 1`.
+
+use std::{
+    io::Write as _,
+    net::IpAddr,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context as _, Result};
+use serde_json::Value;
+
+/// The node's network namespace, name and address (xtask/src/cluster.rs).
+pub const NETNS: &str = "meshpath-node";
+pub const NODE_NAME: &str = "meshpath-node";
+pub const NODE_IP: &str = "10.231.255.1";
+/// The cluster's files (kubeconfig, logs).
+pub const DIR: &str = "/var/lib/meshpath-cluster";
+/// meshpath's namespace and DaemonSets (deploy/install).
+pub const SYSTEM_NS: &str = "meshpath-system";
+pub const AGENT_DS: &str = "meshpath-agent";
+pub const PROXY_DS: &str = "meshpath-proxy";
+/// The test workload's image (tests/src/bin/cluster-app.rs), and meshpath's second tag.
+pub const TESTAPP: &str = "localhost/meshpath-testapp:1";
+pub const MESHPATH_NEXT: &str = "localhost/meshpath:cluster-next";
+/// Where the node's runtime reads CNI configuration and plugins.
+pub const CNI_CONF: &str = "/etc/cni/net.d";
+pub const CNI_BIN: &str = "/opt/cni/bin";
+/// The node's own network configuration (before meshpath-cni is chained into it).
+pub const CONFLIST: &str = "/etc/cni/net.d/10-meshpath-cluster.conflist";
+/// Where the proxy reads workload certificates (files mode), on the node.
+pub const CERT_DIR: &str = "/var/run/meshpath/certs";
+/// The proxy's admin socket on the node.
+pub const PROXY_ADMIN: &str = "/var/run/meshpath/proxy/admin.sock";
+/// The datapath's pins on the node.
+pub const PIN_ROOT: &str = "/sys/fs/bpf/meshpath";
+
+/// Panics unless the cluster is up: these tests never skip.
+pub fn require_cluster() {
+    crate::require_root();
+    assert!(
+        std::env::var_os("MESHPATH_CLUSTER").is_some(),
+        "the cluster tests need the cluster `cargo xtask cluster up` starts; `cargo xtask test` \
+         brings it up and sets MESHPATH_CLUSTER"
+    );
+    assert!(
+        Path::new("/run/netns").join(NETNS).exists(),
+        "no cluster: /run/netns/{NETNS} is missing (cargo xtask cluster up)"
+    );
+}
+
+/// A command inside the node's network namespace (mounts untouched).
+pub fn in_node(program: &str) -> Command {
+    let mut c = Command::new("nsenter");
+    c.arg(format!("--net=/run/netns/{NETNS}")).arg("--").arg(program);
+    c
+}
+
+fn output(mut cmd: Command, input: Option<&str>) -> Result<String> {
+    let what = format!("{cmd:?}");
+    cmd.stdin(if input.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().with_context(|| format!("starting {what}"))?;
+    if let (Some(text), Some(mut stdin)) = (input, child.stdin.take()) {
+        stdin.write_all(text.as_bytes())?;
+    }
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        bail!(
+            "{what}: {}{}",
+            String::from_utf8_lossy(&out.stderr).trim(),
+            String::from_utf8_lossy(&out.stdout).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// `kubectl ARGS` as the administrator; its standard output.
+pub fn kubectl(args: &[&str]) -> Result<String> {
+    let mut c = in_node("kubectl");
+    c.arg("--kubeconfig").arg(Path::new(DIR).join("admin.kubeconfig")).args(args);
+    output(c, None)
+}
+
+/// `kubectl ARGS` with `input` on its standard input (`apply -f -`).
+pub fn kubectl_in(args: &[&str], input: &str) -> Result<String> {
+    let mut c = in_node("kubectl");
+    c.arg("--kubeconfig").arg(Path::new(DIR).join("admin.kubeconfig")).args(args);
+    output(c, Some(input))
+}
+
+/// `kubectl get … -o json`.
+pub fn get_json(args: &[&str]) -> Result<Value> {
+    let mut a = vec!["get"];
+    a.extend_from_slice(args);
+    a.extend_from_slice(&["-o", "json"]);
+    Ok(serde_json::from_str(&kubectl(&a)?)?)
+}
+
+/// Polls `f` every 250 ms until it returns `Some`, or fails after `limit` with the last error.
+pub fn wait_for<T>(
+    what: &str,
+    limit: Duration,
+    mut f: impl FnMut() -> Result<Option<T>>,
+) -> Result<T> {
+    let deadline = Instant::now() + limit;
+    let mut last = String::new();
+    loop {
+        match f() {
+            Ok(Some(t)) => return Ok(t),
+            Ok(None) => {}
+            Err(e) => last = format!("{e:#}"),
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "waited {} s for {what}{}",
+                limit.as_secs(),
+                if last.is_empty() { String::new() } else { format!(" (last error: {last})") }
+            );
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// The repository root (tests/ is one level below it).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+}
+
+/// The CA the tests issue workload certificates from (files mode: the tests are the node's
+/// issuer), made once per cluster and kept in its directory.
+fn test_ca() -> Result<meshpath_proxy::identity::LocalCa> {
+    let dir = Path::new(DIR).join("test-ca");
+    let (cert, key) = (dir.join("ca.pem"), dir.join("ca-key.pem"));
+    if let (Ok(c), Ok(k)) = (std::fs::read_to_string(&cert), std::fs::read_to_string(&key)) {
+        return Ok(meshpath_proxy::identity::LocalCa::from_pem(&c, &k)?);
+    }
+    let ca = meshpath_proxy::identity::LocalCa::generate("meshpath cluster tests")?;
+    std::fs::create_dir_all(&dir)?;
+    let (c, k) = ca.to_pem();
+    std::fs::write(&cert, c)?;
+    std::fs::write(&key, k)?;
+    Ok(ca)
+}
+
+/// Writes the workload certificate of `namespace/service_account` where the proxy reads it,
+/// as a node's certificate issuer would.
+pub fn issue_certificate(namespace: &str, service_account: &str) -> Result<()> {
+    let ca = test_ca()?;
+    let id = meshpath_proxy::identity::Identity::new("cluster.local", namespace, service_account);
+    let cert = ca.issue(&id, Duration::from_secs(24 * 3600))?;
+    let (chain, key) = cert.to_pem();
+    let dir = Path::new(CERT_DIR).join(namespace).join(service_account);
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("key.pem"), key)?;
+    std::fs::write(dir.join("cert-chain.pem"), chain)?;
+    Ok(())
+}
+
+/// Whether a DaemonSet has its pod on the node, up to date and Ready.
+pub fn daemonset_ready(name: &str) -> Result<bool> {
+    let ds = get_json(&["daemonset", "-n", SYSTEM_NS, name])?;
+    let s = &ds["status"];
+    let n = |k: &str| s[k].as_i64().unwrap_or(0);
+    Ok(ds["metadata"]["generation"] == s["observedGeneration"]
+        && n("desiredNumberScheduled") == 1
+        && n("numberReady") == 1
+        && n("updatedNumberScheduled") == 1
+        && n("numberUnavailable") == 0)
+}
+
+/// meshpath installed as users install it, both DaemonSets Ready: the trust bundle Secret
+/// (this CA's certificate; its key never goes to the node), then `kubectl apply -k
+/// tests/cluster`. Idempotent: a test that took something down calls it to put it back.
+pub fn install() -> Result<()> {
+    let ca = test_ca()?;
+    let (ca_pem, _) = ca.to_pem();
+    kubectl_in(
+        &["apply", "-f", "-"],
+        &format!("apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {SYSTEM_NS}\n"),
+    )?;
+    let secret = serde_json::json!({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "meshpath-ca", "namespace": SYSTEM_NS},
+        "stringData": {"ca.pem": ca_pem},
+    });
+    kubectl_in(&["apply", "-f", "-"], &secret.to_string())?;
+    let overlay = repo_root().join("tests/cluster");
+    kubectl(&["apply", "-k", &overlay.display().to_string()])?;
+    wait_for("both DaemonSets Ready", Duration::from_secs(180), || {
+        Ok((daemonset_ready(AGENT_DS)? && daemonset_ready(PROXY_DS)?).then_some(()))
+    })
+}
+
+/// The pod (name) of a DaemonSet on the node.
+pub fn daemonset_pod(name: &str) -> Result<String> {
+    let pods =
+        get_json(&["pods", "-n", SYSTEM_NS, "-l", &format!("app.kubernetes.io/name={name}")])?;
+    pods["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["metadata"]["deletionTimestamp"].is_null())
+        .and_then(|p| p["metadata"]["name"].as_str().map(str::to_owned))
+        .with_context(|| format!("no pod of {name}"))
+}
+
+/// A namespace of its own for one test (labelled for ambient when `ambient`), deleted on drop.
+#[derive(Debug)]
+pub struct TestNamespace {
+    pub name: String,
+}
+
+impl TestNamespace {
+    pub fn new(prefix: &str, ambient: bool) -> Result<Self> {
+        let name = format!("{prefix}-{}", crate::unique("").replace('x', "-"));
+        let labels = if ambient { "\n  labels:\n    istio.io/dataplane-mode: ambient" } else { "" };
+        kubectl_in(
+            &["apply", "-f", "-"],
+            &format!("apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {name}{labels}\n"),
+        )?;
+        wait_for("the namespace's default ServiceAccount", Duration::from_secs(60), || {
+            Ok(kubectl(&["get", "serviceaccount", "default", "-n", &name]).ok().map(|_| ()))
+        })?;
+        Ok(Self { name })
+    }
+}
+
+impl Drop for TestNamespace {
+    fn drop(&mut self) {
+        let _ = kubectl(&["delete", "namespace", &self.name, "--wait=false"]);
+        let _ = std::fs::remove_dir_all(Path::new(CERT_DIR).join(&self.name));
+    }
+}
+
+/// The test app as a one-replica Deployment `name` (service account `name`) in `ns`: HTTP on
+/// 8080 with kubelet's readiness and liveness probes on `probe_port` (8080 unless a test wants
+/// a closed one), the sink on 9000.
+pub fn deploy_app(ns: &str, name: &str, probe_port: u16) -> Result<()> {
+    let yaml = format!(
+        r#"apiVersion: v1
+kind: ServiceAccount
+metadata:
+  name: {name}
+  namespace: {ns}
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {name}
+  namespace: {ns}
+spec:
+  replicas: 1
+  selector:
+    matchLabels: {{app: {name}}}
+  template:
+    metadata:
+      labels: {{app: {name}}}
+    spec:
+      serviceAccountName: {name}
+      terminationGracePeriodSeconds: 1
+      containers:
+        - name: app
+          image: {TESTAPP}
+          imagePullPolicy: Never
+          command: ["/usr/local/bin/cluster-app", "serve"]
+          ports:
+            - {{name: http, containerPort: 8080}}
+            - {{name: sink, containerPort: 9000}}
+          readinessProbe:
+            httpGet: {{path: /healthz, port: {probe_port}}}
+            periodSeconds: 2
+            failureThreshold: 2
+          livenessProbe:
+            httpGet: {{path: /healthz, port: {probe_port}}}
+            periodSeconds: 5
+            failureThreshold: 30
+"#
+    );
+    kubectl_in(&["apply", "-f", "-"], &yaml)?;
+    Ok(())
+}
+
+/// A pod of Deployment `app` in `ns`, once it has an address (Ready or not).
+#[derive(Debug, Clone)]
+pub struct PodInfo {
+    pub name: String,
+    pub uid: String,
+    pub ip: IpAddr,
+    pub ready: bool,
+    pub annotations: Value,
+    pub restarts: i64,
+}
+
+pub fn app_pod(ns: &str, app: &str) -> Result<Option<PodInfo>> {
+    let pods = get_json(&["pods", "-n", ns, "-l", &format!("app={app}")])?;
+    let Some(p) = pods["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["metadata"]["deletionTimestamp"].is_null())
+    else {
+        return Ok(None);
+    };
+    let Some(ip) = p["status"]["podIP"].as_str().and_then(|i| i.parse().ok()) else {
+        return Ok(None);
+    };
+    let ready = p["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|c| c["type"] == "Ready" && c["status"] == "True");
+    let restarts = p["status"]["containerStatuses"][0]["restartCount"].as_i64().unwrap_or(0);
+    Ok(Some(PodInfo {
+        name: p["metadata"]["name"].as_str().unwrap_or_default().to_owned(),
+        uid: p["metadata"]["uid"].as_str().unwrap_or_default().to_owned(),
+        ip,
+        ready,
+        annotations: p["metadata"]["annotations"].clone(),
+        restarts,
+    }))
+}
+
+/// Waits for a Ready pod of `app`.
+pub fn ready_pod(ns: &str, app: &str) -> Result<PodInfo> {
+    wait_for(&format!("a Ready pod of {ns}/{app}"), Duration::from_secs(120), || {
+        Ok(app_pod(ns, app)?.filter(|p| p.ready))
+    })
+}
+
+/// `kubectl exec` of the test app in a pod: its output, or an error with it.
+pub fn exec(ns: &str, pod: &str, args: &[&str]) -> Result<String> {
+    let mut a = vec!["exec", "-n", ns, pod, "--", "/usr/local/bin/cluster-app"];
+    a.extend_from_slice(args);
+    kubectl(&a)
+}
+
+/// The same, not waited for: a long transfer that runs while a test restarts something.
+pub fn exec_spawn(ns: &str, pod: &str, args: &[&str]) -> Result<std::process::Child> {
+    let mut c = in_node("kubectl");
+    c.arg("--kubeconfig")
+        .arg(Path::new(DIR).join("admin.kubeconfig"))
+        .args(["exec", "-n", ns, pod, "--", "/usr/local/bin/cluster-app"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    Ok(c.spawn()?)
+}
+
+/// How many connections the sink of the pod at `ip` has accepted (asked over its HTTP port
+/// from the node, as kubelet's probes reach it).
+pub fn sink_count(ip: IpAddr) -> Result<u64> {
+    let out = output(
+        {
+            let mut c = in_node("curl");
+            c.args(["-sf", "--max-time", "5", &format!("http://{ip}:8080/count")]);
+            c
+        },
+        None,
+    )?;
+    Ok(out.trim().parse()?)
+}
+
+/// The proxy's Prometheus text, from its metrics port on the node's address.
+pub fn proxy_metrics() -> Result<String> {
+    let mut c = in_node("curl");
+    c.args(["-sf", "--max-time", "5", &format!("http://{NODE_IP}:15020/metrics")]);
+    output(c, None)
+}
+
+/// The sum of a metric's samples whose labels include every `label="value"` of `labels`.
+pub fn metric_sum(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
+        .filter(|l| labels.iter().all(|(k, v)| l.contains(&format!("{k}=\"{v}\""))))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The proxy's configuration dump, from its admin socket on the node.
+pub fn proxy_config_dump() -> Result<String> {
+    let mut c = Command::new("curl");
+    c.args(["-sf", "--max-time", "5", "--unix-socket", PROXY_ADMIN, "http://admin/config_dump"]);
+    output(c, None)
+}
+
+/// The workloads ConfigMap the proxy reads, listing `pods` as HBONE workloads: (namespace,
+/// service account, pod). The proxy re-reads it when kubelet updates its volume.
+pub fn publish_workloads(pods: &[(&str, &str, &PodInfo)]) -> Result<()> {
+    let workloads: Vec<Value> = pods
+        .iter()
+        .map(|(ns, sa, p)| {
+            serde_json::json!({
+                "uid": p.uid, "name": p.name, "namespace": ns, "serviceAccount": sa,
+                "workloadName": sa, "workloadIps": [p.ip.to_string()], "protocol": "HBONE",
+            })
+        })
+        .collect();
+    let doc = serde_json::json!({"workloads": workloads, "services": [], "policies": []});
+    let cm = serde_json::json!({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "meshpath-workloads", "namespace": SYSTEM_NS},
+        "data": {"workloads.yaml": doc.to_string()},
+    });
+    kubectl_in(&["apply", "-f", "-"], &cm.to_string())?;
+    // Loaded once the store in the admin dump holds every pod's uid (kubelet updates the
+    // mounted file within its sync period).
+    wait_for("the proxy to load the workloads", Duration::from_secs(90), || {
+        let dump: Value = serde_json::from_str(&proxy_config_dump()?)?;
+        let held: Vec<&str> = dump["workloads"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|w| w["uid"].as_str())
+            .collect();
+        Ok(pods.iter().all(|(_, _, p)| held.contains(&p.uid.as_str())).then_some(()))
+    })
+}
+
+/// The agent's datapath, as `meshpath-loader list --json` on the node reads it.
+pub fn enrolled_pods() -> Result<Value> {
+    let loader = crate::loader_bin();
+    let out = output(
+        {
+            let mut c = Command::new(loader);
+            c.args(["--pin-root", PIN_ROOT, "list", "--json"]);
+            c
+        },
+        None,
+    )?;
+    Ok(serde_json::from_str(&out)?)
+}

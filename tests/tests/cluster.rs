@@ -1,0 +1,402 @@
+//! meshpath as users run it: its DaemonSets applied with kubectl to a real single-node cluster
+//! (kubelet, containerd, the control plane; `cargo xtask cluster up`), pods made with kubectl,
+//! kubelet's own probes, restarts and the uninstall Job. One test at a time: several restart
+//! the DaemonSets every test relies on, and each first makes sure meshpath is installed.
+//! tests/src/cluster.rs has the fixtures.
+
+use std::{
+    path::Path,
+    time::{Duration, Instant},
+};
+
+use meshpath_tests::cluster::*;
+
+/// Bytes of a long transfer across a restart, and the seconds it is spread over.
+const LONG_BYTES: &str = "20000000";
+const LONG_SECONDS: &str = "25";
+
+fn set_up() {
+    require_cluster();
+    install().expect("installing meshpath with kubectl");
+}
+
+/// A meshed namespace with a server and a client, their certificates issued and the proxy
+/// told they are HBONE workloads.
+struct MeshedPair {
+    ns: TestNamespace,
+    server: PodInfo,
+    client: PodInfo,
+}
+
+fn meshed_pair() -> MeshedPair {
+    let ns = TestNamespace::new("mesh", true).expect("namespace");
+    for sa in ["server", "client"] {
+        issue_certificate(&ns.name, sa).expect("certificate");
+        deploy_app(&ns.name, sa, 8080).expect("deployment");
+    }
+    let server = ready_pod(&ns.name, "server").expect("server");
+    let client = ready_pod(&ns.name, "client").expect("client");
+    publish_workloads(&[(&ns.name, "server", &server), (&ns.name, "client", &client)])
+        .expect("workloads");
+    MeshedPair { ns, server, client }
+}
+
+fn mtls_opened_to(workload: &str) -> f64 {
+    let m = proxy_metrics().expect("proxy metrics");
+    metric_sum(
+        &m,
+        "istio_tcp_connections_opened_total",
+        &[
+            ("reporter", "destination"),
+            ("destination_workload", workload),
+            ("connection_security_policy", "mutual_tls"),
+        ],
+    )
+}
+
+fn send(pair: &MeshedPair, bytes: &str) -> anyhow::Result<String> {
+    exec(
+        &pair.ns.name,
+        &pair.client.name,
+        &["send", &format!("{}:9000", pair.server.ip), "--bytes", bytes],
+    )
+}
+
+fn conflist() -> serde_json::Value {
+    let text = std::fs::read_to_string(CONFLIST).expect("the node's conflist");
+    serde_json::from_str(&text).expect("conflist JSON")
+}
+
+fn plugin_types(conf: &serde_json::Value) -> Vec<String> {
+    conf["plugins"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p["type"].as_str().map(str::to_owned))
+        .collect()
+}
+
+#[test]
+fn installed_with_kubectl_both_daemonsets_are_ready_and_the_plugin_ends_the_nodes_chain() {
+    set_up();
+    assert!(daemonset_ready(AGENT_DS).expect("agent"));
+    assert!(daemonset_ready(PROXY_DS).expect("proxy"));
+    assert_eq!(plugin_types(&conflist()), ["bridge", "meshpath-cni"]);
+    let plugin = std::fs::metadata(Path::new(CNI_BIN).join("meshpath-cni")).expect("plugin");
+    assert!(std::os::unix::fs::PermissionsExt::mode(&plugin.permissions()) & 0o111 != 0);
+    assert!(Path::new(PIN_ROOT).join("maps").is_dir(), "the agent pinned no datapath");
+}
+
+#[test]
+fn a_pod_in_an_ambient_namespace_is_captured_and_annotated_and_one_in_a_plain_namespace_is_not() {
+    set_up();
+    let mesh = TestNamespace::new("mesh", true).expect("namespace");
+    let plain = TestNamespace::new("plain", false).expect("namespace");
+    issue_certificate(&mesh.name, "server").expect("certificate");
+    deploy_app(&mesh.name, "server", 8080).expect("meshed");
+    deploy_app(&plain.name, "server", 8080).expect("plain");
+    let meshed = ready_pod(&mesh.name, "server").expect("meshed pod");
+    let unmeshed = ready_pod(&plain.name, "server").expect("plain pod");
+    let annotated = wait_for("the redirection annotation", Duration::from_secs(30), || {
+        let p = app_pod(&mesh.name, "server")?;
+        Ok(p.filter(|p| p.annotations["ambient.istio.io/redirection"] == "enabled"))
+    });
+    assert!(annotated.is_ok(), "{annotated:?}");
+    assert!(
+        unmeshed.annotations.get("ambient.istio.io/redirection").is_none(),
+        "the plain pod was annotated: {}",
+        unmeshed.annotations
+    );
+    let list = enrolled_pods().expect("meshpath-loader list").to_string();
+    assert!(list.contains(&format!("{}/{}", mesh.name, meshed.name)), "{list}");
+    assert!(!list.contains(&plain.name), "{list}");
+}
+
+#[test]
+fn meshed_pods_carry_traffic_to_each_other_over_hbone_with_mutual_tls() {
+    set_up();
+    let pair = meshed_pair();
+    let before = mtls_opened_to("server");
+    let out = send(&pair, "1000000").expect("a megabyte from client to server");
+    assert!(out.contains("bytes=1000000"), "{out}");
+    let after = wait_for("the destination's mutual_tls count", Duration::from_secs(10), || {
+        let n = mtls_opened_to("server");
+        Ok((n > before).then_some(n))
+    });
+    assert!(after.is_ok(), "no mutual TLS connection to the server was counted: {after:?}");
+    // The server saw the client's own address: the proxy connected from it.
+    let peer = exec(
+        &pair.ns.name,
+        &pair.client.name,
+        &["get", &format!("{}:8080", pair.server.ip), "/peer"],
+    )
+    .expect("GET /peer");
+    assert_eq!(peer.trim(), pair.client.ip.to_string());
+}
+
+#[test]
+fn a_meshed_pod_reaches_an_unmeshed_one_in_plain_tcp_without_mutual_tls() {
+    set_up();
+    let pair = meshed_pair();
+    let plain = TestNamespace::new("plain", false).expect("namespace");
+    deploy_app(&plain.name, "legacy", 8080).expect("deployment");
+    let legacy = ready_pod(&plain.name, "legacy").expect("legacy");
+    let before = metric_sum(
+        &proxy_metrics().expect("metrics"),
+        "istio_tcp_connections_opened_total",
+        &[("connection_security_policy", "mutual_tls")],
+    );
+    let out = exec(
+        &pair.ns.name,
+        &pair.client.name,
+        &["send", &format!("{}:9000", legacy.ip), "--bytes", "100000"],
+    )
+    .expect("client to the unmeshed pod");
+    assert!(out.contains("bytes=100000"), "{out}");
+    let after = metric_sum(
+        &proxy_metrics().expect("metrics"),
+        "istio_tcp_connections_opened_total",
+        &[("connection_security_policy", "mutual_tls")],
+    );
+    assert_eq!(before, after, "a connection to an unmeshed pod was counted as mutual TLS");
+    assert!(legacy.annotations.get("ambient.istio.io/redirection").is_none());
+}
+
+#[test]
+fn kubelet_probes_reach_a_meshed_pod_and_a_closed_probe_port_leaves_it_unready() {
+    set_up();
+    let ns = TestNamespace::new("probe", true).expect("namespace");
+    for sa in ["open", "closed"] {
+        issue_certificate(&ns.name, sa).expect("certificate");
+    }
+    deploy_app(&ns.name, "open", 8080).expect("deployment");
+    // Nothing listens on 8081.
+    deploy_app(&ns.name, "closed", 8081).expect("deployment");
+    let open = ready_pod(&ns.name, "open").expect("a meshed pod whose probes succeed is Ready");
+    assert_eq!(open.annotations["ambient.istio.io/redirection"], "enabled", "not meshed");
+    // The closed one has an address, is meshed, and its probes fail for 10 s: still unready.
+    let closed = wait_for("the closed pod's address", Duration::from_secs(60), || {
+        app_pod(&ns.name, "closed")
+    })
+    .expect("closed pod");
+    std::thread::sleep(Duration::from_secs(10));
+    let closed = app_pod(&ns.name, "closed").expect("pod").expect("pod");
+    assert!(!closed.ready, "a pod whose probe port is closed went Ready");
+    // The open pod's liveness probe never failed (it would have been restarted).
+    assert_eq!(app_pod(&ns.name, "open").expect("pod").expect("pod").restarts, 0);
+    let _ = closed;
+}
+
+/// Starts a long paced transfer from the client, runs `disrupt`, and checks the transfer
+/// arrives byte-exact and a new connection works after.
+fn survives(disrupt: impl FnOnce()) {
+    set_up();
+    let pair = meshed_pair();
+    let target = format!("{}:9000", pair.server.ip);
+    let long = exec_spawn(
+        &pair.ns.name,
+        &pair.client.name,
+        &["send", &target, "--bytes", LONG_BYTES, "--seconds", LONG_SECONDS],
+    )
+    .expect("the long transfer");
+    std::thread::sleep(Duration::from_secs(3));
+    disrupt();
+    let out = long.wait_with_output().expect("the long transfer's end");
+    let text =
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the transfer across the restart failed: {text}");
+    assert!(text.contains(&format!("bytes={LONG_BYTES}")), "{text}");
+    let after = send(&pair, "100000").expect("a new connection after the restart");
+    assert!(after.contains("bytes=100000"), "{after}");
+}
+
+#[test]
+fn a_rolling_update_of_the_agent_keeps_a_long_transfer_byte_exact_and_new_connections_working() {
+    survives(|| {
+        let old = daemonset_pod(AGENT_DS).expect("agent pod");
+        kubectl(&[
+            "set",
+            "image",
+            "-n",
+            SYSTEM_NS,
+            &format!("daemonset/{AGENT_DS}"),
+            &format!("agent={MESHPATH_NEXT}"),
+            &format!("mount-bpffs={MESHPATH_NEXT}"),
+        ])
+        .expect("kubectl set image");
+        wait_for("the updated agent", Duration::from_secs(120), || {
+            Ok((daemonset_ready(AGENT_DS)? && daemonset_pod(AGENT_DS)? != old).then_some(()))
+        })
+        .expect("rollout");
+        let image = get_json(&["daemonset", "-n", SYSTEM_NS, AGENT_DS]).expect("ds");
+        assert_eq!(image["spec"]["template"]["spec"]["containers"][0]["image"], MESHPATH_NEXT);
+    });
+}
+
+#[test]
+fn deleting_the_agent_pod_keeps_a_long_transfer_byte_exact_and_new_connections_working() {
+    survives(|| {
+        let old = daemonset_pod(AGENT_DS).expect("agent pod");
+        kubectl(&["delete", "pod", "-n", SYSTEM_NS, &old, "--wait=false"]).expect("delete");
+        wait_for("a new agent", Duration::from_secs(120), || {
+            Ok((daemonset_ready(AGENT_DS)? && daemonset_pod(AGENT_DS)? != old).then_some(()))
+        })
+        .expect("a new agent pod");
+    });
+}
+
+/// Takes the proxy DaemonSet's pod off the node (a node selector nothing matches) and brings it
+/// back.
+fn proxy_away(away: bool) {
+    let patch = if away {
+        r#"{"spec":{"template":{"spec":{"nodeSelector":{"meshpath.io/test-no-node":"true"}}}}}"#
+    } else {
+        r#"[{"op":"remove","path":"/spec/template/spec/nodeSelector/meshpath.io~1test-no-node"}]"#
+    };
+    let kind = if away { "merge" } else { "json" };
+    kubectl(&["patch", "daemonset", "-n", SYSTEM_NS, PROXY_DS, "--type", kind, "-p", patch])
+        .expect("patch");
+}
+
+#[test]
+fn while_the_proxy_is_down_meshed_traffic_is_refused_and_once_it_is_back_it_flows() {
+    set_up();
+    let pair = meshed_pair();
+    proxy_away(true);
+    let gone = wait_for("the proxy pod gone", Duration::from_secs(90), || {
+        Ok(daemonset_pod(PROXY_DS).is_err().then_some(()))
+    });
+    let before = sink_count(pair.server.ip).expect("sink count");
+    let refused = send(&pair, "1000");
+    let after = sink_count(pair.server.ip).expect("sink count");
+    proxy_away(false);
+    gone.expect("the proxy left the node");
+    assert!(refused.is_err(), "a meshed connection went through with no proxy: {refused:?}");
+    assert_eq!(before, after, "the server's sink accepted a connection while the proxy was down");
+    wait_for("the proxy back", Duration::from_secs(120), || {
+        Ok(daemonset_ready(PROXY_DS)?.then_some(()))
+    })
+    .expect("proxy back");
+    let ok = wait_for("traffic through the new proxy", Duration::from_secs(60), || {
+        Ok(send(&pair, "1000").ok())
+    });
+    assert!(ok.is_ok_and(|o| o.contains("bytes=1000")), "traffic did not resume");
+}
+
+#[test]
+fn a_deleted_meshed_pod_leaves_the_datapath() {
+    set_up();
+    let ns = TestNamespace::new("del", true).expect("namespace");
+    issue_certificate(&ns.name, "server").expect("certificate");
+    deploy_app(&ns.name, "server", 8080).expect("deployment");
+    let pod = ready_pod(&ns.name, "server").expect("pod");
+    let name = format!("{}/{}", ns.name, pod.name);
+    wait_for("the pod enrolled", Duration::from_secs(30), || {
+        Ok(enrolled_pods()?.to_string().contains(&name).then_some(()))
+    })
+    .expect("enrolled");
+    kubectl(&["delete", "deployment", "-n", &ns.name, "server"]).expect("delete");
+    let gone = wait_for("the pod out of the datapath", Duration::from_secs(60), || {
+        Ok((!enrolled_pods()?.to_string().contains(&name)).then_some(()))
+    });
+    assert!(gone.is_ok(), "{gone:?}");
+}
+
+#[test]
+fn a_pod_created_while_the_agent_is_down_is_captured_once_it_is_back() {
+    set_up();
+    let agent_away = |away: bool| {
+        let patch = if away {
+            r#"{"spec":{"template":{"spec":{"nodeSelector":{"meshpath.io/test-no-node":"true"}}}}}"#
+        } else {
+            r#"[{"op":"remove","path":"/spec/template/spec/nodeSelector/meshpath.io~1test-no-node"}]"#
+        };
+        let kind = if away { "merge" } else { "json" };
+        kubectl(&["patch", "daemonset", "-n", SYSTEM_NS, AGENT_DS, "--type", kind, "-p", patch])
+            .expect("patch");
+    };
+    agent_away(true);
+    let gone = wait_for("the agent pod gone", Duration::from_secs(90), || {
+        Ok(daemonset_pod(AGENT_DS).is_err().then_some(()))
+    });
+    let ns = TestNamespace::new("late", true).expect("namespace");
+    issue_certificate(&ns.name, "server").expect("certificate");
+    deploy_app(&ns.name, "server", 8080).expect("deployment");
+    // With no agent, the chained plugin refuses the pod: it does not start uncaptured.
+    std::thread::sleep(Duration::from_secs(8));
+    let early = app_pod(&ns.name, "server").expect("pods");
+    agent_away(false);
+    gone.expect("the agent left the node");
+    assert!(early.is_none(), "a meshed pod got an address while no agent ran: {early:?}");
+    let pod = ready_pod(&ns.name, "server").expect("the pod starts once the agent is back");
+    let annotated = wait_for("the annotation", Duration::from_secs(30), || {
+        Ok(app_pod(&ns.name, "server")?
+            .filter(|p| p.annotations["ambient.istio.io/redirection"] == "enabled"))
+    });
+    assert!(annotated.is_ok(), "{annotated:?}");
+    let list = enrolled_pods().expect("list").to_string();
+    assert!(list.contains(&format!("{}/{}", ns.name, pod.name)), "{list}");
+}
+
+#[test]
+fn the_uninstall_job_leaves_the_node_as_it_was() {
+    set_up();
+    let started = Instant::now();
+    // docs/deploy.md, "Uninstall": the agent first, then the Job on every node, then the rest.
+    kubectl(&["delete", "daemonset", "-n", SYSTEM_NS, AGENT_DS, "--wait=true"])
+        .expect("delete agent");
+    let job = std::fs::read_to_string(repo_root().join("deploy/uninstall-job.yaml"))
+        .expect("uninstall job")
+        .replace("NODE_NAME", NODE_NAME)
+        .replace("registry.example.invalid/meshpath:0.1.0", "localhost/meshpath:cluster")
+        .replace("imagePullPolicy: IfNotPresent", "imagePullPolicy: Never")
+        // Kubernetes 1.20 has no appArmorProfile field (tests/cluster/kustomization.yaml).
+        .replace("            appArmorProfile:\n              type: Unconfined\n", "");
+    kubectl_in(&["create", "-f", "-"], &job).expect("create the Job");
+    let done = wait_for("the uninstall Job", Duration::from_secs(120), || {
+        let jobs = get_json(&[
+            "jobs",
+            "-n",
+            SYSTEM_NS,
+            "-l",
+            "app.kubernetes.io/name=meshpath-uninstall",
+        ])?;
+        Ok(jobs["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|j| j["status"]["succeeded"].as_i64() == Some(1))
+            .then_some(()))
+    });
+    kubectl(&["delete", "daemonset", "-n", SYSTEM_NS, PROXY_DS, "--wait=true"])
+        .expect("delete proxy");
+    kubectl(&[
+        "delete",
+        "jobs",
+        "-n",
+        SYSTEM_NS,
+        "-l",
+        "app.kubernetes.io/name=meshpath-uninstall",
+    ])
+    .expect("delete jobs");
+    done.expect("the Job completed");
+    assert!(!Path::new(PIN_ROOT).exists(), "{PIN_ROOT} is still there");
+    assert_eq!(plugin_types(&conflist()), ["bridge"], "the conflist still chains meshpath-cni");
+    assert!(!Path::new(CNI_BIN).join("meshpath-cni").exists());
+    // No meshpath program left at the cgroup v2 root, where the agent attaches its node-wide
+    // ones (their names start with `mp_`, datapath-common's program names).
+    let root = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
+        .into_iter()
+        .find(|p| Path::new(p).join("cgroup.procs").exists())
+        .expect("a cgroup v2 root");
+    let attached = std::process::Command::new("bpftool")
+        .args(["-j", "cgroup", "show", root])
+        .output()
+        .expect("bpftool");
+    let attached = String::from_utf8_lossy(&attached.stdout);
+    assert!(
+        !attached.contains("\"name\":\"mp_"),
+        "meshpath programs still attached at {root}: {attached}"
+    );
+    println!("uninstall took {} s", started.elapsed().as_secs());
+}

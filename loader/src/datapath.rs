@@ -491,11 +491,9 @@ pub fn cgroup2_root() -> Result<PathBuf> {
     Ok(point)
 }
 
-/// `CGROUP2_SUPER_MAGIC` (linux/magic.h).
-const CGROUP2_MAGIC: i64 = 0x6367_7270;
-
 fn is_cgroup2(dir: &Path) -> bool {
-    nix::sys::statfs::statfs(dir).is_ok_and(|s| s.filesystem_type().0 as i64 == CGROUP2_MAGIC)
+    nix::sys::statfs::statfs(dir)
+        .is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC)
 }
 
 /// The cgroup v2 hierarchy an operator pointed at (a DaemonSet mounts the host's /sys/fs/cgroup

@@ -204,6 +204,125 @@ pub fn install() -> Result<()> {
     })
 }
 
+/// The manifests `kubectl apply -k tests/cluster` applies, as JSON objects (rendered by
+/// kubectl's kustomize), for a test that changes one before applying.
+pub fn rendered_install() -> Result<Vec<Value>> {
+    let overlay = repo_root().join("tests/cluster");
+    let yaml = kubectl(&["kustomize", &overlay.display().to_string()])?;
+    let list: Value = serde_json::from_str(&kubectl_in(
+        &["create", "--dry-run=client", "-o", "json", "-f", "-"],
+        &yaml,
+    )?)?;
+    Ok(list["items"].as_array().cloned().unwrap_or_default())
+}
+
+/// Takes meshpath off the node as docs/deploy.md says: the agent's DaemonSet, then the
+/// uninstall Job (the image and pull policy of this cluster), then the proxy's.
+pub fn uninstall() -> Result<()> {
+    kubectl(&[
+        "delete",
+        "daemonset",
+        "-n",
+        SYSTEM_NS,
+        AGENT_DS,
+        "--ignore-not-found",
+        "--wait=true",
+    ])?;
+    let job = std::fs::read_to_string(repo_root().join("deploy/uninstall-job.yaml"))?
+        .replace("NODE_NAME", NODE_NAME)
+        .replace("registry.example.invalid/meshpath:0.1.0", "localhost/meshpath:cluster")
+        .replace("imagePullPolicy: IfNotPresent", "imagePullPolicy: Never")
+        // Kubernetes 1.20 has no appArmorProfile field (tests/cluster/kustomization.yaml).
+        .replace("            appArmorProfile:\n              type: Unconfined\n", "");
+    kubectl_in(&["create", "-f", "-"], &job)?;
+    let done = wait_for("the uninstall Job", Duration::from_secs(120), || {
+        let jobs = get_json(&[
+            "jobs",
+            "-n",
+            SYSTEM_NS,
+            "-l",
+            "app.kubernetes.io/name=meshpath-uninstall",
+        ])?;
+        Ok(jobs["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|j| j["status"]["succeeded"].as_i64() == Some(1))
+            .then_some(()))
+    });
+    kubectl(&[
+        "delete",
+        "daemonset",
+        "-n",
+        SYSTEM_NS,
+        PROXY_DS,
+        "--ignore-not-found",
+        "--wait=true",
+    ])?;
+    kubectl(&[
+        "delete",
+        "jobs",
+        "-n",
+        SYSTEM_NS,
+        "-l",
+        "app.kubernetes.io/name=meshpath-uninstall",
+    ])?;
+    done
+}
+
+/// The agent's readiness answer (status code and body), from its health port on the node.
+pub fn agent_readyz() -> Result<(u16, String)> {
+    let mut c = in_node("curl");
+    c.args([
+        "-s",
+        "--max-time",
+        "5",
+        "-w",
+        "\n%{http_code}",
+        &format!("http://{NODE_IP}:8000/readyz"),
+    ]);
+    let out = output(c, None)?;
+    let (body, code) = out.trim_end().rsplit_once('\n').unwrap_or(("", out.trim()));
+    Ok((code.trim().parse()?, body.to_owned()))
+}
+
+/// Restarts the cluster's kube-apiserver (the same command line; etcd keeps the state), as a
+/// control-plane upgrade or crash would: the old process is stopped, a new one started.
+pub fn restart_apiserver() -> Result<()> {
+    let state_path = Path::new(DIR).join("state.json");
+    let mut state: Value = serde_json::from_str(&std::fs::read_to_string(&state_path)?)?;
+    let pid = state["pids"]["kube-apiserver"].as_i64().context("no kube-apiserver pid")?;
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))?;
+    let args: Vec<String> = cmdline
+        .split(|b| *b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(pid)?);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)?;
+    wait_for("the API server to exit", Duration::from_secs(30), || {
+        Ok(nix::sys::signal::kill(pid, None).is_err().then_some(()))
+    })?;
+    let log = std::fs::OpenOptions::new()
+        .append(true)
+        .open(Path::new(DIR).join("logs/kube-apiserver.log"))?;
+    let mut c = in_node(args.first().context("empty command line")?);
+    c.args(&args[1..]).stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
+    // SAFETY: setsid is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut c, || {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let child = c.spawn()?;
+    state["pids"]["kube-apiserver"] = serde_json::json!(child.id());
+    std::fs::write(&state_path, serde_json::to_string_pretty(&state)?)?;
+    wait_for("the API server back", Duration::from_secs(90), || {
+        Ok(kubectl(&["get", "--raw", "/readyz"]).is_ok().then_some(()))
+    })
+}
+
 /// The pod (name) of a DaemonSet on the node.
 pub fn daemonset_pod(name: &str) -> Result<String> {
     let pods =

@@ -183,6 +183,22 @@ impl KubeApi {
         }
     }
 
+    /// A GET as a plain `curl` makes it (curl's own user agent, for which the API server
+    /// pretty-prints its JSON); the HTTP status.
+    pub fn curl_get(&self, path: &str) -> Result<String> {
+        let out = Command::new("curl")
+            .args(["-sk", "-o", "/dev/null", "-w", "%{http_code}", "-H"])
+            .arg(format!("Authorization: Bearer {}", self.token))
+            .arg(format!("https://127.0.0.1:{}{path}", self.port))
+            .output()?;
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Whether the API server process is still running.
+    pub fn apiserver_alive(&mut self) -> bool {
+        self.apiserver.as_mut().is_some_and(|a| a.try_wait().is_ok_and(|s| s.is_none()))
+    }
+
     /// A kube-rs client as the administrator.
     pub async fn client(&self) -> Result<kube::Client> {
         let file = kube::config::Kubeconfig::read_from(&self.kubeconfig)?;

@@ -341,45 +341,12 @@ fn a_pod_created_while_the_agent_is_down_is_captured_once_it_is_back() {
 #[test]
 fn the_uninstall_job_leaves_the_node_as_it_was() {
     set_up();
-    let started = Instant::now();
-    // docs/deploy.md, "Uninstall": the agent first, then the Job on every node, then the rest.
-    kubectl(&["delete", "daemonset", "-n", SYSTEM_NS, AGENT_DS, "--wait=true"])
-        .expect("delete agent");
-    let job = std::fs::read_to_string(repo_root().join("deploy/uninstall-job.yaml"))
-        .expect("uninstall job")
-        .replace("NODE_NAME", NODE_NAME)
-        .replace("registry.example.invalid/meshpath:0.1.0", "localhost/meshpath:cluster")
-        .replace("imagePullPolicy: IfNotPresent", "imagePullPolicy: Never")
-        // Kubernetes 1.20 has no appArmorProfile field (tests/cluster/kustomization.yaml).
-        .replace("            appArmorProfile:\n              type: Unconfined\n", "");
-    kubectl_in(&["create", "-f", "-"], &job).expect("create the Job");
-    let done = wait_for("the uninstall Job", Duration::from_secs(120), || {
-        let jobs = get_json(&[
-            "jobs",
-            "-n",
-            SYSTEM_NS,
-            "-l",
-            "app.kubernetes.io/name=meshpath-uninstall",
-        ])?;
-        Ok(jobs["items"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .any(|j| j["status"]["succeeded"].as_i64() == Some(1))
-            .then_some(()))
-    });
-    kubectl(&["delete", "daemonset", "-n", SYSTEM_NS, PROXY_DS, "--wait=true"])
-        .expect("delete proxy");
-    kubectl(&[
-        "delete",
-        "jobs",
-        "-n",
-        SYSTEM_NS,
-        "-l",
-        "app.kubernetes.io/name=meshpath-uninstall",
-    ])
-    .expect("delete jobs");
-    done.expect("the Job completed");
+    assert_eq!(
+        plugin_types(&conflist()),
+        ["bridge", "meshpath-cni"],
+        "not installed to begin with"
+    );
+    uninstall().expect("uninstall as docs/deploy.md says");
     assert!(!Path::new(PIN_ROOT).exists(), "{PIN_ROOT} is still there");
     assert_eq!(plugin_types(&conflist()), ["bridge"], "the conflist still chains meshpath-cni");
     assert!(!Path::new(CNI_BIN).join("meshpath-cni").exists());
@@ -398,5 +365,80 @@ fn the_uninstall_job_leaves_the_node_as_it_was() {
         !attached.contains("\"name\":\"mp_"),
         "meshpath programs still attached at {root}: {attached}"
     );
-    println!("uninstall took {} s", started.elapsed().as_secs());
+}
+
+#[test]
+fn an_agent_on_a_node_without_cgroup_v2_stays_unready_saying_why_on_its_probe_and_in_an_event() {
+    set_up();
+    uninstall().expect("a node without meshpath");
+    // The agent told that the host's cgroup v2 hierarchy is a cgroup v1 one: what it meets on a
+    // node whose kernel has no cgroup v2 mounted.
+    let mut objects = rendered_install().expect("the rendered manifests");
+    for o in &mut objects {
+        if o["kind"] == "DaemonSet" && o["metadata"]["name"] == AGENT_DS {
+            let env = o["spec"]["template"]["spec"]["containers"][0]["env"]
+                .as_array_mut()
+                .expect("the agent's env");
+            for e in env.iter_mut() {
+                if e["name"] == "MESHPATH_CGROUP_ROOT" {
+                    e["value"] = "/host/sys/fs/cgroup/memory".into();
+                }
+            }
+        }
+    }
+    let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": objects});
+    kubectl_in(&["apply", "-f", "-"], &list.to_string()).expect("apply");
+    let why = wait_for("the agent's answer", Duration::from_secs(120), || {
+        let (code, body) = agent_readyz()?;
+        Ok((code == 503 && body.contains("cgroup")).then_some(body))
+    });
+    let events = wait_for("the Event on the Node", Duration::from_secs(30), || {
+        let ev = get_json(&[
+            "events",
+            "-n",
+            "default",
+            "--field-selector",
+            "reason=DatapathUnavailable",
+        ])?;
+        let on_node = ev["items"].as_array().into_iter().flatten().any(|e| {
+            e["involvedObject"]["kind"] == "Node"
+                && e["involvedObject"]["name"] == NODE_NAME
+                && e["message"].as_str().is_some_and(|m| m.contains("cgroup"))
+        });
+        Ok(on_node.then_some(()))
+    });
+    let ready_while_broken = daemonset_ready(AGENT_DS).expect("ds");
+    // Back to the shipped manifests: the same agent becomes ready.
+    install().expect("install");
+    let (code, _) = agent_readyz().expect("readyz");
+    assert!(why.is_ok(), "no reason on /readyz: {why:?}");
+    assert!(events.is_ok(), "{events:?}");
+    assert!(!ready_while_broken, "the agent was Ready with no datapath");
+    assert_eq!(code, 200);
+}
+
+#[test]
+fn pods_created_while_the_api_server_restarts_are_all_captured() {
+    set_up();
+    let ns = TestNamespace::new("restart", true).expect("namespace");
+    let apps = ["a1", "a2", "a3", "a4"];
+    for app in apps {
+        issue_certificate(&ns.name, app).expect("certificate");
+    }
+    deploy_app(&ns.name, apps[0], 8080).expect("deployment");
+    deploy_app(&ns.name, apps[1], 8080).expect("deployment");
+    restart_apiserver().expect("API server restart");
+    deploy_app(&ns.name, apps[2], 8080).expect("deployment");
+    restart_apiserver().expect("API server restart");
+    deploy_app(&ns.name, apps[3], 8080).expect("deployment");
+    for app in apps {
+        let pod = ready_pod(&ns.name, app).expect("a Ready pod");
+        let annotated = wait_for("the annotation", Duration::from_secs(30), || {
+            Ok(app_pod(&ns.name, app)?
+                .filter(|p| p.annotations["ambient.istio.io/redirection"] == "enabled"))
+        });
+        assert!(annotated.is_ok(), "{app}: {annotated:?}");
+        let name = format!("{}/{}", ns.name, pod.name);
+        assert!(enrolled_pods().expect("list").to_string().contains(&name), "{name} not enrolled");
+    }
 }

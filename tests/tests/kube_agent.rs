@@ -358,3 +358,19 @@ async fn an_add_for_a_recreated_pod_is_not_decided_by_the_cached_object_of_the_p
     let err = format!("{err:#}");
     assert!(err.contains("replaced"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pretty_printed_answer_does_not_bring_the_api_server_down() {
+    // A plain curl GET gets pretty-printed JSON; the API server built with the vendored
+    // reflect2 1.0.1 died on it (`fatal error: fault`). Any client may ask that.
+    let mut c = cluster(92, false).await;
+    namespace(&c, "shop", true).await;
+    pod(&c, "shop", "web", json!({})).await;
+    for path in ["/api/v1/namespaces", "/api/v1/pods", "/api/v1/namespaces/shop/pods/web"] {
+        let status = tokio::task::block_in_place(|| c.api.curl_get(path)).expect("curl");
+        assert_eq!(status, "200", "GET {path}");
+    }
+    assert!(c.api.apiserver_alive(), "the API server died answering a pretty-printed GET");
+    let status = tokio::task::block_in_place(|| c.api.curl_get("/readyz")).expect("curl");
+    assert_eq!(status, "200");
+}

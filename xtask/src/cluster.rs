@@ -626,6 +626,9 @@ root = "{DIR}/containerd"
 state = "{RUN}/containerd"
 [grpc]
   address = "{RUN}/containerd.sock"
+# Its "opt" directory in the cluster's files, not /opt/containerd.
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{DIR}/containerd-opt"
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "{pause}"
   # This sandbox may not raise a process's OOM score adjustment (no CAP_SYS_RESOURCE).

@@ -421,3 +421,37 @@ impl Kube {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gone() -> Result<watcher::Event<Pod>, watcher::Error> {
+        Err(watcher::Error::WatchError(Box::new(
+            kube::core::Status::failure("too old resource version", "Expired").with_code(410),
+        )))
+    }
+
+    fn unreachable() -> Result<watcher::Event<Pod>, watcher::Error> {
+        Err(watcher::Error::NoResourceVersion)
+    }
+
+    #[test]
+    fn a_410_is_relisted_at_once_even_in_the_middle_of_failures() {
+        let mut r = Retry::default();
+        assert_eq!(r.after(&unreachable()), Some(Retry::FIRST));
+        assert_eq!(r.after(&gone()), None);
+    }
+
+    #[test]
+    fn failures_back_off_from_100_ms_to_at_most_2_s_and_a_success_resets() {
+        let mut r = Retry::default();
+        let waits: Vec<_> = (0..8).filter_map(|_| r.after(&unreachable())).collect();
+        assert_eq!(waits[0], Duration::from_millis(100));
+        assert_eq!(waits[1], Duration::from_millis(200));
+        assert_eq!(*waits.last().expect("waits"), Retry::MAX);
+        assert!(waits.iter().all(|w| *w <= Retry::MAX));
+        assert_eq!(r.after(&Ok(watcher::Event::<Pod>::InitDone)), None);
+        assert_eq!(r.after(&unreachable()), Some(Retry::FIRST));
+    }
+}

@@ -140,3 +140,52 @@ fn a_workload_selecting_a_policy_after_a_reload_is_held_to_it() {
     assert!(reloaded, "node 2 did not reload its workload file");
     assert!(nodes.app_round_trip(dst, b"after").unwrap_or_default().is_empty(), "still allowed");
 }
+
+#[test]
+fn a_deny_written_into_the_workload_file_closes_an_open_connection_it_denies() {
+    use std::io::{Read as _, Write as _};
+    let nodes = TwoNodes::new(MESHED);
+    let dst = nodes.b(false, 8094);
+    nodes.echo_server_in_b(dst);
+    let mut live = nodes.connect_from_a(dst).expect("connect");
+    let mut buf = [0u8; 4];
+    live.write_all(b"ping").expect("write");
+    live.read_exact(&mut buf).expect("allowed before the change");
+    let deny = "- {name: no-8094, namespace: default, scope: Namespace, action: Deny, rules: [[[{destinationPorts: [8094]}]]]}\n";
+    nodes.write_workloads(2, &nodes.workloads(&MESHED, &format!("policies:\n{deny}")));
+    let changed = std::time::Instant::now();
+    let closed = loop {
+        if live.write_all(b"ping").is_err() {
+            break true;
+        }
+        match live.read(&mut buf) {
+            Ok(0) | Err(_) => break true,
+            Ok(_) if changed.elapsed() > Duration::from_secs(10) => break false,
+            Ok(_) => std::thread::sleep(Duration::from_millis(100)),
+        }
+    };
+    assert!(closed, "the connection the new DENY covers stayed open");
+    let denied = nodes.proxies[1]
+        .metric("meshpath_connection_errors_total", &[("reason", "policy_denied")])
+        .expect("metrics");
+    assert_eq!(denied, 1.0, "the closure was not counted once");
+}
+
+#[test]
+fn a_policy_change_leaves_open_connections_it_still_allows() {
+    use std::io::{Read as _, Write as _};
+    let nodes = TwoNodes::new(MESHED);
+    let dst = nodes.b(false, 8096);
+    nodes.echo_server_in_b(dst);
+    let mut live = nodes.connect_from_a(dst).expect("connect");
+    let mut buf = [0u8; 4];
+    // A DENY for another port: the connection must survive the recheck.
+    nodes.write_workloads(2, &nodes.workloads(&MESHED, &format!("policies:\n{DENY_8091}")));
+    let reloaded = nodes.proxies[1].wait_metrics(Duration::from_secs(10), |m| {
+        meshpath_tests::sum_metric(m, "meshpath_config_reloads_total", &[("reason", "ok")]) >= 1.0
+    });
+    assert!(reloaded, "node 2 never reloaded its file");
+    live.write_all(b"ping").expect("write after the change");
+    live.read_exact(&mut buf).expect("still open after the change");
+    assert_eq!(&buf, b"ping");
+}

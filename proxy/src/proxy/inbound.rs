@@ -31,7 +31,7 @@ use crate::{
     identity::Identity,
     inpod::Pod,
     metrics::{ConnGuard, ConnInfo, Direction},
-    proxy::{hbone, read_ahead::ReadAhead},
+    proxy::{authorized::Authorized, hbone, read_ahead::ReadAhead},
     state::authorization,
 };
 
@@ -287,6 +287,8 @@ async fn serve_stream(
         dst_service: None,
     };
     let guard = ConnGuard::open(&proxy.metrics, info);
+    // Held until the stream ends: a policy change that denies it closes it.
+    let allowed = Authorized::register(proxy, &pod.uid, Some(client), src.ip(), target);
     let limit = proxy.settings.connect_timeout;
     let app = match crate::proxy::transparent::connect_app(pod, src.ip(), target, limit).await {
         Ok(s) => s,
@@ -306,20 +308,17 @@ async fn serve_stream(
     let send = respond.send_response(resp, false).map_err(io::Error::other)?;
     // The app's bytes go towards the client; the stream's come from it.
     let meters = (&guard.to_client, &guard.from_client);
-    match crate::proxy::copy::splice(
-        app,
-        send,
-        req.into_body(),
-        meters,
-        proxy.settings.idle_timeout,
-    )
-    .await
-    {
-        Ok(_) => guard.finish(None),
-        Err(e) => {
-            guard.finish(Some(&e.to_string()));
-            return Err(e);
-        }
+    let copy =
+        crate::proxy::copy::splice(app, send, req.into_body(), meters, proxy.settings.idle_timeout);
+    tokio::select! {
+        r = copy => match r {
+            Ok(_) => guard.finish(None),
+            Err(e) => {
+                guard.finish(Some(&e.to_string()));
+                return Err(e);
+            }
+        },
+        () = allowed.closed.cancelled() => guard.finish(Some("a policy change denies it")),
     }
     Ok(())
 }

@@ -13,7 +13,7 @@ use tracing::{info_span, warn, Instrument as _};
 use crate::{
     inpod::Pod,
     metrics::{ConnGuard, ConnInfo, Direction},
-    proxy::outbound::original_dst,
+    proxy::{authorized::Authorized, outbound::original_dst},
     state::authorization,
 };
 
@@ -79,6 +79,8 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
         dst_service: None,
     };
     let guard = ConnGuard::open(&proxy.metrics, info);
+    // Held until the connection ends: a policy change that denies it closes it.
+    let allowed = Authorized::register(&pod.proxy, &pod.uid, None, peer.ip(), dst);
     let limit = proxy.settings.connect_timeout;
     let app = match crate::proxy::transparent::connect_app(pod, peer.ip(), dst, limit).await {
         Ok(a) => a,
@@ -89,9 +91,12 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
         }
     };
     let meters = (&guard.from_client, &guard.to_client);
-    match crate::proxy::copy::relay(conn, app, meters, proxy.settings.idle_timeout).await {
-        Ok(_) => guard.finish(None),
-        Err(e) => guard.finish(Some(&e.to_string())),
+    tokio::select! {
+        r = crate::proxy::copy::relay(conn, app, meters, proxy.settings.idle_timeout) => match r {
+            Ok(_) => guard.finish(None),
+            Err(e) => guard.finish(Some(&e.to_string())),
+        },
+        () = allowed.closed.cancelled() => guard.finish(Some("a policy change denies it")),
     }
     Ok(())
 }

@@ -1,8 +1,9 @@
 //! The traffic paths: a pod's outbound (15001), inbound HBONE (15008) and plaintext (15006),
 //! DNS (15053), and what they share (the HBONE protocol, the connection pool, the byte copy,
 //! accept loops with their caps and draining, the per-source cap on unauthenticated inbound,
-//! the large reads under TLS).
+//! the large reads under TLS, the allowed connections a policy change re-checks).
 
+pub mod authorized;
 pub mod copy;
 pub mod dns;
 pub mod drain;

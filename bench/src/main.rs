@@ -17,6 +17,7 @@
 mod bpf_cost;
 mod charts;
 mod cni_setup;
+mod control_plane;
 mod istio_rules;
 mod proxy;
 mod stats;
@@ -68,6 +69,14 @@ enum Cmd {
         /// in a large mesh.
         #[arg(long, default_value_t = 0)]
         store_policies: usize,
+    },
+    /// How fast the proxy takes istiod's state and what holding it costs: 1,000, 10,000 and
+    /// 50,000 workloads over xDS (from the istiod stand-in), a delta of one, the first
+    /// certificate.
+    ControlPlane {
+        /// Where to write the JSON results (the chart beside it, .svg).
+        #[arg(long, default_value = "results/control-plane.json")]
+        out: PathBuf,
     },
     /// Redraws the SVG chart of each results file (`results/NAME.svg`) from its JSON alone.
     Charts {
@@ -121,6 +130,7 @@ fn main() -> std::process::ExitCode {
             let store = proxy::Store { workloads: store_workloads, policies: store_policies };
             proxy::run(&out, secs, rounds, &proxy_args, store)
         }
+        Cmd::ControlPlane { out } => control_plane::run(&out),
         Cmd::Cni { pods } => cni_setup::measure(&cni_setup::sizes(pods)).map(|_| ()),
         Cmd::Charts { files } => files.iter().try_for_each(|f| {
             let svg = charts::write_for(f)?;

@@ -9,7 +9,9 @@
 //! - `state/` — what the proxy knows: the node-wide state (`mod.rs`), the workload store
 //!   (`workloads`), L4 policy (`authorization`), what is re-read while running (`reload`);
 //! - `identity/` — SPIFFE identities and the local CA (`mod.rs`), where certificates come from
-//!   (`certs`), mTLS with SPIFFE checks (`tls`);
+//!   (`certs`), istiod's CA (`ca_client`), mTLS with SPIFFE checks (`tls`);
+//! - `xds/` — istiod's xDS stream (`mod.rs`), its resources made into the store's (`convert`),
+//!   the gRPC channel to istiod (`channel`);
 //! - `inpod/` — the pods served: add and remove (`mod.rs`), the ZDS session with the node agent
 //!   (`zds`), sockets inside a pod's network namespace (`netns`);
 //! - `admin` — 15000 / 15020 / 15021; `metrics` — telemetry.
@@ -22,3 +24,4 @@ pub mod inpod;
 pub mod metrics;
 pub mod proxy;
 pub mod state;
+pub mod xds;

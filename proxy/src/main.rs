@@ -13,6 +13,7 @@ use datapath_common::consts::ports;
 use meshpath_podnet::netns::Netns;
 use meshpath_proxy::{
     admin::{self, Endpoints, LogControl},
+    identity::ca_client::{CaClient, CaConfig},
     identity::certs::Certs,
     identity::LocalCa,
     inpod,
@@ -20,17 +21,60 @@ use meshpath_proxy::{
     state::reload,
     state::workloads::WorkloadStore,
     state::{Proxy, Settings},
+    xds::{self, ChannelConfig, NodeInfo, Synced, XdsConfig},
 };
 use tracing_subscriber::{layer::SubscriberExt as _, util::SubscriberInitExt as _, EnvFilter};
 
 #[derive(Parser)]
 #[command(name = "meshpath-proxy", version, about = "meshpath's HBONE node proxy")]
-#[command(group = clap::ArgGroup::new("certificates").required(true).args(["ca_cert", "cert_dir"]))]
+#[command(group = clap::ArgGroup::new("certificates").required(true).args(["ca_cert", "cert_dir", "ca_address"]))]
 struct Cli {
-    /// Workloads, services and policies (ztunnel's local configuration format, YAML); re-read
-    /// when it changes.
-    #[arg(long)]
-    workloads: PathBuf,
+    /// Workloads, services and policies from a file (ztunnel's local configuration format,
+    /// YAML), re-read when it changes: the offline mode, without istiod.
+    #[arg(long, required_unless_present = "xds_address", conflicts_with = "xds_address")]
+    workloads: Option<PathBuf>,
+    /// istiod's xDS: workloads, services and policies over the delta stream, as ztunnel takes
+    /// them (`https://HOST:PORT`; ztunnel's default is https://istiod.istio-system.svc:15012).
+    #[arg(long, env = "XDS_ADDRESS")]
+    xds_address: Option<String>,
+    /// The root istiod's xDS certificate must chain to (the istio-ca-root-cert ConfigMap).
+    #[arg(long, env = "XDS_ROOT_CA", default_value = "/var/run/secrets/istio/root-cert.pem")]
+    xds_root_ca: PathBuf,
+    /// Another name istiod's xDS certificate may carry instead of the address's host.
+    #[arg(long, env = "ALT_XDS_HOSTNAME")]
+    alt_xds_hostname: Option<String>,
+    /// istiod's certificate authority: workload certificates asked of it, as ztunnel does (an
+    /// ECDSA key made here per identity, a CSR, `ImpersonatedIdentity` for this node's pods).
+    #[arg(long, env = "CA_ADDRESS")]
+    ca_address: Option<String>,
+    /// The root istiod's CA certificate must chain to; also the mesh's trust root until the
+    /// CA's first answer brings its own.
+    #[arg(long, env = "CA_ROOT_CA", default_value = "/var/run/secrets/istio/root-cert.pem")]
+    ca_root_ca: PathBuf,
+    /// Another name istiod's CA certificate may carry instead of the address's host.
+    #[arg(long, env = "ALT_CA_HOSTNAME")]
+    alt_ca_hostname: Option<String>,
+    /// The projected service account token (audience istio-ca) sent to istiod with each call,
+    /// re-read each time.
+    #[arg(long, env = "AUTH_TOKEN", default_value = "/var/run/secrets/tokens/istio-token")]
+    auth_token: PathBuf,
+    /// The cluster's id, sent to istiod (`clusterid`).
+    #[arg(long, env = "CLUSTER_ID", default_value = "Kubernetes")]
+    cluster_id: String,
+    /// Validity asked of the CA (ztunnel's SECRET_TTL: `24h`, `90m`, `3600s` or seconds).
+    #[arg(long, env = "SECRET_TTL", default_value = "24h", value_parser = parse_duration)]
+    secret_ttl: Duration,
+    /// This node (the downward API's `spec.nodeName`): its HBONE workloads' certificates are
+    /// fetched ahead.
+    #[arg(long, env = "NODE_NAME", default_value = "")]
+    node_name: String,
+    /// This proxy's pod, namespace and address, for the node istiod sees.
+    #[arg(long, env = "POD_NAME", default_value = "")]
+    pod_name: String,
+    #[arg(long, env = "POD_NAMESPACE", default_value = "")]
+    pod_namespace: String,
+    #[arg(long, env = "INSTANCE_IP", default_value = "")]
+    instance_ip: String,
     /// Local-CA mode: the CA certificate (PEM) workload certificates are minted from; also the
     /// trust root.
     #[arg(long, requires = "ca_key")]
@@ -202,11 +246,53 @@ fn main() -> ExitCode {
     }
 }
 
+/// `24h`, `90m`, `30s`, or a number of seconds.
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = s.find(|c: char| !c.is_ascii_digit()).map_or((s, ""), |i| s.split_at(i));
+    let n: u64 = num.parse().map_err(|_| format!("{s:?}: a duration is N, Ns, Nm or Nh"))?;
+    let secs = match unit {
+        "" | "s" => n,
+        "m" => n.saturating_mul(60),
+        "h" => n.saturating_mul(3600),
+        _ => return Err(format!("{s:?}: a duration is N, Ns, Nm or Nh")),
+    };
+    if secs == 0 {
+        return Err(format!("{s:?}: must be more than zero"));
+    }
+    Ok(Duration::from_secs(secs))
+}
+
 fn read(p: &PathBuf) -> Result<String> {
     std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
 }
 
-fn certs(cli: &Cli) -> Result<Certs> {
+fn channel(
+    cli: &Cli,
+    address: &str,
+    root: &std::path::Path,
+    alt: &Option<String>,
+) -> ChannelConfig {
+    ChannelConfig {
+        address: address.to_owned(),
+        root_ca: root.to_path_buf(),
+        alt_hostname: alt.clone(),
+        // No token file: no authorization header (istiod then refuses, and says so).
+        token: cli.auth_token.exists().then(|| cli.auth_token.clone()),
+        cluster_id: cli.cluster_id.clone(),
+    }
+}
+
+fn certs(cli: &Cli, metrics: &Arc<meshpath_proxy::metrics::Metrics>) -> Result<Certs> {
+    if let Some(address) = &cli.ca_address {
+        let cfg = CaConfig {
+            channel: channel(cli, address, &cli.ca_root_ca, &cli.alt_ca_hostname),
+            ttl: cli.secret_ttl,
+        };
+        let client = Arc::new(CaClient::new(cfg, metrics.clone()));
+        return Certs::istiod(client, &cli.ca_root_ca)
+            .with_context(|| format!("istiod's root {}", cli.ca_root_ca.display()));
+    }
     match (&cli.ca_cert, &cli.ca_key, &cli.cert_dir, &cli.trust_bundle) {
         (Some(cert), Some(key), _, _) => {
             let ca = LocalCa::from_pem(&read(cert)?, &read(key)?)
@@ -214,15 +300,21 @@ fn certs(cli: &Cli) -> Result<Certs> {
             Ok(Certs::local_ca(ca, Duration::from_secs(cli.cert_lifetime_seconds.max(1))))
         }
         (_, _, Some(dir), Some(bundle)) => Ok(Certs::files(dir.clone(), bundle.clone())?),
-        _ => anyhow::bail!("give --ca-cert and --ca-key, or --cert-dir and --trust-bundle"),
+        _ => anyhow::bail!(
+            "give --ca-address (istiod), --ca-cert and --ca-key, or --cert-dir and --trust-bundle"
+        ),
     }
 }
 
 fn run(cli: Cli, log: LogControl) -> Result<()> {
     meshpath_proxy::inpod::netns::open_home().context("opening the proxy's own netns")?;
     // Stamped before reading: a change written meanwhile is reloaded, not missed.
-    let stamp = meshpath_proxy::identity::certs::mtime(&cli.workloads);
-    let store = WorkloadStore::load(&cli.workloads)?;
+    let stamp = cli.workloads.as_deref().and_then(meshpath_proxy::identity::certs::mtime);
+    let store = match &cli.workloads {
+        Some(path) => WorkloadStore::load(path)?,
+        // Empty until istiod's first response.
+        None => WorkloadStore::default(),
+    };
     let dns_upstreams = if cli.dns_upstreams.is_empty() {
         dns::resolv_conf_upstreams(&std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default())
     } else {
@@ -253,15 +345,13 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
             timeout: Duration::from_millis(cli.hbone_keepalive_timeout_ms.max(1)),
         },
     };
-    let proxy = Proxy::new(store, certs(&cli)?, settings)?;
+    let metrics = Arc::new(meshpath_proxy::metrics::Metrics::new());
+    let proxy = Proxy::with_metrics(store, certs(&cli, &metrics)?, settings, metrics)?;
     let mut pods = Vec::new();
     for spec in &cli.pods {
         let (uid, path) =
             spec.split_once('=').with_context(|| format!("--pod {spec}: expected UID=NETNS"))?;
-        let workload = proxy.store().by_uid(uid).cloned().with_context(|| {
-            format!("--pod {spec}: no workload with uid {uid} in {}", cli.workloads.display())
-        })?;
-        pods.push((uid.to_owned(), Netns::open(path.as_ref())?, workload));
+        pods.push((uid.to_owned(), Netns::open(path.as_ref())?));
     }
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cli.worker_threads.into())
@@ -288,8 +378,71 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
                 admin::serve(listener, which, proxy.clone(), log.clone());
                 writeln!(out, "{name} {bound}")?;
             }
-            for (uid, netns, workload) in pods {
-                inpod::add(&proxy, &uid, netns, workload)?;
+            // `--pod`: its workload is the store's, from the file now or from istiod's first
+            // responses.
+            let synced = cli.xds_address.as_ref().map(|_| Arc::new(Synced::default()));
+            let add_pods = {
+                let proxy = proxy.clone();
+                let synced = synced.clone();
+                move || async move {
+                    if let Some(s) = &synced {
+                        while !s.all() {
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                    }
+                    for (uid, netns) in pods {
+                        let workload =
+                            proxy.store().by_uid(&uid).cloned().with_context(|| {
+                                format!("--pod {uid}: no workload with this uid in the store")
+                            })?;
+                        let p = proxy.clone();
+                        tokio::task::spawn_blocking(move || inpod::add(&p, &uid, netns, workload))
+                            .await??;
+                    }
+                    anyhow::Ok(())
+                }
+            };
+            if let (Some(address), Some(synced)) = (&cli.xds_address, &synced) {
+                proxy.expect_xds(synced.clone());
+                let cfg = XdsConfig {
+                    channel: channel(&cli, address, &cli.xds_root_ca, &cli.alt_xds_hostname),
+                    node: NodeInfo {
+                        instance_ip: cli.instance_ip.clone(),
+                        pod_name: cli.pod_name.clone(),
+                        pod_namespace: cli.pod_namespace.clone(),
+                        node_name: cli.node_name.clone(),
+                    },
+                };
+                xds::spawn(proxy.clone(), cfg, synced.clone());
+            }
+            if let Some(ca) = proxy.certs.ca_client() {
+                // Renewed: the served pods' identities, and those of this node's HBONE
+                // workloads istiod lists (fetched ahead, before their pods arrive).
+                let weak = Arc::downgrade(&proxy);
+                let node = cli.node_name.clone();
+                ca.spawn_renewal(move || {
+                    weak.upgrade().map(|p| p.wanted_identities(&node)).unwrap_or_default()
+                });
+            }
+            // Without an agent, ready once the `--pod`s are served (in xDS mode, after istiod's
+            // first responses).
+            let standalone = cli.zds_socket.is_none();
+            if synced.is_some() {
+                let p = proxy.clone();
+                tokio::spawn(async move {
+                    match add_pods().await {
+                        Ok(()) if standalone => p.set_ready(true),
+                        Ok(()) => {}
+                        Err(e) => {
+                            tracing::error!(error = %format!("{e:#}"), "a --pod could not be served")
+                        }
+                    }
+                });
+            } else {
+                add_pods().await?;
+                if standalone {
+                    proxy.set_ready(true);
+                }
             }
             reload::spawn(
                 proxy.clone(),
@@ -297,10 +450,9 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
                 stamp,
                 Duration::from_millis(cli.refresh_ms.max(10)),
             );
-            match &cli.zds_socket {
+            if let Some(path) = &cli.zds_socket {
                 // Ready once the agent's first snapshot is applied.
-                Some(path) => inpod::zds::spawn(proxy.clone(), path.clone()),
-                None => proxy.set_ready(true),
+                inpod::zds::spawn(proxy.clone(), path.clone());
             }
             writeln!(out, "READY")?;
             out.flush()?;

@@ -41,6 +41,14 @@ pub struct ConnLabels {
 }
 
 /// What went wrong, by where.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct XdsLabels {
+    /// `address` or `authorization`.
+    pub kind: String,
+    /// `ack` or `nack` (responses); empty for the resources held.
+    pub reply: String,
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
     pub direction: String,
@@ -65,6 +73,16 @@ pub struct Metrics {
     /// Unix time at which the first of the served pods' certificates expires (0: no pod).
     pub cert_earliest_expiry: Gauge,
     pub refresh_restarts: Counter,
+    /// 1 while the xDS stream to istiod is open.
+    pub xds_connected: Gauge,
+    /// Unix time the last xDS response was applied (0: none yet).
+    pub xds_last_applied: Gauge,
+    /// xDS responses by type (`address`, `authorization`) and reply (`ack`, `nack`).
+    pub xds_responses: Family<XdsLabels, Counter>,
+    /// Resources held from xDS, by type.
+    pub xds_resources: Family<XdsLabels, Gauge>,
+    /// Certificates asked of the CA, by result (`ok`, `error`).
+    pub ca_requests: Family<ErrorLabels, Counter>,
     /// Every `istio_tcp_*` label set in use, so that those of workloads that left can be
     /// removed (`expire_workloads`): the series stay bounded by the workloads that exist.
     series: Mutex<std::collections::HashSet<ConnLabels>>,
@@ -101,6 +119,11 @@ impl Metrics {
             config_reloads: Family::default(),
             cert_earliest_expiry: Gauge::default(),
             refresh_restarts: Counter::default(),
+            xds_connected: Gauge::default(),
+            xds_last_applied: Gauge::default(),
+            xds_responses: Family::default(),
+            xds_resources: Family::default(),
+            ca_requests: Family::default(),
             series: Mutex::new(std::collections::HashSet::new()),
         };
         r.register("istio_tcp_connections_opened", "TCP connections opened", m.opened.clone());
@@ -148,6 +171,31 @@ impl Metrics {
             "meshpath_refresh_restarts",
             "Times the refresh loop (reload, renewal, pool release) panicked and was restarted",
             m.refresh_restarts.clone(),
+        );
+        r.register(
+            "meshpath_xds_connected",
+            "1 while the xDS stream to istiod is open",
+            m.xds_connected.clone(),
+        );
+        r.register(
+            "meshpath_xds_last_applied_timestamp_seconds",
+            "Unix time the last xDS response was applied",
+            m.xds_last_applied.clone(),
+        );
+        r.register(
+            "meshpath_xds_responses",
+            "xDS responses, by kind and reply (ack, nack)",
+            m.xds_responses.clone(),
+        );
+        r.register(
+            "meshpath_xds_resources",
+            "Resources held from xDS, by kind",
+            m.xds_resources.clone(),
+        );
+        r.register(
+            "meshpath_ca_requests",
+            "Certificate requests to the CA, by result",
+            m.ca_requests.clone(),
         );
         if let Ok(mut reg) = m.registry.lock() {
             *reg = r;

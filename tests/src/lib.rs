@@ -829,6 +829,7 @@ pub use node_proxy::{sum_metric, NodeProxy};
 
 pub mod cluster;
 pub mod cni_node;
+pub mod istiod;
 pub mod kube_api;
 pub mod two_nodes;
 
@@ -871,7 +872,18 @@ mod node_proxy {
             cgroup: &CgroupGuard,
             rust_log: &str,
         ) -> Result<Self> {
-            let node = NetnsGuard::new("mp-node")?;
+            Self::start_in(NetnsGuard::new("mp-node")?, args, env, cgroup, rust_log)
+        }
+
+        /// [`Self::start`] in a node namespace made beforehand (one something else already
+        /// listens in: the istiod stand-in).
+        pub fn start_in(
+            node: NetnsGuard,
+            args: &[String],
+            env: &[(&str, &str)],
+            cgroup: &CgroupGuard,
+            rust_log: &str,
+        ) -> Result<Self> {
             let mut cmd = Command::new("nsenter");
             cmd.arg(format!("--net={}", node.path().display()))
                 .arg(sibling_bin("meshpath-proxy"))

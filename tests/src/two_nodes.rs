@@ -48,6 +48,11 @@ pub struct Setup {
     pub a_exclude_outbound_ports: Vec<u16>,
     /// Environment given to both proxies (allocator settings, for instance).
     pub proxy_env: Vec<(&'static str, &'static str)>,
+    /// Workloads, policies and certificates from the istiod stand-in (`TwoNodes::istiod`)
+    /// rather than from files and a local CA: both proxies in xDS mode.
+    pub istiod: bool,
+    /// Run on the stand-in before the proxies start (what it refuses, holds back, signs).
+    pub istiod_before: Option<fn(&crate::istiod::Istiod)>,
 }
 
 impl Default for Setup {
@@ -61,6 +66,8 @@ impl Default for Setup {
             capture_dns: false,
             a_exclude_outbound_ports: Vec::new(),
             proxy_env: Vec::new(),
+            istiod: false,
+            istiod_before: None,
         }
     }
 }
@@ -75,6 +82,8 @@ pub struct TwoNodes {
     _root: PinRoot,
     pub ca: LocalCa,
     pub dir: PathBuf,
+    /// The istiod stand-in both proxies follow, with `Setup::istiod`.
+    pub istiod: Option<crate::istiod::Istiod>,
 }
 
 impl Drop for TwoNodes {
@@ -102,6 +111,48 @@ impl TwoNodes {
              - uid: pod-b\n  name: app-b\n  namespace: default\n  serviceAccount: {}\n  protocol: {}\n  workloadIps: [\"{}\", \"{}\"]\n  services: {{\"default/b.default.svc.cluster.local\": {{80: 8090}}}}\n{extra}",
             p.a_ip, p.a_ip6, view.b_service_account, view.b_protocol, p.b_ip, p.b_ip6
         )
+    }
+
+    /// Pod a and pod b as istiod describes them (pod b as `view`), for the stand-in.
+    pub fn xds_workloads(&self, view: &View) -> Vec<meshpath_xds::workload::Workload> {
+        let p = &self.pods;
+        let w = |uid: &str, name: &str, sa: &str, hbone: bool, ips: [std::net::IpAddr; 2]| {
+            meshpath_xds::workload::Workload {
+                uid: uid.into(),
+                name: name.into(),
+                namespace: "default".into(),
+                service_account: sa.into(),
+                addresses: ips
+                    .iter()
+                    .map(|ip| match ip {
+                        std::net::IpAddr::V4(v4) => v4.octets().to_vec().into(),
+                        std::net::IpAddr::V6(v6) => v6.octets().to_vec().into(),
+                    })
+                    .collect(),
+                tunnel_protocol: if hbone {
+                    meshpath_xds::workload::TunnelProtocol::Hbone as i32
+                } else {
+                    meshpath_xds::workload::TunnelProtocol::None as i32
+                },
+                workload_name: name.into(),
+                ..Default::default()
+            }
+        };
+        vec![
+            w("pod-a", "app-a", "sa-a", true, [p.a_ip.into(), p.a_ip6.into()]),
+            w(
+                "pod-b",
+                "app-b",
+                view.b_service_account,
+                view.b_protocol == "HBONE",
+                [p.b_ip.into(), p.b_ip6.into()],
+            ),
+        ]
+    }
+
+    /// The istiod stand-in (`Setup::istiod`).
+    pub fn istiod(&self) -> &crate::istiod::Istiod {
+        self.istiod.as_ref().expect("started with Setup::istiod")
     }
 
     /// Rewrites node `n`'s (1 or 2) workload file.
@@ -153,7 +204,8 @@ impl TwoNodes {
         let dir = std::env::temp_dir().join(unique("meshpath-hbone-"));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let ca = LocalCa::generate("meshpath test CA").expect("CA");
-        let mut nodes = Self { proxies: Vec::new(), cgroup, pods, _root: root, ca, dir };
+        let mut nodes =
+            Self { proxies: Vec::new(), cgroup, pods, _root: root, ca, dir, istiod: None };
         let (cert_pem, key_pem) = nodes.ca.to_pem();
         std::fs::write(nodes.dir.join("ca.pem"), cert_pem).expect("ca.pem");
         std::fs::write(nodes.dir.join("ca-key.pem"), key_pem).expect("ca-key.pem");
@@ -163,19 +215,58 @@ impl TwoNodes {
             nodes.write_cert_files(&sa("sa-a"), Duration::from_secs(3600));
             nodes.write_cert_files(&sa("sa-b"), Duration::from_secs(3600));
         }
-        for (node, pod) in [("node1", "pod-a"), ("node2", "pod-b")] {
+        let node_ns: Vec<super::NetnsGuard> =
+            (0..2).map(|_| super::NetnsGuard::new("mp-node").expect("node netns")).collect();
+        if setup.istiod {
+            let paths: Vec<PathBuf> = node_ns.iter().map(super::NetnsGuard::path).collect();
+            let istiod = crate::istiod::Istiod::start(&paths).expect("istiod stand-in");
+            for w in nodes.xds_workloads(&setup.view) {
+                istiod.set_workload(w);
+            }
+            if let Some(before) = setup.istiod_before {
+                before(&istiod);
+            }
+            nodes.istiod = Some(istiod);
+        }
+        for ((node, pod), node_netns) in
+            [("node1", "pod-a"), ("node2", "pod-b")].into_iter().zip(node_ns)
+        {
             let ns = if pod == "pod-a" { &nodes.pods.a } else { &nodes.pods.b };
             let p = |p: PathBuf| p.display().to_string();
-            let mut args: Vec<String> =
-                vec!["--workloads".into(), p(nodes.dir.join(format!("{node}.yaml")))];
-            if setup.cert_files {
+            let mut args: Vec<String> = Vec::new();
+            if let Some(istiod) = &nodes.istiod {
+                let i = usize::from(node == "node2");
+                let token =
+                    istiod.token_file(&format!("{node}-token"), "node-token").expect("token");
+                args.extend([
+                    "--xds-address".into(),
+                    istiod.url(i),
+                    "--ca-address".into(),
+                    istiod.url(i),
+                    "--xds-root-ca".into(),
+                    p(istiod.root_pem.clone()),
+                    "--ca-root-ca".into(),
+                    p(istiod.root_pem.clone()),
+                    "--alt-xds-hostname".into(),
+                    "istiod.istio-system.svc".into(),
+                    "--alt-ca-hostname".into(),
+                    "istiod.istio-system.svc".into(),
+                    "--auth-token".into(),
+                    p(token),
+                    "--cluster-id".into(),
+                    "Kubernetes".into(),
+                ]);
+            } else {
+                args.extend(["--workloads".into(), p(nodes.dir.join(format!("{node}.yaml")))]);
+            }
+            if setup.cert_files && !setup.istiod {
                 args.extend([
                     "--cert-dir".into(),
                     p(nodes.dir.join("certs")),
                     "--trust-bundle".into(),
                     p(nodes.dir.join("ca.pem")),
                 ]);
-            } else {
+            } else if !setup.istiod {
                 args.extend([
                     "--ca-cert".into(),
                     p(nodes.dir.join("ca.pem")),
@@ -194,7 +285,7 @@ impl TwoNodes {
                 args.extend(setup.node1_args.iter().cloned());
             }
             nodes.proxies.push(
-                NodeProxy::start(&args, &setup.proxy_env, &nodes.cgroup, "info")
+                NodeProxy::start_in(node_netns, &args, &setup.proxy_env, &nodes.cgroup, "info")
                     .expect("meshpath-proxy"),
             );
         }

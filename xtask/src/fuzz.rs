@@ -11,8 +11,15 @@ use anyhow::{bail, Context as _, Result};
 use crate::{bootstrap, cargo::workspace_root};
 
 /// Every target (fuzz/Cargo.toml's bins).
-pub const TARGETS: &[&str] =
-    &["dns_message", "zds_session", "identity", "authorization", "workloads_file", "cni_input"];
+pub const TARGETS: &[&str] = &[
+    "dns_message",
+    "zds_session",
+    "identity",
+    "authorization",
+    "workloads_file",
+    "cni_input",
+    "xds_response",
+];
 
 /// Seconds per target inside `cargo xtask test`.
 pub const IN_TESTS_SECS: u64 = 10;

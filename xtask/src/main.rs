@@ -112,9 +112,10 @@ enum Cmd {
     /// results/NAME.svg).
     Bench {
         /// Which: `capture` (meshpath capture vs istio-cni's iptables rules vs direct),
-        /// `proxy` (direct vs two meshpath-proxy processes over HBONE), or `charts` (redraw
+        /// `proxy` (direct vs two meshpath-proxy processes over HBONE), `control-plane` (istiod's
+        /// state over xDS: apply time, memory, a delta, the first certificate), or `charts` (redraw
         /// results/*.svg from results/*.json, measuring nothing).
-        #[arg(value_parser = ["capture", "proxy", "charts"])]
+        #[arg(value_parser = ["capture", "proxy", "control-plane", "charts"])]
         which: String,
         /// Passed to `meshpath-bench capture` (e.g. --secs 3 --pods 100 --rounds 1).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]

@@ -1,6 +1,8 @@
 //! Where workload certificates come from, and when they are renewed.
 //!
-//! Two sources:
+//! Three sources:
+//! - **istiod**: istiod's CA, as ztunnel asks it (identity/ca_client.rs); the trust bundle is
+//!   the one its answers carry (the configured root file until the first answer).
 //! - **local CA**: a CA certificate and key on disk (RSA or ECDSA); the proxy mints a short-lived
 //!   certificate per identity and renews it at half its lifetime. The CA is the trust root.
 //! - **files**: `DIR/NAMESPACE/SERVICE_ACCOUNT/cert-chain.pem` and `key.pem` per identity plus a
@@ -17,6 +19,7 @@ use std::{
 use rustls::pki_types::{pem::PemObject as _, CertificateDer, PrivateKeyDer};
 
 use crate::{
+    identity::ca_client::CaClient,
     identity::tls,
     identity::{Identity, IdentityError, LocalCa, WorkloadCert},
 };
@@ -40,9 +43,12 @@ pub enum CertError {
     Expired { path: PathBuf, not_after: time::OffsetDateTime },
     #[error("minting: {0}")]
     Mint(#[from] IdentityError),
+    #[error("{0}")]
+    Ca(#[from] crate::identity::ca_client::CaError),
 }
 
 enum Source {
+    Istiod { client: Arc<CaClient>, roots_seen: std::sync::atomic::AtomicU64 },
     LocalCa { ca: Box<LocalCa>, lifetime: Duration },
     Files { dir: PathBuf, bundle: PathBuf },
 }
@@ -90,11 +96,30 @@ impl Certs {
         })
     }
 
-    /// `local-ca` or `files`.
+    /// From istiod's CA; `bundle` (istiod's root, `CA_ROOT_CA`) is trusted until the CA's first
+    /// answer brings its own.
+    pub fn istiod(client: Arc<CaClient>, bundle: &Path) -> Result<Self, CertError> {
+        let roots = read_chain(bundle)?;
+        Ok(Self {
+            source: Source::Istiod { client, roots_seen: Default::default() },
+            roots: RwLock::new((Arc::new(roots), None)),
+        })
+    }
+
+    /// `istiod`, `local-ca` or `files`.
     pub fn mode(&self) -> &'static str {
         match self.source {
+            Source::Istiod { .. } => "istiod",
             Source::LocalCa { .. } => "local-ca",
             Source::Files { .. } => "files",
+        }
+    }
+
+    /// The CA client, in istiod mode.
+    pub fn ca_client(&self) -> Option<&Arc<CaClient>> {
+        match &self.source {
+            Source::Istiod { client, .. } => Some(client),
+            _ => None,
         }
     }
 
@@ -103,8 +128,20 @@ impl Certs {
         self.roots.read().map(|r| r.0.clone()).unwrap_or_default()
     }
 
-    /// Re-reads the trust bundle if it changed (files mode). Returns whether it did.
+    /// Re-reads the trust bundle if it changed (files mode), or takes the one the CA's last
+    /// answer carried (istiod). Returns whether it did.
     pub fn reload_roots(&self) -> Result<bool, CertError> {
+        if let Source::Istiod { client, roots_seen } = &self.source {
+            let (roots, changes) = client.roots();
+            let seen = roots_seen.swap(changes, std::sync::atomic::Ordering::Relaxed);
+            if changes == seen || roots.is_empty() {
+                return Ok(false);
+            }
+            if let Ok(mut r) = self.roots.write() {
+                *r = (Arc::new(roots), None);
+            }
+            return Ok(true);
+        }
         let Source::Files { bundle, .. } = &self.source else { return Ok(false) };
         let stamp = mtime(bundle);
         if self.roots.read().map(|r| r.1 == stamp).unwrap_or(false) {
@@ -125,6 +162,15 @@ impl Certs {
     /// A certificate for `id`, now.
     pub fn fetch(&self, id: &Identity) -> Result<WorkloadCert, CertError> {
         match &self.source {
+            Source::Istiod { client, .. } => {
+                if let Some(c) = client.cached(id) {
+                    return Ok(c);
+                }
+                // Not held yet (a pod whose workload was not prefetched): asked for now, on a
+                // runtime thread that may block (a ZDS add runs on a blocking thread).
+                let handle = tokio::runtime::Handle::current();
+                Ok(tokio::task::block_in_place(|| handle.block_on(client.get(id)))?)
+            }
             Source::LocalCa { ca, lifetime } => Ok(ca.issue(id, *lifetime)?),
             Source::Files { dir, .. } => {
                 let (cert_path, key_path) = Self::files_of(dir, id);
@@ -164,7 +210,7 @@ impl Certs {
     /// a file written within the same coarse timestamp tick as the fetch.
     pub fn stamp(&self, id: &Identity) -> Vec<Option<SystemTime>> {
         match &self.source {
-            Source::LocalCa { .. } => Vec::new(),
+            Source::Istiod { .. } | Source::LocalCa { .. } => Vec::new(),
             Source::Files { dir, .. } => {
                 let (c, k) = Self::files_of(dir, id);
                 vec![mtime(&c), mtime(&k)]
@@ -182,6 +228,10 @@ impl Certs {
         stamp: &[Option<SystemTime>],
     ) -> bool {
         match &self.source {
+            // The CA client renews on its own schedule; a pod takes the new one once it is held.
+            Source::Istiod { client, .. } => {
+                client.cached(id).is_some_and(|held| held.chain.first() != cert.chain.first())
+            }
             Source::LocalCa { .. } => {
                 let fetched = time::OffsetDateTime::from(fetched);
                 time::OffsetDateTime::now_utc() >= fetched + (cert.not_after - fetched) / 2

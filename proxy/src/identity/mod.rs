@@ -1,6 +1,7 @@
 //! SPIFFE identities (`spiffe://TD/ns/NS/sa/SA`) and the local CA that mints short-lived
 //! workload certificates for them.
 
+pub mod ca_client;
 pub mod certs;
 pub mod tls;
 
@@ -174,6 +175,54 @@ impl LocalCa {
         ring_rand(&mut serial)?;
         serial[0] &= 0x7f;
         params.serial_number = Some(rcgen::SerialNumber::from_slice(&serial));
+        let key = KeyPair::generate()?;
+        let cert = params.signed_by(&key, &self.cert, &self.key)?;
+        Ok(WorkloadCert {
+            chain: vec![cert.der().clone(), self.cert_der.clone()],
+            key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+            not_before,
+            not_after,
+        })
+    }
+}
+
+impl LocalCa {
+    /// Signs a CSR (PEM) as a CA answering it does: the certificate names `identity` (a SPIFFE
+    /// URI, which a CA that checks the caller may differ from what the CSR asks), is valid for
+    /// `validity`, and certifies the CSR's key. PEM.
+    pub fn sign_request(
+        &self,
+        csr_pem: &str,
+        identity: &str,
+        validity: Duration,
+    ) -> Result<String, IdentityError> {
+        let mut csr = rcgen::CertificateSigningRequestParams::from_pem(csr_pem)?;
+        let now = time::OffsetDateTime::now_utc();
+        csr.params.subject_alt_names = vec![SanType::URI(rcgen::Ia5String::try_from(identity)?)];
+        csr.params.extended_key_usages =
+            vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        csr.params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        csr.params.not_before = now - time::Duration::minutes(1);
+        csr.params.not_after = now + validity;
+        let mut serial = [0u8; 16];
+        ring_rand(&mut serial)?;
+        serial[0] &= 0x7f;
+        csr.params.serial_number = Some(rcgen::SerialNumber::from_slice(&serial));
+        Ok(csr.signed_by(&self.cert, &self.key)?.pem())
+    }
+
+    /// A TLS serving certificate for `dns` and `ip` (a control plane's, in tests).
+    pub fn issue_serving(&self, dns: &str, ip: &str) -> Result<WorkloadCert, IdentityError> {
+        let mut params = CertificateParams::new(vec![dns.to_owned()])?;
+        let ip: std::net::IpAddr =
+            ip.parse().map_err(|_| IdentityError::Malformed(format!("{ip} is not an IP")))?;
+        params.subject_alt_names.push(SanType::IpAddress(ip));
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        let now = time::OffsetDateTime::now_utc();
+        let (not_before, not_after) =
+            (now - time::Duration::minutes(1), now + time::Duration::days(1));
+        params.not_before = not_before;
+        params.not_after = not_after;
         let key = KeyPair::generate()?;
         let cert = params.signed_by(&key, &self.cert, &self.key)?;
         Ok(WorkloadCert {

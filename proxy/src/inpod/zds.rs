@@ -221,6 +221,8 @@ fn workload_for(proxy: &Proxy, uid: &str, info: Option<&WorkloadInfo>) -> Result
         // ZDS names the pod, not its owner: telemetry labels by the pod's name until the store
         // says which workload it belongs to.
         workload_name: String::new(),
+        node: String::new(),
+        waypoint: None,
     })
 }
 

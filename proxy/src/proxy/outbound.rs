@@ -46,6 +46,12 @@ pub fn start(pod: Arc<Pod>) -> io::Result<()> {
 /// own ports (`ports::PROXY_PORTS`), on every path.
 pub const SELF_CALL: &str = "self_call";
 
+/// The `reason` of a connection to a service with no healthy endpoint.
+const NO_ENDPOINT: &str = "no_healthy_endpoint";
+/// The `reason` of a connection to a destination a waypoint serves (not supported yet: refused
+/// rather than sent around the waypoint's L7 policy).
+pub const WAYPOINT: &str = "waypoint_unsupported";
+
 /// Where a connection goes after service resolution.
 struct Target {
     addr: SocketAddr,
@@ -55,13 +61,24 @@ struct Target {
 
 /// A service VIP becomes one of its healthy endpoints (picked at random); any other address is
 /// its own target.
-fn resolve(store: &WorkloadStore, orig: SocketAddr) -> Result<Target, String> {
+///
+/// A destination istiod says a waypoint serves is refused: this proxy does not send traffic
+/// through waypoints yet, and reaching it directly would skip the L7 policy the waypoint
+/// enforces (fail closed).
+fn resolve(store: &WorkloadStore, orig: SocketAddr) -> Result<Target, (&'static str, String)> {
     let Some(svc) = store.service_by_vip(orig.ip()) else {
-        return Ok(Target { addr: orig, workload: store.by_ip(orig.ip()).cloned(), service: None });
+        let workload = store.by_ip(orig.ip());
+        if let Some(w) = workload.filter(|w| w.waypoint.is_some()) {
+            return Err((WAYPOINT, format!("workload {} is served by a waypoint", w.uid)));
+        }
+        return Ok(Target { addr: orig, workload: workload.cloned(), service: None });
     };
+    if svc.waypoint.is_some() {
+        return Err((WAYPOINT, format!("service {} is served by a waypoint", svc.hostname)));
+    }
     let endpoints = store.endpoints(svc, orig.port());
     if endpoints.is_empty() {
-        return Err(format!("service {} has no healthy endpoint", svc.hostname));
+        return Err((NO_ENDPOINT, format!("service {} has no healthy endpoint", svc.hostname)));
     }
     let (w, port) = endpoints[random_index(endpoints.len())];
     let ip = w
@@ -70,10 +87,12 @@ fn resolve(store: &WorkloadStore, orig: SocketAddr) -> Result<Target, String> {
         .find(|ip| ip.is_ipv4() == orig.is_ipv4())
         .or_else(|| w.workload_ips.first())
         .copied()
-        .ok_or_else(|| format!("endpoint {} of {} has no address", w.uid, svc.hostname))?;
+        .ok_or_else(|| {
+            (NO_ENDPOINT, format!("endpoint {} of {} has no address", w.uid, svc.hostname))
+        })?;
     Ok(Target {
         addr: SocketAddr::new(ip, port),
-        workload: Some(w.clone()),
+        workload: Some((*w).clone()),
         service: Some(svc.hostname.clone()),
     })
 }
@@ -99,9 +118,9 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
     let store = proxy.store();
     let target = match resolve(&store, orig) {
         Ok(t) => t,
-        Err(e) => {
-            proxy.metrics.error(Direction::Outbound, "no_healthy_endpoint");
-            anyhow::bail!("{orig}: {e}");
+        Err((reason, why)) => {
+            proxy.metrics.error(Direction::Outbound, reason);
+            anyhow::bail!("{orig}: {why}");
         }
     };
     let hbone = target.workload.as_ref().is_some_and(|w| w.protocol == Protocol::Hbone);

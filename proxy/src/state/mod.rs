@@ -104,6 +104,10 @@ pub struct Proxy {
     ready: AtomicBool,
     /// The transparent connections to apps being opened now (see `transparent`).
     pub transparent: crate::proxy::transparent::InFlight,
+    /// The open inbound connections policy allowed, re-checked when policy changes.
+    pub authorized: crate::proxy::authorized::Authorized,
+    /// In xDS mode: whether istiod's first responses have been applied (readiness waits).
+    xds: std::sync::OnceLock<Arc<crate::xds::Synced>>,
 }
 
 impl Proxy {
@@ -113,7 +117,16 @@ impl Proxy {
         certs: Certs,
         settings: Settings,
     ) -> anyhow::Result<Arc<Self>> {
-        let metrics = Arc::new(Metrics::new());
+        Self::with_metrics(store, certs, settings, Arc::new(Metrics::new()))
+    }
+
+    /// The proxy, with telemetry made before it (the CA client counts into it).
+    pub fn with_metrics(
+        store: WorkloadStore,
+        certs: Certs,
+        settings: Settings,
+        metrics: Arc<Metrics>,
+    ) -> anyhow::Result<Arc<Self>> {
         Ok(Arc::new(Self {
             store: RwLock::new(Arc::new(store)),
             certs,
@@ -124,7 +137,32 @@ impl Proxy {
             pods: Mutex::new(BTreeMap::new()),
             ready: AtomicBool::new(false),
             transparent: Default::default(),
+            authorized: Default::default(),
+            xds: std::sync::OnceLock::new(),
         }))
+    }
+
+    /// Makes readiness wait for istiod's first responses.
+    pub fn expect_xds(&self, synced: Arc<crate::xds::Synced>) {
+        let _ = self.xds.set(synced);
+    }
+
+    /// The identities whose certificates are kept: those of the pods served, and those of the
+    /// HBONE workloads the store places on `node` (their pods are about to arrive).
+    pub fn wanted_identities(&self, node: &str) -> Vec<crate::identity::Identity> {
+        let mut ids: std::collections::HashSet<crate::identity::Identity> =
+            self.pods().iter().map(|p| p.identity.clone()).collect();
+        if !node.is_empty() {
+            let store = self.store();
+            ids.extend(
+                store
+                    .workloads()
+                    .iter()
+                    .filter(|w| w.node == node && w.protocol == workloads::Protocol::Hbone)
+                    .map(|w| w.identity()),
+            );
+        }
+        ids.into_iter().collect()
     }
 
     /// The workload store now (a snapshot: a reload does not change it under a connection).
@@ -133,8 +171,14 @@ impl Proxy {
         self.store.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
-    /// Replaces the workload store; telemetry of workloads no longer in it is removed.
+    /// Replaces the workload store; telemetry of workloads no longer in it is removed, and
+    /// open connections the new policies deny are closed.
     pub fn set_store(&self, store: WorkloadStore) {
+        // Entries are shared between stores made from the same xDS state: an unchanged policy
+        // is the same allocation.
+        let before = self.store();
+        let policies_changed = before.policies().len() != store.policies().len()
+            || before.policies().iter().zip(store.policies()).any(|(a, b)| !Arc::ptr_eq(a, b));
         let live: std::collections::HashSet<(String, String)> =
             store
                 .workloads()
@@ -150,6 +194,12 @@ impl Proxy {
         let expired = self.metrics.expire_workloads(&live);
         if expired > 0 {
             tracing::info!(series = expired, "telemetry of workloads that left removed");
+        }
+        if policies_changed {
+            let closed = crate::proxy::authorized::Authorized::recheck(self);
+            if closed > 0 {
+                tracing::info!(closed, "open connections the new policies deny closed");
+            }
         }
     }
 
@@ -177,11 +227,11 @@ impl Proxy {
         old
     }
 
-    /// Ready: serving its pods and not draining.
     /// Ready: the pods are served (the agent's snapshot applied), not draining, and no served
     /// pod's certificate has expired (its peers would refuse every connection).
     pub fn is_ready(&self) -> bool {
         self.ready.load(Ordering::Relaxed)
+            && self.xds.get().is_none_or(|s| s.all())
             && !self.drain.is_stopping()
             && self.expired_certificates().is_empty()
     }

@@ -1,8 +1,9 @@
-//! What changes while the proxy runs, checked every refresh interval: the workload file
-//! (reloaded when it changes; a file that does not parse is reported with its line and field and
-//! the previous store is kept), the trust bundle and per-identity files (files mode), each pod's
-//! certificate (renewed at half its remaining life in local-CA mode; the earliest expiry
-//! exported), and idle pooled connections (released).
+//! What changes while the proxy runs, checked every refresh interval: the workload file, in the
+//! offline mode (reloaded when it changes; a file that does not parse is reported with its line
+//! and field and the previous store is kept), the trust bundle (files mode; istiod's from the
+//! CA's answers), each pod's certificate (renewed at half its remaining life in local-CA mode;
+//! taken from the CA client once it holds a newer one; re-read when its files change; the
+//! earliest expiry exported), and idle pooled connections (released).
 
 use std::{
     path::{Path, PathBuf},
@@ -20,7 +21,12 @@ use crate::{
 /// time when the store in force was read. Supervised: if an iteration panics, the loop is
 /// started again (counted in `meshpath_refresh_restarts_total`), so certificates keep being
 /// renewed and readiness keeps telling the truth.
-pub fn spawn(proxy: Arc<Proxy>, workloads: PathBuf, seen: Option<SystemTime>, every: Duration) {
+pub fn spawn(
+    proxy: Arc<Proxy>,
+    workloads: Option<PathBuf>,
+    seen: Option<SystemTime>,
+    every: Duration,
+) {
     tokio::spawn(async move {
         let mut seen = seen;
         loop {
@@ -39,16 +45,24 @@ pub fn spawn(proxy: Arc<Proxy>, workloads: PathBuf, seen: Option<SystemTime>, ev
     });
 }
 
-async fn refresh(proxy: Arc<Proxy>, workloads: PathBuf, seen: Option<SystemTime>, every: Duration) {
+async fn refresh(
+    proxy: Arc<Proxy>,
+    workloads: Option<PathBuf>,
+    seen: Option<SystemTime>,
+    every: Duration,
+) {
     let mut seen = seen;
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let now = mtime(&workloads);
-        if now != seen {
-            seen = now;
-            reload_store(&proxy, &workloads);
+        // In xDS mode there is no file: the store changes as istiod's responses arrive.
+        if let Some(workloads) = &workloads {
+            let now = mtime(workloads);
+            if now != seen {
+                seen = now;
+                reload_store(&proxy, workloads);
+            }
         }
         let roots_changed = match proxy.certs.reload_roots() {
             Ok(changed) => changed,

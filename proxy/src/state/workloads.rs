@@ -22,6 +22,7 @@ use std::{
     collections::{BTreeMap, HashMap},
     net::IpAddr,
     path::Path,
+    sync::Arc,
 };
 
 use serde::{Deserialize, Serialize};
@@ -82,6 +83,13 @@ pub struct Workload {
     /// what telemetry labels by, so pods coming and going add no series.
     #[serde(default)]
     pub workload_name: String,
+    /// The node it runs on (a proxy fetches certificates ahead for its own node's workloads).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub node: String,
+    /// The waypoint istiod says serves it (`NS/HOSTNAME` or `NETWORK/IP:PORT`). Waypoints are
+    /// not supported yet: connections to it are refused, never sent around the waypoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waypoint: Option<String>,
 }
 
 fn default_trust_domain() -> String {
@@ -117,6 +125,9 @@ pub struct Service {
     /// Service port → target port (used when the endpoint does not say).
     #[serde(default)]
     pub ports: BTreeMap<u16, u16>,
+    /// The waypoint istiod says serves it (see [`Workload::waypoint`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waypoint: Option<String>,
 }
 
 impl Service {
@@ -137,16 +148,18 @@ fn parse_vip(v: &str) -> Result<IpAddr, String> {
     ip.parse().map_err(|_| format!("vip {v:?} is not NETWORK/IP or IP"))
 }
 
-/// What the file says, as it says it.
+/// What the file says, as it says it; from xDS, the resources held, in name order. Entries are
+/// shared (`Arc`) between the stores made one after another, so a new store costs its index,
+/// not a copy of every workload.
 #[derive(Debug, Clone, Deserialize, Serialize, Default)]
 #[serde(deny_unknown_fields)]
 struct Contents {
     #[serde(default)]
-    workloads: Vec<Workload>,
+    workloads: Vec<Arc<Workload>>,
     #[serde(default)]
-    services: Vec<Service>,
+    services: Vec<Arc<Service>>,
     #[serde(default)]
-    policies: Vec<Policy>,
+    policies: Vec<Arc<Policy>>,
 }
 
 /// Positions in [`Contents`], by what connections look them up by.
@@ -251,18 +264,27 @@ impl WorkloadStore {
         Ok(store)
     }
 
+    /// A store of these entries (what xDS holds), indexed.
+    pub fn from_parts(
+        workloads: Vec<Arc<Workload>>,
+        services: Vec<Arc<Service>>,
+        policies: Vec<Arc<Policy>>,
+    ) -> Self {
+        Contents { workloads, services, policies }.into()
+    }
+
     /// Every workload, in file order.
-    pub fn workloads(&self) -> &[Workload] {
+    pub fn workloads(&self) -> &[Arc<Workload>] {
         &self.contents.workloads
     }
 
     /// Every service, in file order.
-    pub fn services(&self) -> &[Service] {
+    pub fn services(&self) -> &[Arc<Service>] {
         &self.contents.services
     }
 
     /// Every authorization policy, in file order.
-    pub fn policies(&self) -> &[Policy] {
+    pub fn policies(&self) -> &[Arc<Policy>] {
         &self.contents.policies
     }
 
@@ -281,28 +303,28 @@ impl WorkloadStore {
         }
         at.sort_unstable();
         at.dedup();
-        at.into_iter().map(|i| &self.contents.policies[i]).collect()
+        at.into_iter().map(|i| &*self.contents.policies[i]).collect()
     }
 
     /// The workload that owns `ip`.
     pub fn by_ip(&self, ip: IpAddr) -> Option<&Workload> {
-        self.index.workload_by_ip.get(&ip).map(|&i| &self.contents.workloads[i])
+        self.index.workload_by_ip.get(&ip).map(|&i| &*self.contents.workloads[i])
     }
 
     /// The workload with this uid.
     pub fn by_uid(&self, uid: &str) -> Option<&Workload> {
-        self.index.workload_by_uid.get(uid).map(|&i| &self.contents.workloads[i])
+        self.index.workload_by_uid.get(uid).map(|&i| &*self.contents.workloads[i])
     }
 
     /// The service with `ip` among its VIPs.
     pub fn service_by_vip(&self, ip: IpAddr) -> Option<&Service> {
-        self.index.service_by_vip.get(&ip).map(|&i| &self.contents.services[i])
+        self.index.service_by_vip.get(&ip).map(|&i| &*self.contents.services[i])
     }
 
     /// The service with this hostname (any case, with or without the final dot).
     pub fn service_by_hostname(&self, host: &str) -> Option<&Service> {
         let host = host.trim_end_matches('.').to_ascii_lowercase();
-        self.index.service_by_hostname.get(&host).map(|&i| &self.contents.services[i])
+        self.index.service_by_hostname.get(&host).map(|&i| &*self.contents.services[i])
     }
 
     /// The healthy endpoints of `svc` for service port `port`: each workload and the port it
@@ -312,7 +334,7 @@ impl WorkloadStore {
         let Some(backends) = self.index.backends.get(&key) else { return Vec::new() };
         backends
             .iter()
-            .map(|&i| &self.contents.workloads[i])
+            .map(|&i| &*self.contents.workloads[i])
             .filter(|w| w.status == HealthStatus::Healthy)
             .filter_map(|w| {
                 let ports = w.services.get(&key)?;
@@ -424,8 +446,12 @@ mod tests {
             let w = s.by_uid(uid).expect("workload");
             let by_index: Vec<*const Policy> =
                 s.policies_for(w).into_iter().map(|p| p as *const Policy).collect();
-            let by_rule: Vec<*const Policy> =
-                s.policies().iter().filter(|p| p.selects(w)).map(|p| p as *const Policy).collect();
+            let by_rule: Vec<*const Policy> = s
+                .policies()
+                .iter()
+                .filter(|p| p.selects(w))
+                .map(|p| &**p as *const Policy)
+                .collect();
             assert_eq!(by_index, by_rule, "workload {uid}");
         }
         let keys = |uid: &str| -> Vec<String> {

@@ -1,0 +1,372 @@
+//! The proxy's side of istiod: workloads, services and authorization policies over the delta
+//! xDS stream (`DeltaAggregatedResources`), as ztunnel takes them, and the gRPC channel both
+//! it and the CA client (identity/ca_client.rs) use.
+//!
+//! - One stream, over TLS to `XDS_ADDRESS`, istiod verified against `XDS_ROOT_CA`; every call
+//!   carries `authorization: Bearer <token>` (the projected token, re-read each time) and
+//!   `clusterid`.
+//! - On each (re)connect: one request per type (Address, then Authorization), wildcard, with the
+//!   node (ztunnel's id and metadata) and the versions held (`initial_resource_versions`).
+//! - Each response is applied as a whole (the store is replaced once) and answered: an ACK
+//!   (type and nonce), or a NACK naming each refused resource and why (`name: reason; …`) with
+//!   the rest applied. A refused resource keeps what was held under its name.
+//! - Ready once one response of each type has been applied; istiod lost later, the proxy keeps
+//!   serving the last state and reconnects with a jittered backoff (`meshpath_xds_connected`,
+//!   `meshpath_xds_last_applied_timestamp_seconds`).
+//! - Bounded: a message over [`MAX_MESSAGE`] ends the stream (the state held stays), and no
+//!   type holds more than [`MAX_RESOURCES`].
+
+pub mod convert;
+
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    path::PathBuf,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::{Duration, SystemTime},
+};
+
+use meshpath_xds::{
+    discovery::{
+        aggregated_discovery_service_client::AggregatedDiscoveryServiceClient,
+        DeltaDiscoveryRequest, DeltaDiscoveryResponse, Node, Status,
+    },
+    security, workload, ADDRESS_TYPE, AUTHORIZATION_TYPE,
+};
+use prost::Message as _;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tracing::{info, warn};
+
+use crate::{
+    metrics::XdsLabels,
+    state::{
+        authorization::Policy,
+        workloads::{Service, Workload, WorkloadStore},
+        Proxy,
+    },
+};
+
+pub use channel::{Channel, ChannelConfig};
+
+mod channel;
+
+/// The largest xDS message accepted (a push of every workload of a large mesh fits many times).
+pub const MAX_MESSAGE: usize = 64 * 1024 * 1024;
+/// The most resources of one type held.
+pub const MAX_RESOURCES: usize = 500_000;
+/// Reconnect backoff: from this, doubling, to [`BACKOFF_MAX`], each wait jittered by ±20 %.
+const BACKOFF_FIRST: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(15);
+
+/// Who this proxy is, for the node istiod sees (ztunnel's node id and metadata).
+#[derive(Debug, Clone, Default)]
+pub struct NodeInfo {
+    pub instance_ip: String,
+    pub pod_name: String,
+    pub pod_namespace: String,
+    pub node_name: String,
+}
+
+impl NodeInfo {
+    /// `ztunnel~IP~POD.NS~NS.svc.cluster.local` with NAME, NAMESPACE, INSTANCE_IPS, NODE_NAME.
+    pub fn node(&self) -> Node {
+        let ip = if self.instance_ip.is_empty() { "1.1.1.1" } else { &self.instance_ip };
+        let string = |s: &str| prost_types::Value {
+            kind: Some(prost_types::value::Kind::StringValue(s.to_owned())),
+        };
+        let fields = [
+            ("NAME", string(&self.pod_name)),
+            ("NAMESPACE", string(&self.pod_namespace)),
+            ("INSTANCE_IPS", string(ip)),
+            ("NODE_NAME", string(&self.node_name)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+        Node {
+            id: format!(
+                "ztunnel~{ip}~{}.{}~{}.svc.cluster.local",
+                self.pod_name, self.pod_namespace, self.pod_namespace
+            ),
+            cluster: String::new(),
+            metadata: Some(prost_types::Struct { fields }),
+        }
+    }
+}
+
+/// Whether both types have had a response applied (readiness).
+#[derive(Debug, Default)]
+pub struct Synced {
+    address: AtomicBool,
+    authorization: AtomicBool,
+}
+
+impl Synced {
+    pub fn all(&self) -> bool {
+        self.address.load(Ordering::Relaxed) && self.authorization.load(Ordering::Relaxed)
+    }
+}
+
+/// What is held from istiod: every resource by name, with its version.
+#[derive(Debug, Default)]
+pub struct Held {
+    workloads: BTreeMap<String, Arc<Workload>>,
+    services: BTreeMap<String, Arc<Service>>,
+    policies: BTreeMap<String, Arc<Policy>>,
+    versions: HashMap<&'static str, HashMap<String, String>>,
+}
+
+/// The reply a response gets, and whether it changed what is held.
+#[derive(Debug)]
+pub struct Applied {
+    pub reply: DeltaDiscoveryRequest,
+    pub changed: bool,
+    pub refused: usize,
+}
+
+fn kind(type_url: &str) -> Option<&'static str> {
+    match type_url {
+        ADDRESS_TYPE => Some(ADDRESS_TYPE),
+        AUTHORIZATION_TYPE => Some(AUTHORIZATION_TYPE),
+        _ => None,
+    }
+}
+
+impl Held {
+    /// The first request of a stream for `type_url`: wildcard, the node, the versions held.
+    pub fn initial_request(&self, type_url: &'static str, node: &Node) -> DeltaDiscoveryRequest {
+        DeltaDiscoveryRequest {
+            node: Some(node.clone()),
+            type_url: type_url.to_owned(),
+            initial_resource_versions: self.versions.get(type_url).cloned().unwrap_or_default(),
+            ..Default::default()
+        }
+    }
+
+    /// How many resources of each type are held.
+    pub fn counts(&self) -> (usize, usize, usize) {
+        (self.workloads.len(), self.services.len(), self.policies.len())
+    }
+
+    /// The store these resources make.
+    pub fn store(&self) -> WorkloadStore {
+        WorkloadStore::from_parts(
+            self.workloads.values().cloned().collect(),
+            self.services.values().cloned().collect(),
+            self.policies.values().cloned().collect(),
+        )
+    }
+
+    /// Applies one response; the reply to send (ACK, or NACK naming what was refused).
+    pub fn apply(&mut self, resp: &DeltaDiscoveryResponse) -> Applied {
+        let ack = |error: Option<String>| DeltaDiscoveryRequest {
+            type_url: resp.type_url.clone(),
+            response_nonce: resp.nonce.clone(),
+            error_detail: error.map(|message| Status { code: 0, message, details: vec![] }),
+            ..Default::default()
+        };
+        let Some(kind) = kind(&resp.type_url) else {
+            warn!(type_url = %resp.type_url, "xDS response of a type never asked for; ignored");
+            return Applied { reply: ack(None), changed: false, refused: 0 };
+        };
+        let mut refused: Vec<(String, String)> = Vec::new();
+        let mut seen = HashSet::new();
+        let mut changed = false;
+        for r in &resp.resources {
+            if !seen.insert(r.name.as_str()) {
+                refused.push((r.name.clone(), "the name appears twice in one response".into()));
+                continue;
+            }
+            let Some(any) = &r.resource else {
+                refused.push((r.name.clone(), "XDS payload without resource".into()));
+                continue;
+            };
+            let result = if kind == ADDRESS_TYPE {
+                self.apply_address(&r.name, &any.value)
+            } else {
+                self.apply_policy(&r.name, &any.value)
+            };
+            match result {
+                Ok(()) => {
+                    changed = true;
+                    self.versions
+                        .entry(kind)
+                        .or_default()
+                        .insert(r.name.clone(), r.version.clone());
+                }
+                Err(why) => refused.push((r.name.clone(), why)),
+            }
+        }
+        for name in &resp.removed_resources {
+            let removed = if kind == ADDRESS_TYPE {
+                self.workloads.remove(name).is_some() | self.services.remove(name).is_some()
+            } else {
+                self.policies.remove(name).is_some()
+            };
+            changed |= removed;
+            if let Some(v) = self.versions.get_mut(kind) {
+                v.remove(name);
+            }
+        }
+        let n = refused.len();
+        let error = (!refused.is_empty()).then(|| {
+            refused
+                .iter()
+                .map(|(name, why)| format!("{name}: {why}"))
+                .collect::<Vec<_>>()
+                .join("; ")
+        });
+        Applied { reply: ack(error), changed, refused: n }
+    }
+
+    fn apply_address(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
+        let a = workload::Address::decode(bytes).map_err(|e| format!("decode: {e}"))?;
+        match convert::address(name, &a)? {
+            convert::Address::Workload(w) => {
+                if !self.workloads.contains_key(name) && self.workloads.len() >= MAX_RESOURCES {
+                    return Err(format!("more than {MAX_RESOURCES} workloads"));
+                }
+                self.workloads.insert(name.to_owned(), Arc::new(w));
+            }
+            convert::Address::Service(s) => {
+                if !self.services.contains_key(name) && self.services.len() >= MAX_RESOURCES {
+                    return Err(format!("more than {MAX_RESOURCES} services"));
+                }
+                self.services.insert(name.to_owned(), Arc::new(s));
+            }
+        }
+        Ok(())
+    }
+
+    fn apply_policy(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
+        let a = security::Authorization::decode(bytes).map_err(|e| format!("decode: {e}"))?;
+        let p = convert::policy(name, &a)?;
+        if !self.policies.contains_key(name) && self.policies.len() >= MAX_RESOURCES {
+            return Err(format!("more than {MAX_RESOURCES} policies"));
+        }
+        self.policies.insert(name.to_owned(), Arc::new(p));
+        Ok(())
+    }
+}
+
+/// How the proxy reaches istiod's xDS.
+#[derive(Debug, Clone)]
+pub struct XdsConfig {
+    pub channel: ChannelConfig,
+    pub node: NodeInfo,
+}
+
+/// Runs the xDS client until the process ends: connects, applies, reconnects.
+pub fn spawn(proxy: Arc<Proxy>, cfg: XdsConfig, synced: Arc<Synced>) {
+    tokio::spawn(async move {
+        let mut held = Held::default();
+        let node = cfg.node.node();
+        let mut backoff = BACKOFF_FIRST;
+        loop {
+            let started = std::time::Instant::now();
+            match session(&proxy, &cfg, &node, &mut held, &synced).await {
+                Ok(()) => info!("xDS stream ended; reconnecting"),
+                Err(e) => {
+                    warn!(error = %format!("{e:#}"), "xDS stream failed; keeping the state held and reconnecting")
+                }
+            }
+            proxy.metrics.xds_connected.set(0);
+            // A stream that lived a while starts the backoff over.
+            if started.elapsed() > Duration::from_secs(30) {
+                backoff = BACKOFF_FIRST;
+            }
+            tokio::time::sleep(jitter(backoff)).await;
+            backoff = (backoff * 2).min(BACKOFF_MAX);
+        }
+    });
+}
+
+/// `d` ± 20 %.
+fn jitter(d: Duration) -> Duration {
+    let mut b = [0u8; 2];
+    let _ = getrandom(&mut b);
+    let r = f64::from(u16::from_ne_bytes(b)) / f64::from(u16::MAX); // 0..=1
+    d.mul_f64(0.8 + 0.4 * r)
+}
+
+fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
+    // SAFETY: getrandom writes at most `buf.len()` bytes into `buf`.
+    let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+async fn session(
+    proxy: &Arc<Proxy>,
+    cfg: &XdsConfig,
+    node: &Node,
+    held: &mut Held,
+    synced: &Synced,
+) -> anyhow::Result<()> {
+    let channel = Channel::connect(&cfg.channel).await?;
+    let mut client = AggregatedDiscoveryServiceClient::with_interceptor(
+        channel.inner.clone(),
+        channel.interceptor(),
+    )
+    .max_decoding_message_size(MAX_MESSAGE);
+    let (tx, rx) = mpsc::channel(8);
+    // The stream begins with one request per type (Address first, as ztunnel).
+    for t in [ADDRESS_TYPE, AUTHORIZATION_TYPE] {
+        tx.send(held.initial_request(t, node)).await?;
+    }
+    let mut responses =
+        client.delta_aggregated_resources(ReceiverStream::new(rx)).await?.into_inner();
+    proxy.metrics.xds_connected.set(1);
+    info!(address = %cfg.channel.address, "xDS stream to istiod open");
+    while let Some(resp) = responses.message().await? {
+        let applied = held.apply(&resp);
+        let kind_label = match resp.type_url.as_str() {
+            ADDRESS_TYPE => "address",
+            AUTHORIZATION_TYPE => "authorization",
+            _ => "other",
+        };
+        if applied.changed {
+            proxy.set_store(held.store());
+            let (w, s, p) = held.counts();
+            for (k, n) in [("workload", w), ("service", s), ("authorization", p)] {
+                proxy
+                    .metrics
+                    .xds_resources
+                    .get_or_create(&XdsLabels { kind: k.into(), reply: String::new() })
+                    .set(n as i64);
+            }
+        }
+        let nack = applied.reply.error_detail.is_some();
+        if let Some(e) = &applied.reply.error_detail {
+            warn!(kind = kind_label, refused = applied.refused, error = %e.message, "xDS resources refused (NACK); the rest applied");
+        } else {
+            match resp.type_url.as_str() {
+                ADDRESS_TYPE => synced.address.store(true, Ordering::Relaxed),
+                AUTHORIZATION_TYPE => synced.authorization.store(true, Ordering::Relaxed),
+                _ => {}
+            }
+        }
+        proxy
+            .metrics
+            .xds_responses
+            .get_or_create(&XdsLabels {
+                kind: kind_label.into(),
+                reply: if nack { "nack" } else { "ack" }.into(),
+            })
+            .inc();
+        let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+        proxy.metrics.xds_last_applied.set(now.as_secs() as i64);
+        tx.send(applied.reply).await?;
+    }
+    Ok(())
+}
+
+/// The token file's path default, as ztunnel's DaemonSet mounts it.
+pub fn default_token_path() -> PathBuf {
+    PathBuf::from("/var/run/secrets/tokens/istio-token")
+}

@@ -1,0 +1,296 @@
+//! meshpath-proxy joined to Istio's control plane, as ztunnel is: workloads, services and
+//! policies over istiod's delta xDS stream, workload certificates from istiod's CA. istiod
+//! cannot run here: its stand-in (tests/src/istiod.rs) serves the real protos, records what
+//! the proxies send, and signs with a CA of its own. Two nodes, pods a and b, real traffic.
+
+use std::{
+    io::{Read as _, Write as _},
+    time::{Duration, Instant},
+};
+
+use meshpath_tests::{
+    istiod::Istiod,
+    two_nodes::{Setup, TwoNodes},
+};
+use meshpath_xds::{security as sec, workload as wl, ADDRESS_TYPE, AUTHORIZATION_TYPE};
+use prost::Message as _;
+
+const PORT: u16 = 8095;
+
+fn istiod(before: Option<fn(&Istiod)>) -> TwoNodes {
+    TwoNodes::start(Setup { istiod: true, istiod_before: before, ..Setup::default() })
+}
+
+fn ready(nodes: &TwoNodes, i: usize) -> bool {
+    nodes.proxies[i].http("READINESS", "GET", "/healthz/ready").is_ok_and(|(s, _)| s == 200)
+}
+
+fn wait(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    f()
+}
+
+fn held_uids(nodes: &TwoNodes, i: usize) -> Vec<String> {
+    let dump = nodes.proxies[i].config_dump().expect("config dump");
+    dump["workloads"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|w| w["uid"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// Pod a to pod b:PORT over HBONE (an echo server in b).
+fn round_trip(nodes: &TwoNodes) -> std::io::Result<Vec<u8>> {
+    nodes.app_round_trip(nodes.b(false, PORT), b"through istiod's view")
+}
+
+#[test]
+fn the_proxy_turns_ready_only_once_both_types_have_been_applied() {
+    let nodes = istiod(Some(|i| i.withhold(AUTHORIZATION_TYPE, true)));
+    // Workloads arrive, policies do not: not ready.
+    assert!(wait(Duration::from_secs(20), || held_uids(&nodes, 0).contains(&"pod-b".into())));
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(!ready(&nodes, 0), "ready without istiod's policies");
+    nodes.istiod().withhold(AUTHORIZATION_TYPE, false);
+    assert!(wait(Duration::from_secs(20), || ready(&nodes, 0)), "not ready after both types");
+}
+
+#[test]
+fn the_stream_opens_with_one_wildcard_request_per_type_carrying_the_node_and_the_token() {
+    let nodes = istiod(None);
+    let first = nodes
+        .istiod()
+        .wait_received(Duration::from_secs(20), |r| r.type_url == ADDRESS_TYPE)
+        .expect("an Address request");
+    assert!(first.nonce.is_empty() && first.initial_versions.is_empty(), "{first:?}");
+    let node = first.node_id.clone().unwrap_or_default();
+    assert!(node.starts_with("ztunnel~") && node.ends_with(".svc.cluster.local"), "{node}");
+    for key in ["NAME", "NAMESPACE", "INSTANCE_IPS", "NODE_NAME"] {
+        assert!(first.node_metadata.iter().any(|k| k == key), "{key} missing: {first:?}");
+    }
+    assert_eq!(first.authorization.as_deref(), Some("Bearer node-token"));
+    assert_eq!(first.cluster_id.as_deref(), Some("Kubernetes"));
+    let policies =
+        nodes.istiod().wait_received(Duration::from_secs(20), |r| r.type_url == AUTHORIZATION_TYPE);
+    assert!(policies.is_some(), "no Authorization request");
+}
+
+#[test]
+fn pods_reach_each_other_over_hbone_with_workloads_and_certificates_from_istiod() {
+    let nodes = istiod(None);
+    nodes.echo_server_in_b(nodes.b(false, PORT));
+    assert!(wait(Duration::from_secs(30), || ready(&nodes, 0) && ready(&nodes, 1)), "not ready");
+    let back = round_trip(&nodes).expect("round trip");
+    assert_eq!(back, b"through istiod's view");
+    let m = nodes.proxies[1].metrics().expect("metrics");
+    assert!(m.contains("connection_security_policy=\"mutual_tls\""), "no mTLS connection counted");
+    // Each identity's key was made on its node; the CA was asked on the pod's behalf.
+    let csrs = nodes.istiod().csrs();
+    for sa in ["sa-a", "sa-b"] {
+        let id = format!("spiffe://cluster.local/ns/default/sa/{sa}");
+        assert!(
+            csrs.iter().any(|c| c.impersonated.as_deref() == Some(&id) && c.sans == [id.clone()]),
+            "no CSR for {id}: {csrs:?}"
+        );
+    }
+}
+
+fn workload(uid: &str, sa: &str) -> wl::Workload {
+    wl::Workload {
+        uid: uid.into(),
+        name: uid.into(),
+        namespace: "default".into(),
+        service_account: sa.into(),
+        addresses: vec![vec![10, 250, 0, 9].into()],
+        tunnel_protocol: wl::TunnelProtocol::Hbone as i32,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_delta_adds_updates_and_removes_a_workload() {
+    let nodes = istiod(None);
+    assert!(wait(Duration::from_secs(20), || ready(&nodes, 0)));
+    nodes.istiod().set_workload(workload("pod-c", "sa-c"));
+    assert!(wait(Duration::from_secs(10), || held_uids(&nodes, 0).contains(&"pod-c".into())));
+    nodes.istiod().set_workload(workload("pod-c", "sa-c2"));
+    let sa_of_c = || {
+        let dump = nodes.proxies[0].config_dump().expect("dump");
+        dump["workloads"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|w| w["uid"] == "pod-c")
+            .map(|w| w["serviceAccount"].as_str().unwrap_or_default().to_owned())
+    };
+    assert!(wait(Duration::from_secs(10), || sa_of_c().as_deref() == Some("sa-c2")), "not updated");
+    nodes.istiod().remove_address("pod-c");
+    assert!(wait(Duration::from_secs(10), || !held_uids(&nodes, 0).contains(&"pod-c".into())));
+    assert!(held_uids(&nodes, 0).contains(&"pod-a".into()), "the removal took others with it");
+}
+
+#[test]
+fn a_malformed_resource_is_nacked_with_its_name_and_reason_and_the_rest_applied() {
+    let nodes = istiod(None);
+    assert!(wait(Duration::from_secs(20), || ready(&nodes, 0)));
+    let mut bad = workload("pod-bad", "sa");
+    bad.addresses = vec![vec![1, 2, 3, 4, 5].into()];
+    let wrap = |w: wl::Workload| {
+        wl::Address { r#type: Some(wl::address::Type::Workload(w)) }.encode_to_vec()
+    };
+    nodes.istiod().set_addresses_raw(vec![
+        ("pod-bad".into(), wrap(bad)),
+        ("pod-good".into(), wrap(workload("pod-good", "sa"))),
+        ("not-a-message".into(), vec![0xff, 0xff, 0xff]),
+    ]);
+    let nack = nodes
+        .istiod()
+        .wait_received(Duration::from_secs(10), |r| r.error.is_some())
+        .expect("a NACK");
+    let msg = nack.error.unwrap_or_default();
+    assert!(msg.contains("pod-bad: failed to parse address, had 5 bytes"), "{msg}");
+    assert!(msg.contains("not-a-message: decode"), "{msg}");
+    assert!(!msg.contains("pod-good"), "{msg}");
+    assert!(wait(Duration::from_secs(10), || held_uids(&nodes, 0).contains(&"pod-good".into())));
+    assert!(!held_uids(&nodes, 0).contains(&"pod-bad".into()));
+}
+
+#[test]
+fn on_reconnect_the_proxy_sends_the_versions_it_holds_and_keeps_serving_meanwhile() {
+    let mut nodes = istiod(None);
+    nodes.echo_server_in_b(nodes.b(false, PORT));
+    assert!(wait(Duration::from_secs(30), || ready(&nodes, 0) && ready(&nodes, 1)));
+    let before = nodes.istiod().received().len();
+    nodes.istiod.as_mut().expect("istiod").stop();
+    assert!(wait(Duration::from_secs(10), || {
+        nodes.proxies[0].metric("meshpath_xds_connected", &[]).is_ok_and(|v| v == 0.0)
+    }));
+    // istiod away: the state held keeps serving.
+    assert_eq!(round_trip(&nodes).expect("round trip with istiod down"), b"through istiod's view");
+    assert!(ready(&nodes, 0), "unready while istiod is away");
+    nodes.istiod.as_mut().expect("istiod").restart().expect("restart");
+    let again = nodes
+        .istiod()
+        .wait_received(Duration::from_secs(30), |r| {
+            r.type_url == ADDRESS_TYPE && !r.initial_versions.is_empty()
+        })
+        .expect("a reconnect with versions");
+    assert!(nodes.istiod().received().len() > before);
+    for uid in ["pod-a", "pod-b"] {
+        assert!(
+            again.initial_versions.contains_key(uid),
+            "{uid} not in {:?}",
+            again.initial_versions
+        );
+    }
+}
+
+#[test]
+fn a_refused_token_keeps_the_proxy_unready_until_a_good_one_is_in_the_file() {
+    let nodes = istiod(Some(|i| i.require_tokens(&["good-token"])));
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(!ready(&nodes, 0), "ready with a token istiod refuses");
+    let log = nodes.proxies[0].proxy.lines().join("\n");
+    assert!(log.contains("xDS stream failed") && log.to_lowercase().contains("token"), "{log}");
+    // The token file is read for each call: rotating it is enough.
+    std::fs::write(nodes.istiod().dir().join("node1-token"), "good-token").expect("write token");
+    assert!(wait(Duration::from_secs(30), || ready(&nodes, 0)), "not ready with a good token");
+}
+
+#[test]
+fn a_certificate_naming_another_identity_is_refused() {
+    let nodes =
+        istiod(Some(|i| i.sign_wrong_san(Some("spiffe://cluster.local/ns/default/sa/mallory"))));
+    nodes.echo_server_in_b(nodes.b(false, PORT));
+    assert!(
+        wait(Duration::from_secs(20), || {
+            nodes.proxies[0]
+                .metric("meshpath_ca_requests_total", &[("reason", "error")])
+                .is_ok_and(|v| v >= 1.0)
+        }),
+        "no refused answer counted"
+    );
+    assert!(round_trip(&nodes).is_err(), "traffic flowed with a certificate for another identity");
+    let log = nodes.proxies[0].proxy.lines().join("\n");
+    assert!(log.contains("mallory") && log.contains("refused"), "{log}");
+}
+
+#[test]
+fn a_short_lived_certificate_is_renewed_under_a_live_connection() {
+    let nodes = istiod(Some(|i| i.set_ttl(Some(Duration::from_secs(8)))));
+    nodes.echo_server_in_b(nodes.b(false, PORT));
+    assert!(wait(Duration::from_secs(30), || ready(&nodes, 0) && ready(&nodes, 1)));
+    let mut live = nodes.connect_from_a(nodes.b(false, PORT)).expect("connect");
+    let asked = nodes.istiod().csrs().len();
+    let started = Instant::now();
+    let mut buf = [0u8; 4];
+    // Half of 8 s, jittered: renewals within ~5 s; the connection carries on throughout.
+    while started.elapsed() < Duration::from_secs(12) {
+        live.write_all(b"ping").expect("write on the live connection");
+        live.read_exact(&mut buf).expect("read on the live connection");
+        assert_eq!(&buf, b"ping");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(nodes.istiod().csrs().len() > asked, "no certificate renewed");
+    assert!(
+        nodes.proxies[0].metric("meshpath_certificate_rotations_total", &[]).expect("metric")
+            >= 1.0,
+        "the pod never took the renewed certificate"
+    );
+    assert_eq!(round_trip(&nodes).expect("a new connection"), b"through istiod's view");
+}
+
+#[test]
+fn a_policy_push_closes_an_open_connection_it_denies() {
+    let nodes = istiod(None);
+    nodes.echo_server_in_b(nodes.b(false, PORT));
+    assert!(wait(Duration::from_secs(30), || ready(&nodes, 0) && ready(&nodes, 1)));
+    let mut live = nodes.connect_from_a(nodes.b(false, PORT)).expect("connect");
+    let mut buf = [0u8; 4];
+    live.write_all(b"ping").expect("write");
+    live.read_exact(&mut buf).expect("allowed before the push");
+    let deny = sec::Authorization {
+        name: "deny-a".into(),
+        namespace: "default".into(),
+        scope: sec::Scope::Namespace as i32,
+        action: sec::Action::Deny as i32,
+        rules: vec![sec::Rule {
+            clauses: vec![sec::Clause {
+                matches: vec![sec::Match {
+                    principals: vec![sec::StringMatch {
+                        match_type: Some(sec::string_match::MatchType::Exact(
+                            "cluster.local/ns/default/sa/sa-a".into(),
+                        )),
+                    }],
+                    ..Default::default()
+                }],
+            }],
+        }],
+        ..Default::default()
+    };
+    nodes.istiod().set_policy(deny);
+    let pushed = Instant::now();
+    live.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    let closed = loop {
+        if live.write_all(b"ping").is_err() {
+            break true;
+        }
+        match live.read(&mut buf) {
+            Ok(0) | Err(_) => break true,
+            Ok(_) if pushed.elapsed() > Duration::from_secs(10) => break false,
+            Ok(_) => std::thread::sleep(Duration::from_millis(100)),
+        }
+    };
+    assert!(closed, "the denied connection stayed open");
+    let denied = nodes.proxies[1]
+        .metric("meshpath_connection_errors_total", &[("reason", "policy_denied")])
+        .expect("metric");
+    assert!(denied >= 1.0, "the closure was not counted");
+}

@@ -325,8 +325,13 @@ impl Kube {
         let patch = serde_json::json!({"metadata": {"annotations": {k8s::REDIRECTION: value}}});
         let api = Api::<Pod>::namespaced(self.client.clone(), namespace);
         let (params, patch) = (PatchParams::default(), Patch::Merge(&patch));
-        bounded(&format!("annotating pod {namespace}/{name}"), api.patch(name, &params, &patch))
-            .await?;
+        // Through the status subresource, as istio-cni writes it: the agent's role may patch
+        // pods/status and nothing of a pod's spec or labels.
+        bounded(
+            &format!("annotating pod {namespace}/{name}"),
+            api.patch_status(name, &params, &patch),
+        )
+        .await?;
         Ok(())
     }
 

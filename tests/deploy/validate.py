@@ -357,9 +357,15 @@ def document_errors(doc: Any, versions: Iterable[str] = VERSIONS) -> list[str]:
     return errs
 
 
+# Objects a pod may use that something else defines: istiod writes its root certificate into
+# every namespace as this ConfigMap (the proxy verifies istiod with it, as ztunnel does).
+EXTERNAL = {("ConfigMap", "istio-ca-root-cert")}
+
+
 def reference_errors(docs: list[dict]) -> list[str]:
-    """ConfigMaps, Secrets and ServiceAccounts the pods use must be defined under deploy/."""
-    defined = {(d.get("kind"), (d.get("metadata") or {}).get("name")) for d in docs}
+    """ConfigMaps, Secrets and ServiceAccounts the pods use must be defined under deploy/
+    (or be one of EXTERNAL)."""
+    defined = {(d.get("kind"), (d.get("metadata") or {}).get("name")) for d in docs} | EXTERNAL
     errs = []
     for d in docs:
         pod = pod_spec_of(d)

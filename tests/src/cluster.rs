@@ -2,8 +2,9 @@
 //! kube-apiserver, controller-manager, scheduler, kubelet, containerd, in the node's network
 //! namespace `meshpath-node`), as the cluster tests (tests/tests/cluster.rs) drive it: kubectl as
 //! its administrator, meshpath installed with `kubectl apply -k tests/cluster` (deploy/install
-//! with the local image), workloads made from the tests' image, the node's files read where
-//! kubelet and the DaemonSets leave them.
+//! with the local image), its proxy following an istiod stand-in (tests/src/istiod.rs) for
+//! workloads and certificates, workloads made from the tests' image, the node's files read
+//! where kubelet and the DaemonSets leave them.
 //!
 //! `cargo xtask test` brings the cluster up, runs these tests one at a time (some restart the
 //! DaemonSets every other test relies on) and takes it down. Run by hand: `cargo xtask cluster
@@ -39,8 +40,6 @@ pub const CNI_CONF: &str = "/etc/cni/net.d";
 pub const CNI_BIN: &str = "/opt/cni/bin";
 /// The node's own network configuration (before meshpath-cni is chained into it).
 pub const CONFLIST: &str = "/etc/cni/net.d/10-meshpath-cluster.conflist";
-/// Where the proxy reads workload certificates (files mode), on the node.
-pub const CERT_DIR: &str = "/var/run/meshpath/certs";
 /// The proxy's admin socket on the node.
 pub const PROXY_ADMIN: &str = "/var/run/meshpath/proxy/admin.sock";
 /// The datapath's pins on the node.
@@ -139,34 +138,19 @@ pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
 }
 
-/// The CA the tests issue workload certificates from (files mode: the tests are the node's
-/// issuer), made once per cluster and kept in its directory.
-fn test_ca() -> Result<meshpath_proxy::identity::LocalCa> {
-    let dir = Path::new(DIR).join("test-ca");
-    let (cert, key) = (dir.join("ca.pem"), dir.join("ca-key.pem"));
-    if let (Ok(c), Ok(k)) = (std::fs::read_to_string(&cert), std::fs::read_to_string(&key)) {
-        return Ok(meshpath_proxy::identity::LocalCa::from_pem(&c, &k)?);
-    }
-    let ca = meshpath_proxy::identity::LocalCa::generate("meshpath cluster tests")?;
-    std::fs::create_dir_all(&dir)?;
-    let (c, k) = ca.to_pem();
-    std::fs::write(&cert, c)?;
-    std::fs::write(&key, k)?;
-    Ok(ca)
-}
+/// istiod's port, where the stand-in listens on the node's address.
+pub const ISTIOD_PORT: u16 = 15012;
 
-/// Writes the workload certificate of `namespace/service_account` where the proxy reads it,
-/// as a node's certificate issuer would.
-pub fn issue_certificate(namespace: &str, service_account: &str) -> Result<()> {
-    let ca = test_ca()?;
-    let id = meshpath_proxy::identity::Identity::new("cluster.local", namespace, service_account);
-    let cert = ca.issue(&id, Duration::from_secs(24 * 3600))?;
-    let (chain, key) = cert.to_pem();
-    let dir = Path::new(CERT_DIR).join(namespace).join(service_account);
-    std::fs::create_dir_all(&dir)?;
-    std::fs::write(dir.join("key.pem"), key)?;
-    std::fs::write(dir.join("cert-chain.pem"), chain)?;
-    Ok(())
+/// The istiod stand-in the cluster's proxy follows (tests/src/istiod.rs): in this test
+/// process, listening on the node's address inside the node's namespace, for the whole run.
+/// The proxy DaemonSet reaches it at https://NODE_IP:15012 (tests/cluster/kustomization.yaml).
+pub fn istiod() -> &'static crate::istiod::Istiod {
+    static ISTIOD: std::sync::OnceLock<crate::istiod::Istiod> = std::sync::OnceLock::new();
+    ISTIOD.get_or_init(|| {
+        let bind = std::net::SocketAddr::new(NODE_IP.parse().expect("node IP"), ISTIOD_PORT);
+        crate::istiod::Istiod::start_on(&[Path::new("/run/netns").join(NETNS)], bind)
+            .expect("the istiod stand-in in the node's namespace")
+    })
 }
 
 /// Whether a DaemonSet has its pod on the node, up to date and Ready.
@@ -181,22 +165,22 @@ pub fn daemonset_ready(name: &str) -> Result<bool> {
         && n("numberUnavailable") == 0)
 }
 
-/// meshpath installed as users install it, both DaemonSets Ready: the trust bundle Secret
-/// (this CA's certificate; its key never goes to the node), then `kubectl apply -k
-/// tests/cluster`. Idempotent: a test that took something down calls it to put it back.
+/// meshpath installed as users install it next to istiod, both DaemonSets Ready: istiod's root
+/// in the istio-ca-root-cert ConfigMap (istiod writes it into every namespace; its stand-in
+/// cannot), then `kubectl apply -k tests/cluster`. Idempotent: a test that took something
+/// down calls it to put it back.
 pub fn install() -> Result<()> {
-    let ca = test_ca()?;
-    let (ca_pem, _) = ca.to_pem();
+    let root = std::fs::read_to_string(&istiod().root_pem)?;
     kubectl_in(
         &["apply", "-f", "-"],
         &format!("apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {SYSTEM_NS}\n"),
     )?;
-    let secret = serde_json::json!({
-        "apiVersion": "v1", "kind": "Secret",
-        "metadata": {"name": "meshpath-ca", "namespace": SYSTEM_NS},
-        "stringData": {"ca.pem": ca_pem},
+    let cm = serde_json::json!({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "istio-ca-root-cert", "namespace": SYSTEM_NS},
+        "data": {"root-cert.pem": root},
     });
-    kubectl_in(&["apply", "-f", "-"], &secret.to_string())?;
+    kubectl_in(&["apply", "-f", "-"], &cm.to_string())?;
     let overlay = repo_root().join("tests/cluster");
     kubectl(&["apply", "-k", &overlay.display().to_string()])?;
     wait_for("both DaemonSets Ready", Duration::from_secs(180), || {
@@ -209,11 +193,17 @@ pub fn install() -> Result<()> {
 pub fn rendered_install() -> Result<Vec<Value>> {
     let overlay = repo_root().join("tests/cluster");
     let yaml = kubectl(&["kustomize", &overlay.display().to_string()])?;
-    let list: Value = serde_json::from_str(&kubectl_in(
-        &["create", "--dry-run=client", "-o", "json", "-f", "-"],
-        &yaml,
-    )?)?;
-    Ok(list["items"].as_array().cloned().unwrap_or_default())
+    let json = kubectl_in(&["create", "--dry-run=client", "-o", "json", "-f", "-"], &yaml)?;
+    // One JSON object per document, one after the other (a List's items taken apart).
+    let mut objects = Vec::new();
+    for v in serde_json::Deserializer::from_str(&json).into_iter::<Value>() {
+        let v = v?;
+        match v["items"].as_array() {
+            Some(items) if v["kind"] == "List" => objects.extend(items.iter().cloned()),
+            _ => objects.push(v),
+        }
+    }
+    Ok(objects)
 }
 
 /// Takes meshpath off the node as docs/deploy.md says: the agent's DaemonSet, then the
@@ -298,11 +288,20 @@ pub fn restart_apiserver() -> Result<()> {
         .filter(|a| !a.is_empty())
         .map(|a| String::from_utf8_lossy(a).into_owned())
         .collect();
-    let pid = nix::unistd::Pid::from_raw(i32::try_from(pid)?);
+    let raw = i32::try_from(pid)?;
+    let pid = nix::unistd::Pid::from_raw(raw);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)?;
-    wait_for("the API server to exit", Duration::from_secs(30), || {
-        Ok(nix::sys::signal::kill(pid, None).is_err().then_some(()))
-    })?;
+    // Gone, or a zombie (its parent, the xtask that started the cluster, may still run).
+    let exited = || {
+        std::fs::read_to_string(format!("/proc/{raw}/stat"))
+            .map_or(true, |s| s.rsplit(") ").next().is_some_and(|rest| rest.starts_with('Z')))
+    };
+    let waited =
+        wait_for("the API server to exit", Duration::from_secs(30), || Ok(exited().then_some(())));
+    if waited.is_err() {
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+        std::thread::sleep(Duration::from_secs(1));
+    }
     let log = std::fs::OpenOptions::new()
         .append(true)
         .open(Path::new(DIR).join("logs/kube-apiserver.log"))?;
@@ -360,7 +359,6 @@ impl TestNamespace {
 impl Drop for TestNamespace {
     fn drop(&mut self) {
         let _ = kubectl(&["delete", "namespace", &self.name, "--wait=false"]);
-        let _ = std::fs::remove_dir_all(Path::new(CERT_DIR).join(&self.name));
     }
 }
 
@@ -499,14 +497,7 @@ pub fn proxy_metrics() -> Result<String> {
     output(c, None)
 }
 
-/// The sum of a metric's samples whose labels include every `label="value"` of `labels`.
-pub fn metric_sum(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
-        .filter(|l| labels.iter().all(|(k, v)| l.contains(&format!("{k}=\"{v}\""))))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
+pub use crate::sum_metric as metric_sum;
 
 /// The proxy's configuration dump, from its admin socket on the node.
 pub fn proxy_config_dump() -> Result<String> {
@@ -515,28 +506,26 @@ pub fn proxy_config_dump() -> Result<String> {
     output(c, None)
 }
 
-/// The workloads ConfigMap the proxy reads, listing `pods` as HBONE workloads: (namespace,
-/// service account, pod). The proxy re-reads it when kubelet updates its volume.
+/// What istiod would tell the proxy about `pods` once they are meshed: HBONE workloads on this
+/// node, (namespace, service account, pod). Returns once the proxy's store holds them all.
 pub fn publish_workloads(pods: &[(&str, &str, &PodInfo)]) -> Result<()> {
-    let workloads: Vec<Value> = pods
-        .iter()
-        .map(|(ns, sa, p)| {
-            serde_json::json!({
-                "uid": p.uid, "name": p.name, "namespace": ns, "serviceAccount": sa,
-                "workloadName": sa, "workloadIps": [p.ip.to_string()], "protocol": "HBONE",
-            })
-        })
-        .collect();
-    let doc = serde_json::json!({"workloads": workloads, "services": [], "policies": []});
-    let cm = serde_json::json!({
-        "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": {"name": "meshpath-workloads", "namespace": SYSTEM_NS},
-        "data": {"workloads.yaml": doc.to_string()},
-    });
-    kubectl_in(&["apply", "-f", "-"], &cm.to_string())?;
-    // Loaded once the store in the admin dump holds every pod's uid (kubelet updates the
-    // mounted file within its sync period).
-    wait_for("the proxy to load the workloads", Duration::from_secs(90), || {
+    for (ns, sa, p) in pods {
+        istiod().set_workload(meshpath_xds::workload::Workload {
+            uid: p.uid.clone(),
+            name: p.name.clone(),
+            namespace: (*ns).to_owned(),
+            service_account: (*sa).to_owned(),
+            workload_name: (*sa).to_owned(),
+            addresses: vec![match p.ip {
+                IpAddr::V4(v4) => v4.octets().to_vec().into(),
+                IpAddr::V6(v6) => v6.octets().to_vec().into(),
+            }],
+            tunnel_protocol: meshpath_xds::workload::TunnelProtocol::Hbone as i32,
+            node: NODE_NAME.to_owned(),
+            ..Default::default()
+        });
+    }
+    wait_for("the proxy to hold the workloads", Duration::from_secs(60), || {
         let dump: Value = serde_json::from_str(&proxy_config_dump()?)?;
         let held: Vec<&str> = dump["workloads"]
             .as_array()

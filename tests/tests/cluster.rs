@@ -4,10 +4,7 @@
 //! the DaemonSets every test relies on, and each first makes sure meshpath is installed.
 //! tests/src/cluster.rs has the fixtures.
 
-use std::{
-    path::Path,
-    time::{Duration, Instant},
-};
+use std::{path::Path, time::Duration};
 
 use meshpath_tests::cluster::*;
 
@@ -31,7 +28,6 @@ struct MeshedPair {
 fn meshed_pair() -> MeshedPair {
     let ns = TestNamespace::new("mesh", true).expect("namespace");
     for sa in ["server", "client"] {
-        issue_certificate(&ns.name, sa).expect("certificate");
         deploy_app(&ns.name, sa, 8080).expect("deployment");
     }
     let server = ready_pod(&ns.name, "server").expect("server");
@@ -92,7 +88,6 @@ fn a_pod_in_an_ambient_namespace_is_captured_and_annotated_and_one_in_a_plain_na
     set_up();
     let mesh = TestNamespace::new("mesh", true).expect("namespace");
     let plain = TestNamespace::new("plain", false).expect("namespace");
-    issue_certificate(&mesh.name, "server").expect("certificate");
     deploy_app(&mesh.name, "server", 8080).expect("meshed");
     deploy_app(&plain.name, "server", 8080).expect("plain");
     let meshed = ready_pod(&mesh.name, "server").expect("meshed pod");
@@ -166,25 +161,32 @@ fn a_meshed_pod_reaches_an_unmeshed_one_in_plain_tcp_without_mutual_tls() {
 fn kubelet_probes_reach_a_meshed_pod_and_a_closed_probe_port_leaves_it_unready() {
     set_up();
     let ns = TestNamespace::new("probe", true).expect("namespace");
-    for sa in ["open", "closed"] {
-        issue_certificate(&ns.name, sa).expect("certificate");
-    }
     deploy_app(&ns.name, "open", 8080).expect("deployment");
     // Nothing listens on 8081.
     deploy_app(&ns.name, "closed", 8081).expect("deployment");
     let open = ready_pod(&ns.name, "open").expect("a meshed pod whose probes succeed is Ready");
     assert_eq!(open.annotations["ambient.istio.io/redirection"], "enabled", "not meshed");
-    // The closed one has an address, is meshed, and its probes fail for 10 s: still unready.
+    // The closed one gets an address and is probed; kubelet reports its probe failing.
     let closed = wait_for("the closed pod's address", Duration::from_secs(60), || {
         app_pod(&ns.name, "closed")
     })
     .expect("closed pod");
-    std::thread::sleep(Duration::from_secs(10));
+    let unhealthy = |pod: &str| -> usize {
+        let selector = format!("involvedObject.name={pod},reason=Unhealthy");
+        get_json(&["events", "-n", &ns.name, "--field-selector", &selector])
+            .map(|e| e["items"].as_array().map_or(0, Vec::len))
+            .unwrap_or(0)
+    };
+    let failed =
+        wait_for("kubelet's failed probe of the closed pod", Duration::from_secs(60), || {
+            Ok((unhealthy(&closed.name) > 0).then_some(()))
+        });
+    assert!(failed.is_ok(), "{failed:?}");
     let closed = app_pod(&ns.name, "closed").expect("pod").expect("pod");
     assert!(!closed.ready, "a pod whose probe port is closed went Ready");
-    // The open pod's liveness probe never failed (it would have been restarted).
+    // The open pod: no probe of it ever failed, and it was never restarted.
+    assert_eq!(unhealthy(&open.name), 0, "a probe of the meshed pod failed");
     assert_eq!(app_pod(&ns.name, "open").expect("pod").expect("pod").restarts, 0);
-    let _ = closed;
 }
 
 /// Starts a long paced transfer from the client, runs `disrupt`, and checks the transfer
@@ -193,13 +195,18 @@ fn survives(disrupt: impl FnOnce()) {
     set_up();
     let pair = meshed_pair();
     let target = format!("{}:9000", pair.server.ip);
+    let accepted = sink_count(pair.server.ip).expect("sink count");
     let long = exec_spawn(
         &pair.ns.name,
         &pair.client.name,
         &["send", &target, "--bytes", LONG_BYTES, "--seconds", LONG_SECONDS],
     )
     .expect("the long transfer");
-    std::thread::sleep(Duration::from_secs(3));
+    // Disrupted once it is under way: the server has accepted it.
+    wait_for("the long transfer to start", Duration::from_secs(30), || {
+        Ok((sink_count(pair.server.ip)? > accepted).then_some(()))
+    })
+    .expect("the transfer started");
     disrupt();
     let out = long.wait_with_output().expect("the long transfer's end");
     let text =
@@ -287,7 +294,6 @@ fn while_the_proxy_is_down_meshed_traffic_is_refused_and_once_it_is_back_it_flow
 fn a_deleted_meshed_pod_leaves_the_datapath() {
     set_up();
     let ns = TestNamespace::new("del", true).expect("namespace");
-    issue_certificate(&ns.name, "server").expect("certificate");
     deploy_app(&ns.name, "server", 8080).expect("deployment");
     let pod = ready_pod(&ns.name, "server").expect("pod");
     let name = format!("{}/{}", ns.name, pod.name);
@@ -320,13 +326,28 @@ fn a_pod_created_while_the_agent_is_down_is_captured_once_it_is_back() {
         Ok(daemonset_pod(AGENT_DS).is_err().then_some(()))
     });
     let ns = TestNamespace::new("late", true).expect("namespace");
-    issue_certificate(&ns.name, "server").expect("certificate");
     deploy_app(&ns.name, "server", 8080).expect("deployment");
-    // With no agent, the chained plugin refuses the pod: it does not start uncaptured.
-    std::thread::sleep(Duration::from_secs(8));
+    // With no agent, the chained plugin refuses the pod's sandbox (kubelet says so in an
+    // Event, and retries): it does not start uncaptured.
+    let refused = wait_for("kubelet's failed sandbox", Duration::from_secs(60), || {
+        let ev = get_json(&[
+            "events",
+            "-n",
+            &ns.name,
+            "--field-selector",
+            "reason=FailedCreatePodSandBox",
+        ])?;
+        Ok(ev["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|e| e["message"].as_str().is_some_and(|m| m.contains("meshpath-cni")))
+            .then_some(()))
+    });
     let early = app_pod(&ns.name, "server").expect("pods");
     agent_away(false);
     gone.expect("the agent left the node");
+    assert!(refused.is_ok(), "no sandbox refusal by meshpath-cni: {refused:?}");
     assert!(early.is_none(), "a meshed pod got an address while no agent ran: {early:?}");
     let pod = ready_pod(&ns.name, "server").expect("the pod starts once the agent is back");
     let annotated = wait_for("the annotation", Duration::from_secs(30), || {
@@ -422,9 +443,6 @@ fn pods_created_while_the_api_server_restarts_are_all_captured() {
     set_up();
     let ns = TestNamespace::new("restart", true).expect("namespace");
     let apps = ["a1", "a2", "a3", "a4"];
-    for app in apps {
-        issue_certificate(&ns.name, app).expect("certificate");
-    }
     deploy_app(&ns.name, apps[0], 8080).expect("deployment");
     deploy_app(&ns.name, apps[1], 8080).expect("deployment");
     restart_apiserver().expect("API server restart");
@@ -440,5 +458,65 @@ fn pods_created_while_the_api_server_restarts_are_all_captured() {
         assert!(annotated.is_ok(), "{app}: {annotated:?}");
         let name = format!("{}/{}", ns.name, pod.name);
         assert!(enrolled_pods().expect("list").to_string().contains(&name), "{name} not enrolled");
+    }
+}
+
+/// A token of `sa` in meshpath's namespace, as the kubelet would mount it.
+fn token_of(sa: &str) -> String {
+    kubectl(&["create", "token", sa, "-n", SYSTEM_NS]).expect("a token").trim().to_owned()
+}
+
+/// kubectl with `token` instead of the administrator's credentials.
+fn as_token(token: &str, args: &[&str]) -> anyhow::Result<String> {
+    let mut a = vec!["--token", token];
+    a.extend_from_slice(args);
+    kubectl(&a)
+}
+
+#[test]
+fn the_agents_token_annotates_pods_and_can_change_nothing_else() {
+    set_up();
+    let ns = TestNamespace::new("rbac", true).expect("namespace");
+    deploy_app(&ns.name, "server", 8080).expect("deployment");
+    // The agent annotated the pod with its own token (through pods/status).
+    let annotated = wait_for("the annotation", Duration::from_secs(120), || {
+        Ok(app_pod(&ns.name, "server")?
+            .filter(|p| p.annotations["ambient.istio.io/redirection"] == "enabled"))
+    })
+    .expect("annotated by the agent");
+    let token = token_of(AGENT_DS);
+    let pod = annotated.name.clone();
+    // The same token, at what it must not do (each tried first with the administrator's
+    // credentials, which may: the refusal is the role's, not a broken request).
+    let label = r#"{"metadata":{"labels":{"pwned":"yes"}}}"#;
+    kubectl(&["patch", "pod", "-n", &ns.name, &pod, "--dry-run=server", "-p", label])
+        .expect("the administrator may");
+    let err = as_token(&token, &["patch", "pod", "-n", &ns.name, &pod, "-p", label])
+        .expect_err("the agent's token patched a pod's labels");
+    assert!(err.to_string().contains("forbidden"), "{err}");
+    let image = r#"{"spec":{"containers":[{"name":"app","image":"evil:1"}]}}"#;
+    let err = as_token(&token, &["patch", "pod", "-n", &ns.name, &pod, "-p", image])
+        .expect_err("the agent's token changed a pod's image");
+    assert!(err.to_string().contains("forbidden"), "{err}");
+    let err =
+        as_token(&token, &["get", "secrets", "-A"]).expect_err("the agent's token listed Secrets");
+    assert!(err.to_string().contains("forbidden"), "{err}");
+    // What it needs, it has.
+    let can = as_token(&token, &["auth", "can-i", "patch", "pods/status", "-n", &ns.name])
+        .expect("can-i");
+    assert_eq!(can.trim(), "yes");
+}
+
+#[test]
+fn the_proxys_token_grants_nothing_in_the_kubernetes_api() {
+    set_up();
+    let token = token_of(PROXY_DS);
+    for args in [
+        vec!["get", "pods", "-A"],
+        vec!["get", "secrets", "-n", SYSTEM_NS],
+        vec!["get", "configmaps", "-n", SYSTEM_NS],
+    ] {
+        let err = as_token(&token, &args).expect_err("the proxy's token read something");
+        assert!(err.to_string().contains("forbidden"), "{args:?}: {err}");
     }
 }

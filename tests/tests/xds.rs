@@ -54,9 +54,12 @@ fn round_trip(nodes: &TwoNodes) -> std::io::Result<Vec<u8>> {
 #[test]
 fn the_proxy_turns_ready_only_once_both_types_have_been_applied() {
     let nodes = istiod(Some(|i| i.withhold(AUTHORIZATION_TYPE, true)));
-    // Workloads arrive, policies do not: not ready.
+    // Workloads arrive and are acknowledged, policies do not come: not ready.
     assert!(wait(Duration::from_secs(20), || held_uids(&nodes, 0).contains(&"pod-b".into())));
-    std::thread::sleep(Duration::from_secs(1));
+    let acked = nodes.istiod().wait_received(Duration::from_secs(20), |r| {
+        r.type_url == ADDRESS_TYPE && !r.nonce.is_empty() && r.error.is_none()
+    });
+    assert!(acked.is_some(), "the Address response was never acknowledged");
     assert!(!ready(&nodes, 0), "ready without istiod's policies");
     nodes.istiod().withhold(AUTHORIZATION_TYPE, false);
     assert!(wait(Duration::from_secs(20), || ready(&nodes, 0)), "not ready after both types");
@@ -195,10 +198,12 @@ fn on_reconnect_the_proxy_sends_the_versions_it_holds_and_keeps_serving_meanwhil
 #[test]
 fn a_refused_token_keeps_the_proxy_unready_until_a_good_one_is_in_the_file() {
     let nodes = istiod(Some(|i| i.require_tokens(&["good-token"])));
-    std::thread::sleep(Duration::from_secs(3));
+    let refused = wait(Duration::from_secs(20), || {
+        let log = nodes.proxies[0].proxy.lines().join("\n");
+        log.contains("xDS stream failed") && log.to_lowercase().contains("token")
+    });
+    assert!(refused, "no refusal logged: {}", nodes.proxies[0].proxy.lines().join("\n"));
     assert!(!ready(&nodes, 0), "ready with a token istiod refuses");
-    let log = nodes.proxies[0].proxy.lines().join("\n");
-    assert!(log.contains("xDS stream failed") && log.to_lowercase().contains("token"), "{log}");
     // The token file is read for each call: rotating it is enough.
     std::fs::write(nodes.istiod().dir().join("node1-token"), "good-token").expect("write token");
     assert!(wait(Duration::from_secs(30), || ready(&nodes, 0)), "not ready with a good token");

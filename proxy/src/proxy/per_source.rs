@@ -7,7 +7,11 @@
 //! has been checked (the peer is then a workload of the trust domain, attributable) or when it
 //! fails.
 //!
-//! The map is keyed by outside input (the peer's address) and stays bounded: an address has an
+//! A source is an IPv4 address, or an IPv6 /64: one host is routinely given a whole /64, so
+//! counting by exact IPv6 address would let it open a share from each of 2^64 addresses (as rate
+//! limiters do, the prefix is the unit).
+//!
+//! The map is keyed by outside input (the peer's address) and stays bounded: a source has an
 //! entry only while it holds an unauthenticated connection, and each of those holds one of the
 //! pod's inbound slots, so there are never more entries than the pod's inbound cap.
 
@@ -36,8 +40,10 @@ impl PerSource {
         Arc::new(Self { limit: limit.max(1), held: Mutex::new(HashMap::new()) })
     }
 
-    /// A count for one more connection from `source`, or `None` when it holds `limit` already.
+    /// A count for one more connection from `source`, or `None` when its source (the address,
+    /// or its IPv6 /64) holds `limit` already.
     pub fn admit(self: &Arc<Self>, source: IpAddr) -> Option<SourceSlot> {
+        let source = source_of(source);
         let mut held = self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let n = held.entry(source).or_insert(0);
         if *n >= self.limit {
@@ -51,6 +57,21 @@ impl PerSource {
     #[cfg(test)]
     fn sources(&self) -> usize {
         self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len()
+    }
+}
+
+/// What a connection counts against: an IPv4 address as itself (also in its v4-mapped form), an
+/// IPv6 address as its /64.
+fn source_of(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let s = v6.segments();
+                IpAddr::V6(std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+            }
+        },
+        v4 => v4,
     }
 }
 
@@ -72,6 +93,27 @@ mod tests {
 
     const A: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, 1));
     const B: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, 2));
+
+    #[test]
+    fn ipv6_addresses_of_one_64_share_one_count_and_another_64_has_its_own() {
+        let caps = PerSource::new(3);
+        let in_64 = |i: u16| IpAddr::V6(std::net::Ipv6Addr::new(0xfd00, 0, 0, 1, 0, 0, 0, i));
+        let held: Vec<_> =
+            (1..=3).map(|i| caps.admit(in_64(i)).expect("within the limit")).collect();
+        assert!(caps.admit(in_64(4)).is_none(), "a fourth address of the same /64 was admitted");
+        let other = IpAddr::V6(std::net::Ipv6Addr::new(0xfd00, 0, 0, 2, 0, 0, 0, 1));
+        assert!(caps.admit(other).is_some(), "another /64 was refused");
+        drop(held);
+        assert!(caps.admit(in_64(9)).is_some(), "the /64's count was not given back");
+    }
+
+    #[test]
+    fn an_ipv4_address_counts_the_same_in_its_v4_mapped_form() {
+        let caps = PerSource::new(1);
+        let _a = caps.admit(A).expect("first");
+        let mapped = IpAddr::V6(std::net::Ipv4Addr::new(10, 0, 0, 1).to_ipv6_mapped());
+        assert!(caps.admit(mapped).is_none(), "the v4-mapped form counted apart");
+    }
 
     #[test]
     fn a_source_at_its_limit_is_refused_while_another_is_admitted() {

@@ -91,6 +91,11 @@ pub mod reason {
     // cgroup bind4/6 in an enrolled pod.
     /// A bind to one of the proxy's ports from outside the proxy's cgroup: refused (EPERM).
     pub const BIND_REFUSED_PROXY_PORT: u32 = 80;
+    // sock_ops, a connect in an enrolled pod.
+    /// A transparent connection to the pod itself from a socket the proxy did not bind (an
+    /// app with CAP_NET_RAW or CAP_NET_ADMIN): not filed, so nothing reaches the app past the
+    /// proxy from that address.
+    pub const TRANSPARENT_NOT_PROXY: u32 = 81;
 }
 
 /// (code, hook, decision, reason) for every reason code: labels for people and metrics.
@@ -118,6 +123,7 @@ pub const REASONS: &[(u32, &str, &str, &str)] = &[
     (reason::ORIGINAL_DST_ANSWERED, "getsockopt", "answered", "original destination"),
     (reason::ORIGINAL_DST_REFUSED, "getsockopt", "refused", "no captured connection"),
     (reason::BIND_REFUSED_PROXY_PORT, "bind", "refused", "proxy port"),
+    (reason::TRANSPARENT_NOT_PROXY, "sock_ops", "refused", "transparent connect outside the proxy"),
 ];
 
 /// The labels of a reason code (`None` for a code this build does not know).
@@ -134,6 +140,7 @@ pub fn is_drop(code: u32) -> bool {
             | reason::IN_DROP_UNKNOWN_ADDRESS
             | reason::ORIGINAL_DST_REFUSED
             | reason::BIND_REFUSED_PROXY_PORT
+            | reason::TRANSPARENT_NOT_PROXY
     )
 }
 

@@ -5,9 +5,11 @@
 //! the proxy (sock_ops files whatever listens on 15006) while the proxy restarts, or beside a
 //! proxy that binds the pod's address instead of the wildcard one. istio-cni's REDIRECT only
 //! ever delivers to the proxy's own listeners on these ports; ztunnel creates its in-pod
-//! sockets in its own process, so its binds pass. A bind the proxy makes there marks its
+//! sockets in its own process, so its binds pass. Every bind the proxy makes there marks its
 //! socket (`PROXY_BOUND`): `sock_ops` takes only a marked socket listening on 15006 as the
-//! pod's inbound listener, so a port got without `bind()` does not count.
+//! pod's inbound listener, so a port got without `bind()` does not count, and files only a
+//! marked socket's transparent connection, so an app that binds an outside address itself
+//! (`IP_TRANSPARENT`, CAP_NET_RAW) cannot open a path around the proxy.
 
 use aya_ebpf::{
     helpers::{bpf_get_current_cgroup_id, bpf_get_netns_cookie},
@@ -37,11 +39,6 @@ pub fn mp_bind6(ctx: SockAddrContext) -> i32 {
 
 #[inline(always)]
 fn bind(ctx: &SockAddrContext) -> i32 {
-    // SAFETY: a field of the kernel's bpf_sock_addr; user_port holds a network-order u16.
-    let port = u16::from_be(unsafe { (*ctx.sock_addr).user_port } as u16);
-    if !ports::is_proxy_port(port) {
-        return ALLOW;
-    }
     // SAFETY: helper called with this program's own context.
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     // SAFETY: map values are plain data owned by the map.
@@ -50,15 +47,23 @@ fn bind(ctx: &SockAddrContext) -> i32 {
     }
     // SAFETY: no arguments; map values as above.
     if unsafe { PROXY_CGROUPS.get(&bpf_get_current_cgroup_id()) }.is_some() {
+        // Every socket the proxy binds in a pod is marked, whatever the port: a listener on an
+        // inbound port, and a transparent connection bound to its client's address, are taken
+        // as the proxy's only with the mark (`proxy_sockets.rs`).
         // SAFETY: the helper is given this program's own socket; a pointer it returns is that
         // socket's storage. With no memory for it the bind still passes, but the socket is
-        // not taken as the inbound listener: the pod's inbound is refused, never leaked.
+        // not taken as the proxy's: the pod's inbound is refused, never leaked.
         unsafe {
             let slot = PROXY_BOUND.get_or_insert_ptr_mut(ctx, None);
             if !slot.is_null() {
                 *slot = 1;
             }
         }
+        return ALLOW;
+    }
+    // SAFETY: a field of the kernel's bpf_sock_addr; user_port holds a network-order u16.
+    let port = u16::from_be(unsafe { (*ctx.sock_addr).user_port } as u16);
+    if !ports::is_proxy_port(port) {
         return ALLOW;
     }
     record(ctx, netns, reason::BIND_REFUSED_PROXY_PORT, || Tuple {

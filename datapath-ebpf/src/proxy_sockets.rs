@@ -14,7 +14,8 @@
 //! - **Transparent connections to the app.** A connect made inside an enrolled pod to one of
 //!   the pod's own addresses from an address that is not the pod's (an `IP_TRANSPARENT` socket
 //!   bound to the client's address: the proxy keeping the client's address, which needs
-//!   CAP_NET_RAW or CAP_NET_ADMIN in the pod) is filed in `PROXY_TRANSPARENT` once its 4-tuple
+//!   CAP_NET_RAW or CAP_NET_ADMIN in the pod), if the proxy bound it (`PROXY_BOUND`: an app's
+//!   own is only counted), is filed in `PROXY_TRANSPARENT` once its 4-tuple
 //!   is known (`TCP_CONNECT_CB`, before its SYN is built) until it closes (`STATE_CB`, which this
 //!   turns on for that socket only; removed at close even if the pod has left); sk_lookup lets its SYN reach the app. istio-cni never redirects a
 //!   connection made inside the pod to the pod itself either. The socket gets `marks::REPLY`:
@@ -32,10 +33,12 @@ use aya_ebpf::{
 };
 use datapath_common::{
     consts::{marks, ports, sol_socket},
+    decisions::reason,
     ListenerKey, NetnsCookie, PodIpKey, TransparentKey, AF_INET, AF_INET6,
 };
 
 use crate::{
+    decisions::{record, Tuple},
     maps::{sk_storage_slot, INBOUND_LISTENERS, PODS, POD_IPS, PROXY_BOUND, PROXY_TRANSPARENT},
     net::{is_loopback4, is_v4_mapped, sock_ops_key, LOOPBACK6},
 };
@@ -96,12 +99,32 @@ fn transparent_key(ctx: &SockOpsContext) -> Option<TransparentKey> {
     Some(reversed(&k))
 }
 
-/// `TCP_CONNECT_CB`: files a transparent connection to the pod itself and marks its socket.
+/// `TCP_CONNECT_CB`: files a transparent connection to the pod itself and marks its socket,
+/// if the proxy bound the socket (`PROXY_BOUND`, set by the bind hook in the proxy's cgroup).
+/// An app's own transparent connection is not filed, only counted: filed, its 4-tuple would
+/// let a SYN from that outside address and port reach the app past the proxy.
 #[inline(always)]
 pub fn connecting(ctx: &SockOpsContext) {
     let Some(key) = transparent_key(ctx) else {
         return;
     };
+    // SAFETY: `sk` is this callback's socket (checked for null); a slot the helper returns is
+    // that socket's mark.
+    let bound_by_proxy = unsafe {
+        let sk = (*ctx.ops).__bindgen_anon_2.sk;
+        !sk.is_null() && !sk_storage_slot(&PROXY_BOUND, sk, false).is_null()
+    };
+    if !bound_by_proxy {
+        // SAFETY: helper called with this program's own context.
+        let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+        record(ctx, netns, reason::TRANSPARENT_NOT_PROXY, || Tuple {
+            src: key.remote,
+            dst: key.local,
+            src_port: key.remote_port,
+            dst_port: key.local_port,
+        });
+        return;
+    }
     // A full map leaves the connection unfiled: sk_lookup then steers it to the proxy's
     // inbound listener, which refuses its own connection; nothing reaches the app around it.
     if PROXY_TRANSPARENT.insert(&key, &1, 0).is_err() {

@@ -294,18 +294,11 @@ fn a_transparent_connection_closed_after_its_pod_left_leaves_no_entry_behind() {
     let app = mesh.pods.a.listen(mesh.a(false, 8094)).expect("app");
     // What a proxy opens to reach the app: inside the pod, from a client's address.
     let client: IpAddr = "10.199.0.2".parse().expect("ip");
-    let ns = mesh.pods.a.open().expect("netns");
-    let conn = ns
-        .run(|| -> std::io::Result<socket2::Socket> {
-            let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-            s.set_ip_transparent(true)?;
-            s.set_freebind(true)?;
-            s.bind(&SocketAddr::new(client, 0).into())?;
-            s.connect(&mesh.a(false, 8094).into())?;
-            Ok(s)
-        })
-        .expect("netns")
-        .expect("transparent connection to the app");
+    let conn = mesh
+        .pods
+        .a
+        .transparent_connect(SocketAddr::new(client, 0), mesh.a(false, 8094), Some(&mesh.cgroup))
+        .expect("transparent connection to the app, bound by the proxy");
     let (_accepted, from) = app.accept().expect("the app accepted it");
     assert_eq!(from.ip(), client);
     assert_eq!(filed(), 1, "the transparent connection was not filed");
@@ -392,4 +385,61 @@ fn a_listener_that_got_15006_without_binding_it_gets_none_of_the_traffic_sent_to
 #[test]
 fn a_listener_that_got_15008_without_binding_it_gets_none_of_the_pods_hbone() {
     a_listener_that_got_a_proxy_port_without_binding_it_gets_nothing(ports::HBONE, ports::HBONE);
+}
+
+#[test]
+fn an_apps_own_transparent_connect_opens_no_path_around_the_proxy() {
+    // An app with CAP_NET_RAW (container runtimes grant it) connects to its own pod from an
+    // outside address and port; then a peer at that address sends from that port. Neither
+    // may reach the app's listener: both go to the proxy's inbound listener.
+    let mesh = inbound(EnrolOptions::default());
+    let proxy = mesh
+        .pods
+        .a
+        .listen_in_cgroup(
+            SocketAddr::from((Ipv6Addr::UNSPECIFIED, ports::INBOUND_PLAINTEXT)),
+            &mesh.cgroup,
+        )
+        .expect("the proxy's inbound listener");
+    proxy.set_nonblocking(true).expect("nonblocking");
+    let app = mesh.pods.a.listen(mesh.a(false, 8097)).expect("the app");
+    app.set_nonblocking(true).expect("nonblocking");
+    let outside = SocketAddr::new(IpAddr::V4(mesh.pods.b_ip), 40_123);
+    let _spoofed = mesh
+        .pods
+        .a
+        .transparent_connect(outside, mesh.a(false, 8097), None)
+        .expect("the app's transparent connect");
+    let filed = || mesh.datapath().proxy_transparent().expect("map").keys().flatten().count();
+    let netns = mesh.pods.a.open().expect("netns a").cookie();
+    let counted = || {
+        meshpath_loader::decisions::of(&mesh.datapath(), netns)
+            .expect("decisions")
+            .iter()
+            .find(|d| d.hook == "sock_ops" && d.why == "transparent connect outside the proxy")
+            .map_or(0, |d| d.count)
+    };
+    // sock_ops ran in the connect: the count (or, before this was closed, the filing) is
+    // there by now.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while counted() == 0 && filed() == 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // Nothing from that outside address reached the app around the proxy: not the app's own
+    // connection (filed, its SYN was let through to the app's listener).
+    assert_nothing_queued(&app, "the app");
+    // The peer whose address the app took, from the same port: to the proxy, not the app.
+    let peer =
+        mesh.pods.b.open().expect("netns b").run(|| -> std::io::Result<std::net::TcpStream> {
+            let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+            s.set_reuse_address(true)?;
+            s.bind(&outside.into())?;
+            s.connect_timeout(&mesh.a(false, 8097).into(), std::time::Duration::from_secs(5))?;
+            Ok(s.into())
+        });
+    assert!(matches!(peer, Ok(Ok(_))), "the peer did not reach pod a: {peer:?}");
+    assert_nothing_queued(&app, "the app");
+    assert!(accept_up_to(&proxy, 1) >= 1, "the proxy's listener did not get the peer");
+    assert_eq!(filed(), 0, "the app's transparent connect was filed as the proxy's");
+    assert_eq!(counted(), 1, "the app's transparent connect was not counted");
 }

@@ -150,9 +150,12 @@ struct Cli {
     #[arg(long, default_value_t = 20_000, hide = true)]
     hbone_keepalive_timeout_ms: u64,
     /// Connections carried at once over all pods; more are closed at once and counted
-    /// (`meshpath_connection_errors_total{reason="connection_limit"}`).
-    #[arg(long, default_value_t = 200_000)]
-    max_connections: usize,
+    /// (`meshpath_connection_errors_total{reason="connection_limit"}`). Default: what the
+    /// proxy's memory limit (its cgroup's) holds at 64 KiB a connection, after 64 MiB for the
+    /// rest and a quarter kept free (between 1,000 and 200,000; 200,000 without a limit), so a
+    /// flood of connections is refused before the proxy runs out of memory.
+    #[arg(long)]
+    max_connections: Option<usize>,
     /// Connections carried at once for one pod, in each direction: to it (15008, 15006, and
     /// each inbound HBONE stream) and from it (15001, TCP 15053), each under its own cap.
     #[arg(long, default_value_t = 20_000)]
@@ -333,7 +336,12 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
         handshake_timeout: Duration::from_secs(cli.handshake_timeout_seconds),
         connect_timeout: Duration::from_secs(cli.connect_timeout_seconds),
         preserve_source: !cli.no_preserve_source,
-        max_connections: cli.max_connections.max(1),
+        max_connections: cli.max_connections.unwrap_or_else(|| {
+            let limit = meshpath_proxy::state::memory::own_limit();
+            let cap = meshpath_proxy::state::memory::cap_for(limit);
+            tracing::info!(memory_limit = ?limit, max_connections = cap, "connection cap from the memory limit");
+            cap
+        }).max(1),
         max_connections_per_pod: cli.max_connections_per_pod.max(1),
         max_handshakes_per_source: cli.max_handshakes_per_source.max(1),
         idle_timeout: (cli.idle_timeout_seconds > 0)

@@ -114,6 +114,37 @@ impl NetnsGuard {
         Ok(sock.into())
     }
 
+    /// A transparent connection made inside this namespace, as a proxy keeping its client's
+    /// address makes one (`IP_TRANSPARENT` and `IP_FREEBIND`, bound to `from`, which need not
+    /// be local): bound from `cgroup` when given (the proxy's: the datapath judges the bind by
+    /// its cgroup), else by this process, as an app with CAP_NET_RAW would. Non-blocking: the
+    /// connect is only started.
+    pub fn transparent_connect(
+        &self,
+        from: SocketAddr,
+        to: SocketAddr,
+        cgroup: Option<&CgroupGuard>,
+    ) -> Result<socket2::Socket> {
+        let domain = if to.is_ipv4() { socket2::Domain::IPV4 } else { socket2::Domain::IPV6 };
+        let sock = self.open()?.run(|| -> std::io::Result<socket2::Socket> {
+            let s = socket2::Socket::new(domain, socket2::Type::STREAM, None)?;
+            s.set_ip_transparent(true)?;
+            s.set_freebind(true)?;
+            Ok(s)
+        })??;
+        match cgroup {
+            Some(c) => in_cgroup(&sock, SocketCall::Bind, &from.into(), c.path())?,
+            None => sock.bind(&from.into())?,
+        }
+        sock.set_nonblocking(true)?;
+        match sock.connect(&to.into()) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+            Err(e) => return Err(e.into()),
+        }
+        Ok(sock)
+    }
+
     /// `nsenter --net=<this netns> ARGS…`, not waited for: killed when the guard drops.
     pub fn spawn(&self, args: &[&str]) -> Result<ChildGuard> {
         let child = Command::new("nsenter")
@@ -477,6 +508,46 @@ fn in_cgroup(
             WaitStatus::Exited(_, errno) => Err(std::io::Error::from_raw_os_error(errno).into()),
             other => bail!("the {call:?} child ended as {other:?}"),
         },
+    }
+}
+
+/// A memory cgroup of its own with a limit (the memory controller's hierarchy: cgroup v1's
+/// `memory` on a hybrid host, else cgroup v2), for a process a test runs under a memory limit;
+/// removed on drop (after the process is gone).
+#[derive(Debug)]
+pub struct MemoryCgroup {
+    path: PathBuf,
+}
+
+impl MemoryCgroup {
+    pub fn new(limit: u64) -> Result<Self> {
+        let v1 = Path::new("/sys/fs/cgroup/memory");
+        let (path, file) = if v1.join("memory.limit_in_bytes").exists() {
+            (v1.join(unique("meshpath-test-")), "memory.limit_in_bytes")
+        } else {
+            let root = meshpath_loader::datapath::cgroup2_root()?;
+            (root.join(unique("meshpath-test-mem-")), "memory.max")
+        };
+        std::fs::create_dir(&path).with_context(|| format!("creating {}", path.display()))?;
+        let me = Self { path };
+        std::fs::write(me.path.join(file), limit.to_string())
+            .with_context(|| format!("setting {file} in {}", me.path.display()))?;
+        Ok(me)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for MemoryCgroup {
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.path).is_ok() || !self.path.exists() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
     }
 }
 
@@ -884,6 +955,34 @@ mod node_proxy {
             cgroup: &CgroupGuard,
             rust_log: &str,
         ) -> Result<Self> {
+            Self::start_limited(node, args, env, cgroup, rust_log, None)
+        }
+
+        /// [`Self::start_in`], the proxy run in `memory` (a [`super::MemoryCgroup`]'s
+        /// directory) when given: under its memory limit.
+        pub fn start_limited(
+            node: NetnsGuard,
+            args: &[String],
+            env: &[(&str, &str)],
+            cgroup: &CgroupGuard,
+            rust_log: &str,
+            memory: Option<&std::path::Path>,
+        ) -> Result<Self> {
+            if let Some(mem) = memory {
+                // A shell that joins the memory cgroup, then becomes the proxy.
+                let mut cmd = Command::new("sh");
+                cmd.arg("-c")
+                    .arg("echo $$ > \"$0/cgroup.procs\" && exec \"$@\"")
+                    .arg(mem)
+                    .arg("nsenter")
+                    .arg(format!("--net={}", node.path().display()))
+                    .arg(sibling_bin("meshpath-proxy"))
+                    .args(args)
+                    .envs(env.iter().copied())
+                    .env("RUST_LOG", rust_log);
+                let proxy = TestProxy::spawn(cmd, cgroup)?;
+                return Ok(Self { proxy, node });
+            }
             let mut cmd = Command::new("nsenter");
             cmd.arg(format!("--net={}", node.path().display()))
                 .arg(sibling_bin("meshpath-proxy"))

@@ -53,6 +53,8 @@ pub struct Setup {
     pub istiod: bool,
     /// Run on the stand-in before the proxies start (what it refuses, holds back, signs).
     pub istiod_before: Option<fn(&crate::istiod::Istiod)>,
+    /// Node 1's proxy runs under this memory limit (bytes), in a memory cgroup of its own.
+    pub memory_limit: Option<u64>,
 }
 
 impl Default for Setup {
@@ -68,6 +70,7 @@ impl Default for Setup {
             proxy_env: Vec::new(),
             istiod: false,
             istiod_before: None,
+            memory_limit: None,
         }
     }
 }
@@ -84,6 +87,8 @@ pub struct TwoNodes {
     pub dir: PathBuf,
     /// The istiod stand-in both proxies follow, with `Setup::istiod`.
     pub istiod: Option<crate::istiod::Istiod>,
+    /// The proxies' memory cgroups (`Setup::memory_limit`), removed after them.
+    _memory: Vec<crate::MemoryCgroup>,
 }
 
 impl Drop for TwoNodes {
@@ -204,8 +209,16 @@ impl TwoNodes {
         let dir = std::env::temp_dir().join(unique("meshpath-hbone-"));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let ca = LocalCa::generate("meshpath test CA").expect("CA");
-        let mut nodes =
-            Self { proxies: Vec::new(), cgroup, pods, _root: root, ca, dir, istiod: None };
+        let mut nodes = Self {
+            proxies: Vec::new(),
+            cgroup,
+            pods,
+            _root: root,
+            ca,
+            dir,
+            istiod: None,
+            _memory: Vec::new(),
+        };
         let (cert_pem, key_pem) = nodes.ca.to_pem();
         std::fs::write(nodes.dir.join("ca.pem"), cert_pem).expect("ca.pem");
         std::fs::write(nodes.dir.join("ca-key.pem"), key_pem).expect("ca-key.pem");
@@ -284,10 +297,22 @@ impl TwoNodes {
             if node == "node1" {
                 args.extend(setup.node1_args.iter().cloned());
             }
+            let memory = setup
+                .memory_limit
+                .filter(|_| node == "node1")
+                .map(|l| crate::MemoryCgroup::new(l).expect("memory cgroup"));
             nodes.proxies.push(
-                NodeProxy::start_in(node_netns, &args, &setup.proxy_env, &nodes.cgroup, "info")
-                    .expect("meshpath-proxy"),
+                NodeProxy::start_limited(
+                    node_netns,
+                    &args,
+                    &setup.proxy_env,
+                    &nodes.cgroup,
+                    "info",
+                    memory.as_ref().map(crate::MemoryCgroup::path),
+                )
+                .expect("meshpath-proxy"),
             );
+            nodes._memory.extend(memory);
         }
         nodes
     }
@@ -381,6 +406,24 @@ impl TwoNodes {
                 std::thread::spawn(move || echo(c));
             }
         });
+    }
+
+    /// An echo server in pod b for any number of connections, counting those it accepted: a
+    /// check that a connection must not reach the app reads it.
+    pub fn counting_echo_server_in_b(
+        &self,
+        addr: SocketAddr,
+    ) -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
+        let l: TcpListener = self.pods.b.listen(addr).expect("bind");
+        let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let c = count.clone();
+        std::thread::spawn(move || {
+            for conn in l.incoming().flatten() {
+                c.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                std::thread::spawn(move || echo(conn));
+            }
+        });
+        count
     }
 
     /// A connection from the app in pod a to `dst` (captured).

@@ -33,24 +33,7 @@ fn round_trip(c: &mut TcpStream, byte: u8) -> std::io::Result<()> {
 
 /// An echo app in pod b at `dst` that counts every connection reaching it.
 fn counting_echo(nodes: &TwoNodes, dst: std::net::SocketAddr) -> Arc<AtomicUsize> {
-    let reached = Arc::new(AtomicUsize::new(0));
-    let listener = nodes.pods.b.listen(dst).expect("bind");
-    let seen = reached.clone();
-    std::thread::spawn(move || {
-        for conn in listener.incoming().flatten() {
-            seen.fetch_add(1, Ordering::SeqCst);
-            std::thread::spawn(move || {
-                let mut conn = conn;
-                let mut buf = [0u8; 64];
-                while let Ok(n) = conn.read(&mut buf) {
-                    if n == 0 || conn.write_all(&buf[..n]).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
-    });
-    reached
+    nodes.counting_echo_server_in_b(dst)
 }
 
 fn rt() -> tokio::runtime::Runtime {
@@ -304,4 +287,41 @@ fn connections_whose_client_certificate_was_checked_no_longer_count_against_the_
     });
     let over = [("reason", "handshake_limit"), ("direction", "inbound")];
     assert_eq!(nodes.proxies[1].metric("meshpath_connection_errors_total", &over).expect("m"), 0.0);
+}
+
+#[test]
+fn under_a_memory_limit_the_cap_refuses_the_excess_before_the_proxy_runs_out() {
+    // 200 MiB: the cap the proxy derives, (200 - 64) MiB × 3/4 at 64 KiB a connection.
+    const LIMIT: u64 = 200 << 20;
+    let cap = meshpath_proxy::state::memory::cap_for(Some(LIMIT));
+    assert_eq!(cap, 1632);
+    let nodes = TwoNodes::start(Setup { memory_limit: Some(LIMIT), ..Setup::default() });
+    let logged = format!("max_connections={cap}");
+    let proxy = &nodes.proxies[0].proxy;
+    assert!(
+        proxy.wait_for_text(&logged, Duration::from_secs(10)),
+        "the proxy did not take its cap from the memory limit: {:#?}",
+        proxy.lines()
+    );
+    let dst = nodes.b(false, 8098);
+    let reached = counting_echo(&nodes, dst);
+    // The cap, filled: every connection carried (each round trip proves it).
+    let mut held = Vec::with_capacity(cap);
+    for i in 0..cap {
+        let mut c = nodes.connect_from_a(dst).expect("connect");
+        round_trip(&mut c, (i % 251) as u8).unwrap_or_else(|e| panic!("connection {i}: {e}"));
+        held.push(c);
+    }
+    // One more: refused at node 1, counted, never reaching the app.
+    let mut over = nodes.connect_from_a(dst).expect("the kernel accepts it for the proxy");
+    assert!(round_trip(&mut over, 7).is_err(), "a connection over the cap was carried");
+    let limit = [("reason", "connection_limit")];
+    let counted =
+        nodes.proxies[0].metric("meshpath_connection_errors_total", &limit).expect("metrics");
+    assert_eq!(counted, 1.0);
+    assert_eq!(reached.load(Ordering::SeqCst), cap, "the app saw a connection over the cap");
+    // Alive and serving under its limit: ready, and the first connection still echoes.
+    let (status, _) = nodes.proxies[0].http("READINESS", "GET", "/healthz/ready").expect("ready");
+    assert_eq!(status, 200);
+    round_trip(&mut held[0], 9).expect("a held connection after the refusal");
 }

@@ -2,6 +2,7 @@
 //! the connection pool, telemetry, the shutdown switch, and the pods served now.
 
 pub mod authorization;
+pub mod memory;
 pub mod reload;
 pub mod workloads;
 

@@ -19,8 +19,8 @@ const WORKLOADS: &str = "workloads:\n\
 - {uid: d, namespace: other, serviceAccount: d}\n";
 
 /// The policies `Policy::selects` picks for `w`, in file order.
-fn selected<'p, P: std::ops::Deref<Target = Policy>>(policies: &'p [P], w: &Workload) -> Vec<&'p Policy> {
-    policies.iter().map(|p| &**p).filter(|p| p.selects(w)).collect()
+fn selected<'p>(policies: impl IntoIterator<Item = &'p Policy>, w: &Workload) -> Vec<&'p Policy> {
+    policies.into_iter().filter(|p| p.selects(w)).collect()
 }
 
 fuzz_target!(|data: &[u8]| {
@@ -52,10 +52,9 @@ fuzz_target!(|data: &[u8]| {
         store.policies().iter().filter(|p| !p.dry_run).map(|p| (**p).clone()).collect();
     let json = serde_json::to_string(store.policies()).expect("policies serialise");
     let again: Vec<Policy> = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{json}: {e}"));
-    let again: Vec<&Policy> = again.iter().collect();
     for w in store.workloads() {
         let applicable = store.policies_for(w);
-        let by_rule = selected(store.policies(), w);
+        let by_rule = selected(store.policies().iter().map(|p| &**p), w);
         assert!(
             applicable.len() == by_rule.len()
                 && applicable.iter().zip(&by_rule).all(|(a, b)| std::ptr::eq(*a, *b)),

@@ -98,10 +98,18 @@ async fn reset_flood(conn: hbone::Connection, dst: std::net::SocketAddr, n: usiz
     }
 }
 
+/// Whether the proxy closed the connection (an end of stream, a reset) without an HTTP/1
+/// answer. A read that times out is not a close: the connection was left open.
 fn closed_without_answer(mut c: impl std::io::Read) -> bool {
     let mut buf = [0u8; 256];
     match c.read(&mut buf) {
-        Ok(0) | Err(_) => true,
+        Ok(0) => true,
+        Err(e) => matches!(
+            e.kind(),
+            std::io::ErrorKind::ConnectionReset
+                | std::io::ErrorKind::BrokenPipe
+                | std::io::ErrorKind::ConnectionAborted
+        ),
         Ok(n) => !String::from_utf8_lossy(&buf[..n]).contains("HTTP/1"),
     }
 }
@@ -173,12 +181,21 @@ fn a_connect_with_oversized_headers_is_refused_and_the_proxy_keeps_serving() {
             .header("x-big", "a".repeat(100 * 1024))
             .body(())
             .expect("request");
+        // The refusal must be the server's (a status, or a reset it sent): an error the client
+        // made up itself would show nothing about the proxy.
         match conn.send_request(req, false) {
-            Ok((resp, _send)) => resp.await.map(|r| r.status()).map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
+            Ok((resp, _send)) => match resp.await {
+                Ok(r) => Ok(r.status()),
+                Err(e) if e.is_remote() => Err(format!("the server reset it: {e}")),
+                Err(e) => panic!("the client failed on its own, the server was never asked: {e}"),
+            },
+            Err(e) => panic!("the client refused to send it, the server was never asked: {e}"),
         }
     });
-    assert!(!matches!(result, Ok(s) if s == http::StatusCode::OK), "answered {result:?}");
+    assert!(
+        result.is_err() || matches!(&result, Ok(s) if s.is_client_error()),
+        "answered {result:?}"
+    );
     assert!(still_serves(&nodes));
 }
 
@@ -194,7 +211,7 @@ fn a_flood_of_reset_streams_does_not_take_the_proxy_down() {
 }
 
 #[test]
-fn bad_input_leaves_no_socket_or_task_behind() {
+fn bad_input_is_refused_and_leaves_no_socket_or_connection_behind() {
     let nodes = nodes();
     nodes.echo_server_in_b(nodes.b(false, 8101));
     assert!(still_serves(&nodes));
@@ -212,13 +229,13 @@ fn bad_input_leaves_no_socket_or_task_behind() {
         false
     };
     let baseline = p.open_fds();
-    // Plaintext, a silent client, HTTP/1 inside TLS, a bad ALPN, a reset flood.
+    // Plaintext, a silent client, a bad ALPN, a reset flood: each refused as it should be.
     let mut plain = tcp_to_hbone(&nodes);
     let _ = plain.write_all(b"GET / HTTP/1.1\r\n\r\n");
-    let _ = closed_without_answer(&mut plain);
+    assert!(closed_without_answer(&mut plain), "plaintext HTTP/1 to 15008 was answered");
     let mut silent = tcp_to_hbone(&nodes);
-    let _ = closed_without_answer(&mut silent);
-    rt().block_on(async {
+    assert!(closed_without_answer(&mut silent), "a silent client was answered");
+    let (alpn, flooded) = rt().block_on(async {
         let tcp = tokio::net::TcpStream::from_std({
             let t = tcp_to_hbone(&nodes);
             t.set_nonblocking(true).expect("nonblocking");
@@ -226,13 +243,20 @@ fn bad_input_leaves_no_socket_or_task_behind() {
         })
         .expect("tokio");
         let name = rustls::pki_types::ServerName::IpAddress(nodes.b(false, 0).ip().into());
-        let _ = tokio_rustls::TlsConnector::from(client_tls(&nodes, b"http/1.1"))
+        let alpn = tokio_rustls::TlsConnector::from(client_tls(&nodes, b"http/1.1"))
             .connect(name, tcp)
             .await;
-        if let Ok(conn) = hbone_conn(&nodes).await {
-            reset_flood(conn, nodes.b(false, 8101), 200).await;
-        }
+        let flooded = match hbone_conn(&nodes).await {
+            Ok(conn) => {
+                reset_flood(conn, nodes.b(false, 8101), 200).await;
+                true
+            }
+            Err(_) => false,
+        };
+        (alpn.is_err(), flooded)
     });
+    assert!(alpn, "a TLS client offering only http/1.1 was accepted");
+    assert!(flooded, "no HBONE connection to flood");
     drop((plain, silent));
     assert!(
         settle(baseline),

@@ -502,8 +502,11 @@ fn the_agents_token_annotates_pods_and_can_change_nothing_else() {
         as_token(&token, &["get", "secrets", "-A"]).expect_err("the agent's token listed Secrets");
     assert!(err.to_string().contains("forbidden"), "{err}");
     // What it needs, it has.
-    let can = as_token(&token, &["auth", "can-i", "patch", "pods/status", "-n", &ns.name])
-        .expect("can-i");
+    let can = as_token(
+        &token,
+        &["auth", "can-i", "patch", "pods", "--subresource=status", "-n", &ns.name],
+    )
+    .expect("can-i");
     assert_eq!(can.trim(), "yes");
 }
 

@@ -81,18 +81,29 @@ fn plaintext_is_refused_when_the_destination_requires_mtls() {
     assert_eq!(denied, 1.0);
 }
 
+/// node 2's count of connections its policy denied.
+fn denied(nodes: &TwoNodes) -> f64 {
+    nodes.proxies[1]
+        .metric("meshpath_connection_errors_total", &[("reason", "policy_denied")])
+        .expect("metrics")
+}
+
 #[test]
 fn a_policy_written_while_running_applies_to_new_connections() {
+    use std::sync::atomic::Ordering::SeqCst;
     let nodes = TwoNodes::new(MESHED);
     let dst = nodes.b(false, 8091);
-    nodes.echo_server_in_b(dst);
+    let accepted = nodes.counting_echo_server_in_b(dst);
     assert_eq!(nodes.app_round_trip(dst, b"before").expect("round trip"), b"before");
+    assert_eq!(accepted.load(SeqCst), 1);
     nodes.write_workloads(2, &nodes.workloads(&MESHED, &format!("policies:\n{DENY_8091}")));
     let reloaded = nodes.proxies[1].wait_metrics(Duration::from_secs(10), |m| {
         m.contains("meshpath_config_reloads_total{direction=\"-\",reason=\"ok\"} 1")
     });
     assert!(reloaded, "node 2 did not reload its workload file");
     assert!(nodes.app_round_trip(dst, b"after").unwrap_or_default().is_empty(), "still allowed");
+    assert_eq!(accepted.load(SeqCst), 1, "the app was reached after the DENY was written");
+    assert_eq!(denied(&nodes), 1.0, "node 2 did not count the denial");
 }
 
 #[test]
@@ -124,9 +135,10 @@ fn a_workload_selecting_a_policy_after_a_reload_is_held_to_it() {
     let policy = "policies:\n- {name: nobody, namespace: default, scope: WorkloadSelector, action: Allow, rules: [[[{principals: [\"cluster.local/ns/default/sa/nobody\"]}]]]}\n";
     let nodes = with_policy(policy.trim_start_matches("policies:\n"));
     let dst = nodes.b(false, 8096);
-    nodes.echo_server_in_b(dst);
+    let accepted = nodes.counting_echo_server_in_b(dst);
     // Pod b does not select the policy yet: allowed.
     assert_eq!(nodes.app_round_trip(dst, b"before").expect("round trip"), b"before");
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
     // Now it does (the store changed, the pod was not re-added): only `nobody` may connect.
     let selecting = nodes.workloads(&MESHED, policy).replace(
         "  services: {\"default/b.default.svc.cluster.local\": {80: 8090}}\n",
@@ -139,6 +151,12 @@ fn a_workload_selecting_a_policy_after_a_reload_is_held_to_it() {
     });
     assert!(reloaded, "node 2 did not reload its workload file");
     assert!(nodes.app_round_trip(dst, b"after").unwrap_or_default().is_empty(), "still allowed");
+    assert_eq!(
+        accepted.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the app was reached by a principal the selected policy does not allow"
+    );
+    assert_eq!(denied(&nodes), 1.0, "node 2 did not count the denial");
 }
 
 #[test]

@@ -95,6 +95,18 @@ pub fn build(extra_path: Option<&Path>, release: bool) -> Result<PathBuf> {
     Ok(target_dir().join(if release { "release" } else { "debug" }))
 }
 
+/// Builds only `bins` (package, binary) with the release profile, and the loader's eBPF object
+/// with it: what the demo runs, not the whole workspace. Returns the directory holding them.
+pub fn build_release_bins(extra_path: Option<&Path>, bins: &[(&str, &str)]) -> Result<PathBuf> {
+    let mut cmd = cargo(extra_path)?;
+    cmd.args(["build", "--release"]);
+    for (package, bin) in bins {
+        cmd.args(["-p", package, "--bin", bin]);
+    }
+    run_cargo(cmd)?;
+    Ok(target_dir().join("release"))
+}
+
 /// rustfmt check and clippy with warnings as errors.
 pub fn checks(extra_path: Option<&Path>) -> Result<()> {
     println!("test: cargo fmt --check");

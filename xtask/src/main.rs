@@ -5,6 +5,7 @@ mod bootstrap;
 mod cargo;
 mod cluster;
 mod demo;
+mod demo_cluster;
 mod fuzz;
 mod images;
 mod kube_api;
@@ -84,6 +85,12 @@ enum Cmd {
         /// the pods as Istio's ztunnel does (the datapath serves it with no help from it).
         #[arg(long, default_value = "meshpath-proxy", value_parser = ["meshpath-proxy", "ztunnel-like"])]
         proxy: String,
+        /// On a real single-node Kubernetes cluster instead (kubelet, containerd, the control
+        /// plane; `cargo xtask cluster up`): meshpath installed with kubectl as DaemonSets, pods
+        /// made with Deployments. The first run builds Kubernetes from Debian's source (about 6
+        /// minutes once).
+        #[arg(long, conflicts_with_all = ["kube", "proxy"])]
+        cluster: bool,
         /// Run a Kubernetes API server too: pods are made with the API, and the agents learn
         /// from it which are meshed (the `default` namespace is labelled for ambient).
         #[arg(long)]
@@ -232,7 +239,7 @@ fn run(cli: Cli) -> Result<()> {
                 }
             }
         }
-        Cmd::Demo { keep, proxy, kube } => {
+        Cmd::Demo { keep, proxy, kube, cluster: on_cluster } => {
             if !bootstrap::is_root() {
                 bail!(
                     "the demo loads eBPF programs and creates network namespaces: run it as root"
@@ -241,15 +248,37 @@ fn run(cli: Cli) -> Result<()> {
             let path = bootstrap::ensure(Needs {
                 ebpf_toolchain: true,
                 runtime: true,
-                kubernetes: kube,
+                kubernetes: kube || on_cluster,
                 ..Needs::NOTHING
             })?;
-            let bin_dir = cargo::build(path.as_deref(), false)?;
+            if on_cluster {
+                // The image carries the release binaries; the demo's pods run the tests' app.
+                let bin_dir = cargo::build_release_bins(
+                    path.as_deref(),
+                    &[
+                        ("meshpath-loader", "meshpath-loader"),
+                        ("meshpath-proxy", "meshpath-proxy"),
+                        ("meshpath-cni", "meshpath-cni"),
+                        ("meshpath-tests", "cluster-app"),
+                    ],
+                )?;
+                return demo_cluster::run(&cargo::workspace_root(), &bin_dir, keep);
+            }
             let proxy = if proxy == "ztunnel-like" {
                 demo::Proxy::ZtunnelLike
             } else {
                 demo::Proxy::Meshpath
             };
+            // What the demo runs, built as users run it (release), and nothing else.
+            let mut bins = vec![
+                ("meshpath-loader", "meshpath-loader"),
+                ("meshpath-proxy", "meshpath-proxy"),
+                ("meshpath-cni", "meshpath-cni"),
+            ];
+            if proxy == demo::Proxy::ZtunnelLike {
+                bins.push(("meshpath-tests", "ztunnel-like"));
+            }
+            let bin_dir = cargo::build_release_bins(path.as_deref(), &bins)?;
             demo::run(&bin_dir, keep, proxy, kube)?;
         }
     }

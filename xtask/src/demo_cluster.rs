@@ -1,0 +1,249 @@
+//! `cargo xtask demo --cluster`: the demo on a real single-node Kubernetes cluster (cluster.rs),
+//! meshpath installed the way users install it, with kubectl: the agent and the proxy as
+//! DaemonSets that kubelet runs, pods made with Deployments, kubelet's probes passing through
+//! the probe bypass, traffic from `sleep` to `httpbin` over HBONE with mutual TLS and to the
+//! unmeshed `legacy` in plain TCP, the proxy's `istio_tcp_*` metrics, the annotation the agent
+//! writes. istiod cannot run here: the proxy runs without it (deploy/offline, workloads from a
+//! ConfigMap the demo writes once the pods have addresses) and mints the demo pods'
+//! certificates from a CA of the demo's (xtask/cluster-demo/kustomization.yaml).
+
+use std::{
+    io::Write as _,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context as _, Result};
+use serde_json::{json, Value};
+
+use crate::cluster;
+
+const MESHED: &str = "demo";
+const PLAIN: &str = "legacy";
+
+fn kubectl(args: &[&str]) -> Result<String> {
+    let out = cluster::kubectl().args(args).output()?;
+    if !out.status.success() {
+        bail!("kubectl {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn apply(doc: &str) -> Result<()> {
+    let mut child = cluster::kubectl()
+        .args(["apply", "-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()?;
+    child.stdin.take().context("stdin")?.write_all(doc.as_bytes())?;
+    if !child.wait()?.success() {
+        bail!("kubectl apply failed");
+    }
+    Ok(())
+}
+
+fn wait(what: &str, limit: Duration, mut f: impl FnMut() -> Result<bool>) -> Result<()> {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if f().unwrap_or(false) {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    bail!("waited {} s for {what}", limit.as_secs())
+}
+
+fn app(ns: &str, name: &str) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: ServiceAccount
+metadata: {{name: {name}, namespace: {ns}}}
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata: {{name: {name}, namespace: {ns}}}
+spec:
+  selector: {{matchLabels: {{app: {name}}}}}
+  template:
+    metadata: {{labels: {{app: {name}}}}}
+    spec:
+      serviceAccountName: {name}
+      terminationGracePeriodSeconds: 1
+      containers:
+        - name: app
+          image: {image}
+          imagePullPolicy: Never
+          command: ["/usr/local/bin/cluster-app", "serve"]
+          readinessProbe: {{httpGet: {{path: /healthz, port: 8080}}, periodSeconds: 2}}
+"#,
+        image = crate::images::TESTAPP
+    )
+}
+
+/// (name, uid, ip) of the Ready pod of `app` in `ns`.
+fn pod(ns: &str, app: &str) -> Result<(String, String, String)> {
+    let v: Value = serde_json::from_str(&kubectl(&[
+        "get",
+        "pods",
+        "-n",
+        ns,
+        "-l",
+        &format!("app={app}"),
+        "-o",
+        "json",
+    ])?)?;
+    let p = v["items"]
+        .as_array()
+        .and_then(|i| {
+            i.iter().find(|p| {
+                p["status"]["conditions"].as_array().is_some_and(|c| {
+                    c.iter().any(|c| c["type"] == "Ready" && c["status"] == "True")
+                })
+            })
+        })
+        .context("no Ready pod")?;
+    let s = |v: &Value| v.as_str().unwrap_or_default().to_owned();
+    Ok((s(&p["metadata"]["name"]), s(&p["metadata"]["uid"]), s(&p["status"]["podIP"])))
+}
+
+/// Runs it; takes the cluster down at the end unless `keep`.
+pub fn run(root: &std::path::Path, bin_dir: &std::path::Path, keep: bool) -> Result<()> {
+    cluster::up(root, bin_dir)?;
+    let result = show(root, bin_dir);
+    if keep {
+        println!("demo: the cluster stays up: `cargo xtask cluster kubectl -- get pods -A`; `cargo xtask cluster down` when done");
+    } else {
+        cluster::down()?;
+    }
+    result
+}
+
+fn show(root: &std::path::Path, bin_dir: &std::path::Path) -> Result<()> {
+    // The demo's CA, in the Secret the proxy mints from.
+    let ca = std::env::temp_dir().join(format!("meshpath-demo-ca-{}", std::process::id()));
+    crate::bootstrap::run(Command::new(bin_dir.join("meshpath-proxy")).arg("new-ca").arg(&ca))?;
+    kubectl(&[
+        "apply",
+        "-f",
+        &root.join("deploy/install/00-namespace.yaml").display().to_string(),
+    ])?;
+    let secret = json!({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "meshpath-ca", "namespace": "meshpath-system"},
+        "stringData": {
+            "ca.pem": std::fs::read_to_string(ca.join("ca.pem"))?,
+            "ca-key.pem": std::fs::read_to_string(ca.join("ca-key.pem"))?,
+        },
+    });
+    apply(&secret.to_string())?;
+    let _ = std::fs::remove_dir_all(&ca);
+    println!(
+        "demo: kubectl apply -k xtask/cluster-demo (deploy/offline with this cluster's image)"
+    );
+    kubectl(&["apply", "-k", &root.join("xtask/cluster-demo").display().to_string()])?;
+    for ds in ["meshpath-agent", "meshpath-proxy"] {
+        kubectl(&[
+            "-n",
+            "meshpath-system",
+            "rollout",
+            "status",
+            &format!("ds/{ds}"),
+            "--timeout=180s",
+        ])?;
+    }
+    println!("demo: both DaemonSets Ready under kubelet");
+    apply(&format!(
+        "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {MESHED}\n  labels:\n    istio.io/dataplane-mode: ambient\n---\napiVersion: v1\nkind: Namespace\nmetadata:\n  name: {PLAIN}\n"
+    ))?;
+    wait("the namespaces' ServiceAccounts", Duration::from_secs(60), || {
+        Ok(kubectl(&["get", "sa", "default", "-n", MESHED]).is_ok()
+            && kubectl(&["get", "sa", "default", "-n", PLAIN]).is_ok())
+    })?;
+    apply(&format!(
+        "{}---\n{}---\n{}",
+        app(MESHED, "sleep"),
+        app(MESHED, "httpbin"),
+        app(PLAIN, "legacy")
+    ))?;
+    let mut pods = Vec::new();
+    for (ns, name) in [(MESHED, "sleep"), (MESHED, "httpbin"), (PLAIN, "legacy")] {
+        wait(
+            &format!("{ns}/{name} Ready (its readiness probe passing)"),
+            Duration::from_secs(120),
+            || Ok(pod(ns, name).is_ok()),
+        )?;
+        pods.push((ns, name, pod(ns, name)?));
+    }
+    // What istiod would tell the proxy: the meshed pods are HBONE workloads.
+    let workloads: Vec<Value> = pods
+        .iter()
+        .filter(|(ns, _, _)| *ns == MESHED)
+        .map(|(ns, name, (pod, uid, ip))| {
+            json!({"uid": uid, "name": pod, "namespace": ns, "serviceAccount": name,
+                   "workloadName": name, "workloadIps": [ip], "protocol": "HBONE"})
+        })
+        .collect();
+    let cm = json!({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "meshpath-workloads", "namespace": "meshpath-system"},
+        "data": {"workloads.yaml": json!({"workloads": workloads}).to_string()},
+    });
+    apply(&cm.to_string())?;
+    let uid = pods[1].2 .1.clone();
+    println!("demo: waiting for the proxy to read the workloads (kubelet updates the ConfigMap's volume)");
+    wait("the proxy to hold the workloads", Duration::from_secs(90), || {
+        let out = Command::new("curl")
+            .args([
+                "-sf",
+                "--unix-socket",
+                "/var/run/meshpath/proxy/admin.sock",
+                "http://admin/config_dump",
+            ])
+            .output()?;
+        let dump: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        Ok(dump["workloads"].as_array().is_some_and(|w| w.iter().any(|w| w["uid"] == uid.as_str())))
+    })?;
+    for (ns, _, (pod, _, ip)) in &pods {
+        let v: Value =
+            serde_json::from_str(&kubectl(&["get", "pod", "-n", ns, pod, "-o", "json"])?)?;
+        let a =
+            v["metadata"]["annotations"]["ambient.istio.io/redirection"].as_str().unwrap_or("-");
+        println!("demo: pod {ns}/{pod} {ip}: ambient.istio.io/redirection={a}");
+    }
+    let sleep_pod = pods[0].2 .0.clone();
+    for (what, ip) in [
+        ("httpbin (meshed: HBONE, mTLS)", &pods[1].2 .2),
+        ("legacy (not meshed: plain TCP)", &pods[2].2 .2),
+    ] {
+        let started = Instant::now();
+        let out = kubectl(&[
+            "exec",
+            "-n",
+            MESHED,
+            &sleep_pod,
+            "--",
+            "/usr/local/bin/cluster-app",
+            "send",
+            &format!("{ip}:9000"),
+            "--bytes",
+            "200000000",
+        ])?;
+        let secs = started.elapsed().as_secs_f64();
+        println!(
+            "demo: sleep → {what}: {} ({:.0} MB/s including kubectl exec)",
+            out.trim(),
+            200.0 / secs
+        );
+    }
+    let metrics = Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{}", cluster::NETNS))
+        .args(["curl", "-sf", &format!("http://{}:15020/metrics", cluster::NODE_IP)])
+        .output()?;
+    println!("demo: the proxy's istio_tcp_connections_opened_total:");
+    for l in String::from_utf8_lossy(&metrics.stdout).lines() {
+        if l.starts_with("istio_tcp_connections_opened_total{") {
+            println!("  {l}");
+        }
+    }
+    Ok(())
+}

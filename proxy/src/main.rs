@@ -219,14 +219,11 @@ fn init_logging() -> LogControl {
 }
 
 /// jemalloc, unprefixed (it serves malloc(3) as well; tuned with `MALLOC_CONF`), as ztunnel's
-/// `jemalloc` build feature has it. Against glibc's malloc (`meshpath-bench proxy`, runs
-/// alternating, freed memory given back at once in both): an idle pooled HBONE connection
-/// holds about 31 KiB resident instead of 44.5. heaptrack (under glibc) counts 45 KiB allocated
-/// for one, 28.6 of it in h2's fixed-size buffers; that jemalloc leaves the pages of those an
-/// idle connection never writes unbacked is our reading, not a measurement. An open stream
-/// costs about 1 KiB more (13.2 against 12.3). Freed read buffers (up to 256 KiB) stay mapped
-/// for reuse for jemalloc's decay time (10 s), where glibc needed tuning not to trim them and
-/// fault them in again on the next read.
+/// `jemalloc` build feature has it: an idle pooled HBONE connection holds less resident memory
+/// than under glibc's malloc (pages of h2's fixed-size buffers it never writes stay unbacked),
+/// and freed read buffers stay mapped for reuse for its decay time instead of being trimmed and
+/// faulted in again on the next read (the measurements: results/README.md, "Why the proxy has
+/// its shape").
 #[global_allocator]
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 

@@ -3,10 +3,9 @@
 //! thread goes back to the proxy's own netns before anything else runs on it: two `setns(2)`
 //! around one `socket(2)`, as ztunnel does (`meshpath_podnet::netns::run_in`). The proxy then
 //! uses the socket from any task: listeners on 15001/15006/15008 live in the pod, and upstream
-//! connections leave from the pod's own address. (A thread per connection cost ~20x the
-//! connection rate; a per-pod thread making sockets on request cost a round trip between
-//! threads per connection, 13% of the connection rate from one client: README, proxy
-//! benchmark.) Set-up work that runs longer than one syscall (`run`, `addresses`) enters the
+//! connections leave from the pod's own address. (A thread per connection, or a per-pod thread
+//! making sockets on request, cost connection rate: results/README.md, "Why the proxy has its
+//! shape".) Set-up work that runs longer than one syscall (`run`, `addresses`) enters the
 //! same way, on the calling thread: no pod has a thread of its own.
 //!
 //! A thread that cannot go back to the proxy's netns would make every later socket of every pod

@@ -5,9 +5,8 @@
 //! readable, starting at [`FIRST_READ`] and doubling while reads fill it, up to [`MAX_READ`].
 //! An idle connection therefore costs its sockets, its task and (HBONE) its HTTP/2 stream, not
 //! 2 × 256 KiB (`cargo xtask test`: `ten_thousand_idle_connections_stay_under_the_memory_bound`).
-//! Large reads are what bulk transfers need: into an HTTP/2 stream, 64 KiB reads gave 8.0 Gbit/s
-//! and 1.5 proxy CPU s/GB where 256 KiB gave 9.9 and 1.24; 1 MiB no better (`cargo xtask bench
-//! proxy`, single iperf3 stream).
+//! Large reads are what bulk transfers need: fewer, larger HTTP/2 DATA frames cost less CPU per
+//! byte, up to [`MAX_READ`] (results/README.md, "Why the proxy has its shape").
 //!
 //! Idle timeout: a connection on which neither side has sent anything for the timeout is closed
 //! (both directions count: a long download with a silent upload is not idle).

@@ -1,8 +1,7 @@
 //! HBONE: one TCP connection carried as an HTTP/2 CONNECT stream over mutual TLS to port 15008,
 //! as Istio ambient's ztunnel speaks it. HTTP/2 settings: stream window 4 MiB, connection window
-//! 16 MiB, max frame 1 MiB — ztunnel's, and the best of those measured here (`cargo xtask bench
-//! proxy`, single iperf3 stream: 1 MiB / 4 MiB windows 7.5 Gbit/s, 4 / 16 MiB 9.9, 16 / 64 MiB
-//! 9.5). The bytes are moved by `copy`.
+//! 16 MiB, max frame 1 MiB — ztunnel's, and the best of those measured (results/README.md, "Why
+//! the proxy has its shape"). The bytes are moved by `copy`.
 
 use std::{io, net::SocketAddr, sync::Arc};
 
@@ -17,13 +16,10 @@ pub const CONNECTION_WINDOW: u32 = 16 << 20;
 /// HTTP/2 max frame size.
 pub const MAX_FRAME: u32 = 1 << 20;
 /// How much encrypted output rustls may hold for an HBONE connection before a write waits for
-/// the socket (rustls' default: 64 KiB). With 64 KiB a bulk transfer was written to the socket
-/// about 52 KiB per `writev`; 256 KiB, six runs against six, alternating (`cargo xtask bench
-/// proxy --rounds 1`, 2026-12-02): one stream 7.54 Gbit/s mean against 6.73, proxy CPU 1.51
-/// s/GB against 1.72, five pairs of six the same way round. 1 MiB, six runs against six the
-/// same way (2026-12-02, another machine): one stream 7.12 Gbit/s mean against 256 KiB's 7.98,
-/// CPU 1.64 s/GB against 1.48, four pairs of six for 256 KiB; so not more. It is held only while
-/// the peer reads more slowly than we write, once per HTTP/2 connection (not per stream).
+/// the socket (rustls' default: 64 KiB, with which a bulk transfer reached the socket in small
+/// `writev`s): larger writes cost less CPU per byte, and more than this bought nothing
+/// (results/README.md, "Why the proxy has its shape"). It is held only while the peer reads
+/// more slowly than we write, once per HTTP/2 connection (not per stream).
 pub const TLS_BUFFER_LIMIT: usize = 256 << 10;
 
 /// Why an HBONE connection failed.

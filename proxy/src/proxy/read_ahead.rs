@@ -4,15 +4,9 @@
 //! more than it holds, up to one record): a bulk HBONE stream took 78,000 `recv` calls per GB.
 //! [`ReadAhead`] sits between the socket and rustls: when rustls asks for less than [`CHUNK`],
 //! it reads up to [`CHUNK`] from the socket into a buffer of its own and serves rustls from it;
-//! a larger request goes to the socket directly. Measured over 3 s of `cargo xtask bench
-//! proxy`'s single stream (both proxies, bpftrace on their syscalls, three alternating runs
-//! each): `recv` calls 76,000–79,000 per GB before, 22,000–24,000 after; all their system calls
-//! 124,000–132,000 per GB before, 68,000–73,000 after. The price is one copy of what is
-//! received, 1.0% of the proxies' CPU samples (`perf record`): the bulk path is no faster for
-//! it (four alternating runs each without tracing: one stream 6.72 Gbit/s mean before, 6.43
-//! after, CPU 1.73 and 1.79 s/GB, inside the spread of the runs). What it does buy is memory:
-//! 29.2–30.6 KiB per idle pooled HBONE connection in those runs against 30.2–32.4, and 12.5 KiB
-//! per open stream against 13.2 (README, "Latest `cargo xtask bench proxy`").
+//! a larger request goes to the socket directly: a third of the `recv` calls per byte, at the
+//! price of one copy of what is received; it buys memory rather than speed (results/README.md,
+//! "Why the proxy has its shape").
 //!
 //! Memory: the buffer exists only while data is arriving. It is dropped as soon as it is
 //! drained and the socket has nothing more (the read returned pending), so an idle pooled

@@ -21,10 +21,10 @@ use crate::{
     state::workloads::WorkloadStore,
 };
 
-/// Pooled connections per destination before streams share one. Four iperf3 streams against
-/// one (`meshpath-bench proxy --rounds 1 --proxy-arg=--pool-spread --proxy-arg=N`, three runs
-/// each on this 2-core machine): spread 1 (all on one connection, as ztunnel) 0.97×, spread 2
-/// 0.93–1.12×, spread 4 1.04–1.24×; 100 clients' latency did not differ beyond the noise.
+/// Pooled connections per destination before streams share one: concurrent bulk streams on
+/// separate TCP connections do not queue behind each other's flow control, and few enough that
+/// an idle pool stays small (the measurements: results/README.md, "Why the proxy has its
+/// shape").
 pub const POOL_SPREAD: usize = 4;
 /// The proxy's tokio worker threads by default (ztunnel's default too; `--worker-threads`).
 pub const WORKER_THREADS: u16 = 2;

@@ -285,6 +285,13 @@ fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
+/// The time since `since`, as "Xm Ys", and `since` moved to now for the next stage.
+fn took(since: &mut std::time::Instant) -> String {
+    let secs = since.elapsed().as_secs();
+    *since = std::time::Instant::now();
+    format!("{}m {:02}s", secs / 60, secs % 60)
+}
+
 /// Checks and tests on this machine's kernel (`host`), then the capture tests in a VM per
 /// kernel series; ends with one total line per kernel and one overall.
 fn test(
@@ -299,6 +306,9 @@ fn test(
     // What failed where, printed last: a CI log may keep only the run's tail.
     let mut failures = Vec::new();
     let mut bad = Vec::new();
+    // Each stage's line says how long it took, checks and builds included: CI has a time
+    // budget, and the line shows which stage spends it.
+    let mut stage = std::time::Instant::now();
     if host {
         cargo::checks(path)?;
     }
@@ -307,8 +317,10 @@ fn test(
     if host {
         let t = cargo::test(path, &bin_dir, filter)?;
         lines.push(format!(
-            "tests on this machine's kernel: {} passed, {} failed",
-            t.passed, t.failed
+            "tests on this machine's kernel: {} passed, {} failed ({}, checks and build included)",
+            t.passed,
+            t.failed,
+            took(&mut stage)
         ));
         total.passed += t.passed;
         total.failed += t.failed;
@@ -320,11 +332,14 @@ fn test(
     if host && filter.is_none() {
         let secs = fuzz::IN_TESTS_SECS;
         match fuzz::run(&[], secs) {
-            Ok(()) => lines
-                .push(format!("fuzz targets: {} run {secs} s each, no crash", fuzz::TARGETS.len())),
+            Ok(()) => lines.push(format!(
+                "fuzz targets: {} run {secs} s each, no crash ({})",
+                fuzz::TARGETS.len(),
+                took(&mut stage)
+            )),
             Err(e) => {
                 println!("fuzz: {e:#}");
-                lines.push(format!("fuzz targets: failed: {e:#}"));
+                lines.push(format!("fuzz targets: failed: {e:#} ({})", took(&mut stage)));
                 bad.push("the fuzz targets".to_owned());
             }
         }
@@ -349,8 +364,10 @@ fn test(
             }
         };
         lines.push(format!(
-            "tests on the single-node cluster: {} passed, {} failed",
-            t.passed, t.failed
+            "tests on the single-node cluster: {} passed, {} failed ({})",
+            t.passed,
+            t.failed,
+            took(&mut stage)
         ));
         total.passed += t.passed;
         total.failed += t.failed;
@@ -361,10 +378,11 @@ fn test(
     }
     if !series.is_empty() {
         let bins = cargo::test_binaries(path)?;
+        stage = std::time::Instant::now();
         for s in series {
             let out = vm::run_matrix_entry(s, &bin_dir, &bins)?;
             lines.push(format!(
-                "tests on Linux {} (QEMU): {} passed, {} failed{}",
+                "tests on Linux {} (QEMU): {} passed, {} failed{} ({})",
                 out.release,
                 out.tests.passed,
                 out.tests.failed,
@@ -372,7 +390,8 @@ fn test(
                     String::new()
                 } else {
                     format!("; failing: {}", out.failed_suites.join(", "))
-                }
+                },
+                took(&mut stage)
             ));
             total.passed += out.tests.passed;
             total.failed += out.tests.failed;

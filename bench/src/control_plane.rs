@@ -201,12 +201,10 @@ fn proxy_holding(
 
 fn first_certificate(istiod: &Istiod, node: &NetnsGuard) -> Result<Duration> {
     use meshpath_proxy::{
-        identity::{
-            ca_client::{CaClient, CaConfig},
-            Identity,
-        },
+        certs::ca_client::{CaClient, CaConfig},
+        identity::Identity,
+        istiod::ChannelConfig,
         metrics::Metrics,
-        xds::ChannelConfig,
     };
     let cfg = CaConfig {
         channel: ChannelConfig {

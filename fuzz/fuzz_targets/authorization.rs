@@ -11,7 +11,7 @@ use libfuzzer_sys::fuzz_target;
 use meshpath_proxy::{
     identity::Identity,
     state::authorization::{decide, Connection, Policy},
-    state::workloads::{Workload, WorkloadStore},
+    state::{store::WorkloadStore, workloads::Workload},
 };
 
 const WORKLOADS: &str = "workloads:\n\

@@ -10,7 +10,7 @@ use hickory_proto::{
     serialize::binary::BinDecodable as _,
 };
 use libfuzzer_sys::fuzz_target;
-use meshpath_proxy::{state::workloads::WorkloadStore, proxy::dns};
+use meshpath_proxy::{proxy::dns, state::store::WorkloadStore};
 
 static STORE: LazyLock<WorkloadStore> = LazyLock::new(|| {
     WorkloadStore::parse(

@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use meshpath_proxy::{identity::Identity, proxy::inbound::parse_forwarded_for, identity::tls};
+use meshpath_proxy::{identity::tls, identity::Identity, proxy::inbound::parse_forwarded_for};
 use rustls_pki_types::CertificateDer;
 
 fuzz_target!(|data: &[u8]| {

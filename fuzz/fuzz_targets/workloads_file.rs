@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use meshpath_proxy::state::workloads::WorkloadStore;
+use meshpath_proxy::state::store::WorkloadStore;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else { return };

@@ -22,7 +22,7 @@ use tokio::{
 };
 use tracing::{info, warn};
 
-use crate::{proxy::pool::PoolEntry, state::Proxy};
+use crate::{proxy::pool::PoolEntry, proxy::Proxy};
 
 /// Changes the log filter; returns the filter now in force.
 pub type LogControl = Arc<dyn Fn(Option<&str>) -> Result<String, String> + Send + Sync>;
@@ -60,7 +60,7 @@ struct ConfigDump {
     pods: Vec<PodDump>,
     pool: Vec<PoolEntry>,
     #[serde(flatten)]
-    store: crate::state::workloads::WorkloadStore,
+    store: crate::state::store::WorkloadStore,
 }
 
 fn config_dump(proxy: &Proxy) -> Result<String, serde_json::Error> {

@@ -13,15 +13,15 @@ use datapath_common::consts::ports;
 use meshpath_podnet::netns::Netns;
 use meshpath_proxy::{
     admin::{self, Endpoints, LogControl},
-    identity::ca_client::{CaClient, CaConfig},
-    identity::certs::Certs,
+    certs::ca_client::{CaClient, CaConfig},
+    certs::Certs,
     identity::LocalCa,
     inpod,
-    proxy::dns,
-    state::reload,
-    state::workloads::WorkloadStore,
-    state::{Proxy, Settings},
-    xds::{self, ChannelConfig, NodeInfo, Synced, XdsConfig},
+    istiod::ChannelConfig,
+    proxy::{dns, Proxy, Settings},
+    reload,
+    state::{store::WorkloadStore, Synced},
+    xds::{self, NodeInfo, XdsConfig},
 };
 use tracing_subscriber::{layer::SubscriberExt as _, util::SubscriberInitExt as _, EnvFilter};
 
@@ -131,7 +131,7 @@ struct Cli {
     pool_max_streams: usize,
     /// Pooled connections per destination that concurrent streams are spread over before they
     /// share one (1: every stream shares the first, as ztunnel does).
-    #[arg(long, default_value_t = meshpath_proxy::state::POOL_SPREAD)]
+    #[arg(long, default_value_t = meshpath_proxy::proxy::settings::POOL_SPREAD)]
     pool_spread: usize,
     /// Seconds a pooled HBONE connection without streams is kept.
     #[arg(long, default_value_t = 300)]
@@ -163,7 +163,7 @@ struct Cli {
     /// Connections one source address may hold to a pod's HBONE port (15008) before its TLS
     /// handshake has proven an identity; more from it are closed at once and counted
     /// (`reason="handshake_limit"`), so that one peer cannot take all of the pod's inbound cap.
-    #[arg(long, default_value_t = meshpath_proxy::state::MAX_HANDSHAKES_PER_SOURCE)]
+    #[arg(long, default_value_t = meshpath_proxy::proxy::settings::MAX_HANDSHAKES_PER_SOURCE)]
     max_handshakes_per_source: usize,
     /// Seconds a connection may carry nothing either way before it is closed (Envoy's TCP
     /// proxy default: an hour); 0: never.
@@ -171,7 +171,7 @@ struct Cli {
     idle_timeout_seconds: u64,
     /// Seconds an inbound HBONE connection may have no stream before it is told to go away
     /// (GOAWAY) and closed, freeing its slot under the connection caps; 0: never.
-    #[arg(long, default_value_t = meshpath_proxy::state::HBONE_IDLE_SECONDS)]
+    #[arg(long, default_value_t = meshpath_proxy::proxy::settings::HBONE_IDLE_SECONDS)]
     hbone_idle_seconds: u64,
     /// How often files are checked for changes, in milliseconds.
     #[arg(long, default_value_t = 1000)]
@@ -180,7 +180,7 @@ struct Cli {
     #[arg(long, default_value_t = 30)]
     drain_seconds: u64,
     /// Tokio worker threads carrying the connections (ztunnel's `ZTUNNEL_WORKER_THREADS`).
-    #[arg(long, default_value_t = meshpath_proxy::state::WORKER_THREADS,
+    #[arg(long, default_value_t = meshpath_proxy::proxy::settings::WORKER_THREADS,
           value_parser = clap::value_parser!(u16).range(1..=1024))]
     worker_threads: u16,
 }
@@ -307,9 +307,9 @@ fn certs(cli: &Cli, metrics: &Arc<meshpath_proxy::metrics::Metrics>) -> Result<C
 }
 
 fn run(cli: Cli, log: LogControl) -> Result<()> {
-    meshpath_proxy::inpod::netns::open_home().context("opening the proxy's own netns")?;
+    meshpath_proxy::proxy::netns::open_home().context("opening the proxy's own netns")?;
     // Stamped before reading: a change written meanwhile is reloaded, not missed.
-    let stamp = cli.workloads.as_deref().and_then(meshpath_proxy::identity::certs::mtime);
+    let stamp = cli.workloads.as_deref().and_then(meshpath_proxy::certs::mtime);
     let store = match &cli.workloads {
         Some(path) => WorkloadStore::load(path)?,
         // Empty until istiod's first response.
@@ -334,8 +334,8 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
         connect_timeout: Duration::from_secs(cli.connect_timeout_seconds),
         preserve_source: !cli.no_preserve_source,
         max_connections: cli.max_connections.unwrap_or_else(|| {
-            let limit = meshpath_proxy::state::memory::own_limit();
-            let cap = meshpath_proxy::state::memory::cap_for(limit);
+            let limit = meshpath_proxy::proxy::memory::own_limit();
+            let cap = meshpath_proxy::proxy::memory::cap_for(limit);
             tracing::info!(memory_limit = ?limit, max_connections = cap, "connection cap from the memory limit");
             cap
         }).max(1),

@@ -293,7 +293,7 @@ fn connections_whose_client_certificate_was_checked_no_longer_count_against_the_
 fn under_a_memory_limit_the_cap_refuses_the_excess_before_the_proxy_runs_out() {
     // 200 MiB: the cap the proxy derives, (200 - 64) MiB × 3/4 at 64 KiB a connection.
     const LIMIT: u64 = 200 << 20;
-    let cap = meshpath_proxy::state::memory::cap_for(Some(LIMIT));
+    let cap = meshpath_proxy::proxy::memory::cap_for(Some(LIMIT));
     assert_eq!(cap, 1632);
     let nodes = TwoNodes::start(Setup { memory_limit: Some(LIMIT), ..Setup::default() });
     let logged = format!("max_connections={cap}");

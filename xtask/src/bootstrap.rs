@@ -67,7 +67,8 @@ impl Needs {
         Self { ebpf_toolchain: false, runtime: false, vm: false, kubernetes: false };
 }
 
-/// Brings the machine to what `needs` asks for. Returns the directory to put first on PATH so
+/// Brings the machine to what `needs` asks for, Kubernetes aside (`main.rs`'s `ensure`
+/// builds it after this, with kubernetes.rs, which uses what this module installs). Returns the directory to put first on PATH so
 /// that cargo finds bpf-linker.
 pub fn ensure(needs: Needs) -> Result<Option<PathBuf>> {
     let mut path_dir = None;
@@ -82,9 +83,6 @@ pub fn ensure(needs: Needs) -> Result<Option<PathBuf>> {
     }
     if needs.vm {
         ensure_debian_packages(VM_PACKAGES)?;
-    }
-    if needs.kubernetes {
-        crate::kubernetes::ensure()?;
     }
     Ok(path_dir)
 }

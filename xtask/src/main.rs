@@ -144,16 +144,11 @@ fn run(cli: Cli) -> Result<()> {
     use bootstrap::Needs;
     match cli.command {
         Cmd::Setup => {
-            bootstrap::ensure(Needs {
-                ebpf_toolchain: true,
-                runtime: true,
-                vm: true,
-                kubernetes: true,
-            })?;
+            ensure(Needs { ebpf_toolchain: true, runtime: true, vm: true, kubernetes: true })?;
             println!("setup: everything meshpath needs is installed");
         }
         Cmd::Build { release } => {
-            let path = bootstrap::ensure(Needs { ebpf_toolchain: true, ..Needs::NOTHING })?;
+            let path = ensure(Needs { ebpf_toolchain: true, ..Needs::NOTHING })?;
             cargo::build(path.as_deref(), release)?;
         }
         Cmd::Test { filter, kernel, kernels, cluster } => {
@@ -172,7 +167,7 @@ fn run(cli: Cli) -> Result<()> {
             // The cluster suite runs in a full run (no filter, this machine's kernel included)
             // or alone.
             let with_cluster = cluster || (host && filter.is_none() && kernel.is_none());
-            let path = bootstrap::ensure(Needs {
+            let path = ensure(Needs {
                 ebpf_toolchain: true,
                 runtime: true,
                 vm: !series.is_empty(),
@@ -184,8 +179,7 @@ fn run(cli: Cli) -> Result<()> {
             if !bootstrap::is_root() {
                 bail!("the benchmarks load eBPF programs and create network namespaces: run them as root");
             }
-            let path =
-                bootstrap::ensure(Needs { ebpf_toolchain: true, runtime: true, ..Needs::NOTHING })?;
+            let path = ensure(Needs { ebpf_toolchain: true, runtime: true, ..Needs::NOTHING })?;
             let bin_dir = cargo::build(path.as_deref(), true)?;
             let mut cmd = std::process::Command::new(bin_dir.join("meshpath-bench"));
             cmd.arg(&which);
@@ -199,12 +193,12 @@ fn run(cli: Cli) -> Result<()> {
             bootstrap::run(cmd.args(args))?;
         }
         Cmd::Fuzz { target, secs } => {
-            bootstrap::ensure(Needs::NOTHING)?;
+            ensure(Needs::NOTHING)?;
             let which: Vec<&str> = target.as_deref().into_iter().collect();
             fuzz::run(&which, secs)?;
         }
         Cmd::Ca { dir } => {
-            let path = bootstrap::ensure(Needs { ebpf_toolchain: true, ..Needs::NOTHING })?;
+            let path = ensure(Needs { ebpf_toolchain: true, ..Needs::NOTHING })?;
             let bin_dir = cargo::build(path.as_deref(), false)?;
             bootstrap::run(
                 std::process::Command::new(bin_dir.join("meshpath-proxy")).arg("new-ca").arg(&dir),
@@ -216,7 +210,7 @@ fn run(cli: Cli) -> Result<()> {
             }
             match action {
                 ClusterCmd::Up { debug } => {
-                    let path = bootstrap::ensure(Needs {
+                    let path = ensure(Needs {
                         ebpf_toolchain: true,
                         runtime: true,
                         kubernetes: true,
@@ -227,7 +221,7 @@ fn run(cli: Cli) -> Result<()> {
                 }
                 ClusterCmd::Down => cluster::down()?,
                 ClusterCmd::Image { debug } => {
-                    let path = bootstrap::ensure(Needs { ebpf_toolchain: true, ..Needs::NOTHING })?;
+                    let path = ensure(Needs { ebpf_toolchain: true, ..Needs::NOTHING })?;
                     let bin_dir = cargo::build(path.as_deref(), !debug)?;
                     cluster::reload_image(&cargo::workspace_root(), &bin_dir)?;
                 }
@@ -245,7 +239,7 @@ fn run(cli: Cli) -> Result<()> {
                     "the demo loads eBPF programs and creates network namespaces: run it as root"
                 );
             }
-            let path = bootstrap::ensure(Needs {
+            let path = ensure(Needs {
                 ebpf_toolchain: true,
                 runtime: true,
                 kubernetes: kube || on_cluster,
@@ -283,6 +277,16 @@ fn run(cli: Cli) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Brings the machine to what `needs` asks for (bootstrap.rs), then builds Kubernetes if
+/// asked (kubernetes.rs). Returns the directory to put first on PATH for bpf-linker.
+fn ensure(needs: bootstrap::Needs) -> Result<Option<std::path::PathBuf>> {
+    let path = bootstrap::ensure(needs)?;
+    if needs.kubernetes {
+        kubernetes::ensure()?;
+    }
+    Ok(path)
 }
 
 /// The time since `since`, as "Xm Ys", and `since` moved to now for the next stage.

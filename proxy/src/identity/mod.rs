@@ -1,8 +1,7 @@
-//! SPIFFE identities (`spiffe://TD/ns/NS/sa/SA`) and the local CA that mints short-lived
-//! workload certificates for them.
+//! SPIFFE identities (`spiffe://TD/ns/NS/sa/SA`), workload certificates, the local CA that
+//! mints short-lived ones, and mTLS with SPIFFE checks (`tls`). Where a proxy gets its
+//! certificates from is `crate::certs`.
 
-pub mod ca_client;
-pub mod certs;
 pub mod tls;
 
 use std::{fmt, time::Duration};

@@ -22,8 +22,8 @@ use meshpath_zds::{
 use tracing::{info, warn};
 
 use crate::{
+    proxy::Proxy,
     state::workloads::{Protocol, Workload},
-    state::Proxy,
 };
 
 /// Longest wait between two connection attempts.

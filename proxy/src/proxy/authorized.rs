@@ -19,11 +19,7 @@ use std::{
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
-use crate::{
-    identity::Identity,
-    metrics::Direction,
-    state::{authorization, Proxy},
-};
+use crate::{identity::Identity, metrics::Direction, proxy::Proxy, state::authorization};
 
 #[derive(Debug)]
 struct Entry {

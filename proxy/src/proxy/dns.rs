@@ -27,7 +27,7 @@ use tokio::{
 };
 use tracing::{debug, warn};
 
-use crate::{inpod::Pod, metrics::Direction, state::workloads::WorkloadStore};
+use crate::{metrics::Direction, proxy::pod::Pod, state::store::WorkloadStore};
 
 /// TTL of answers made from the store.
 const TTL: u32 = 30;

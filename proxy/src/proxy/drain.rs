@@ -34,7 +34,7 @@ pub struct Drain {
 
 impl Default for Drain {
     fn default() -> Self {
-        Self::new(crate::state::Settings::default().max_connections)
+        Self::new(super::Settings::default().max_connections)
     }
 }
 
@@ -175,7 +175,7 @@ impl Drain {
 /// The peer as the handlers name it: an IPv4 client as itself, not in the `::ffff:a.b.c.d`
 /// form a dual-stack listener reports it in. Used only where a connection is refused or failed.
 fn canonical_peer(peer: std::net::SocketAddr) -> std::net::SocketAddr {
-    std::net::SocketAddr::new(super::inbound::canonical(peer.ip()), peer.port())
+    std::net::SocketAddr::new(crate::state::canonical(peer.ip()), peer.port())
 }
 
 /// Logs a failed `what` connection from `peer` at warn, within the node's budget; past it, only

@@ -29,10 +29,10 @@ use tracing::{debug, info_span, warn, Instrument as _};
 use crate::{
     identity::tls,
     identity::Identity,
-    inpod::Pod,
     metrics::{ConnGuard, ConnInfo, Direction},
+    proxy::pod::Pod,
     proxy::{authorized::Authorized, hbone, read_ahead::ReadAhead},
-    state::authorization,
+    state::{authorization, canonical},
 };
 
 /// Serves one pod's HBONE listener.
@@ -335,12 +335,4 @@ pub fn parse_forwarded_for(value: &str) -> Option<SocketAddr> {
     f.parse()
         .ok()
         .or_else(|| f.trim_matches(['[', ']']).parse().ok().map(|ip| SocketAddr::new(ip, 0)))
-}
-
-/// An IPv4 address as itself, not v4-mapped (the dual-stack listeners see `::ffff:a.b.c.d`).
-pub fn canonical(ip: std::net::IpAddr) -> std::net::IpAddr {
-    match ip {
-        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, std::net::IpAddr::V4),
-        v4 => v4,
-    }
 }

@@ -11,8 +11,8 @@ use tokio::net::TcpStream;
 use tracing::{info_span, warn, Instrument as _};
 
 use crate::{
-    inpod::Pod,
     metrics::{ConnGuard, ConnInfo, Direction},
+    proxy::pod::Pod,
     proxy::{authorized::Authorized, outbound::original_dst},
     state::authorization,
 };
@@ -28,7 +28,7 @@ pub fn start(pod: Arc<Pod>) -> anyhow::Result<()> {
         "inbound plaintext",
         |conn, peer, pod: Arc<Pod>| async move {
             // The dual-stack listener reports an IPv4 peer in its IPv6 form.
-            let peer = SocketAddr::new(crate::proxy::inbound::canonical(peer.ip()), peer.port());
+            let peer = SocketAddr::new(crate::state::canonical(peer.ip()), peer.port());
             let span = info_span!("inbound_plaintext", pod = %pod.uid, %peer);
             handle(conn, peer, &pod).instrument(span).await
         },

@@ -1,7 +1,10 @@
 //! The traffic paths: a pod's outbound (15001), inbound HBONE (15008) and plaintext (15006),
-//! DNS (15053), and what they share (the HBONE protocol, the connection pool, the byte copy,
-//! accept loops with their caps and draining, the per-source cap on unauthenticated inbound,
-//! the large reads under TLS, the allowed connections a policy change re-checks).
+//! DNS (15053), and what they share: the node proxy (`node`: the store, certificates, pool,
+//! telemetry, the pods served) and its tunables (`settings`, with `memory` for the default
+//! connection cap), a pod as the paths see it (`pod`, its sockets made inside its netns by
+//! `netns`), the HBONE protocol, the connection pool, the byte copy, accept loops with their
+//! caps and draining, the per-source cap on unauthenticated inbound, the large reads under TLS,
+//! the allowed connections a policy change re-checks.
 
 pub mod authorized;
 pub mod copy;
@@ -10,8 +13,16 @@ pub mod drain;
 pub mod hbone;
 pub mod inbound;
 pub mod inbound_plaintext;
+pub mod memory;
+pub mod netns;
+pub mod node;
 pub mod outbound;
 pub mod per_source;
+pub mod pod;
 pub mod pool;
 pub mod read_ahead;
+pub mod settings;
 pub mod transparent;
+
+pub use node::Proxy;
+pub use settings::Settings;

@@ -17,11 +17,14 @@ use tokio::net::TcpStream;
 use tracing::{info_span, Instrument as _};
 
 use crate::{
-    inpod::Pod,
     metrics::{ConnGuard, ConnInfo, Direction, Meter},
     proxy::hbone::{self, StreamHeaders},
+    proxy::pod::Pod,
     proxy::pool::PoolKey,
-    state::workloads::{Protocol, Workload, WorkloadStore},
+    state::{
+        store::WorkloadStore,
+        workloads::{Protocol, Workload},
+    },
 };
 
 /// Serves one pod's outbound listener, `[::]:15001` (dual-stack) in its netns, as ztunnel: the
@@ -109,7 +112,7 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
     let orig = original_dst(&conn)?;
     // The app's address, as under REDIRECT: the datapath steered it to the pod's own address,
     // so the source is the pod's (the listener is dual-stack: IPv4 arrives v4-mapped).
-    let peer = SocketAddr::new(crate::proxy::inbound::canonical(peer.ip()), peer.port());
+    let peer = SocketAddr::new(crate::state::canonical(peer.ip()), peer.port());
     if ports::is_proxy_port(orig.port()) {
         proxy.metrics.error(Direction::Outbound, SELF_CALL);
         anyhow::bail!("refusing {orig}: a proxy port as destination would loop");
@@ -280,7 +283,7 @@ pub fn original_dst(conn: &TcpStream) -> io::Result<SocketAddr> {
             let mut a = [0u8; 16];
             a.copy_from_slice(&buf[8..24]);
             let ip = Ipv6Addr::from(a);
-            Ok(SocketAddr::new(crate::proxy::inbound::canonical(IpAddr::V6(ip)), port))
+            Ok(SocketAddr::new(crate::state::canonical(IpAddr::V6(ip)), port))
         }
         f => Err(io::Error::other(format!("SO_ORIGINAL_DST answered family {f}"))),
     }

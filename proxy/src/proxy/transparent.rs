@@ -15,7 +15,7 @@ use std::{collections::HashSet, io, net::SocketAddr, sync::Mutex, time::Duration
 use tokio::net::TcpStream;
 use tracing::warn;
 
-use crate::inpod::Pod;
+use crate::proxy::pod::Pod;
 
 /// Connects to the app at `target` inside the pod, from `client`'s address when the pod allows.
 pub async fn connect_app(

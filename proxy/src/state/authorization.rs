@@ -199,7 +199,7 @@ pub struct Cidr(pub IpNet);
 
 impl Cidr {
     fn contains(&self, ip: IpAddr) -> bool {
-        self.0.contains(&crate::proxy::inbound::canonical(ip))
+        self.0.contains(&crate::state::canonical(ip))
     }
 }
 
@@ -293,7 +293,7 @@ impl Policy {
     }
 
     /// Whether it applies to `dst`: the rule the store's index applies
-    /// ([`crate::state::workloads::WorkloadStore::policies_for`]).
+    /// ([`crate::state::store::WorkloadStore::policies_for`]).
     pub fn selects(&self, dst: &Workload) -> bool {
         match self.scope {
             Scope::Global => true,

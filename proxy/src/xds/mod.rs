@@ -1,6 +1,6 @@
 //! The proxy's side of istiod: workloads, services and authorization policies over the delta
-//! xDS stream (`DeltaAggregatedResources`), as ztunnel takes them, and the gRPC channel both
-//! it and the CA client (identity/ca_client.rs) use.
+//! xDS stream (`DeltaAggregatedResources`), as ztunnel takes them, over the gRPC channel
+//! (`crate::istiod`) that the CA client (certs/ca_client.rs) uses too.
 //!
 //! - One stream, over TLS to `XDS_ADDRESS`, istiod verified against `XDS_ROOT_CA`; every call
 //!   carries `authorization: Bearer <token>` (the projected token, re-read each time) and
@@ -21,10 +21,7 @@ pub mod convert;
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     path::PathBuf,
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc,
-    },
+    sync::Arc,
     time::{Duration, SystemTime},
 };
 
@@ -41,17 +38,16 @@ use tokio_stream::wrappers::ReceiverStream;
 use tracing::{info, warn};
 
 use crate::{
+    istiod::{Channel, ChannelConfig},
     metrics::XdsLabels,
+    proxy::Proxy,
     state::{
         authorization::Policy,
-        workloads::{Service, Workload, WorkloadStore},
-        Proxy,
+        store::WorkloadStore,
+        workloads::{Service, Workload},
+        Synced,
     },
 };
-
-pub use channel::{Channel, ChannelConfig};
-
-mod channel;
 
 /// The largest xDS message accepted (a push of every workload of a large mesh fits many times).
 pub const MAX_MESSAGE: usize = 64 * 1024 * 1024;
@@ -94,19 +90,6 @@ impl NodeInfo {
             cluster: String::new(),
             metadata: Some(prost_types::Struct { fields }),
         }
-    }
-}
-
-/// Whether both types have had a response applied (readiness).
-#[derive(Debug, Default)]
-pub struct Synced {
-    address: AtomicBool,
-    authorization: AtomicBool,
-}
-
-impl Synced {
-    pub fn all(&self) -> bool {
-        self.address.load(Ordering::Relaxed) && self.authorization.load(Ordering::Relaxed)
     }
 }
 
@@ -346,8 +329,8 @@ async fn session(
             warn!(kind = kind_label, refused = applied.refused, error = %e.message, "xDS resources refused (NACK); the rest applied");
         } else {
             match resp.type_url.as_str() {
-                ADDRESS_TYPE => synced.address.store(true, Ordering::Relaxed),
-                AUTHORIZATION_TYPE => synced.authorization.store(true, Ordering::Relaxed),
+                ADDRESS_TYPE => synced.set_addresses(),
+                AUTHORIZATION_TYPE => synced.set_authorization(),
                 _ => {}
             }
         }

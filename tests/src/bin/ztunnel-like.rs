@@ -49,7 +49,7 @@ use meshpath_proxy::{
     identity::{Identity, LocalCa, WorkloadCert},
     metrics::Meter,
     proxy::hbone,
-    state::workloads::{Protocol, WorkloadStore},
+    state::{store::WorkloadStore, workloads::Protocol},
 };
 use meshpath_zds::{
     proto::{workload_request::Payload, Version, WorkloadRequest, WorkloadResponse, ZdsHello},

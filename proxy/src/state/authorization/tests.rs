@@ -3,7 +3,7 @@
 //! destination workload, one connection and the verdict.
 
 use super::*;
-use crate::state::workloads::WorkloadStore;
+use crate::state::store::WorkloadStore;
 
 /// The destination workloads every case can pick from: `b` (prod, lists `prod/sel` and
 /// `other/listed`), `c` (prod, lists nothing), `d` (other namespace).

@@ -1,7 +1,7 @@
-//! Where workload certificates come from, and when they are renewed.
+//! Where workload certificates come from, and when they are renewed (`ca_client`: istiod's CA).
 //!
 //! Three sources:
-//! - **istiod**: istiod's CA, as ztunnel asks it (identity/ca_client.rs); the trust bundle is
+//! - **istiod**: istiod's CA, as ztunnel asks it (certs/ca_client.rs); the trust bundle is
 //!   the one its answers carry (the configured root file until the first answer).
 //! - **local CA**: a CA certificate and key on disk (RSA or ECDSA); the proxy mints a short-lived
 //!   certificate per identity and renews it at half its lifetime. The CA is the trust root.
@@ -9,6 +9,8 @@
 //!   trust bundle, as a secret-mounting agent writes them; re-read when they change.
 //!
 //! Renewing only swaps what new handshakes present: open connections keep their session.
+
+pub mod ca_client;
 
 use std::{
     path::{Path, PathBuf},
@@ -18,8 +20,8 @@ use std::{
 
 use rustls::pki_types::{pem::PemObject as _, CertificateDer, PrivateKeyDer};
 
+use self::ca_client::CaClient;
 use crate::{
-    identity::ca_client::CaClient,
     identity::tls,
     identity::{Identity, IdentityError, LocalCa, WorkloadCert},
 };
@@ -44,7 +46,7 @@ pub enum CertError {
     #[error("minting: {0}")]
     Mint(#[from] IdentityError),
     #[error("{0}")]
-    Ca(#[from] crate::identity::ca_client::CaError),
+    Ca(#[from] ca_client::CaError),
 }
 
 enum Source {

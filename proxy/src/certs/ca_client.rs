@@ -27,10 +27,10 @@ use meshpath_xds::{
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tracing::{info, warn};
 
-use super::{tls, Identity, WorkloadCert};
 use crate::{
+    identity::{tls, Identity, WorkloadCert},
+    istiod::{Channel, ChannelConfig},
     metrics::{ErrorLabels, Metrics},
-    xds::{Channel, ChannelConfig},
 };
 
 /// Why a certificate could not be had.

@@ -13,9 +13,7 @@ use std::{
 
 use tracing::{error, info};
 
-use crate::{
-    identity::certs::mtime, metrics::ErrorLabels, state::workloads::WorkloadStore, state::Proxy,
-};
+use crate::{certs::mtime, metrics::ErrorLabels, proxy::Proxy, state::store::WorkloadStore};
 
 /// Runs the refresh loop until the process ends; `seen` is the workload file's modification
 /// time when the store in force was read. Supervised: if an iteration panics, the loop is

@@ -1,0 +1,180 @@
+//! The node proxy: what every pod's paths share (the workload store, swapped whole when
+//! istiod or the workloads file changes it; the certificate source; the connection pool;
+//! telemetry; the shutdown switch and its caps) and the pods served now.
+
+use std::{
+    collections::BTreeMap,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex, RwLock,
+    },
+};
+
+use crate::{
+    certs::Certs,
+    metrics::Metrics,
+    proxy::{authorized::Authorized, drain::Drain, pod::Pod, pool::Pool, transparent, Settings},
+    state::{store::WorkloadStore, Synced},
+};
+
+/// Everything the pods' paths share.
+#[derive(Debug)]
+pub struct Proxy {
+    store: RwLock<Arc<WorkloadStore>>,
+    pub certs: Certs,
+    pub drain: Drain,
+    pub pool: Pool,
+    pub metrics: Arc<Metrics>,
+    pub settings: Settings,
+    pods: Mutex<BTreeMap<String, Arc<Pod>>>,
+    ready: AtomicBool,
+    /// The transparent connections to apps being opened now (see `transparent`).
+    pub transparent: transparent::InFlight,
+    /// The open inbound connections policy allowed, re-checked when policy changes.
+    pub authorized: Authorized,
+    /// In xDS mode: whether istiod's first responses have been applied (readiness waits).
+    xds: std::sync::OnceLock<Arc<Synced>>,
+}
+
+impl Proxy {
+    /// The proxy.
+    pub fn new(
+        store: WorkloadStore,
+        certs: Certs,
+        settings: Settings,
+    ) -> anyhow::Result<Arc<Self>> {
+        Self::with_metrics(store, certs, settings, Arc::new(Metrics::new()))
+    }
+
+    /// The proxy, with telemetry made before it (the CA client counts into it).
+    pub fn with_metrics(
+        store: WorkloadStore,
+        certs: Certs,
+        settings: Settings,
+        metrics: Arc<Metrics>,
+    ) -> anyhow::Result<Arc<Self>> {
+        Ok(Arc::new(Self {
+            store: RwLock::new(Arc::new(store)),
+            certs,
+            drain: Drain::new(settings.max_connections),
+            pool: Pool::new(metrics.clone(), settings.pool_max_streams, settings.pool_spread),
+            metrics,
+            settings,
+            pods: Mutex::new(BTreeMap::new()),
+            ready: AtomicBool::new(false),
+            transparent: Default::default(),
+            authorized: Default::default(),
+            xds: std::sync::OnceLock::new(),
+        }))
+    }
+
+    /// Makes readiness wait for istiod's first responses.
+    pub fn expect_xds(&self, synced: Arc<Synced>) {
+        let _ = self.xds.set(synced);
+    }
+
+    /// The identities whose certificates are kept: those of the pods served, and those of the
+    /// HBONE workloads the store places on `node` (their pods are about to arrive).
+    pub fn wanted_identities(&self, node: &str) -> Vec<crate::identity::Identity> {
+        let mut ids: std::collections::HashSet<crate::identity::Identity> =
+            self.pods().iter().map(|p| p.identity.clone()).collect();
+        if !node.is_empty() {
+            let store = self.store();
+            ids.extend(
+                store
+                    .workloads()
+                    .iter()
+                    .filter(|w| {
+                        w.node == node && w.protocol == crate::state::workloads::Protocol::Hbone
+                    })
+                    .map(|w| w.identity()),
+            );
+        }
+        ids.into_iter().collect()
+    }
+
+    /// The workload store now (a snapshot: a reload does not change it under a connection).
+    pub fn store(&self) -> Arc<WorkloadStore> {
+        // A poisoned lock still holds the last store written (never an empty, policy-less one).
+        self.store.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// Replaces the workload store; telemetry of workloads no longer in it is removed, and
+    /// open connections the new policies deny are closed.
+    pub fn set_store(&self, store: WorkloadStore) {
+        // Entries are shared between stores made from the same xDS state: an unchanged policy
+        // is the same allocation.
+        let before = self.store();
+        let policies_changed = before.policies().len() != store.policies().len()
+            || before.policies().iter().zip(store.policies()).any(|(a, b)| !Arc::ptr_eq(a, b));
+        let live: std::collections::HashSet<(String, String)> =
+            store
+                .workloads()
+                .iter()
+                .map(|w| (w.namespace.clone(), w.workload_label().to_owned()))
+                // Pods served here (the agent describes them over ZDS) count even if the store
+                // does not list them.
+                .chain(self.pods().iter().map(|p| {
+                    (p.workload.namespace.clone(), p.workload.workload_label().to_owned())
+                }))
+                .collect();
+        *self.store.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(store);
+        let expired = self.metrics.expire_workloads(&live);
+        if expired > 0 {
+            tracing::info!(series = expired, "telemetry of workloads that left removed");
+        }
+        if policies_changed {
+            let closed = Authorized::recheck(self);
+            if closed > 0 {
+                tracing::info!(closed, "open connections the new policies deny closed");
+            }
+        }
+    }
+
+    /// The pods served now.
+    pub fn pods(&self) -> Vec<Arc<Pod>> {
+        self.pods.lock().map(|p| p.values().cloned().collect()).unwrap_or_default()
+    }
+
+    /// The pod with this uid.
+    pub fn pod(&self, uid: &str) -> Option<Arc<Pod>> {
+        self.pods.lock().ok()?.get(uid).cloned()
+    }
+
+    pub(crate) fn insert_pod(&self, pod: Arc<Pod>) -> Option<Arc<Pod>> {
+        let mut pods = self.pods.lock().ok()?;
+        let old = pods.insert(pod.uid.clone(), pod);
+        self.metrics.pods.set(pods.len() as i64);
+        old
+    }
+
+    pub(crate) fn take_pod(&self, uid: &str) -> Option<Arc<Pod>> {
+        let mut pods = self.pods.lock().ok()?;
+        let old = pods.remove(uid);
+        self.metrics.pods.set(pods.len() as i64);
+        old
+    }
+
+    /// Ready: the pods are served (the agent's snapshot applied), not draining, and no served
+    /// pod's certificate has expired (its peers would refuse every connection).
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Relaxed)
+            && self.xds.get().is_none_or(|s| s.all())
+            && !self.drain.is_stopping()
+            && self.expired_certificates().is_empty()
+    }
+
+    /// The served pods whose certificate has expired.
+    pub fn expired_certificates(&self) -> Vec<String> {
+        let now = time::OffsetDateTime::now_utc();
+        self.pods()
+            .iter()
+            .filter(|p| p.cert().is_none_or(|c| c.not_after <= now))
+            .map(|p| p.uid.clone())
+            .collect()
+    }
+
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::Relaxed);
+    }
+}

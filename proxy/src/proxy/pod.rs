@@ -1,0 +1,268 @@
+//! One pod served by the proxy, as its traffic paths see it: its network namespace (its
+//! sockets are made inside it: `netns`), its workload and identity, its certificate and TLS
+//! configurations, its connection caps, and the switches that close its listeners and end its
+//! connections. Serving and removing pods is `crate::inpod`'s.
+
+use std::{
+    collections::HashMap,
+    future::Future,
+    sync::{Arc, RwLock},
+    time::SystemTime,
+};
+
+use anyhow::Context as _;
+use meshpath_podnet::netns::Netns;
+use rustls::{ClientConfig, ServerConfig};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::{
+    identity::tls,
+    identity::{Identity, WorkloadCert},
+    metrics::Direction,
+    proxy::{
+        drain::{Permits, Scope},
+        netns::SocketFactory,
+        per_source::{PerSource, SourceSlot},
+        Proxy,
+    },
+    state::{store::WorkloadStore, workloads::Workload},
+};
+
+struct PodTls {
+    cert: Arc<WorkloadCert>,
+    fetched: SystemTime,
+    stamp: Vec<Option<SystemTime>>,
+    server: Arc<ServerConfig>,
+    /// Client configurations by expected peer identity, made once per certificate: every
+    /// pooled connection holds its configuration, so sharing it is memory each connection
+    /// does not cost (and a key not parsed per connection).
+    clients: HashMap<Identity, Arc<ClientConfig>>,
+}
+
+/// One pod served by this proxy.
+pub struct Pod {
+    pub uid: String,
+    pub netns: Netns,
+    /// Creates the pod's sockets inside its netns.
+    pub sockets: SocketFactory,
+    pub workload: Workload,
+    pub identity: Identity,
+    tls: RwLock<PodTls>,
+    pub proxy: Arc<Proxy>,
+    /// Cancelled to close the pod's listeners (removal or proxy shutdown).
+    pub listening: CancellationToken,
+    /// Cancelled to end the pod's connections (removal only: shutdown lets them drain).
+    pub gone: CancellationToken,
+    /// Whether connections to its apps keep the client's address (see `Pod::new`).
+    transparent: bool,
+    /// Its caps on connections carried at once, one per direction, so that connections opened
+    /// to the pod (by anyone who can reach it, before any credential is checked) cannot take
+    /// the slots of its own outbound connections, nor these the slots of its inbound.
+    conns: PodCaps,
+}
+
+/// A pod's connection caps. Inbound counts its 15008 and 15006 connections and each inbound
+/// HBONE stream (it has a connection to the app of its own); outbound its 15001 and TCP 15053.
+#[derive(Debug)]
+struct PodCaps {
+    inbound: Arc<tokio::sync::Semaphore>,
+    outbound: Arc<tokio::sync::Semaphore>,
+    /// The share of `inbound` one source may hold on 15008 before it has proven an identity.
+    unauthenticated: Arc<PerSource>,
+}
+
+impl PodCaps {
+    fn new(per_direction: usize, unauthenticated_per_source: usize) -> Self {
+        let cap = || {
+            Arc::new(tokio::sync::Semaphore::new(
+                per_direction.min(tokio::sync::Semaphore::MAX_PERMITS),
+            ))
+        };
+        Self {
+            inbound: cap(),
+            outbound: cap(),
+            unauthenticated: PerSource::new(unauthenticated_per_source),
+        }
+    }
+
+    fn of(&self, direction: Direction) -> &Arc<tokio::sync::Semaphore> {
+        match direction {
+            Direction::Inbound => &self.inbound,
+            Direction::Outbound => &self.outbound,
+        }
+    }
+}
+
+impl std::fmt::Debug for Pod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pod").field("uid", &self.uid).field("identity", &self.identity).finish()
+    }
+}
+
+impl Pod {
+    /// The pod's certificate now.
+    pub fn cert(&self) -> Option<Arc<WorkloadCert>> {
+        self.tls.read().ok().map(|t| t.cert.clone())
+    }
+
+    /// The TLS client configuration for connections to a peer that must be `peer`.
+    pub fn client_tls(&self, peer: &Identity) -> anyhow::Result<Arc<ClientConfig>> {
+        if let Some(c) = self.tls.read().ok().and_then(|t| t.clients.get(peer).cloned()) {
+            return Ok(c);
+        }
+        let mut t = self.tls.write().map_err(|_| anyhow::anyhow!("TLS state lock poisoned"))?;
+        if let Some(c) = t.clients.get(peer) {
+            return Ok(c.clone());
+        }
+        let c = tls::client_config(&t.cert, &self.proxy.certs.roots(), vec![peer.clone()])?;
+        t.clients.insert(peer.clone(), c.clone());
+        Ok(c)
+    }
+
+    /// The TLS server configuration of its HBONE port now.
+    pub fn server_tls(&self) -> Option<Arc<ServerConfig>> {
+        self.tls.read().ok().map(|t| t.server.clone())
+    }
+
+    /// Replaces the pod's certificate if the source says it is stale (or `force`).
+    /// Returns whether it did.
+    pub fn refresh_cert(&self, force: bool) -> anyhow::Result<bool> {
+        let stale = self
+            .tls
+            .read()
+            .map(|t| force || self.proxy.certs.stale(&self.identity, &t.cert, t.fetched, &t.stamp))
+            .unwrap_or(true);
+        if !stale {
+            return Ok(false);
+        }
+        let next = fetch_tls(&self.proxy, &self.identity)?;
+        let serial = next.cert.serial();
+        if let Ok(mut t) = self.tls.write() {
+            *t = next;
+        }
+        self.proxy.metrics.cert_rotations.inc();
+        info!(pod = %self.uid, identity = %self.identity, serial, "certificate renewed");
+        Ok(true)
+    }
+
+    /// What the store says about the pod now (policies select workloads by what the store
+    /// says, and it may have changed since the pod was added), else what it was added with.
+    pub fn current_workload<'a>(&'a self, store: &'a WorkloadStore) -> &'a Workload {
+        store.by_uid(&self.uid).unwrap_or(&self.workload)
+    }
+
+    /// Whether connections to its app keep the client's address.
+    pub fn preserves_source(&self) -> bool {
+        self.transparent
+    }
+
+    /// What a listener of this pod serves under: its stop and removal, its connection cap.
+    pub fn scope(&self, direction: Direction) -> Scope {
+        Scope {
+            stop: self.listening.clone(),
+            kill: self.gone.clone(),
+            limit: self.conns.of(direction).clone(),
+            metrics: self.proxy.metrics.clone(),
+            direction,
+        }
+    }
+
+    /// A slot for one more inbound connection of this pod (an inbound HBONE stream), under its
+    /// inbound cap and the node's; `None` when either is reached.
+    pub fn admit_inbound(&self) -> Option<Permits> {
+        self.proxy.drain.admit(&self.conns.inbound)
+    }
+
+    /// A count for one more connection from `source` to the pod's HBONE port that has not yet
+    /// proven an identity; `None` when `source` holds its share of the inbound cap already.
+    pub fn admit_unauthenticated(&self, source: std::net::IpAddr) -> Option<SourceSlot> {
+        self.conns.unauthenticated.admit(source)
+    }
+
+    /// Runs `task` as one of the pod's connections: tracked by the drain, ended if the pod is
+    /// removed.
+    pub fn spawn(&self, task: impl Future<Output = ()> + Send + 'static) {
+        let gone = self.gone.clone();
+        self.proxy.drain.spawn(async move {
+            tokio::select! {
+                () = task => {}
+                () = gone.cancelled() => {}
+            }
+        });
+    }
+}
+
+fn fetch_tls(proxy: &Proxy, id: &Identity) -> anyhow::Result<PodTls> {
+    let stamp = proxy.certs.stamp(id);
+    let cert = proxy
+        .certs
+        .fetch(id)
+        .with_context(|| format!("certificate for {id} ({})", proxy.certs.mode()))?;
+    // Fails if the key does not match the certificate (files caught between two writes).
+    let server = tls::server_config(&cert, &proxy.certs.roots())
+        .with_context(|| format!("certificate for {id}"))?;
+    Ok(PodTls {
+        cert: Arc::new(cert),
+        fetched: SystemTime::now(),
+        stamp,
+        server,
+        clients: HashMap::new(),
+    })
+}
+
+impl Pod {
+    /// A pod to serve: `workload` is what the store (or the node agent) says about it, `netns`
+    /// its network namespace. Fetches its certificate and checks whether its reply routing is
+    /// in place; it opens no listener (`crate::inpod::add` does).
+    pub fn new(
+        proxy: &Arc<Proxy>,
+        uid: &str,
+        netns: Netns,
+        mut workload: Workload,
+    ) -> anyhow::Result<Self> {
+        let identity = workload.identity();
+        let tls = fetch_tls(proxy, &identity)?;
+        let sockets = SocketFactory::new(&netns)
+            .with_context(|| format!("a socket factory for the netns of pod {uid}"))?;
+        if workload.workload_ips.is_empty() {
+            // Not in the store (a pod the agent just added): its addresses are in its netns.
+            workload.workload_ips = sockets
+                .addresses()
+                .with_context(|| format!("reading the addresses in the netns of pod {uid}"))?;
+        }
+        // The client's address is kept only where the pod's reply routing is in place (the node
+        // agent writes it when it enrols the pod): a pod added by hand (`--pod`) to a node whose
+        // agent did not enrol it gets connections from its own address instead of broken ones.
+        let transparent = proxy.settings.preserve_source
+            && sockets
+                .run(|| Ok(meshpath_podnet::reply_routing::is_set_up()))
+                .with_context(|| format!("checking the reply routing in the netns of pod {uid}"))?;
+        if proxy.settings.preserve_source && !transparent {
+            warn!(pod = %uid, "no reply routing in the pod (not enrolled by a node agent?): its apps will see the pod's own address as the client's");
+        }
+        Ok(Self {
+            uid: uid.to_owned(),
+            netns,
+            sockets,
+            workload,
+            identity,
+            tls: RwLock::new(tls),
+            proxy: proxy.clone(),
+            listening: proxy.drain.child_token(),
+            gone: CancellationToken::new(),
+            transparent,
+            conns: PodCaps::new(
+                proxy.settings.max_connections_per_pod,
+                proxy.settings.max_handshakes_per_source,
+            ),
+        })
+    }
+
+    /// Closes its listeners and ends its connections.
+    pub fn stop(&self) {
+        self.listening.cancel();
+        self.gone.cancel();
+        self.proxy.pool.forget_workload(&self.uid);
+    }
+}

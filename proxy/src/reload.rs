@@ -89,12 +89,12 @@ fn reload_store(proxy: &Proxy, path: &Path) {
     match WorkloadStore::load(path) {
         Ok(store) => {
             info!(
-                workloads = store.workloads().len(),
-                services = store.services().len(),
-                policies = store.policies().len(),
+                workloads = store.counts().0,
+                services = store.counts().1,
+                policies = store.counts().2,
                 "workload store reloaded"
             );
-            proxy.set_store(store);
+            proxy.set_store(store, true);
             proxy.metrics.config_reloads.get_or_create(&result("ok")).inc();
         }
         Err(e) => {

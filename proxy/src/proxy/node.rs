@@ -83,7 +83,6 @@ impl Proxy {
             ids.extend(
                 store
                     .workloads()
-                    .iter()
                     .filter(|w| {
                         w.node == node && w.protocol == crate::state::workloads::Protocol::Hbone
                     })
@@ -99,29 +98,33 @@ impl Proxy {
         self.store.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
-    /// Replaces the workload store; telemetry of workloads no longer in it is removed, and
-    /// open connections the new policies deny are closed.
-    pub fn set_store(&self, store: WorkloadStore) {
-        // Entries are shared between stores made from the same xDS state: an unchanged policy
-        // is the same allocation.
+    /// Replaces the workload store. If `workloads_left` (a workload was removed, or now
+    /// counts under another workload; a new file always says so), telemetry of workloads no
+    /// longer in it is removed: that walks every workload, which istiod's delta of one new pod
+    /// need not pay. If the policies changed, open connections the new ones deny are closed.
+    pub fn set_store(&self, store: WorkloadStore, workloads_left: bool) {
         let before = self.store();
-        let policies_changed = before.policies().len() != store.policies().len()
-            || before.policies().iter().zip(store.policies()).any(|(a, b)| !Arc::ptr_eq(a, b));
-        let live: std::collections::HashSet<(String, String)> =
+        // A store made from the one before shares its policies unless they changed.
+        let policies_changed = !before.same_policies(&store);
+        let live: Option<std::collections::HashSet<(String, String)>> = workloads_left.then(|| {
             store
                 .workloads()
-                .iter()
                 .map(|w| (w.namespace.clone(), w.workload_label().to_owned()))
                 // Pods served here (the agent describes them over ZDS) count even if the store
                 // does not list them.
                 .chain(self.pods().iter().map(|p| {
                     (p.workload.namespace.clone(), p.workload.workload_label().to_owned())
                 }))
-                .collect();
+                .collect()
+        });
         *self.store.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(store);
-        let expired = self.metrics.expire_workloads(&live);
-        if expired > 0 {
-            tracing::info!(series = expired, "telemetry of workloads that left removed");
+        // The old store is dropped here, or by the last connection holding it.
+        drop(before);
+        if let Some(live) = live {
+            let expired = self.metrics.expire_workloads(&live);
+            if expired > 0 {
+                tracing::info!(series = expired, "telemetry of workloads that left removed");
+            }
         }
         if policies_changed {
             let closed = Authorized::recheck(self);

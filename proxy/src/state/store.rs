@@ -1,14 +1,24 @@
 //! The workload store: the workloads, services and L4 authorization policies the proxy knows,
 //! from istiod (`crate::xds`) or the workloads file (`crate::reload`).
 //!
-//! A store is read-only once made, and indexed as it is made: what a connection looks up (the
-//! workload at an address, the service at a VIP, a service's endpoints, the policies that apply
-//! to a destination) is a hash lookup, not a walk over every workload, service and policy in the
-//! mesh. Where the file names an address, uid,
-//! VIP or hostname twice, the first entry wins, as ztunnel's local configuration reads.
+//! A store is indexed by what a connection looks up (the workload at an address, the service at
+//! a VIP, a service's endpoints, the policies that apply to a destination): a hash lookup, not
+//! a walk over every workload, service and policy in the mesh. A connection holds the store of
+//! its start (a snapshot); the proxy swaps in a new one when the mesh changes.
+//!
+//! Its maps are persistent (`imbl`): a copy shares everything with the original, and changing
+//! one workload or service in it costs that entry's index entries, so istiod's delta of one pod
+//! makes a new store in microseconds whatever the mesh's size (the control-plane benchmark
+//! measures it). Policies are few and a change re-checks every open connection anyway: they are
+//! indexed again as a whole when they change.
+//!
+//! Where the file names an address, uid, VIP or hostname twice, the first entry wins, as
+//! ztunnel's local configuration reads. From istiod, the entry written last takes it; removing
+//! that entry frees it (istiod gives an address to one workload of a network).
 
 use std::{collections::HashMap, net::IpAddr, path::Path, sync::Arc};
 
+use imbl::{HashMap as PHashMap, OrdMap};
 use serde::{Deserialize, Serialize};
 
 use crate::state::{
@@ -16,9 +26,7 @@ use crate::state::{
     workloads::{parse_vip, HealthStatus, Service, Workload},
 };
 
-/// What the file says, as it says it; from xDS, the resources held, in name order. Entries are
-/// shared (`Arc`) between the stores made one after another, so a new store costs its index,
-/// not a copy of every workload.
+/// The file's shape (and what `/config_dump` shows): its entries in its order.
 #[derive(Debug, Clone, Deserialize, Serialize, Default)]
 #[serde(deny_unknown_fields)]
 struct Contents {
@@ -30,74 +38,82 @@ struct Contents {
     policies: Vec<Arc<Policy>>,
 }
 
-/// Positions in [`Contents`], by what connections look them up by.
-#[derive(Debug, Clone, Default)]
-struct Index {
-    workload_by_ip: HashMap<IpAddr, usize>,
-    workload_by_uid: HashMap<String, usize>,
-    service_by_vip: HashMap<IpAddr, usize>,
-    /// Lower-cased.
-    service_by_hostname: HashMap<String, usize>,
-    /// Service key (`NS/HOSTNAME`) → the workloads that back it, in file order.
-    backends: HashMap<String, Vec<usize>>,
-    /// GLOBAL policies.
-    global_policies: Vec<usize>,
+/// The policies and their index, made again whenever they change.
+#[derive(Debug, Default)]
+struct Policies {
+    /// In file order, or from xDS in name order.
+    all: Vec<Arc<Policy>>,
+    /// GLOBAL policies (positions in `all`).
+    global: Vec<usize>,
     /// NAMESPACE policies by their namespace.
-    namespace_policies: HashMap<String, Vec<usize>>,
+    namespace: HashMap<String, Vec<usize>>,
     /// Every policy by key (`NS/NAME`), as workloads name the policies that select them.
-    policies_by_key: HashMap<String, Vec<usize>>,
+    by_key: HashMap<String, Vec<usize>>,
 }
 
-impl Index {
-    fn of(c: &Contents) -> Self {
-        let mut ix = Self::default();
-        for (i, w) in c.workloads.iter().enumerate() {
-            for ip in &w.workload_ips {
-                ix.workload_by_ip.entry(*ip).or_insert(i);
-            }
-            ix.workload_by_uid.entry(w.uid.clone()).or_insert(i);
-            for key in w.services.keys() {
-                ix.backends.entry(key.clone()).or_default().push(i);
-            }
-        }
-        for (i, s) in c.services.iter().enumerate() {
-            for vip in s.vip_addrs() {
-                ix.service_by_vip.entry(vip).or_insert(i);
-            }
-            ix.service_by_hostname.entry(s.hostname.to_ascii_lowercase()).or_insert(i);
-        }
-        for (i, p) in c.policies.iter().enumerate() {
-            match p.scope {
-                Scope::Global => ix.global_policies.push(i),
+impl Policies {
+    fn of(all: Vec<Arc<Policy>>) -> Self {
+        let mut p = Self { all, ..Self::default() };
+        for (i, policy) in p.all.iter().enumerate() {
+            match policy.scope {
+                Scope::Global => p.global.push(i),
                 Scope::Namespace => {
-                    ix.namespace_policies.entry(p.namespace.clone()).or_default().push(i)
+                    p.namespace.entry(policy.namespace.clone()).or_default().push(i)
                 }
                 Scope::WorkloadSelector => {}
             }
-            ix.policies_by_key.entry(p.key()).or_default().push(i);
+            p.by_key.entry(policy.key()).or_default().push(i);
         }
-        ix
+        p
     }
 }
 
-/// Everything the proxy knows about the mesh (see the module docs).
+/// Everything the proxy knows about the mesh (see the module docs). Entries are kept under a
+/// name: istiod's resource name, or for the file the entry's position (so the name order is
+/// the file order).
 #[derive(Debug, Clone, Deserialize, Serialize, Default)]
 #[serde(from = "Contents", into = "Contents")]
 pub struct WorkloadStore {
-    contents: Contents,
-    index: Index,
+    workloads: OrdMap<String, Arc<Workload>>,
+    services: OrdMap<String, Arc<Service>>,
+    policies: Arc<Policies>,
+    workload_by_ip: PHashMap<IpAddr, Arc<Workload>>,
+    workload_by_uid: PHashMap<String, Arc<Workload>>,
+    service_by_vip: PHashMap<IpAddr, Arc<Service>>,
+    /// Lower-cased.
+    service_by_hostname: PHashMap<String, Arc<Service>>,
+    /// Service key (`NS/HOSTNAME`) → the workloads that back it, by their names.
+    backends: PHashMap<String, OrdMap<String, Arc<Workload>>>,
+}
+
+/// The name a file's entry `i` is kept under: sorts in file order.
+fn file_name(i: usize) -> String {
+    format!("#{i:010}")
 }
 
 impl From<Contents> for WorkloadStore {
-    fn from(contents: Contents) -> Self {
-        let index = Index::of(&contents);
-        Self { contents, index }
+    fn from(c: Contents) -> Self {
+        let mut store = Self::default();
+        for (i, w) in c.workloads.into_iter().enumerate() {
+            store.index_workload(file_name(i), &w, false);
+            store.workloads.insert(file_name(i), w);
+        }
+        for (i, s) in c.services.into_iter().enumerate() {
+            store.index_service(&s, false);
+            store.services.insert(file_name(i), s);
+        }
+        store.policies = Arc::new(Policies::of(c.policies));
+        store
     }
 }
 
 impl From<WorkloadStore> for Contents {
     fn from(store: WorkloadStore) -> Self {
-        store.contents
+        Self {
+            workloads: store.workloads.values().cloned().collect(),
+            services: store.services.values().cloned().collect(),
+            policies: store.policies.all.clone(),
+        }
     }
 }
 
@@ -108,6 +124,27 @@ pub enum ConfigError {
     Read(String, std::io::Error),
     #[error("{file}: {message}")]
     Parse { file: String, message: String },
+}
+
+/// Puts `v` under `k`, or only where `k` is free (`first_wins`).
+fn claim<K, V>(map: &mut PHashMap<K, V>, k: K, v: V, first_wins: bool)
+where
+    K: std::hash::Hash + Eq + Clone,
+    V: Clone,
+{
+    if !(first_wins && map.contains_key(&k)) {
+        map.insert(k, v);
+    }
+}
+
+/// Frees `k` if `v` holds it.
+fn release<K, V>(map: &mut PHashMap<K, Arc<V>>, k: &K, v: &Arc<V>)
+where
+    K: std::hash::Hash + Eq + Clone,
+{
+    if map.get(k).is_some_and(|held| Arc::ptr_eq(held, v)) {
+        map.remove(k);
+    }
 }
 
 impl WorkloadStore {
@@ -124,7 +161,7 @@ impl WorkloadStore {
             Some(l) => format!("line {}, column {}: {e}", l.line(), l.column()),
             None => e.to_string(),
         })?;
-        for (i, s) in store.services().iter().enumerate() {
+        for (i, s) in store.services().enumerate() {
             for v in &s.vips {
                 parse_vip(v).map_err(|e| format!("services[{i}].vips: {e}"))?;
             }
@@ -132,77 +169,173 @@ impl WorkloadStore {
         Ok(store)
     }
 
-    /// A store of these entries (what xDS holds), indexed.
-    pub fn from_parts(
-        workloads: Vec<Arc<Workload>>,
-        services: Vec<Arc<Service>>,
-        policies: Vec<Arc<Policy>>,
-    ) -> Self {
-        Contents { workloads, services, policies }.into()
+    fn index_workload(&mut self, name: String, w: &Arc<Workload>, last_wins: bool) {
+        let first_wins = !last_wins;
+        for ip in &w.workload_ips {
+            claim(&mut self.workload_by_ip, *ip, w.clone(), first_wins);
+        }
+        claim(&mut self.workload_by_uid, w.uid.clone(), w.clone(), first_wins);
+        for key in w.services.keys() {
+            let mut backends = self.backends.get(key).cloned().unwrap_or_default();
+            backends.insert(name.clone(), w.clone());
+            self.backends.insert(key.clone(), backends);
+        }
     }
 
-    /// Every workload, in file order.
-    pub fn workloads(&self) -> &[Arc<Workload>] {
-        &self.contents.workloads
+    fn unindex_workload(&mut self, name: &str, w: &Arc<Workload>) {
+        for ip in &w.workload_ips {
+            release(&mut self.workload_by_ip, ip, w);
+        }
+        release(&mut self.workload_by_uid, &w.uid, w);
+        for key in w.services.keys() {
+            if let Some(mut backends) = self.backends.get(key).cloned() {
+                backends.remove(name);
+                if backends.is_empty() {
+                    self.backends.remove(key);
+                } else {
+                    self.backends.insert(key.clone(), backends);
+                }
+            }
+        }
     }
 
-    /// Every service, in file order.
-    pub fn services(&self) -> &[Arc<Service>] {
-        &self.contents.services
+    fn index_service(&mut self, s: &Arc<Service>, last_wins: bool) {
+        for vip in s.vip_addrs() {
+            claim(&mut self.service_by_vip, vip, s.clone(), !last_wins);
+        }
+        claim(
+            &mut self.service_by_hostname,
+            s.hostname.to_ascii_lowercase(),
+            s.clone(),
+            !last_wins,
+        );
     }
 
-    /// Every authorization policy, in file order.
+    fn unindex_service(&mut self, s: &Arc<Service>) {
+        for vip in s.vip_addrs() {
+            release(&mut self.service_by_vip, &vip, s);
+        }
+        release(&mut self.service_by_hostname, &s.hostname.to_ascii_lowercase(), s);
+    }
+
+    /// Puts workload `w` under `name` (istiod's resource name), replacing what was there; it
+    /// takes its addresses and uid. Returns what it replaced.
+    pub fn put_workload(&mut self, name: &str, w: Arc<Workload>) -> Option<Arc<Workload>> {
+        let old = self.remove_workload(name);
+        self.index_workload(name.to_owned(), &w, true);
+        self.workloads.insert(name.to_owned(), w);
+        old
+    }
+
+    /// Removes the workload under `name`; returns it.
+    pub fn remove_workload(&mut self, name: &str) -> Option<Arc<Workload>> {
+        let old = self.workloads.remove(name)?;
+        self.unindex_workload(name, &old);
+        Some(old)
+    }
+
+    /// Puts service `s` under `name`, replacing what was there; it takes its VIPs and hostname.
+    pub fn put_service(&mut self, name: &str, s: Arc<Service>) -> Option<Arc<Service>> {
+        let old = self.remove_service(name);
+        self.index_service(&s, true);
+        self.services.insert(name.to_owned(), s);
+        old
+    }
+
+    /// Removes the service under `name`; returns it.
+    pub fn remove_service(&mut self, name: &str) -> Option<Arc<Service>> {
+        let old = self.services.remove(name)?;
+        self.unindex_service(&old);
+        Some(old)
+    }
+
+    /// Replaces every policy (in this order).
+    pub fn set_policies(&mut self, policies: Vec<Arc<Policy>>) {
+        self.policies = Arc::new(Policies::of(policies));
+    }
+
+    /// Whether `other` has the same policies (the same set, not an equal one).
+    pub fn same_policies(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.policies, &other.policies)
+    }
+
+    /// Whether a workload is held under `name`.
+    pub fn has_workload(&self, name: &str) -> bool {
+        self.workloads.contains_key(name)
+    }
+
+    /// Whether a service is held under `name`.
+    pub fn has_service(&self, name: &str) -> bool {
+        self.services.contains_key(name)
+    }
+
+    /// How many workloads, services and policies it holds.
+    pub fn counts(&self) -> (usize, usize, usize) {
+        (self.workloads.len(), self.services.len(), self.policies.all.len())
+    }
+
+    /// Every workload, in file order (from istiod: in name order).
+    pub fn workloads(&self) -> impl Iterator<Item = &Arc<Workload>> {
+        self.workloads.values()
+    }
+
+    /// Every service, in file order (from istiod: in name order).
+    pub fn services(&self) -> impl Iterator<Item = &Arc<Service>> {
+        self.services.values()
+    }
+
+    /// Every authorization policy, in file order (from istiod: in name order).
     pub fn policies(&self) -> &[Arc<Policy>] {
-        &self.contents.policies
+        &self.policies.all
     }
 
     /// The authorization policies that apply to `dst` ([`Policy::selects`]), in file order:
     /// GLOBAL ones, NAMESPACE ones of its namespace, and those it names.
     pub fn policies_for(&self, dst: &Workload) -> Vec<&Policy> {
-        let ix = &self.index;
-        let mut at: Vec<usize> = ix.global_policies.clone();
-        if let Some(own) = ix.namespace_policies.get(&dst.namespace) {
+        let p = &*self.policies;
+        let mut at: Vec<usize> = p.global.clone();
+        if let Some(own) = p.namespace.get(&dst.namespace) {
             at.extend(own);
         }
         for key in &dst.authorization_policies {
-            if let Some(named) = ix.policies_by_key.get(key) {
+            if let Some(named) = p.by_key.get(key) {
                 at.extend(named);
             }
         }
         at.sort_unstable();
         at.dedup();
-        at.into_iter().map(|i| &*self.contents.policies[i]).collect()
+        at.into_iter().map(|i| &*p.all[i]).collect()
     }
 
     /// The workload that owns `ip`.
     pub fn by_ip(&self, ip: IpAddr) -> Option<&Workload> {
-        self.index.workload_by_ip.get(&ip).map(|&i| &*self.contents.workloads[i])
+        self.workload_by_ip.get(&ip).map(|w| &**w)
     }
 
     /// The workload with this uid.
     pub fn by_uid(&self, uid: &str) -> Option<&Workload> {
-        self.index.workload_by_uid.get(uid).map(|&i| &*self.contents.workloads[i])
+        self.workload_by_uid.get(uid).map(|w| &**w)
     }
 
     /// The service with `ip` among its VIPs.
     pub fn service_by_vip(&self, ip: IpAddr) -> Option<&Service> {
-        self.index.service_by_vip.get(&ip).map(|&i| &*self.contents.services[i])
+        self.service_by_vip.get(&ip).map(|s| &**s)
     }
 
     /// The service with this hostname (any case, with or without the final dot).
     pub fn service_by_hostname(&self, host: &str) -> Option<&Service> {
         let host = host.trim_end_matches('.').to_ascii_lowercase();
-        self.index.service_by_hostname.get(&host).map(|&i| &*self.contents.services[i])
+        self.service_by_hostname.get(&host).map(|s| &**s)
     }
 
     /// The healthy endpoints of `svc` for service port `port`: each workload and the port it
-    /// listens on.
+    /// listens on, in file order (from istiod: in name order).
     pub fn endpoints(&self, svc: &Service, port: u16) -> Vec<(&Workload, u16)> {
         let key = svc.key();
-        let Some(backends) = self.index.backends.get(&key) else { return Vec::new() };
+        let Some(backends) = self.backends.get(&key) else { return Vec::new() };
         backends
-            .iter()
-            .map(|&i| &*self.contents.workloads[i])
+            .values()
+            .map(|w| &**w)
             .filter(|w| w.status == HealthStatus::Healthy)
             .filter_map(|w| {
                 let ports = w.services.get(&key)?;
@@ -266,7 +399,7 @@ mod tests {
         assert_eq!(uid("10.0.0.2"), Some("b"));
         assert_eq!(uid("10.0.0.3"), None);
         assert_eq!(s.by_uid("a").map(|w| w.service_account.as_str()), Some("a"));
-        assert_eq!(s.workloads().len(), 3, "nothing dropped from the store itself");
+        assert_eq!(s.workloads().count(), 3, "nothing dropped from the store itself");
     }
 
     #[test]
@@ -347,5 +480,103 @@ mod tests {
         let eps: Vec<(&str, u16)> =
             s.endpoints(svc, 80).into_iter().map(|(w, p)| (w.uid.as_str(), p)).collect();
         assert_eq!(eps, vec![("a", 8080), ("c", 9090)]);
+    }
+
+    fn workload(uid: &str, ips: &[&str], service: Option<&str>) -> Arc<Workload> {
+        let yaml = format!(
+            "{{uid: {uid}, namespace: d, serviceAccount: {uid}, workloadIps: [{}]{}}}",
+            ips.join(", "),
+            service.map(|s| format!(", services: {{\"{s}\": {{80: 8080}}}}")).unwrap_or_default()
+        );
+        Arc::new(serde_yaml::from_str(&yaml).expect("workload"))
+    }
+
+    fn uid_at(s: &WorkloadStore, ip: &str) -> Option<String> {
+        s.by_ip(ip.parse().expect("ip")).map(|w| w.uid.clone())
+    }
+
+    fn endpoint_uids(s: &WorkloadStore, svc: &Service) -> Vec<String> {
+        s.endpoints(svc, 80).into_iter().map(|(w, _)| w.uid.clone()).collect()
+    }
+
+    #[test]
+    fn a_workload_put_from_istiod_is_found_by_address_uid_and_service_and_removing_it_frees_them() {
+        let svc: Service = serde_yaml::from_str(
+            "{name: s, namespace: d, hostname: s.d.svc, vips: [\"/10.96.0.10\"]}",
+        )
+        .expect("service");
+        let mut s = WorkloadStore::default();
+        s.put_service("d/s.d.svc", Arc::new(svc.clone()));
+        s.put_workload("pod-a", workload("a", &["10.0.0.1"], Some("d/s.d.svc")));
+        s.put_workload("pod-b", workload("b", &["10.0.0.2"], Some("d/s.d.svc")));
+        assert_eq!(uid_at(&s, "10.0.0.1").as_deref(), Some("a"));
+        assert!(s.by_uid("b").is_some());
+        assert_eq!(endpoint_uids(&s, &svc), ["a", "b"]);
+        assert_eq!(s.remove_workload("pod-a").map(|w| w.uid.clone()).as_deref(), Some("a"));
+        assert_eq!(uid_at(&s, "10.0.0.1"), None);
+        assert!(s.by_uid("a").is_none());
+        assert_eq!(endpoint_uids(&s, &svc), ["b"]);
+        assert_eq!(s.counts(), (1, 1, 0));
+        assert!(s.remove_workload("pod-a").is_none(), "removed twice");
+    }
+
+    #[test]
+    fn a_workload_written_again_leaves_its_old_address_and_service() {
+        let svc: Service =
+            serde_yaml::from_str("{name: s, namespace: d, hostname: s.d.svc}").expect("service");
+        let mut s = WorkloadStore::default();
+        s.put_workload("pod-a", workload("a", &["10.0.0.1"], Some("d/s.d.svc")));
+        s.put_workload("pod-a", workload("a", &["10.0.0.9"], None));
+        assert_eq!(uid_at(&s, "10.0.0.1"), None, "the old address still leads to it");
+        assert_eq!(uid_at(&s, "10.0.0.9").as_deref(), Some("a"));
+        assert!(endpoint_uids(&s, &svc).is_empty(), "still an endpoint of the service it left");
+        assert_eq!(s.counts().0, 1);
+    }
+
+    #[test]
+    fn removing_a_workload_frees_only_the_addresses_it_still_holds() {
+        let mut s = WorkloadStore::default();
+        s.put_workload("pod-a", workload("a", &["10.0.0.1"], None));
+        // istiod gave the address to another pod (written last, it takes it).
+        s.put_workload("pod-b", workload("b", &["10.0.0.1"], None));
+        assert_eq!(uid_at(&s, "10.0.0.1").as_deref(), Some("b"));
+        s.remove_workload("pod-a");
+        assert_eq!(uid_at(&s, "10.0.0.1").as_deref(), Some("b"));
+    }
+
+    #[test]
+    fn a_copy_of_the_store_does_not_change_when_the_original_does() {
+        let mut s = WorkloadStore::default();
+        s.put_workload("pod-a", workload("a", &["10.0.0.1"], None));
+        let snapshot = s.clone();
+        s.remove_workload("pod-a");
+        s.put_workload("pod-b", workload("b", &["10.0.0.2"], None));
+        s.set_policies(Vec::new());
+        assert_eq!(uid_at(&snapshot, "10.0.0.1").as_deref(), Some("a"));
+        assert_eq!(uid_at(&snapshot, "10.0.0.2"), None);
+        assert_eq!(snapshot.counts(), (1, 0, 0));
+        assert!(!snapshot.same_policies(&s), "the policies were replaced in the original");
+        assert!(snapshot.clone().same_policies(&snapshot));
+    }
+
+    #[test]
+    fn a_service_written_again_leaves_its_old_vip_and_hostname() {
+        let mut s = WorkloadStore::default();
+        let svc = |host: &str, vip: &str| -> Arc<Service> {
+            Arc::new(
+                serde_yaml::from_str(&format!(
+                    "{{name: s, namespace: d, hostname: {host}, vips: [\"/{vip}\"]}}"
+                ))
+                .expect("service"),
+            )
+        };
+        s.put_service("d/s", svc("s.d.svc", "10.96.0.10"));
+        s.put_service("d/s", svc("t.d.svc", "10.96.0.11"));
+        assert!(s.service_by_vip("10.96.0.10".parse().expect("ip")).is_none());
+        assert!(s.service_by_hostname("s.d.svc").is_none());
+        assert!(s.service_by_vip("10.96.0.11".parse().expect("ip")).is_some());
+        s.remove_service("d/s");
+        assert!(s.service_by_hostname("t.d.svc").is_none());
+        assert_eq!(s.counts(), (0, 0, 0));
     }
 }

@@ -41,12 +41,7 @@ use crate::{
     istiod::{Channel, ChannelConfig},
     metrics::XdsLabels,
     proxy::Proxy,
-    state::{
-        authorization::Policy,
-        store::WorkloadStore,
-        workloads::{Service, Workload},
-        Synced,
-    },
+    state::{authorization::Policy, store::WorkloadStore, Synced},
 };
 
 /// The largest xDS message accepted (a push of every workload of a large mesh fits many times).
@@ -93,11 +88,12 @@ impl NodeInfo {
     }
 }
 
-/// What is held from istiod: every resource by name, with its version.
+/// What is held from istiod: the store its resources make, changed in place by each response
+/// (its maps are persistent: a response costs what it changes, and the copy handed to the
+/// proxy shares the rest), the policies by name, and every resource's version.
 #[derive(Debug, Default)]
 pub struct Held {
-    workloads: BTreeMap<String, Arc<Workload>>,
-    services: BTreeMap<String, Arc<Service>>,
+    store: WorkloadStore,
     policies: BTreeMap<String, Arc<Policy>>,
     versions: HashMap<&'static str, HashMap<String, String>>,
 }
@@ -107,6 +103,9 @@ pub struct Held {
 pub struct Applied {
     pub reply: DeltaDiscoveryRequest,
     pub changed: bool,
+    /// Whether a workload left, or one changed the workload it is counted under (telemetry of
+    /// workloads no longer in the store is then removed).
+    pub workloads_left: bool,
     pub refused: usize,
 }
 
@@ -131,16 +130,12 @@ impl Held {
 
     /// How many resources of each type are held.
     pub fn counts(&self) -> (usize, usize, usize) {
-        (self.workloads.len(), self.services.len(), self.policies.len())
+        self.store.counts()
     }
 
-    /// The store these resources make.
+    /// The store these resources make (a copy sharing all of it).
     pub fn store(&self) -> WorkloadStore {
-        WorkloadStore::from_parts(
-            self.workloads.values().cloned().collect(),
-            self.services.values().cloned().collect(),
-            self.policies.values().cloned().collect(),
-        )
+        self.store.clone()
     }
 
     /// Applies one response; the reply to send (ACK, or NACK naming what was refused).
@@ -153,11 +148,13 @@ impl Held {
         };
         let Some(kind) = kind(&resp.type_url) else {
             warn!(type_url = %resp.type_url, "xDS response of a type never asked for; ignored");
-            return Applied { reply: ack(None), changed: false, refused: 0 };
+            return Applied { reply: ack(None), changed: false, workloads_left: false, refused: 0 };
         };
         let mut refused: Vec<(String, String)> = Vec::new();
         let mut seen = HashSet::new();
         let mut changed = false;
+        let mut workloads_left = false;
+        let mut policies_changed = false;
         for r in &resp.resources {
             if !seen.insert(r.name.as_str()) {
                 refused.push((r.name.clone(), "the name appears twice in one response".into()));
@@ -168,9 +165,9 @@ impl Held {
                 continue;
             };
             let result = if kind == ADDRESS_TYPE {
-                self.apply_address(&r.name, &any.value)
+                self.apply_address(&r.name, &any.value).map(|left| workloads_left |= left)
             } else {
-                self.apply_policy(&r.name, &any.value)
+                self.apply_policy(&r.name, &any.value).map(|()| policies_changed = true)
             };
             match result {
                 Ok(()) => {
@@ -185,14 +182,21 @@ impl Held {
         }
         for name in &resp.removed_resources {
             let removed = if kind == ADDRESS_TYPE {
-                self.workloads.remove(name).is_some() | self.services.remove(name).is_some()
+                let workload = self.store.remove_workload(name).is_some();
+                workloads_left |= workload;
+                workload | self.store.remove_service(name).is_some()
             } else {
-                self.policies.remove(name).is_some()
+                let policy = self.policies.remove(name).is_some();
+                policies_changed |= policy;
+                policy
             };
             changed |= removed;
             if let Some(v) = self.versions.get_mut(kind) {
                 v.remove(name);
             }
+        }
+        if policies_changed {
+            self.store.set_policies(self.policies.values().cloned().collect());
         }
         let n = refused.len();
         let error = (!refused.is_empty()).then(|| {
@@ -202,26 +206,33 @@ impl Held {
                 .collect::<Vec<_>>()
                 .join("; ")
         });
-        Applied { reply: ack(error), changed, refused: n }
+        Applied { reply: ack(error), changed, workloads_left, refused: n }
     }
 
-    fn apply_address(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
+    /// Puts one Address resource into the store; whether a workload it replaced was counted
+    /// under another workload (telemetry).
+    fn apply_address(&mut self, name: &str, bytes: &[u8]) -> Result<bool, String> {
         let a = workload::Address::decode(bytes).map_err(|e| format!("decode: {e}"))?;
+        let (workloads, services, _) = self.store.counts();
         match convert::address(name, &a)? {
             convert::Address::Workload(w) => {
-                if !self.workloads.contains_key(name) && self.workloads.len() >= MAX_RESOURCES {
+                if !self.store.has_workload(name) && workloads >= MAX_RESOURCES {
                     return Err(format!("more than {MAX_RESOURCES} workloads"));
                 }
-                self.workloads.insert(name.to_owned(), Arc::new(w));
+                let counted_as = (w.namespace.clone(), w.workload_label().to_owned());
+                let old = self.store.put_workload(name, Arc::new(w));
+                Ok(old.is_some_and(|o| {
+                    (o.namespace.as_str(), o.workload_label()) != (&counted_as.0, &counted_as.1)
+                }))
             }
             convert::Address::Service(s) => {
-                if !self.services.contains_key(name) && self.services.len() >= MAX_RESOURCES {
+                if !self.store.has_service(name) && services >= MAX_RESOURCES {
                     return Err(format!("more than {MAX_RESOURCES} services"));
                 }
-                self.services.insert(name.to_owned(), Arc::new(s));
+                self.store.put_service(name, Arc::new(s));
+                Ok(false)
             }
         }
-        Ok(())
     }
 
     fn apply_policy(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
@@ -314,7 +325,7 @@ async fn session(
             _ => "other",
         };
         if applied.changed {
-            proxy.set_store(held.store());
+            proxy.set_store(held.store(), applied.workloads_left);
             let (w, s, p) = held.counts();
             for (k, n) in [("workload", w), ("service", s), ("authorization", p)] {
                 proxy

@@ -58,8 +58,8 @@ enum Cmd {
         release: bool,
     },
     /// Run every check and test: rustfmt, clippy, unit and end-to-end tests (as root) on this
-    /// machine's kernel, each fuzz target for seconds, then the capture tests on Debian's 6.1
-    /// kernel (the floor) under QEMU.
+    /// machine's kernel, each fuzz target for seconds, then the DaemonSets on a single-node
+    /// cluster and, beside them, the capture tests on Debian's 6.1 kernel (the floor) under QEMU.
     Test {
         /// Only run tests whose name contains this (on this machine's kernel).
         filter: Option<String>,
@@ -71,7 +71,7 @@ enum Cmd {
         #[arg(long, value_parser = ["all"])]
         kernels: Option<String>,
         /// Only the cluster suite: meshpath's DaemonSets on a real single-node cluster
-        /// (brought up for the run and taken down after; `cargo xtask test` runs it last).
+        /// (brought up for the run and taken down after; `cargo xtask test` runs it beside the VM).
         #[arg(long, conflicts_with_all = ["kernel", "kernels"])]
         cluster: bool,
     },
@@ -296,8 +296,9 @@ fn took(since: &mut std::time::Instant) -> String {
     format!("{}m {:02}s", secs / 60, secs % 60)
 }
 
-/// Checks and tests on this machine's kernel (`host`), then the capture tests in a VM per
-/// kernel series; ends with one total line per kernel and one overall.
+/// Checks and tests on this machine's kernel (`host`), the fuzz targets, then the cluster's
+/// tests and, beside them, the capture tests in a VM per kernel series; ends with one total
+/// line per stage and one overall.
 fn test(
     path: Option<&std::path::Path>,
     filter: Option<&str>,
@@ -348,6 +349,26 @@ fn test(
             }
         }
     }
+    // The kernels' VMs run while the cluster's tests do: those mostly wait on kubelet and
+    // paced transfers, the VMs (TCG) mostly compute, and neither sees the other's namespaces,
+    // cgroups or pins (the guest has its own). Their lines are told apart by the `[6.1]`-style
+    // prefix the guest's output carries.
+    let vms = if series.is_empty() {
+        None
+    } else {
+        let bins = cargo::test_binaries(path)?;
+        let series: Vec<String> = series.iter().map(|s| (*s).to_owned()).collect();
+        let bin_dir = bin_dir.clone();
+        Some(std::thread::spawn(move || -> Result<Vec<(vm::Outcome, String)>> {
+            let mut stage = std::time::Instant::now();
+            let mut outs = Vec::new();
+            for s in &series {
+                let out = vm::run_matrix_entry(s, &bin_dir, &bins)?;
+                outs.push((out, took(&mut stage)));
+            }
+            Ok(outs)
+        }))
+    };
     if with_cluster {
         // The image is built from this build's binaries; the cluster is taken down whatever
         // the tests did.
@@ -380,14 +401,22 @@ fn test(
             bad.push("the cluster".to_owned());
         }
     }
-    if !series.is_empty() {
-        let bins = cargo::test_binaries(path)?;
-        stage = std::time::Instant::now();
-        for s in series {
-            let out = vm::run_matrix_entry(s, &bin_dir, &bins)?;
+    if let Some(vms) = vms {
+        let outs = match vms.join() {
+            Ok(Ok(outs)) => outs,
+            Ok(Err(e)) => {
+                println!("vm: {e:#}");
+                failures.push(format!("the VMs: {e:#}"));
+                bad.push("the VMs".to_owned());
+                Vec::new()
+            }
+            Err(_) => bail!("the VM runs' thread panicked"),
+        };
+        for (out, took) in outs {
             lines.push(format!(
-                "tests on Linux {} (QEMU): {} passed, {} failed{} ({})",
+                "tests on Linux {} (QEMU{}): {} passed, {} failed{} ({took})",
                 out.release,
+                if with_cluster { ", beside the cluster's" } else { "" },
                 out.tests.passed,
                 out.tests.failed,
                 if out.failed_suites.is_empty() {
@@ -395,7 +424,6 @@ fn test(
                 } else {
                     format!("; failing: {}", out.failed_suites.join(", "))
                 },
-                took(&mut stage)
             ));
             total.passed += out.tests.passed;
             total.failed += out.tests.failed;

@@ -16,7 +16,7 @@ use std::{
     net::IpAddr,
     path::{Path, PathBuf},
     process::{Command, Stdio},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use anyhow::{bail, Context as _, Result};
@@ -108,30 +108,7 @@ pub fn get_json(args: &[&str]) -> Result<Value> {
     Ok(serde_json::from_str(&kubectl(&a)?)?)
 }
 
-/// Polls `f` every 250 ms until it returns `Some`, or fails after `limit` with the last error.
-pub fn wait_for<T>(
-    what: &str,
-    limit: Duration,
-    mut f: impl FnMut() -> Result<Option<T>>,
-) -> Result<T> {
-    let deadline = Instant::now() + limit;
-    let mut last = String::new();
-    loop {
-        match f() {
-            Ok(Some(t)) => return Ok(t),
-            Ok(None) => {}
-            Err(e) => last = format!("{e:#}"),
-        }
-        if Instant::now() > deadline {
-            bail!(
-                "waited {} s for {what}{}",
-                limit.as_secs(),
-                if last.is_empty() { String::new() } else { format!(" (last error: {last})") }
-            );
-        }
-        std::thread::sleep(Duration::from_millis(250));
-    }
-}
+pub use crate::waits::wait_for;
 
 /// The repository root (tests/ is one level below it).
 pub fn repo_root() -> PathBuf {

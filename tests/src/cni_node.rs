@@ -122,6 +122,17 @@ impl CniPod {
     }
 }
 
+/// Which node proxy a node runs. The datapath serves both the same way (istio-cni's contract),
+/// so a behaviour of the contract is tested with each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyKind {
+    /// `ztunnel-like` (tests/src/bin/ztunnel-like.rs): only opens sockets in the pods, as
+    /// Istio's ztunnel does.
+    ZtunnelLike,
+    /// meshpath-proxy.
+    Meshpath,
+}
+
 /// The node.
 #[derive(Debug)]
 pub struct CniNode {
@@ -245,6 +256,14 @@ impl CniNode {
         self.agent_in_node_netns = in_node_netns;
         self.agent = Some(TestProxy::spawn_as("agent", cmd, &self._agent_cgroup)?);
         Ok(())
+    }
+
+    /// Starts (or restarts) the node proxy of `kind`.
+    pub fn start_node_proxy(&mut self, kind: ProxyKind) -> Result<()> {
+        match kind {
+            ProxyKind::ZtunnelLike => self.start_ztunnel_like(),
+            ProxyKind::Meshpath => self.start_proxy(),
+        }
     }
 
     /// Starts (or restarts) the proxy; waits until the agent's snapshot is applied.

@@ -12,6 +12,7 @@ use meshpath_proxy::{
     proxy::hbone::HboneError,
 };
 use meshpath_tests::two_nodes::{sa, Setup, TwoNodes};
+use meshpath_tests::wait_until;
 
 fn serial(nodes: &TwoNodes, node: usize) -> String {
     let dump = nodes.proxies[node].config_dump().expect("config_dump");
@@ -138,18 +139,6 @@ fn readiness(nodes: &TwoNodes, node: usize) -> u16 {
     nodes.proxies[node].http("READINESS", "GET", "/healthz/ready").map_or(0, |r| r.0)
 }
 
-/// Polls `cond` every 50 ms for up to `limit`; whether it held.
-fn eventually(limit: Duration, cond: impl Fn() -> bool) -> bool {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if cond() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    cond()
-}
-
 #[test]
 fn readiness_fails_while_a_served_pods_certificate_is_expired() {
     let nodes = TwoNodes::start(Setup { cert_files: true, ..Setup::default() });
@@ -157,15 +146,15 @@ fn readiness_fails_while_a_served_pods_certificate_is_expired() {
     let before = serial(&nodes, 1);
     // A certificate that expires 2 s from now, picked up as any new file is.
     nodes.write_cert_files(&sa("sa-b"), Duration::from_secs(2));
-    assert!(eventually(Duration::from_secs(10), || serial(&nodes, 1) != before), "not picked up");
+    assert!(wait_until(Duration::from_secs(10), || serial(&nodes, 1) != before), "not picked up");
     let expiry =
         nodes.proxies[1].metric("meshpath_certificate_earliest_expiry_seconds", &[]).expect("m");
     let now = time::OffsetDateTime::now_utc().unix_timestamp() as f64;
     assert!(expiry > now - 5.0 && expiry < now + 5.0, "expiry exported as {expiry}, now {now}");
-    assert!(eventually(Duration::from_secs(10), || readiness(&nodes, 1) == 503), "still ready");
+    assert!(wait_until(Duration::from_secs(10), || readiness(&nodes, 1) == 503), "still ready");
     // A valid certificate again: ready again.
     nodes.write_cert_files(&sa("sa-b"), Duration::from_secs(3600));
-    assert!(eventually(Duration::from_secs(10), || readiness(&nodes, 1) == 200), "not ready");
+    assert!(wait_until(Duration::from_secs(10), || readiness(&nodes, 1) == 200), "not ready");
 }
 
 #[test]

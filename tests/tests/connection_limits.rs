@@ -20,7 +20,11 @@ use meshpath_proxy::proxy::hbone::{self, HboneError};
 use meshpath_tests::{
     sum_metric,
     two_nodes::{sa, Setup, TwoNodes},
+    wait_until_async,
 };
+
+/// How long a test waits for the app or the proxy to count what it was sent.
+const APP_WAIT: Duration = Duration::from_secs(10);
 
 fn round_trip(c: &mut TcpStream, byte: u8) -> std::io::Result<()> {
     c.set_read_timeout(Some(Duration::from_secs(5)))?;
@@ -38,17 +42,6 @@ fn counting_echo(nodes: &TwoNodes, dst: std::net::SocketAddr) -> Arc<AtomicUsize
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime")
-}
-
-/// Waits up to 10 s for `f` to hold.
-async fn eventually(f: impl Fn() -> bool) -> bool {
-    for _ in 0..100 {
-        if f() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    f()
 }
 
 #[test]
@@ -149,14 +142,17 @@ fn an_hbone_stream_over_the_pods_cap_is_answered_503_and_never_reaches_the_app()
             Err(HboneError::Status { status, .. }) => assert_eq!(status, 503),
             other => panic!("a stream over the cap was not answered 503: {:?}", other.map(drop)),
         }
-        assert!(eventually(|| reached.load(Ordering::SeqCst) >= 2).await, "the app saw no stream");
+        assert!(
+            wait_until_async(APP_WAIT, || async { reached.load(Ordering::SeqCst) >= 2 }).await,
+            "the app saw no stream"
+        );
         let limit = [("reason", "connection_limit"), ("direction", "inbound")];
         assert_eq!(node2.metric("meshpath_connection_errors_total", &limit).expect("metrics"), 1.0);
         assert_eq!(reached.load(Ordering::SeqCst), 2, "the app saw a stream over the cap");
         // One stream reset by the client: its slot (and its connection to the app) is given
         // back, and a new stream is served.
         drop(first);
-        let closed = eventually(|| {
+        let closed = wait_until_async(APP_WAIT, || async {
             node2
                 .metrics()
                 .is_ok_and(|m| sum_metric(&m, "istio_tcp_connections_closed_total", &[]) >= 1.0)
@@ -165,7 +161,10 @@ fn an_hbone_stream_over_the_pods_cap_is_answered_503_and_never_reaches_the_app()
         let again = hbone::open_stream(conn, gateway, dst, &Default::default()).await;
         assert!(again.is_ok(), "a freed slot did not serve: {:?}", again.map(drop));
         // The app's accept may come just after the 200 (sent once the connect is done).
-        assert!(eventually(|| reached.load(Ordering::SeqCst) == 3).await, "the app saw no stream");
+        assert!(
+            wait_until_async(APP_WAIT, || async { reached.load(Ordering::SeqCst) == 3 }).await,
+            "the app saw no stream"
+        );
         assert_eq!(reached.load(Ordering::SeqCst), 3);
     });
 }
@@ -252,7 +251,10 @@ fn a_source_holding_connections_in_their_handshake_leaves_other_peers_slots_on_t
     let cert = nodes.ca.issue(&sa("sa-a"), Duration::from_secs(600)).expect("cert");
     rt().block_on(nodes.hbone_to_b(&cert, dst)).expect("another peer was refused a slot");
     // The app's accept may come just after the 200 (sent once the connect is done).
-    assert!(rt().block_on(eventually(|| reached.load(Ordering::SeqCst) == 1)), "the app saw none");
+    assert!(
+        rt().block_on(wait_until_async(APP_WAIT, || async { reached.load(Ordering::SeqCst) == 1 })),
+        "the app saw none"
+    );
     let limit = [("reason", "connection_limit"), ("direction", "inbound")];
     assert_eq!(node2.metric("meshpath_connection_errors_total", &limit).expect("metrics"), 0.0);
     assert_eq!(node2.metric("meshpath_connection_errors_total", &over).expect("metrics"), 4.0);
@@ -283,7 +285,10 @@ fn connections_whose_client_certificate_was_checked_no_longer_count_against_the_
             let s = s.unwrap_or_else(|e| panic!("a stream on connection {i}: {e}"));
             held.push((conn, s));
         }
-        assert!(eventually(|| reached.load(Ordering::SeqCst) == 3).await, "the app saw no stream");
+        assert!(
+            wait_until_async(APP_WAIT, || async { reached.load(Ordering::SeqCst) == 3 }).await,
+            "the app saw no stream"
+        );
     });
     let over = [("reason", "handshake_limit"), ("direction", "inbound")];
     assert_eq!(nodes.proxies[1].metric("meshpath_connection_errors_total", &over).expect("m"), 0.0);

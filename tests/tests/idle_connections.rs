@@ -7,13 +7,13 @@ use std::{
     io::{BufRead as _, Read as _, Write as _},
     net::{SocketAddr, TcpListener, TcpStream},
     process::{Command, Stdio},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use meshpath_tests::{
     sibling_bin,
     two_nodes::{Setup, TwoNodes, View, MESHED},
-    ChildGuard,
+    wait_until, ChildGuard,
 };
 
 /// What an idle connection may add to each proxy's resident memory (README, "Limits").
@@ -68,17 +68,6 @@ impl HoldingApp {
         let mut it = line.split_whitespace().map(|n| n.parse().expect("count"));
         (it.next().expect("held"), it.next().expect("with data"))
     }
-}
-
-fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let end = Instant::now() + timeout;
-    while Instant::now() < end {
-        if cond() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    cond()
 }
 
 /// Opens `n` connections from pod a to `dst` (one first, so pooled HBONE connections, TLS

@@ -12,8 +12,12 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use meshpath_tests::{
     cni_node::{CniNode, CniPod},
     kube_api::KubeApi,
+    wait_until_async,
 };
 use serde_json::json;
+
+/// How long a test waits for the agent to act on what the API server says.
+const API_WAIT: Duration = Duration::from_secs(20);
 
 const NODE: &str = "node-a";
 
@@ -84,17 +88,6 @@ async fn redirection(c: &Cluster, ns: &str, name: &str) -> Option<String> {
     p.metadata.annotations.and_then(|a| a.get("ambient.istio.io/redirection").cloned())
 }
 
-/// Polls `cond` for up to 20 s.
-async fn eventually<F: std::future::Future<Output = bool>>(mut cond: impl FnMut() -> F) -> bool {
-    for _ in 0..200 {
-        if cond().await {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    false
-}
-
 /// The pod's sandbox made by the CNI chain without meshpath-cni (a pod that ran before the
 /// agent, or before its namespace was labelled).
 fn plain_sandbox(c: &Cluster, name: &str) -> CniPod {
@@ -116,8 +109,10 @@ async fn a_pod_of_an_ambient_namespace_is_captured_through_the_cni_chain_and_ann
     assert_eq!(enrolled(&c), 1, "the pod was not enrolled");
     assert!(c.node.proxy_pods().expect("proxy").iter().any(|u| !u.is_empty()));
     assert!(
-        eventually(|| async { redirection(&c, "shop", "web").await.as_deref() == Some("enabled") })
-            .await
+        wait_until_async(API_WAIT, || async {
+            redirection(&c, "shop", "web").await.as_deref() == Some("enabled")
+        })
+        .await
     );
     drop(web);
 }
@@ -148,10 +143,15 @@ async fn a_pod_running_before_the_agent_started_is_enrolled_when_it_starts() {
         c.node.start_agent_kube(&c.api.kubeconfig, NODE).expect("agent");
         c.node.start_proxy().expect("proxy");
     });
-    assert!(eventually(|| async { enrolled(&c) == 1 }).await, "the running pod was not found");
     assert!(
-        eventually(|| async { redirection(&c, "shop", "web").await.as_deref() == Some("enabled") })
-            .await
+        wait_until_async(API_WAIT, || async { enrolled(&c) == 1 }).await,
+        "the running pod was not found"
+    );
+    assert!(
+        wait_until_async(API_WAIT, || async {
+            redirection(&c, "shop", "web").await.as_deref() == Some("enabled")
+        })
+        .await
     );
     let _ = &mut c;
 }
@@ -166,15 +166,24 @@ async fn labelling_a_namespace_meshes_its_running_pods_and_unlabelling_releases_
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(enrolled(&c), 0);
     label_namespace(&c, "shop", Some("ambient")).await;
-    assert!(eventually(|| async { enrolled(&c) == 1 }).await, "not meshed after the label");
     assert!(
-        eventually(|| async { redirection(&c, "shop", "web").await.as_deref() == Some("enabled") })
-            .await
+        wait_until_async(API_WAIT, || async { enrolled(&c) == 1 }).await,
+        "not meshed after the label"
+    );
+    assert!(
+        wait_until_async(API_WAIT, || async {
+            redirection(&c, "shop", "web").await.as_deref() == Some("enabled")
+        })
+        .await
     );
     label_namespace(&c, "shop", None).await;
-    assert!(eventually(|| async { enrolled(&c) == 0 }).await, "not released after the label went");
     assert!(
-        eventually(|| async { redirection(&c, "shop", "web").await.is_none() }).await,
+        wait_until_async(API_WAIT, || async { enrolled(&c) == 0 }).await,
+        "not released after the label went"
+    );
+    assert!(
+        wait_until_async(API_WAIT, || async { redirection(&c, "shop", "web").await.is_none() })
+            .await,
         "annotation left"
     );
 }
@@ -197,7 +206,7 @@ async fn a_malformed_annotation_leaves_the_pod_out_and_says_so_in_an_event() {
     set_ip(&c, "shop", "web", sandbox.ip).await;
     let events = Api::<k8s_openapi::api::core::v1::Event>::namespaced(c.client.clone(), "shop");
     assert!(
-        eventually(|| async {
+        wait_until_async(API_WAIT, || async {
             events.list(&Default::default()).await.is_ok_and(|l| {
                 l.items.iter().any(|e| {
                     e.message.as_deref().is_some_and(|m| m.contains("exclude-outbound-ports"))
@@ -219,15 +228,21 @@ async fn with_the_api_server_gone_the_agent_keeps_its_pods_and_reconciles_when_i
     assert_eq!(enrolled(&c), 1);
     c.api.stop_apiserver();
     // Not ready while it cannot watch; the pod keeps its capture.
-    assert!(eventually(|| async { c.node.agent_ready() == Some(false) }).await, "still ready");
+    assert!(
+        wait_until_async(API_WAIT, || async { c.node.agent_ready() == Some(false) }).await,
+        "still ready"
+    );
     assert_eq!(enrolled(&c), 1, "a pod was dropped while the API was away");
     tokio::task::block_in_place(|| c.api.start_apiserver()).expect("restart");
-    assert!(eventually(|| async { c.node.agent_ready() == Some(true) }).await, "not ready again");
+    assert!(
+        wait_until_async(API_WAIT, || async { c.node.agent_ready() == Some(true) }).await,
+        "not ready again"
+    );
     assert_eq!(enrolled(&c), 1, "enrolled twice or dropped after the API came back");
     // And it follows the API again.
     label_namespace(&c, "shop", None).await;
     assert!(
-        eventually(|| async { enrolled(&c) == 0 }).await,
+        wait_until_async(API_WAIT, || async { enrolled(&c) == 0 }).await,
         "not released after the API came back"
     );
 }
@@ -239,11 +254,17 @@ async fn a_pod_deleted_from_the_api_leaves_the_mesh() {
     pod(&c, "shop", "web", json!({})).await;
     let sandbox = tokio::task::block_in_place(|| plain_sandbox(&c, "web"));
     set_ip(&c, "shop", "web", sandbox.ip).await;
-    assert!(eventually(|| async { enrolled(&c) == 1 }).await, "the running pod was not found");
+    assert!(
+        wait_until_async(API_WAIT, || async { enrolled(&c) == 1 }).await,
+        "the running pod was not found"
+    );
     // Deleted at once (no kubelet here to finish a graceful deletion).
     let now = kube::api::DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
     Api::<Pod>::namespaced(c.client.clone(), "shop").delete("web", &now).await.expect("delete");
-    assert!(eventually(|| async { enrolled(&c) == 0 }).await, "a deleted pod stayed in the mesh");
+    assert!(
+        wait_until_async(API_WAIT, || async { enrolled(&c) == 0 }).await,
+        "a deleted pod stayed in the mesh"
+    );
 }
 
 /// Writes the pod's phase and address, as the kubelet does.
@@ -275,7 +296,10 @@ async fn a_finished_pods_old_address_does_not_mesh_the_pod_that_has_it_now() {
     assert_eq!(enrolled(&c), 0, "a pod outside the mesh was captured as a finished pod");
     // The same pod while it runs is found by that address: the phase alone kept it out.
     set_phase(&c, "shop", "job", "Running", other.ip).await;
-    assert!(eventually(|| async { enrolled(&c) == 1 }).await, "a running pod was not found");
+    assert!(
+        wait_until_async(API_WAIT, || async { enrolled(&c) == 1 }).await,
+        "a running pod was not found"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -300,7 +324,10 @@ async fn a_served_pod_the_cache_lacks_keeps_its_capture_until_the_api_server_say
     // Gone from the API server: it leaves.
     let now = kube::api::DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
     pods.delete("web", &now).await.expect("delete");
-    assert!(eventually(|| async { enrolled(&c) == 0 }).await, "a deleted pod stayed in the mesh");
+    assert!(
+        wait_until_async(API_WAIT, || async { enrolled(&c) == 0 }).await,
+        "a deleted pod stayed in the mesh"
+    );
     drop(web);
 }
 
@@ -313,7 +340,7 @@ async fn an_api_server_that_stops_answering_turns_the_agent_unready_and_no_add_w
     tokio::time::sleep(Duration::from_secs(2)).await;
     c.api.pause_apiserver().expect("pause");
     assert!(
-        eventually(|| async { c.node.agent_ready() == Some(false) }).await,
+        wait_until_async(API_WAIT, || async { c.node.agent_ready() == Some(false) }).await,
         "the agent stayed ready with an API server that does not answer"
     );
     // A pod the cache holds needs nothing of the API server to be added…
@@ -327,10 +354,15 @@ async fn an_api_server_that_stops_answering_turns_the_agent_unready_and_no_add_w
     let err = format!("{err:#}");
     assert!(err.contains("API server did not answer"), "{err}");
     c.api.resume_apiserver().expect("resume");
-    assert!(eventually(|| async { c.node.agent_ready() == Some(true) }).await, "not ready again");
     assert!(
-        eventually(|| async { redirection(&c, "shop", "web").await.as_deref() == Some("enabled") })
-            .await,
+        wait_until_async(API_WAIT, || async { c.node.agent_ready() == Some(true) }).await,
+        "not ready again"
+    );
+    assert!(
+        wait_until_async(API_WAIT, || async {
+            redirection(&c, "shop", "web").await.as_deref() == Some("enabled")
+        })
+        .await,
         "the annotation left out while the API server hung was never written"
     );
     drop(web);

@@ -14,27 +14,18 @@ use std::{
 };
 
 use meshpath_proxy::identity::{Identity, LocalCa};
-use meshpath_tests::cni_node::{CniNode, CniPod};
+use meshpath_tests::cni_node::{CniNode, CniPod, ProxyKind as Proxy};
 
 const WORKLOADS: &str = "workloads:\n\
 - {uid: uid-web, name: web, namespace: default, serviceAccount: web, protocol: HBONE}\n\
 - {uid: uid-db, name: db, namespace: default, serviceAccount: db, protocol: HBONE}\n";
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Proxy {
-    ZtunnelLike,
-    Meshpath,
-}
 
 /// A dual-stack node whose proxy is `proxy`.
 fn node(proxy: Proxy) -> CniNode {
     let mut node = CniNode::bare(WORKLOADS).expect("node");
     node.dual_stack = true;
     node.start_agent().expect("agent");
-    match proxy {
-        Proxy::ZtunnelLike => node.start_ztunnel_like().expect("ztunnel-like"),
-        Proxy::Meshpath => node.start_proxy().expect("meshpath-proxy"),
-    }
+    node.start_node_proxy(proxy).expect("the node proxy");
     node
 }
 

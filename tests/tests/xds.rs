@@ -11,6 +11,7 @@ use std::{
 use meshpath_tests::{
     istiod::Istiod,
     two_nodes::{Setup, TwoNodes},
+    wait_until,
 };
 use meshpath_xds::{security as sec, workload as wl, ADDRESS_TYPE, AUTHORIZATION_TYPE};
 use prost::Message as _;
@@ -23,17 +24,6 @@ fn istiod(before: Option<fn(&Istiod)>) -> TwoNodes {
 
 fn ready(nodes: &TwoNodes, i: usize) -> bool {
     nodes.proxies[i].http("READINESS", "GET", "/healthz/ready").is_ok_and(|(s, _)| s == 200)
-}
-
-fn wait(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if f() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    f()
 }
 
 fn held_uids(nodes: &TwoNodes, i: usize) -> Vec<String> {
@@ -55,14 +45,14 @@ fn round_trip(nodes: &TwoNodes) -> std::io::Result<Vec<u8>> {
 fn the_proxy_turns_ready_only_once_both_types_have_been_applied() {
     let nodes = istiod(Some(|i| i.withhold(AUTHORIZATION_TYPE, true)));
     // Workloads arrive and are acknowledged, policies do not come: not ready.
-    assert!(wait(Duration::from_secs(20), || held_uids(&nodes, 0).contains(&"pod-b".into())));
+    assert!(wait_until(Duration::from_secs(20), || held_uids(&nodes, 0).contains(&"pod-b".into())));
     let acked = nodes.istiod().wait_received(Duration::from_secs(20), |r| {
         r.type_url == ADDRESS_TYPE && !r.nonce.is_empty() && r.error.is_none()
     });
     assert!(acked.is_some(), "the Address response was never acknowledged");
     assert!(!ready(&nodes, 0), "ready without istiod's policies");
     nodes.istiod().withhold(AUTHORIZATION_TYPE, false);
-    assert!(wait(Duration::from_secs(20), || ready(&nodes, 0)), "not ready after both types");
+    assert!(wait_until(Duration::from_secs(20), || ready(&nodes, 0)), "not ready after both types");
 }
 
 #[test]
@@ -89,7 +79,10 @@ fn the_stream_opens_with_one_wildcard_request_per_type_carrying_the_node_and_the
 fn pods_reach_each_other_over_hbone_with_workloads_and_certificates_from_istiod() {
     let nodes = istiod(None);
     nodes.echo_server_in_b(nodes.b(false, PORT));
-    assert!(wait(Duration::from_secs(30), || ready(&nodes, 0) && ready(&nodes, 1)), "not ready");
+    assert!(
+        wait_until(Duration::from_secs(30), || ready(&nodes, 0) && ready(&nodes, 1)),
+        "not ready"
+    );
     let back = round_trip(&nodes).expect("round trip");
     assert_eq!(back, b"through istiod's view");
     let m = nodes.proxies[1].metrics().expect("metrics");
@@ -120,9 +113,9 @@ fn workload(uid: &str, sa: &str) -> wl::Workload {
 #[test]
 fn a_delta_adds_updates_and_removes_a_workload() {
     let nodes = istiod(None);
-    assert!(wait(Duration::from_secs(20), || ready(&nodes, 0)));
+    assert!(wait_until(Duration::from_secs(20), || ready(&nodes, 0)));
     nodes.istiod().set_workload(workload("pod-c", "sa-c"));
-    assert!(wait(Duration::from_secs(10), || held_uids(&nodes, 0).contains(&"pod-c".into())));
+    assert!(wait_until(Duration::from_secs(10), || held_uids(&nodes, 0).contains(&"pod-c".into())));
     nodes.istiod().set_workload(workload("pod-c", "sa-c2"));
     let sa_of_c = || {
         let dump = nodes.proxies[0].config_dump().expect("dump");
@@ -133,16 +126,19 @@ fn a_delta_adds_updates_and_removes_a_workload() {
             .find(|w| w["uid"] == "pod-c")
             .map(|w| w["serviceAccount"].as_str().unwrap_or_default().to_owned())
     };
-    assert!(wait(Duration::from_secs(10), || sa_of_c().as_deref() == Some("sa-c2")), "not updated");
+    assert!(
+        wait_until(Duration::from_secs(10), || sa_of_c().as_deref() == Some("sa-c2")),
+        "not updated"
+    );
     nodes.istiod().remove_address("pod-c");
-    assert!(wait(Duration::from_secs(10), || !held_uids(&nodes, 0).contains(&"pod-c".into())));
+    assert!(wait_until(Duration::from_secs(10), || !held_uids(&nodes, 0).contains(&"pod-c".into())));
     assert!(held_uids(&nodes, 0).contains(&"pod-a".into()), "the removal took others with it");
 }
 
 #[test]
 fn a_malformed_resource_is_nacked_with_its_name_and_reason_and_the_rest_applied() {
     let nodes = istiod(None);
-    assert!(wait(Duration::from_secs(20), || ready(&nodes, 0)));
+    assert!(wait_until(Duration::from_secs(20), || ready(&nodes, 0)));
     let mut bad = workload("pod-bad", "sa");
     bad.addresses = vec![vec![1, 2, 3, 4, 5].into()];
     let wrap = |w: wl::Workload| {
@@ -161,7 +157,9 @@ fn a_malformed_resource_is_nacked_with_its_name_and_reason_and_the_rest_applied(
     assert!(msg.contains("pod-bad: failed to parse address, had 5 bytes"), "{msg}");
     assert!(msg.contains("not-a-message: decode"), "{msg}");
     assert!(!msg.contains("pod-good"), "{msg}");
-    assert!(wait(Duration::from_secs(10), || held_uids(&nodes, 0).contains(&"pod-good".into())));
+    assert!(
+        wait_until(Duration::from_secs(10), || held_uids(&nodes, 0).contains(&"pod-good".into()))
+    );
     assert!(!held_uids(&nodes, 0).contains(&"pod-bad".into()));
 }
 
@@ -169,10 +167,10 @@ fn a_malformed_resource_is_nacked_with_its_name_and_reason_and_the_rest_applied(
 fn on_reconnect_the_proxy_sends_the_versions_it_holds_and_keeps_serving_meanwhile() {
     let mut nodes = istiod(None);
     nodes.echo_server_in_b(nodes.b(false, PORT));
-    assert!(wait(Duration::from_secs(30), || ready(&nodes, 0) && ready(&nodes, 1)));
+    assert!(wait_until(Duration::from_secs(30), || ready(&nodes, 0) && ready(&nodes, 1)));
     let before = nodes.istiod().received().len();
     nodes.istiod.as_mut().expect("istiod").stop();
-    assert!(wait(Duration::from_secs(10), || {
+    assert!(wait_until(Duration::from_secs(10), || {
         nodes.proxies[0].metric("meshpath_xds_connected", &[]).is_ok_and(|v| v == 0.0)
     }));
     // istiod away: the state held keeps serving.
@@ -198,7 +196,7 @@ fn on_reconnect_the_proxy_sends_the_versions_it_holds_and_keeps_serving_meanwhil
 #[test]
 fn a_refused_token_keeps_the_proxy_unready_until_a_good_one_is_in_the_file() {
     let nodes = istiod(Some(|i| i.require_tokens(&["good-token"])));
-    let refused = wait(Duration::from_secs(20), || {
+    let refused = wait_until(Duration::from_secs(20), || {
         let log = nodes.proxies[0].proxy.lines().join("\n");
         log.contains("xDS stream failed") && log.to_lowercase().contains("token")
     });
@@ -206,7 +204,10 @@ fn a_refused_token_keeps_the_proxy_unready_until_a_good_one_is_in_the_file() {
     assert!(!ready(&nodes, 0), "ready with a token istiod refuses");
     // The token file is read for each call: rotating it is enough.
     std::fs::write(nodes.istiod().dir().join("node1-token"), "good-token").expect("write token");
-    assert!(wait(Duration::from_secs(30), || ready(&nodes, 0)), "not ready with a good token");
+    assert!(
+        wait_until(Duration::from_secs(30), || ready(&nodes, 0)),
+        "not ready with a good token"
+    );
 }
 
 #[test]
@@ -215,7 +216,7 @@ fn a_certificate_naming_another_identity_is_refused() {
         istiod(Some(|i| i.sign_wrong_san(Some("spiffe://cluster.local/ns/default/sa/mallory"))));
     nodes.echo_server_in_b(nodes.b(false, PORT));
     assert!(
-        wait(Duration::from_secs(20), || {
+        wait_until(Duration::from_secs(20), || {
             nodes.proxies[0]
                 .metric("meshpath_ca_requests_total", &[("reason", "error")])
                 .is_ok_and(|v| v >= 1.0)
@@ -231,7 +232,7 @@ fn a_certificate_naming_another_identity_is_refused() {
 fn a_short_lived_certificate_is_renewed_under_a_live_connection() {
     let nodes = istiod(Some(|i| i.set_ttl(Some(Duration::from_secs(8)))));
     nodes.echo_server_in_b(nodes.b(false, PORT));
-    assert!(wait(Duration::from_secs(30), || ready(&nodes, 0) && ready(&nodes, 1)));
+    assert!(wait_until(Duration::from_secs(30), || ready(&nodes, 0) && ready(&nodes, 1)));
     let mut live = nodes.connect_from_a(nodes.b(false, PORT)).expect("connect");
     let asked = nodes.istiod().csrs().len();
     let started = Instant::now();
@@ -256,7 +257,7 @@ fn a_short_lived_certificate_is_renewed_under_a_live_connection() {
 fn a_policy_push_closes_an_open_connection_it_denies() {
     let nodes = istiod(None);
     nodes.echo_server_in_b(nodes.b(false, PORT));
-    assert!(wait(Duration::from_secs(30), || ready(&nodes, 0) && ready(&nodes, 1)));
+    assert!(wait_until(Duration::from_secs(30), || ready(&nodes, 0) && ready(&nodes, 1)));
     let mut live = nodes.connect_from_a(nodes.b(false, PORT)).expect("connect");
     let mut buf = [0u8; 4];
     live.write_all(b"ping").expect("write");

@@ -1,0 +1,309 @@
+//! Pods as the tests make them: a named network namespace (its sockets, processes, iperf3)
+//! and a pair of them joined by veth; a socket call made from a given cgroup.
+
+use std::{
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream},
+    path::{Path, PathBuf},
+    process::{Command, Output},
+};
+
+use anyhow::{bail, Context as _, Result};
+use meshpath_loader::netns::Netns;
+
+use crate::{sh, unique, CgroupGuard, ChildGuard};
+
+/// A named network namespace (`ip netns add`), deleted on drop.
+#[derive(Debug)]
+pub struct NetnsGuard {
+    name: String,
+}
+
+impl NetnsGuard {
+    pub fn new(prefix: &str) -> Result<Self> {
+        let name = unique(prefix);
+        sh("ip", &["netns", "add", &name])?;
+        let ns = Self { name };
+        ns.ip(&["link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn path(&self) -> PathBuf {
+        Path::new("/var/run/netns").join(&self.name)
+    }
+
+    pub fn open(&self) -> Result<Netns> {
+        Ok(Netns::open(&self.path())?)
+    }
+
+    /// A TCP listener on `addr` inside this namespace.
+    pub fn listen(&self, addr: SocketAddr) -> Result<TcpListener> {
+        Ok(self.open()?.run(|| TcpListener::bind(addr))??)
+    }
+
+    /// A TCP listener on `addr` inside this namespace, bound as the proxy binds it: from a
+    /// process in `cgroup`. In an enrolled pod the datapath lets only the proxy's cgroup bind
+    /// the proxy's ports, so a test that stands in for the proxy on one of them binds this way.
+    pub fn listen_in_cgroup(&self, addr: SocketAddr, cgroup: &CgroupGuard) -> Result<TcpListener> {
+        self.listen_in_cgroup_with(addr, cgroup, false)
+    }
+
+    /// [`Self::listen_in_cgroup`], with `SO_REUSEPORT` set when `reuse_port` (as ztunnel sets
+    /// it on its in-pod listeners).
+    pub fn listen_in_cgroup_with(
+        &self,
+        addr: SocketAddr,
+        cgroup: &CgroupGuard,
+        reuse_port: bool,
+    ) -> Result<TcpListener> {
+        let domain = if addr.is_ipv4() { socket2::Domain::IPV4 } else { socket2::Domain::IPV6 };
+        let sock =
+            self.open()?.run(|| socket2::Socket::new(domain, socket2::Type::STREAM, None))??;
+        sock.set_reuse_address(true)?;
+        sock.set_reuse_port(reuse_port)?;
+        in_cgroup(&sock, SocketCall::Bind, &addr.into(), cgroup.path())
+            .with_context(|| format!("binding {addr} from cgroup {}", cgroup.path().display()))?;
+        sock.listen(128)?;
+        Ok(sock.into())
+    }
+
+    /// A TCP connection to `to` from inside this namespace, connected as the proxy connects:
+    /// from a process in `cgroup`, so the datapath does not capture it (a peer node's proxy
+    /// reaching a pod's HBONE port from its own pod's address).
+    pub fn connect_in_cgroup(&self, to: SocketAddr, cgroup: &CgroupGuard) -> Result<TcpStream> {
+        let domain = if to.is_ipv4() { socket2::Domain::IPV4 } else { socket2::Domain::IPV6 };
+        let sock =
+            self.open()?.run(|| socket2::Socket::new(domain, socket2::Type::STREAM, None))??;
+        in_cgroup(&sock, SocketCall::Connect, &to.into(), cgroup.path()).with_context(|| {
+            format!("connecting to {to} from cgroup {}", cgroup.path().display())
+        })?;
+        Ok(sock.into())
+    }
+
+    /// A transparent connection made inside this namespace, as a proxy keeping its client's
+    /// address makes one (`IP_TRANSPARENT` and `IP_FREEBIND`, bound to `from`, which need not
+    /// be local): bound from `cgroup` when given (the proxy's: the datapath judges the bind by
+    /// its cgroup), else by this process, as an app with CAP_NET_RAW would. Non-blocking: the
+    /// connect is only started.
+    pub fn transparent_connect(
+        &self,
+        from: SocketAddr,
+        to: SocketAddr,
+        cgroup: Option<&CgroupGuard>,
+    ) -> Result<socket2::Socket> {
+        let domain = if to.is_ipv4() { socket2::Domain::IPV4 } else { socket2::Domain::IPV6 };
+        let sock = self.open()?.run(|| -> std::io::Result<socket2::Socket> {
+            let s = socket2::Socket::new(domain, socket2::Type::STREAM, None)?;
+            s.set_ip_transparent(true)?;
+            s.set_freebind(true)?;
+            Ok(s)
+        })??;
+        match cgroup {
+            Some(c) => in_cgroup(&sock, SocketCall::Bind, &from.into(), c.path())?,
+            None => sock.bind(&from.into())?,
+        }
+        sock.set_nonblocking(true)?;
+        match sock.connect(&to.into()) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+            Err(e) => return Err(e.into()),
+        }
+        Ok(sock)
+    }
+
+    /// `nsenter --net=<this netns> ARGS…`, not waited for: killed when the guard drops.
+    pub fn spawn(&self, args: &[&str]) -> Result<ChildGuard> {
+        let child = Command::new("nsenter")
+            .arg(format!("--net={}", self.path().display()))
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", args.join(" ")))?;
+        Ok(ChildGuard(child))
+    }
+
+    /// An iperf3 server on `ip:port` in this namespace (one test if `once`), returned once it
+    /// listens.
+    pub fn iperf3_server(&self, ip: IpAddr, port: u16, once: bool) -> Result<ChildGuard> {
+        let (ip_s, port_s) = (ip.to_string(), port.to_string());
+        let mut args = vec!["iperf3", "-s", "-B", &ip_s, "-p", &port_s];
+        if once {
+            args.push("-1");
+        }
+        let server = self.spawn(&args)?;
+        self.wait_listening(port, std::time::Duration::from_secs(10))?;
+        Ok(server)
+    }
+
+    /// Waits until a TCP socket listens on `port` in this namespace (as `ss` sees it), without
+    /// connecting to it.
+    pub fn wait_listening(&self, port: u16, timeout: std::time::Duration) -> Result<()> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let out = Command::new("ip")
+                .args(["netns", "exec", self.name(), "ss", "-Hltn"])
+                .arg(format!("sport = :{port}"))
+                .output()
+                .context("running ss")?;
+            if !String::from_utf8_lossy(&out.stdout).trim().is_empty() {
+                return Ok(());
+            }
+            if std::time::Instant::now() >= deadline {
+                bail!("nothing listens on port {port} in {} after {timeout:?}", self.name());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
+    /// Runs `iperf3 -c ip -p port -J EXTRA…` in this namespace; its JSON report.
+    pub fn iperf3_client(
+        &self,
+        ip: IpAddr,
+        port: u16,
+        extra: &[&str],
+    ) -> Result<serde_json::Value> {
+        let (ip, port) = (ip.to_string(), port.to_string());
+        let out = Command::new("nsenter")
+            .arg(format!("--net={}", self.path().display()))
+            .args(["iperf3", "-c", &ip, "-p", &port, "-J"])
+            .args(extra)
+            .output()
+            .context("running iperf3 -c")?;
+        let report: serde_json::Value =
+            serde_json::from_slice(&out.stdout).context("iperf3 -J output")?;
+        if let Some(err) = report["error"].as_str() {
+            bail!("iperf3: {err}");
+        }
+        if !out.status.success() {
+            bail!("iperf3 exited with {}", out.status);
+        }
+        Ok(report)
+    }
+
+    /// `ip -n NAME ARGS…`
+    pub fn ip(&self, args: &[&str]) -> Result<Output> {
+        let mut all = vec!["-n", &self.name];
+        all.extend_from_slice(args);
+        sh("ip", &all)
+    }
+}
+
+impl NetnsGuard {
+    /// Deletes the namespace now, as a runtime does when a pod goes (no unenrol).
+    pub fn delete(&self) -> Result<()> {
+        sh("ip", &["netns", "del", &self.name]).map(drop)
+    }
+}
+
+impl Drop for NetnsGuard {
+    fn drop(&mut self) {
+        // Deleting the netns also deletes the veth ends inside it.
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
+    }
+}
+
+/// Two dual-stack pods, each in its own netns with an `eth0`, joined by a veth pair on
+/// 10.199.0.0/24 and fd00:199::/64.
+#[derive(Debug)]
+pub struct PodPair {
+    pub a: NetnsGuard,
+    pub b: NetnsGuard,
+    pub a_ip: Ipv4Addr,
+    pub b_ip: Ipv4Addr,
+    pub a_ip6: Ipv6Addr,
+    pub b_ip6: Ipv6Addr,
+}
+
+impl PodPair {
+    pub fn new() -> Result<Self> {
+        let a = NetnsGuard::new("mpa")?;
+        let b = NetnsGuard::new("mpb")?;
+        let (va, vb) = (unique("va"), unique("vb"));
+        sh(
+            "ip",
+            &[
+                "link",
+                "add",
+                &va,
+                "netns",
+                a.name(),
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &vb,
+                "netns",
+                b.name(),
+            ],
+        )?;
+        let (a_ip, b_ip) = (Ipv4Addr::new(10, 199, 0, 1), Ipv4Addr::new(10, 199, 0, 2));
+        let a_ip6: Ipv6Addr = "fd00:199::1".parse()?;
+        let b_ip6: Ipv6Addr = "fd00:199::2".parse()?;
+        for (ns, dev, ip, ip6) in [(&a, &va, a_ip, a_ip6), (&b, &vb, b_ip, b_ip6)] {
+            ns.ip(&["link", "set", dev, "name", "eth0"])?;
+            ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
+            // nodad: usable at once, no duplicate address detection wait.
+            ns.ip(&["addr", "add", &format!("{ip6}/64"), "dev", "eth0", "nodad"])?;
+            ns.ip(&["link", "set", "eth0", "up"])?;
+        }
+        Ok(Self { a, b, a_ip, b_ip, a_ip6, b_ip6 })
+    }
+}
+
+/// The socket call [`in_cgroup`] makes.
+#[derive(Debug, Clone, Copy)]
+enum SocketCall {
+    Bind,
+    Connect,
+}
+
+/// Binds or connects `sock` to `addr` in a forked child that first moves itself into `cgroup`:
+/// the datapath judges a `bind()` or `connect()` by the cgroup of the task that makes it, and a
+/// thread cannot change cgroup alone. The socket is the caller's; the child only makes the one
+/// call (a blocking connect completes there) and exits.
+fn in_cgroup(
+    sock: &socket2::Socket,
+    call: SocketCall,
+    addr: &socket2::SockAddr,
+    cgroup: &Path,
+) -> Result<()> {
+    use std::os::fd::AsRawFd as _;
+
+    use nix::{
+        sys::wait::{waitpid, WaitStatus},
+        unistd::{fork, ForkResult},
+    };
+
+    /// The child's exit code when it could not join the cgroup (a failed call exits with errno).
+    const NO_CGROUP: i32 = 255;
+    let procs = std::fs::OpenOptions::new().write(true).open(cgroup.join("cgroup.procs"))?;
+    let (procs_fd, sock_fd) = (procs.as_raw_fd(), sock.as_raw_fd());
+    // SAFETY: after the fork the child makes only async-signal-safe calls (write, bind, _exit)
+    // on memory and descriptors set up before it; it never returns into Rust code.
+    match unsafe { fork() }? {
+        ForkResult::Child => unsafe {
+            // "0" is the writing process itself.
+            if libc::write(procs_fd, b"0".as_ptr().cast(), 1) != 1 {
+                libc::_exit(NO_CGROUP);
+            }
+            let ret = match call {
+                SocketCall::Bind => libc::bind(sock_fd, addr.as_ptr().cast(), addr.len()),
+                SocketCall::Connect => libc::connect(sock_fd, addr.as_ptr().cast(), addr.len()),
+            };
+            let code = if ret == 0 { 0 } else { *libc::__errno_location() };
+            libc::_exit(code)
+        },
+        ForkResult::Parent { child } => match waitpid(child, None)? {
+            WaitStatus::Exited(_, 0) => Ok(()),
+            WaitStatus::Exited(_, NO_CGROUP) => {
+                bail!("the {call:?} child could not join the cgroup")
+            }
+            WaitStatus::Exited(_, errno) => Err(std::io::Error::from_raw_os_error(errno).into()),
+            other => bail!("the {call:?} child ended as {other:?}"),
+        },
+    }
+}

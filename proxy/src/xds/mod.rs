@@ -7,7 +7,7 @@
 //!   `clusterid`.
 //! - On each (re)connect: one request per type (Address, then Authorization), wildcard, with the
 //!   node (ztunnel's id and metadata) and the versions held (`initial_resource_versions`).
-//! - Each response is applied as a whole (the store is replaced once) and answered: an ACK
+//! - Each response is applied as a whole (the proxy's store swapped once) and answered: an ACK
 //!   (type and nonce), or a NACK naming each refused resource and why (`name: reason; …`) with
 //!   the rest applied. A refused resource keeps what was held under its name.
 //! - Ready once one response of each type has been applied; istiod lost later, the proxy keeps
@@ -44,8 +44,11 @@ use crate::{
     state::{authorization::Policy, store::WorkloadStore, Synced},
 };
 
-/// The largest xDS message accepted (a push of every workload of a large mesh fits many times).
-pub const MAX_MESSAGE: usize = 64 * 1024 * 1024;
+/// The largest xDS message accepted: ztunnel's limit, so a mesh whose push ztunnel takes is
+/// taken here too (50,000 workloads and 5,000 services make about 12 MiB; a push of
+/// [`MAX_RESOURCES`] workloads fits). Over it the stream ends, as it does in ztunnel: gRPC
+/// refuses the message before it can be read, so there is no nonce to NACK.
+pub const MAX_MESSAGE: usize = 200 * 1024 * 1024;
 /// The most resources of one type held.
 pub const MAX_RESOURCES: usize = 500_000;
 /// Reconnect backoff: from this, doubling, to [`BACKOFF_MAX`], each wait jittered by ±20 %.
@@ -164,6 +167,12 @@ impl Held {
                 refused.push((r.name.clone(), "XDS payload without resource".into()));
                 continue;
             };
+            if any.type_url != resp.type_url {
+                // Decoded as the response's type, another type's bytes could parse as garbage.
+                refused
+                    .push((r.name.clone(), format!("a {} in a response of {kind}", any.type_url)));
+                continue;
+            }
             let result = if kind == ADDRESS_TYPE {
                 self.apply_address(&r.name, &any.value).map(|left| workloads_left |= left)
             } else {
@@ -363,4 +372,199 @@ async fn session(
 /// The token file's path default, as ztunnel's DaemonSet mounts it.
 pub fn default_token_path() -> PathBuf {
     PathBuf::from("/var/run/secrets/tokens/istio-token")
+}
+
+#[cfg(test)]
+mod tests {
+    //! A hostile or malformed push, as `Held::apply` takes it: each refused resource is named
+    //! in the NACK with its reason, the rest of the response is applied, and what was held
+    //! under a refused name stays.
+
+    use meshpath_xds::discovery::Resource;
+
+    use super::*;
+
+    fn resource(name: &str, type_url: &str, value: Vec<u8>) -> Resource {
+        Resource {
+            name: name.into(),
+            version: "v1".into(),
+            resource: Some(prost_types::Any { type_url: type_url.into(), value }),
+            ..Default::default()
+        }
+    }
+
+    fn pod(uid: &str, sa: &str) -> workload::Workload {
+        workload::Workload {
+            uid: uid.into(),
+            name: uid.into(),
+            namespace: "ns".into(),
+            service_account: sa.into(),
+            addresses: vec![vec![10, 0, 0, 1].into()],
+            tunnel_protocol: workload::TunnelProtocol::Hbone as i32,
+            ..Default::default()
+        }
+    }
+
+    fn address(w: workload::Workload) -> Vec<u8> {
+        workload::Address { r#type: Some(workload::address::Type::Workload(w)) }.encode_to_vec()
+    }
+
+    fn response(
+        type_url: &str,
+        resources: Vec<Resource>,
+        removed: &[&str],
+    ) -> DeltaDiscoveryResponse {
+        DeltaDiscoveryResponse {
+            type_url: type_url.into(),
+            nonce: "n1".into(),
+            resources,
+            removed_resources: removed.iter().map(|r| (*r).to_owned()).collect(),
+            ..Default::default()
+        }
+    }
+
+    fn nack(applied: &Applied) -> String {
+        applied.reply.error_detail.as_ref().map(|e| e.message.clone()).unwrap_or_default()
+    }
+
+    fn policy(name: &str, ns: &str, scope: security::Scope) -> security::Authorization {
+        security::Authorization {
+            name: name.into(),
+            namespace: ns.into(),
+            scope: scope as i32,
+            action: security::Action::Deny as i32,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_name_twice_in_one_response_is_refused_the_second_time() {
+        let mut held = Held::default();
+        let applied = held.apply(&response(
+            ADDRESS_TYPE,
+            vec![
+                resource("a", ADDRESS_TYPE, address(pod("a", "first"))),
+                resource("a", ADDRESS_TYPE, address(pod("a", "second"))),
+            ],
+            &[],
+        ));
+        assert_eq!(applied.refused, 1);
+        assert_eq!(nack(&applied), "a: the name appears twice in one response");
+        let store = held.store();
+        assert_eq!(store.by_uid("a").map(|w| w.service_account.as_str()), Some("first"));
+    }
+
+    #[test]
+    fn an_unknown_enum_is_refused_and_what_was_held_under_its_name_stays() {
+        let mut held = Held::default();
+        held.apply(&response(
+            ADDRESS_TYPE,
+            vec![resource("a", ADDRESS_TYPE, address(pod("a", "old")))],
+            &[],
+        ));
+        let mut bad = pod("a", "new");
+        bad.tunnel_protocol = 7;
+        let applied = held.apply(&response(
+            ADDRESS_TYPE,
+            vec![
+                resource("a", ADDRESS_TYPE, address(bad)),
+                resource("b", ADDRESS_TYPE, address(pod("b", "b"))),
+            ],
+            &[],
+        ));
+        assert_eq!(applied.refused, 1);
+        assert!(
+            nack(&applied).starts_with("a: unknown enum: tunnel protocol"),
+            "{}",
+            nack(&applied)
+        );
+        let store = held.store();
+        assert_eq!(store.by_uid("a").map(|w| w.service_account.as_str()), Some("old"));
+        assert!(store.by_uid("b").is_some(), "the rest of the response was not applied");
+    }
+
+    #[test]
+    fn a_resource_of_the_other_type_in_a_response_is_refused() {
+        let mut held = Held::default();
+        let applied = held.apply(&response(
+            AUTHORIZATION_TYPE,
+            vec![resource("ns/p", ADDRESS_TYPE, address(pod("ns/p", "x")))],
+            &[],
+        ));
+        assert_eq!(applied.refused, 1, "{}", nack(&applied));
+        assert_eq!(held.counts(), (0, 0, 0));
+    }
+
+    #[test]
+    fn a_policy_with_a_bad_cidr_or_a_name_that_is_not_its_key_is_refused() {
+        let mut held = Held::default();
+        let mut cidr = policy("p", "ns", security::Scope::Namespace);
+        cidr.rules = vec![security::Rule {
+            clauses: vec![security::Clause {
+                matches: vec![security::Match {
+                    source_ips: vec![security::Address {
+                        address: vec![10, 0, 0, 0].into(),
+                        length: 33,
+                    }],
+                    ..Default::default()
+                }],
+            }],
+        }];
+        let applied = held.apply(&response(
+            AUTHORIZATION_TYPE,
+            vec![
+                resource("ns/p", AUTHORIZATION_TYPE, cidr.encode_to_vec()),
+                resource(
+                    "other/q",
+                    AUTHORIZATION_TYPE,
+                    policy("q", "ns", security::Scope::Global).encode_to_vec(),
+                ),
+            ],
+            &[],
+        ));
+        let msg = nack(&applied);
+        assert_eq!(applied.refused, 2, "{msg}");
+        assert!(msg.contains("ns/p: invalid cidr: 10.0.0.0/33"), "{msg}");
+        assert!(msg.contains("other/q: a policy's resource name must be NAMESPACE/NAME"), "{msg}");
+        assert_eq!(held.counts(), (0, 0, 0));
+    }
+
+    #[test]
+    fn a_policy_that_selects_no_workload_is_held_and_applies_to_none() {
+        // ztunnel takes a WORKLOAD_SELECTOR policy no workload names: it selects nothing.
+        let mut held = Held::default();
+        let applied = held.apply(&response(
+            AUTHORIZATION_TYPE,
+            vec![resource(
+                "ns/p",
+                AUTHORIZATION_TYPE,
+                policy("p", "ns", security::Scope::WorkloadSelector).encode_to_vec(),
+            )],
+            &[],
+        ));
+        assert!(applied.reply.error_detail.is_none(), "{}", nack(&applied));
+        held.apply(&response(
+            ADDRESS_TYPE,
+            vec![resource("a", ADDRESS_TYPE, address(pod("a", "a")))],
+            &[],
+        ));
+        let store = held.store();
+        let a = store.by_uid("a").expect("a");
+        assert_eq!(held.counts(), (1, 0, 1));
+        assert!(store.policies_for(a).is_empty());
+    }
+
+    #[test]
+    fn removing_a_name_never_held_changes_nothing_and_is_acked() {
+        let mut held = Held::default();
+        held.apply(&response(
+            ADDRESS_TYPE,
+            vec![resource("a", ADDRESS_TYPE, address(pod("a", "a")))],
+            &[],
+        ));
+        let applied = held.apply(&response(ADDRESS_TYPE, vec![], &["nobody"]));
+        assert!(applied.reply.error_detail.is_none());
+        assert!(!applied.changed && !applied.workloads_left);
+        assert_eq!(held.counts(), (1, 0, 0));
+    }
 }

@@ -377,6 +377,12 @@ impl Istiod {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+
+    /// The CA it signs with (a test's other parties, a waypoint stand-in, get certificates
+    /// from it too).
+    pub fn ca(&self) -> &LocalCa {
+        &self.ca
+    }
 }
 
 /// A TLS connection tonic can serve.

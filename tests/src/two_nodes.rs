@@ -23,11 +23,30 @@ pub struct View {
     pub b_service_account: &'static str,
     /// Whether pod b's inbound plaintext is captured (to node 2's proxy on 15006).
     pub b_inbound_captured: bool,
+    /// Pod b's waypoint, as the workloads file writes one (`{destination: …}`).
+    pub b_waypoint: Option<&'static str>,
 }
 
 /// Pod b meshed, as it is.
-pub const MESHED: View =
-    View { b_protocol: "HBONE", b_service_account: "sa-b", b_inbound_captured: false };
+pub const MESHED: View = View {
+    b_protocol: "HBONE",
+    b_service_account: "sa-b",
+    b_inbound_captured: false,
+    b_waypoint: None,
+};
+
+/// Where [`TwoNodes::waypoint`] puts the waypoint stand-in.
+pub const WAYPOINT_IP: &str = "10.198.0.2";
+
+/// The waypoint stand-in (tests/src/bin/waypoint-standin.rs) in a netns of its own, joined to
+/// pod a by one veth (10.198.0.0/24) and to pod b by another (10.197.0.0/24); its identity is
+/// `sa-waypoint`. Field order: the process dies before its netns goes.
+#[derive(Debug)]
+pub struct WaypointStandIn {
+    pub process: crate::TestProxy,
+    _cgroup: CgroupGuard,
+    pub netns: crate::NetnsGuard,
+}
 
 /// What a test changes.
 #[derive(Debug, Clone)]
@@ -113,8 +132,14 @@ impl TwoNodes {
         format!(
             "workloads:\n\
              - uid: pod-a\n  name: app-a\n  namespace: default\n  serviceAccount: sa-a\n  protocol: HBONE\n  workloadIps: [\"{}\", \"{}\"]\n\
-             - uid: pod-b\n  name: app-b\n  namespace: default\n  serviceAccount: {}\n  protocol: {}\n  workloadIps: [\"{}\", \"{}\"]\n  services: {{\"default/b.default.svc.cluster.local\": {{80: 8090}}}}\n{extra}",
-            p.a_ip, p.a_ip6, view.b_service_account, view.b_protocol, p.b_ip, p.b_ip6
+             - uid: pod-b\n  name: app-b\n  namespace: default\n  serviceAccount: {}\n  protocol: {}\n  workloadIps: [\"{}\", \"{}\"]\n  services: {{\"default/b.default.svc.cluster.local\": {{80: 8090}}}}\n{}{extra}",
+            p.a_ip,
+            p.a_ip6,
+            view.b_service_account,
+            view.b_protocol,
+            p.b_ip,
+            p.b_ip6,
+            view.b_waypoint.map(|w| format!("  waypoint: {w}\n")).unwrap_or_default()
         )
     }
 
@@ -153,6 +178,50 @@ impl TwoNodes {
                 [p.b_ip.into(), p.b_ip6.into()],
             ),
         ]
+    }
+
+    /// Starts the waypoint stand-in ([`WaypointStandIn`]): what it is sent it carries on to
+    /// pod b over HBONE (`routes`, `FROM=TO`: a VIP to pod b's address and port).
+    pub fn waypoint(&self, routes: &[String]) -> WaypointStandIn {
+        let netns = crate::NetnsGuard::new("mpw").expect("waypoint netns");
+        let (a, b, w) = (&self.pods.a, &self.pods.b, &netns);
+        let b_ip = format!("{}/32", self.pods.b_ip);
+        let steps: [(&crate::NetnsGuard, &[&str]); 13] = [
+            (a, &["link", "add", "wpa", "type", "veth", "peer", "name", "wp0", "netns", w.name()]),
+            (a, &["addr", "add", "10.198.0.1/24", "dev", "wpa"]),
+            (a, &["link", "set", "wpa", "up"]),
+            (w, &["addr", "add", "10.198.0.2/24", "dev", "wp0"]),
+            (w, &["link", "set", "wp0", "up"]),
+            (w, &["link", "set", "lo", "up"]),
+            (w, &["link", "add", "wp1", "type", "veth", "peer", "name", "wpb", "netns", b.name()]),
+            (w, &["addr", "add", "10.197.0.1/24", "dev", "wp1"]),
+            (w, &["link", "set", "wp1", "up"]),
+            (b, &["addr", "add", "10.197.0.2/24", "dev", "wpb"]),
+            (b, &["link", "set", "wpb", "up"]),
+            // Onward connections leave from the waypoint's own address, as from a pod.
+            (w, &["route", "add", &b_ip, "via", "10.197.0.2", "src", WAYPOINT_IP]),
+            (b, &["route", "add", "10.198.0.2/32", "via", "10.197.0.1"]),
+        ];
+        for (ns, args) in steps {
+            ns.ip(args).expect("waypoint network");
+        }
+        let dir = |f: &str| self.dir.join(f).display().to_string();
+        // Its certificate from the CA the proxies trust: the istiod stand-in's, or the local one.
+        let ca = self.istiod.as_ref().map_or(&self.ca, |i| i.ca());
+        let (cert, key) = ca.to_pem();
+        std::fs::write(dir("waypoint-ca.pem"), cert).expect("waypoint CA");
+        std::fs::write(dir("waypoint-ca-key.pem"), key).expect("waypoint CA key");
+        let mut cmd = std::process::Command::new("ip");
+        cmd.args(["netns", "exec", netns.name()])
+            .arg(crate::sibling_bin("waypoint-standin"))
+            .arg(format!("{WAYPOINT_IP}:15008"))
+            .args([dir("waypoint-ca.pem"), dir("waypoint-ca-key.pem")])
+            .args(["sa-waypoint", "sa-b"])
+            .args(routes);
+        let cgroup = CgroupGuard::new().expect("waypoint cgroup");
+        let process =
+            crate::TestProxy::spawn_as("waypoint", cmd, &cgroup).expect("the waypoint stand-in");
+        WaypointStandIn { process, _cgroup: cgroup, netns }
     }
 
     /// The istiod stand-in (`Setup::istiod`).

@@ -1,5 +1,5 @@
-//! The traffic paths: a pod's outbound (15001), inbound HBONE (15008) and plaintext (15006),
-//! DNS (15053), and what they share: the node proxy (`node`: the store, certificates, pool,
+//! The traffic paths: a pod's outbound (15001, where it goes decided by `resolve`: services,
+//! waypoints), inbound HBONE (15008) and plaintext (15006), DNS (15053), and what they share: the node proxy (`node`: the store, certificates, pool,
 //! telemetry, the pods served) and its tunables (`settings`, with `memory` for the default
 //! connection cap), a pod as the paths see it (`pod`, its sockets made inside its netns by
 //! `netns`), the HBONE protocol, the connection pool, the byte copy, accept loops with their
@@ -21,6 +21,7 @@ pub mod per_source;
 pub mod pod;
 pub mod pool;
 pub mod read_ahead;
+pub mod resolve;
 pub mod settings;
 pub mod transparent;
 

@@ -1,6 +1,7 @@
 //! Outbound: a pod's captured TCP arrives on its 15001 listener; the original destination
-//! (`SO_ORIGINAL_DST`, as under iptables) decides: a workload that speaks HBONE is reached by
-//! HTTP/2 CONNECT over mTLS to its `ip:15008`, verifying its SPIFFE identity; anything else is
+//! (`SO_ORIGINAL_DST`, as under iptables) decides where it goes (`resolve.rs`: a service's
+//! endpoint, a waypoint): a workload that speaks HBONE, or a waypoint, is reached by HTTP/2
+//! CONNECT over mTLS to its HBONE address, verifying its SPIFFE identity; anything else is
 //! passed through as plain TCP. Upstream sockets are made in the pod's netns, so traffic leaves
 //! from the pod's own address.
 
@@ -21,10 +22,8 @@ use crate::{
     proxy::hbone::{self, StreamHeaders},
     proxy::pod::Pod,
     proxy::pool::PoolKey,
-    state::{
-        store::WorkloadStore,
-        workloads::{Protocol, Workload},
-    },
+    proxy::resolve::{resolve, Target},
+    state::workloads::Workload,
 };
 
 /// Serves one pod's outbound listener, `[::]:15001` (dual-stack) in its netns, as ztunnel: the
@@ -49,64 +48,6 @@ pub fn start(pod: Arc<Pod>) -> io::Result<()> {
 /// own ports (`ports::PROXY_PORTS`), on every path.
 pub const SELF_CALL: &str = "self_call";
 
-/// The `reason` of a connection to a service with no healthy endpoint.
-const NO_ENDPOINT: &str = "no_healthy_endpoint";
-/// The `reason` of a connection to a destination a waypoint serves (not supported yet: refused
-/// rather than sent around the waypoint's L7 policy).
-pub const WAYPOINT: &str = "waypoint_unsupported";
-
-/// Where a connection goes after service resolution.
-struct Target {
-    addr: SocketAddr,
-    workload: Option<Workload>,
-    service: Option<String>,
-}
-
-/// A service VIP becomes one of its healthy endpoints (picked at random); any other address is
-/// its own target.
-///
-/// A destination istiod says a waypoint serves is refused: this proxy does not send traffic
-/// through waypoints yet, and reaching it directly would skip the L7 policy the waypoint
-/// enforces (fail closed).
-fn resolve(store: &WorkloadStore, orig: SocketAddr) -> Result<Target, (&'static str, String)> {
-    let Some(svc) = store.service_by_vip(orig.ip()) else {
-        let workload = store.by_ip(orig.ip());
-        if let Some(w) = workload.filter(|w| w.waypoint.is_some()) {
-            return Err((WAYPOINT, format!("workload {} is served by a waypoint", w.uid)));
-        }
-        return Ok(Target { addr: orig, workload: workload.cloned(), service: None });
-    };
-    if svc.waypoint.is_some() {
-        return Err((WAYPOINT, format!("service {} is served by a waypoint", svc.hostname)));
-    }
-    let endpoints = store.endpoints(svc, orig.port());
-    if endpoints.is_empty() {
-        return Err((NO_ENDPOINT, format!("service {} has no healthy endpoint", svc.hostname)));
-    }
-    let (w, port) = endpoints[random_index(endpoints.len())];
-    let ip = w
-        .workload_ips
-        .iter()
-        .find(|ip| ip.is_ipv4() == orig.is_ipv4())
-        .or_else(|| w.workload_ips.first())
-        .copied()
-        .ok_or_else(|| {
-            (NO_ENDPOINT, format!("endpoint {} of {} has no address", w.uid, svc.hostname))
-        })?;
-    Ok(Target {
-        addr: SocketAddr::new(ip, port),
-        workload: Some((*w).clone()),
-        service: Some(svc.hostname.clone()),
-    })
-}
-
-fn random_index(n: usize) -> usize {
-    use ring::rand::SecureRandom as _;
-    let mut b = [0u8; 8];
-    let _ = ring::rand::SystemRandom::new().fill(&mut b);
-    (u64::from_ne_bytes(b) % n as u64) as usize
-}
-
 async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<()> {
     let proxy = &pod.proxy;
     let orig = original_dst(&conn)?;
@@ -119,21 +60,24 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
     }
     conn.set_nodelay(true)?;
     let store = proxy.store();
-    let target = match resolve(&store, orig) {
+    let target = match resolve(&store, orig, (&pod.identity, peer.ip())) {
         Ok(t) => t,
         Err((reason, why)) => {
             proxy.metrics.error(Direction::Outbound, reason);
             anyhow::bail!("{orig}: {why}");
         }
     };
-    let hbone = target.workload.as_ref().is_some_and(|w| w.protocol == Protocol::Hbone);
+    let hbone = target.hbone.is_some();
+    if let Some(wp) = &target.waypoint {
+        tracing::debug!(%wp, "through the waypoint");
+    }
     let info = ConnInfo {
         direction: Direction::Outbound,
         src_addr: peer,
         src_workload: Some(pod.current_workload(&store).clone()),
         src_identity: Some(pod.identity.clone()),
         dst_addr: target.addr,
-        hbone_addr: hbone.then(|| SocketAddr::new(target.addr.ip(), ports::HBONE)),
+        hbone_addr: target.hbone,
         dst_workload: target.workload.clone(),
         dst_identity: target.workload.as_ref().filter(|_| hbone).map(Workload::identity),
         dst_service: target.service.clone(),
@@ -164,7 +108,7 @@ async fn via_hbone(
 ) -> anyhow::Result<()> {
     let proxy = &pod.proxy;
     let dst = target.workload.as_ref().context("HBONE needs a destination workload")?;
-    let gateway = SocketAddr::new(target.addr.ip(), ports::HBONE);
+    let gateway = target.hbone.context("HBONE needs an address to dial")?;
     let key = PoolKey {
         src: pod.identity.clone(),
         dst: dst.identity(),

@@ -12,9 +12,11 @@
 //! measures it). Policies are few and a change re-checks every open connection anyway: they are
 //! indexed again as a whole when they change.
 //!
-//! Where the file names an address, uid, VIP or hostname twice, the first entry wins, as
-//! ztunnel's local configuration reads. From istiod, the entry written last takes it; removing
-//! that entry frees it (istiod gives an address to one workload of a network).
+//! An address, uid, VIP or hostname that several entries claim (a pod's address reused while
+//! the pod that had it is still listed) is served by one of them, chosen as ztunnel chooses:
+//! for a workload, a pod in the mesh before a pod, a pod before a workload entry, a workload in
+//! the mesh before one that is not; among equals, from istiod the one written last, from the
+//! file the first. Removing it hands the key to the next claimant (`Claims`).
 
 use std::{collections::HashMap, net::IpAddr, path::Path, sync::Arc};
 
@@ -23,7 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::state::{
     authorization::{Policy, Scope},
-    workloads::{parse_vip, HealthStatus, Service, Workload},
+    workloads::{parse_vip, HealthStatus, Protocol, Service, Waypoint, WaypointAt, Workload},
 };
 
 /// The file's shape (and what `/config_dump` shows): its entries in its order.
@@ -77,11 +79,11 @@ pub struct WorkloadStore {
     workloads: OrdMap<String, Arc<Workload>>,
     services: OrdMap<String, Arc<Service>>,
     policies: Arc<Policies>,
-    workload_by_ip: PHashMap<IpAddr, Arc<Workload>>,
-    workload_by_uid: PHashMap<String, Arc<Workload>>,
-    service_by_vip: PHashMap<IpAddr, Arc<Service>>,
+    workload_by_ip: PHashMap<IpAddr, Claims<Workload>>,
+    workload_by_uid: PHashMap<String, Claims<Workload>>,
+    service_by_vip: PHashMap<IpAddr, Claims<Service>>,
     /// Lower-cased.
-    service_by_hostname: PHashMap<String, Arc<Service>>,
+    service_by_hostname: PHashMap<String, Claims<Service>>,
     /// Service key (`NS/HOSTNAME`) → the workloads that back it, by their names.
     backends: PHashMap<String, OrdMap<String, Arc<Workload>>>,
 }
@@ -126,23 +128,107 @@ pub enum ConfigError {
     Parse { file: String, message: String },
 }
 
-/// Puts `v` under `k`, or only where `k` is free (`first_wins`).
-fn claim<K, V>(map: &mut PHashMap<K, V>, k: K, v: V, first_wins: bool)
-where
-    K: std::hash::Hash + Eq + Clone,
-    V: Clone,
-{
-    if !(first_wins && map.contains_key(&k)) {
-        map.insert(k, v);
+/// The entries that claim one key of an index. Nearly always one; the enum keeps that case a
+/// single pointer in the index's nodes, as the maps hold their values inline.
+#[derive(Debug)]
+enum Claims<V> {
+    One(Arc<V>),
+    /// In claiming order: the last of the best-ranked is served.
+    Many(Arc<Vec<Arc<V>>>),
+}
+
+impl<V> Clone for Claims<V> {
+    fn clone(&self) -> Self {
+        match self {
+            Self::One(v) => Self::One(v.clone()),
+            Self::Many(all) => Self::Many(all.clone()),
+        }
     }
 }
 
-/// Frees `k` if `v` holds it.
-fn release<K, V>(map: &mut PHashMap<K, Arc<V>>, k: &K, v: &Arc<V>)
+/// How a claimant ranks (ztunnel's order when several workloads have one address).
+trait Rank {
+    fn rank(&self) -> u8;
+}
+
+impl Rank for Workload {
+    fn rank(&self) -> u8 {
+        // A pod is not spoofable as a workload entry is; one in the mesh says more of itself.
+        let pod = self.uid.contains("//Pod/");
+        let hbone = self.protocol == Protocol::Hbone;
+        u8::from(pod) * 2 + u8::from(hbone)
+    }
+}
+
+impl Rank for Service {
+    fn rank(&self) -> u8 {
+        0
+    }
+}
+
+impl<V: Rank> Claims<V> {
+    /// The claimant served.
+    fn served(&self) -> Option<&V> {
+        match self {
+            Self::One(v) => Some(v),
+            // `max_by_key` returns the last of equals.
+            Self::Many(all) => all.iter().max_by_key(|v| v.rank()).map(|v| &**v),
+        }
+    }
+}
+
+impl<V> Claims<V> {
+    /// Adds a claimant: served before equals already there unless `first_wins`.
+    fn add(&mut self, v: Arc<V>, first_wins: bool) {
+        let mut all = match self {
+            Self::One(one) => vec![one.clone()],
+            Self::Many(all) => all.to_vec(),
+        };
+        if first_wins {
+            all.insert(0, v);
+        } else {
+            all.push(v);
+        }
+        *self = Self::Many(Arc::new(all));
+    }
+
+    /// Takes `v`'s claim away; whether none is left.
+    fn remove(&mut self, v: &Arc<V>) -> bool {
+        match self {
+            Self::One(one) => Arc::ptr_eq(one, v),
+            Self::Many(all) => {
+                let mut rest: Vec<Arc<V>> =
+                    all.iter().filter(|c| !Arc::ptr_eq(c, v)).cloned().collect();
+                match rest.len() {
+                    0 => return true,
+                    1 => *self = Self::One(rest.remove(0)),
+                    _ => *self = Self::Many(Arc::new(rest)),
+                }
+                false
+            }
+        }
+    }
+}
+
+/// Adds `v`'s claim on `k`.
+fn claim<K, V>(map: &mut PHashMap<K, Claims<V>>, k: K, v: Arc<V>, first_wins: bool)
 where
     K: std::hash::Hash + Eq + Clone,
 {
-    if map.get(k).is_some_and(|held| Arc::ptr_eq(held, v)) {
+    match map.get_mut(&k) {
+        Some(claims) => claims.add(v, first_wins),
+        None => {
+            map.insert(k, Claims::One(v));
+        }
+    }
+}
+
+/// Takes `v`'s claim on `k` away; the key goes with its last claimant.
+fn release<K, V>(map: &mut PHashMap<K, Claims<V>>, k: &K, v: &Arc<V>)
+where
+    K: std::hash::Hash + Eq + Clone,
+{
+    if map.get_mut(k).is_some_and(|claims| claims.remove(v)) {
         map.remove(k);
     }
 }
@@ -161,10 +247,18 @@ impl WorkloadStore {
             Some(l) => format!("line {}, column {}: {e}", l.line(), l.column()),
             None => e.to_string(),
         })?;
+        let waypoint = |wp: &Option<Waypoint>| match wp.as_ref().map(|w| &w.destination) {
+            Some(WaypointAt::Address(a)) => parse_vip(a).map(drop),
+            _ => Ok(()),
+        };
         for (i, s) in store.services().enumerate() {
             for v in &s.vips {
                 parse_vip(v).map_err(|e| format!("services[{i}].vips: {e}"))?;
             }
+            waypoint(&s.waypoint).map_err(|e| format!("services[{i}].waypoint: {e}"))?;
+        }
+        for (i, w) in store.workloads().enumerate() {
+            waypoint(&w.waypoint).map_err(|e| format!("workloads[{i}].waypoint: {e}"))?;
         }
         Ok(store)
     }
@@ -309,23 +403,23 @@ impl WorkloadStore {
 
     /// The workload that owns `ip`.
     pub fn by_ip(&self, ip: IpAddr) -> Option<&Workload> {
-        self.workload_by_ip.get(&ip).map(|w| &**w)
+        self.workload_by_ip.get(&ip).and_then(Claims::served)
     }
 
     /// The workload with this uid.
     pub fn by_uid(&self, uid: &str) -> Option<&Workload> {
-        self.workload_by_uid.get(uid).map(|w| &**w)
+        self.workload_by_uid.get(uid).and_then(Claims::served)
     }
 
     /// The service with `ip` among its VIPs.
     pub fn service_by_vip(&self, ip: IpAddr) -> Option<&Service> {
-        self.service_by_vip.get(&ip).map(|s| &**s)
+        self.service_by_vip.get(&ip).and_then(Claims::served)
     }
 
     /// The service with this hostname (any case, with or without the final dot).
     pub fn service_by_hostname(&self, host: &str) -> Option<&Service> {
         let host = host.trim_end_matches('.').to_ascii_lowercase();
-        self.service_by_hostname.get(&host).map(|s| &**s)
+        self.service_by_hostname.get(&host).and_then(Claims::served)
     }
 
     /// The healthy endpoints of `svc` for service port `port`: each workload and the port it
@@ -542,6 +636,41 @@ mod tests {
         assert_eq!(uid_at(&s, "10.0.0.1").as_deref(), Some("b"));
         s.remove_workload("pod-a");
         assert_eq!(uid_at(&s, "10.0.0.1").as_deref(), Some("b"));
+    }
+
+    #[test]
+    fn an_address_two_pods_claim_is_served_by_the_one_written_last_and_then_by_the_other() {
+        let mut s = WorkloadStore::default();
+        // A new pod got the address of one still listed (terminating).
+        s.put_workload("pod-old", workload("old", &["10.0.0.1"], None));
+        s.put_workload("pod-new", workload("new", &["10.0.0.1"], None));
+        assert_eq!(uid_at(&s, "10.0.0.1").as_deref(), Some("new"));
+        // The old pod's status changes: written last, it is served again...
+        s.put_workload("pod-old", workload("old", &["10.0.0.1"], None));
+        assert_eq!(uid_at(&s, "10.0.0.1").as_deref(), Some("old"));
+        // ...and when it goes, the address is the new pod's, not nobody's.
+        s.remove_workload("pod-old");
+        assert_eq!(uid_at(&s, "10.0.0.1").as_deref(), Some("new"));
+        s.remove_workload("pod-new");
+        assert_eq!(uid_at(&s, "10.0.0.1"), None);
+    }
+
+    #[test]
+    fn a_pod_in_the_mesh_is_served_before_a_workload_entry_with_its_address() {
+        let hbone = |uid: &str| {
+            let mut w = (*workload(uid, &["10.0.0.1"], None)).clone();
+            w.protocol = Protocol::Hbone;
+            Arc::new(w)
+        };
+        let mut s = WorkloadStore::default();
+        s.put_workload("pod", hbone("c//Pod/d/a"));
+        s.put_workload("plain-pod", workload("c//Pod/d/b", &["10.0.0.1"], None));
+        s.put_workload("entry", hbone("c//WorkloadEntry/d/e"));
+        assert_eq!(uid_at(&s, "10.0.0.1").as_deref(), Some("c//Pod/d/a"));
+        s.remove_workload("pod");
+        assert_eq!(uid_at(&s, "10.0.0.1").as_deref(), Some("c//Pod/d/b"));
+        s.remove_workload("plain-pod");
+        assert_eq!(uid_at(&s, "10.0.0.1").as_deref(), Some("c//WorkloadEntry/d/e"));
     }
 
     #[test]

@@ -4,8 +4,12 @@
 //!
 //! ```yaml
 //! workloads: [{uid, name, namespace, serviceAccount, trustDomain, workloadIps, protocol,
-//!              status, services: {"NS/HOST": {PORT: TARGET_PORT}}, authorizationPolicies}]
-//! services:  [{name, namespace, hostname, vips: ["NET/IP"], ports: {PORT: TARGET_PORT}}]
+//!              status, services: {"NS/HOST": {PORT: TARGET_PORT}}, authorizationPolicies,
+//!              waypoint}]
+//! services:  [{name, namespace, hostname, vips: ["NET/IP"], ports: {PORT: TARGET_PORT},
+//!              waypoint}]
+//! waypoint:  {destination: {address: "NET/IP"} or {hostname: {namespace, hostname}},
+//!             hboneMtlsPort: 15008}
 //! policies:  [{name, namespace, scope, action, rules: [[[match]]]}]   (see `authorization`)
 //! ```
 //!
@@ -72,10 +76,85 @@ pub struct Workload {
     /// The node it runs on (a proxy fetches certificates ahead for its own node's workloads).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub node: String,
-    /// The waypoint istiod says serves it (`NS/HOSTNAME` or `NETWORK/IP:PORT`). Waypoints are
-    /// not supported yet: connections to it are refused, never sent around the waypoint.
+    /// The waypoint istiod says every connection to it goes through (`proxy/resolve.rs`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub waypoint: Option<String>,
+    pub waypoint: Option<Waypoint>,
+}
+
+/// A waypoint, as istiod names one (its `GatewayAddress`): an address, or a service by
+/// hostname, and the port it takes HBONE on.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Waypoint {
+    pub destination: WaypointAt,
+    #[serde(default = "default_hbone_port")]
+    pub hbone_mtls_port: u16,
+}
+
+/// Where a waypoint is.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(try_from = "WaypointAtFields", into = "WaypointAtFields")]
+pub enum WaypointAt {
+    /// `NETWORK/IP` or `IP`: a waypoint workload's address, or its service's VIP.
+    Address(String),
+    /// A service: one of its endpoints.
+    Hostname { namespace: String, hostname: String },
+}
+
+/// [`WaypointAt`] as the file writes it (istiod's oneof): `{address: …}` or `{hostname:
+/// {namespace, hostname}}`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct WaypointAtFields {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    address: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    hostname: Option<NamespacedHostname>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct NamespacedHostname {
+    namespace: String,
+    hostname: String,
+}
+
+impl TryFrom<WaypointAtFields> for WaypointAt {
+    type Error = &'static str;
+
+    fn try_from(f: WaypointAtFields) -> Result<Self, Self::Error> {
+        match (f.address, f.hostname) {
+            (Some(a), None) => Ok(Self::Address(a)),
+            (None, Some(h)) => Ok(Self::Hostname { namespace: h.namespace, hostname: h.hostname }),
+            _ => Err("a waypoint's destination is one of `address` or `hostname`"),
+        }
+    }
+}
+
+impl From<WaypointAt> for WaypointAtFields {
+    fn from(w: WaypointAt) -> Self {
+        match w {
+            WaypointAt::Address(a) => Self { address: Some(a), hostname: None },
+            WaypointAt::Hostname { namespace, hostname } => {
+                Self { address: None, hostname: Some(NamespacedHostname { namespace, hostname }) }
+            }
+        }
+    }
+}
+
+fn default_hbone_port() -> u16 {
+    datapath_common::consts::ports::HBONE
+}
+
+impl std::fmt::Display for Waypoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.destination {
+            WaypointAt::Address(a) => write!(f, "{a}:{}", self.hbone_mtls_port),
+            WaypointAt::Hostname { namespace, hostname } => {
+                write!(f, "{namespace}/{hostname}:{}", self.hbone_mtls_port)
+            }
+        }
+    }
 }
 
 fn default_trust_domain() -> String {
@@ -111,9 +190,9 @@ pub struct Service {
     /// Service port → target port (used when the endpoint does not say).
     #[serde(default)]
     pub ports: BTreeMap<u16, u16>,
-    /// The waypoint istiod says serves it (see [`Workload::waypoint`]).
+    /// The waypoint istiod says every connection to its VIPs goes through.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub waypoint: Option<String>,
+    pub waypoint: Option<Waypoint>,
 }
 
 impl Service {

@@ -17,7 +17,7 @@ use meshpath_xds::{security as pb_sec, workload as pb};
 
 use crate::state::{
     authorization::{Action, Cidr, Match, Policy, Scope, ServiceAccountMatch, StringMatch},
-    workloads::{HealthStatus, Protocol, Service, Workload},
+    workloads::{HealthStatus, Protocol, Service, Waypoint, WaypointAt, Workload},
 };
 
 /// Why a resource was refused (what the NACK says after its name).
@@ -51,22 +51,23 @@ fn known<T>(v: Result<T, prost::UnknownEnumValue>, what: &str) -> Result<T, Refu
     v.map_err(|e| format!("unknown enum: {what}: {}", e.0))
 }
 
-/// A waypoint or gateway, checked, as a name for logs and the store.
-fn gateway(g: Option<&pb::GatewayAddress>, what: &str) -> Result<Option<String>, Refusal> {
+/// A waypoint or gateway, checked.
+fn gateway(g: Option<&pb::GatewayAddress>, what: &str) -> Result<Option<Waypoint>, Refusal> {
     let Some(g) = g else { return Ok(None) };
-    match &g.destination {
-        None => Err(format!("nonempty {what} is missing address")),
+    let destination = match &g.destination {
+        None => return Err(format!("nonempty {what} is missing address")),
         Some(pb::gateway_address::Destination::Address(a)) => {
-            Ok(Some(format!("{}/{}:{}", a.network, ip(&a.address)?, g.hbone_mtls_port)))
+            WaypointAt::Address(format!("{}/{}", a.network, ip(&a.address)?))
         }
         Some(pb::gateway_address::Destination::Hostname(h)) => {
             if h.hostname.is_empty() {
-                Err(format!("{what} names an empty hostname"))
-            } else {
-                Ok(Some(format!("{}/{}", h.namespace, h.hostname)))
+                return Err(format!("{what} names an empty hostname"));
             }
+            WaypointAt::Hostname { namespace: h.namespace.clone(), hostname: h.hostname.clone() }
         }
-    }
+    };
+    let hbone_mtls_port = port(g.hbone_mtls_port, &format!("{what}'s HBONE port"))?;
+    Ok(Some(Waypoint { destination, hbone_mtls_port }))
 }
 
 /// An Address resource named `name`: a workload must be named by its uid, a service by

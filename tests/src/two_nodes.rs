@@ -38,7 +38,7 @@ pub const MESHED: View = View {
 /// Where [`TwoNodes::waypoint`] puts the waypoint stand-in.
 pub const WAYPOINT_IP: &str = "10.198.0.2";
 
-/// The waypoint stand-in (tests/src/bin/waypoint-standin.rs) in a netns of its own, joined to
+/// The waypoint stand-in (tests/waypoint-standin) in a netns of its own, joined to
 /// pod a by one veth (10.198.0.0/24) and to pod b by another (10.197.0.0/24); its identity is
 /// `sa-waypoint`. Field order: the process dies before its netns goes.
 #[derive(Debug)]

@@ -1,7 +1,7 @@
 //! Waypoints: a destination istiod (here the workloads file) says a waypoint serves is reached
 //! through the waypoint, as ztunnel sends it: HBONE to the waypoint, the CONNECT naming the
 //! destination the app asked for, the waypoint's identity checked; never around it. The
-//! waypoint is a stand-in (tests/src/bin/waypoint-standin.rs: Envoy cannot run here) in a netns
+//! waypoint is a stand-in (tests/waypoint-standin: Envoy cannot run here) in a netns
 //! of its own between pod a and pod b, which records each CONNECT and carries it on to pod b
 //! over HBONE.
 
@@ -102,6 +102,22 @@ fn a_workload_with_a_waypoint_is_reached_through_it_for_its_own_address() {
         server.join().expect("server").expect("io").ip(),
         WAYPOINT_IP.parse::<IpAddr>().expect("ip")
     );
+}
+
+#[test]
+fn the_waypoints_own_connection_to_the_workload_it_serves_is_not_sent_back_to_it() {
+    // Pod a is pod b's waypoint (pod b names pod a's address, and pod a has its identity): a
+    // connection pod a makes to pod b is the waypoint's onward hop, so it goes to pod b.
+    let a_is_waypoint = "{destination: {address: \"/10.199.0.1\"}}";
+    let nodes = nodes(View { b_waypoint: Some(a_is_waypoint), ..MESHED }, "");
+    let b = nodes.b(false, 8090);
+    let server = nodes.echo_in_b(b);
+    assert_eq!(nodes.app_round_trip(b, b"onward").expect("round trip"), b"onward");
+    assert_eq!(server.join().expect("server").expect("io").ip(), IpAddr::from(nodes.pods.a_ip));
+    // Node 1's proxy took no HBONE connection of pod a's to itself, and node 2 one from pod a.
+    assert_eq!(opened(&nodes, 0, &[("reporter", "destination")]), 0.0, "looped to the waypoint");
+    let sa_a = "spiffe://cluster.local/ns/default/sa/sa-a";
+    assert_eq!(opened(&nodes, 1, &[("reporter", "destination"), ("source_principal", sa_a)]), 1.0);
 }
 
 #[test]

@@ -11,8 +11,10 @@
 //!
 //! Traffic: iperf3 from `sleep` (node 1) to `httpbin` (node 2), captured by eBPF and carried
 //! over HBONE with mutual TLS between the two proxies; `sleep` to `legacy` (node 2, not in the
-//! mesh) by plain passthrough; and a connection to a port that policy denies. A summary from
-//! both proxies' /metrics follows. Everything is removed on exit, on error and on Ctrl-C;
+//! mesh) by plain passthrough; `sleep` to service `httpbin-l7`, which a waypoint serves (the
+//! tests' waypoint stand-in, `tests/waypoint-standin`, in pod `waypoint` on node 2: Envoy cannot
+//! run here), through the waypoint; and a connection to a port that policy denies. A summary
+//! from both proxies' /metrics follows. Everything is removed on exit, on error and on Ctrl-C;
 //! `--keep` leaves it running (until Ctrl-C) with the commands to look around.
 //!
 //! `--kube` also runs a Kubernetes API server (etcd and kube-apiserver, on loopback): the
@@ -23,8 +25,8 @@
 //!
 //! `--proxy ztunnel-like` runs the same nodes with `ztunnel-like` as both nodes' proxy (the
 //! tests' stand-in for Istio's ztunnel: it only opens sockets in the pods, marks them 0x539,
-//! and speaks HBONE); it has no policy and no metrics, so the demo shows its connection lines
-//! instead and skips the denial.
+//! and speaks HBONE); it has no policy, no metrics and no waypoints, so the demo shows its
+//! connection lines instead and skips the waypoint and the denial.
 
 use std::{
     fs,
@@ -44,8 +46,17 @@ use anyhow::{bail, Context as _, Result};
 use serde_json::{json, Value};
 
 /// The pods: (name, node, service account, meshed).
-const PODS: [(&str, usize, &str, bool); 3] =
-    [("sleep", 1, "sleep", true), ("httpbin", 2, "httpbin", true), ("legacy", 2, "legacy", false)];
+const PODS: [(&str, usize, &str, bool); 4] = [
+    ("sleep", 1, "sleep", true),
+    ("httpbin", 2, "httpbin", true),
+    ("legacy", 2, "legacy", false),
+    // The waypoint stand-in's pod: a waypoint is not captured, as in Istio.
+    ("waypoint", 2, "waypoint", false),
+];
+/// Service `httpbin-l7`'s VIP and port: a waypoint serves it.
+const L7_VIP: &str = "10.96.0.80:80";
+/// Where the waypoint sends what it gets for `L7_VIP`: httpbin's port.
+const L7_PORT: u16 = 5202;
 /// The port policy denies on httpbin.
 const DENIED_PORT: u16 = 9090;
 
@@ -453,6 +464,12 @@ fn workloads(ips: &[(&str, Ipv4Addr)]) -> String {
             if meshed { "HBONE" } else { "TCP" }
         );
     }
+    if let Some((_, wp)) = ips.iter().find(|(n, _)| *n == "waypoint") {
+        let (vip, port) = L7_VIP.split_once(':').unwrap_or_default();
+        y += &format!(
+            "services:\n- {{name: httpbin-l7, namespace: default, hostname: httpbin-l7.default.svc.cluster.local, vips: [\"/{vip}\"], ports: {{{port}: {L7_PORT}}}, waypoint: {{destination: {{address: \"/{wp}\"}}}}}}\n"
+        );
+    }
     y += &format!(
         "policies:\n- {{name: no-{DENIED_PORT}, namespace: default, scope: Namespace, action: Deny, rules: [[[{{destinationPorts: [{DENIED_PORT}]}}]]]}}\n"
     );
@@ -460,6 +477,17 @@ fn workloads(ips: &[(&str, Ipv4Addr)]) -> String {
 }
 
 fn iperf3(client_ns: &str, server_ns: &str, ip: Ipv4Addr, port: u16, secs: u32) -> Result<String> {
+    iperf3_to(client_ns, server_ns, (ip, port), SocketAddr::from((ip, port)), secs)
+}
+
+/// iperf3 served at `server` (in `server_ns`), the client (in `client_ns`) asking for `dst`.
+fn iperf3_to(
+    client_ns: &str,
+    server_ns: &str,
+    (ip, port): (Ipv4Addr, u16),
+    dst: SocketAddr,
+    secs: u32,
+) -> Result<String> {
     let port_s = port.to_string();
     let mut server = Command::new("nsenter")
         .arg(format!("--net=/var/run/netns/{server_ns}"))
@@ -471,7 +499,8 @@ fn iperf3(client_ns: &str, server_ns: &str, ip: Ipv4Addr, port: u16, secs: u32) 
     std::thread::sleep(Duration::from_millis(300));
     let client = Command::new("nsenter")
         .arg(format!("--net=/var/run/netns/{client_ns}"))
-        .args(["iperf3", "-c", &ip.to_string(), "-p", &port_s, "-t", &secs.to_string(), "-f", "g"])
+        .args(["iperf3", "-c", &dst.ip().to_string(), "-p", &dst.port().to_string()])
+        .args(["-t", &secs.to_string(), "-f", "g"])
         .output()
         .context("running iperf3 -c")?;
     let _ = server.kill();
@@ -651,7 +680,8 @@ pub fn run(bin_dir: &Path, keep: bool, proxy: Proxy, kube: bool) -> Result<()> {
             wait_for(&log, "workload store reloaded", "the workloads reload")?;
         }
     }
-    let ns_of = |name: &str| format!("mp-demo-{}-{name}", demo.tag);
+    let tag = demo.tag.clone();
+    let ns_of = move |name: &str| format!("mp-demo-{tag}-{name}");
     let ip_of =
         |name: &str| ips.iter().find(|(n, _)| *n == name).map(|(_, ip)| *ip).context("pod ip");
     check()?;
@@ -671,7 +701,16 @@ pub fn run(bin_dir: &Path, keep: bool, proxy: Proxy, kube: bool) -> Result<()> {
             }
         }
     } else {
-        show_denial_and_metrics(&demo, &ns_of("sleep"), &ns_of("httpbin"), ip_of("httpbin")?)?;
+        let (httpbin, waypoint) = (ip_of("httpbin")?, ip_of("waypoint")?);
+        demo.show_waypoint(
+            &ns_of("sleep"),
+            &ns_of("httpbin"),
+            &ns_of("waypoint"),
+            httpbin,
+            waypoint,
+        )?;
+        check()?;
+        show_denial_and_metrics(&demo, &ns_of("sleep"), &ns_of("httpbin"), httpbin)?;
     }
     if keep {
         println!("demo: --keep: running until Ctrl-C. Look around:");
@@ -703,6 +742,41 @@ pub fn run(bin_dir: &Path, keep: bool, proxy: Proxy, kube: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+impl Demo {
+    /// A service a waypoint serves: the waypoint stand-in started in its pod, iperf3 from sleep
+    /// to the service's VIP, and what the waypoint saw.
+    fn show_waypoint(
+        &mut self,
+        sleep: &str,
+        httpbin_ns: &str,
+        waypoint_ns: &str,
+        httpbin: Ipv4Addr,
+        waypoint: Ipv4Addr,
+    ) -> Result<()> {
+        let log = self.files.join("waypoint.log");
+        let mut standin = Command::new("nsenter");
+        standin
+            .arg(format!("--net=/var/run/netns/{waypoint_ns}"))
+            .arg(self.bin_dir.join("waypoint-standin"))
+            .arg(format!("{waypoint}:15008"))
+            .arg(self.files.join("ca.pem"))
+            .arg(self.files.join("ca-key.pem"))
+            .args(["waypoint", "httpbin", &format!("{L7_VIP}={httpbin}:{L7_PORT}")]);
+        self.children.push(spawn_logged(standin, None, &log)?);
+        wait_for(&log, "READY", "the waypoint stand-in")?;
+        println!(
+            "demo: iperf3 sleep → service httpbin-l7 ({L7_VIP}), 1 s: its waypoint (the stand-in, pod waypoint on node2) serves it, so node1's proxy sends it there over HBONE, and the waypoint on to httpbin"
+        );
+        let vip: SocketAddr = L7_VIP.parse()?;
+        println!("demo:   {}", iperf3_to(sleep, httpbin_ns, (httpbin, L7_PORT), vip, 1)?);
+        let seen = fs::read_to_string(&log).unwrap_or_default();
+        for line in seen.lines().filter(|l| l.starts_with("CONNECT ")) {
+            println!("demo:   the waypoint saw: {line}");
+        }
+        Ok(())
+    }
 }
 
 /// meshpath-proxy's part of the demo: a connection policy denies, then both proxies' metrics.

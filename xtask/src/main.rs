@@ -271,6 +271,8 @@ fn run(cli: Cli) -> Result<()> {
             ];
             if proxy == demo::Proxy::ZtunnelLike {
                 bins.push(("meshpath-tests", "ztunnel-like"));
+            } else {
+                bins.push(("meshpath-waypoint-standin", "waypoint-standin"));
             }
             let bin_dir = cargo::build_release_bins(path.as_deref(), &bins)?;
             demo::run(&bin_dir, keep, proxy, kube)?;

@@ -1,5 +1,5 @@
-//! A STAND-IN for an Istio waypoint (Envoy cannot run here), for the waypoint tests only: it
-//! speaks HBONE both ways as a waypoint does and nothing of L7.
+//! A STAND-IN for an Istio waypoint (Envoy cannot run here), for the waypoint tests and the
+//! demo, never shipped: it speaks HBONE both ways as a waypoint does and nothing of L7.
 //!
 //! - Listens on `LISTEN` (its netns is the caller's: run it with `ip netns exec`), mutual TLS
 //!   with a certificate for `spiffe://cluster.local/ns/default/sa/OWN_SA` minted from the CA

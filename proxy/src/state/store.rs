@@ -80,6 +80,8 @@ pub struct WorkloadStore {
     services: OrdMap<String, Arc<Service>>,
     policies: Arc<Policies>,
     workload_by_ip: PHashMap<IpAddr, Claims<Workload>>,
+    /// Workloads not kept under their uid (the file's, kept under their position); istiod's
+    /// are found by name.
     workload_by_uid: PHashMap<String, Claims<Workload>>,
     service_by_vip: PHashMap<IpAddr, Claims<Service>>,
     /// Lower-cased.
@@ -268,7 +270,11 @@ impl WorkloadStore {
         for ip in &w.workload_ips {
             claim(&mut self.workload_by_ip, *ip, w.clone(), first_wins);
         }
-        claim(&mut self.workload_by_uid, w.uid.clone(), w.clone(), first_wins);
+        // Kept under its uid (istiod names a workload by it), the map of workloads is its uid
+        // index: a second index would hold every uid again.
+        if name != w.uid {
+            claim(&mut self.workload_by_uid, w.uid.clone(), w.clone(), first_wins);
+        }
         for key in w.services.keys() {
             let mut backends = self.backends.get(key).cloned().unwrap_or_default();
             backends.insert(name.clone(), w.clone());
@@ -408,7 +414,10 @@ impl WorkloadStore {
 
     /// The workload with this uid.
     pub fn by_uid(&self, uid: &str) -> Option<&Workload> {
-        self.workload_by_uid.get(uid).and_then(Claims::served)
+        self.workload_by_uid
+            .get(uid)
+            .and_then(Claims::served)
+            .or_else(|| self.workloads.get(uid).map(|w| &**w))
     }
 
     /// The service with `ip` among its VIPs.

@@ -74,9 +74,22 @@ impl NetnsGuard {
     /// from a process in `cgroup`, so the datapath does not capture it (a peer node's proxy
     /// reaching a pod's HBONE port from its own pod's address).
     pub fn connect_in_cgroup(&self, to: SocketAddr, cgroup: &CgroupGuard) -> Result<TcpStream> {
+        self.connect_from_in_cgroup(None, to, cgroup)
+    }
+
+    /// [`Self::connect_in_cgroup`] from `from` (an address of this namespace) when given.
+    pub fn connect_from_in_cgroup(
+        &self,
+        from: Option<SocketAddr>,
+        to: SocketAddr,
+        cgroup: &CgroupGuard,
+    ) -> Result<TcpStream> {
         let domain = if to.is_ipv4() { socket2::Domain::IPV4 } else { socket2::Domain::IPV6 };
         let sock =
             self.open()?.run(|| socket2::Socket::new(domain, socket2::Type::STREAM, None))??;
+        if let Some(from) = from {
+            sock.bind(&from.into()).with_context(|| format!("binding {from}"))?;
+        }
         in_cgroup(&sock, SocketCall::Connect, &to.into(), cgroup.path()).with_context(|| {
             format!("connecting to {to} from cgroup {}", cgroup.path().display())
         })?;

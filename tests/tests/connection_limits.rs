@@ -261,6 +261,66 @@ fn a_source_holding_connections_in_their_handshake_leaves_other_peers_slots_on_t
     drop(held);
 }
 
+/// An IPv6 source is its /64 (one host is routinely given a whole /64): connections from six
+/// addresses of one /64 that never start TLS hold the /64's share, two, and the other four are
+/// closed; a peer from another /64 still completes its handshake.
+#[test]
+fn ipv6_addresses_of_one_64_share_one_handshake_share_and_another_64_is_served() {
+    let nodes = TwoNodes::start(Setup {
+        args: vec![
+            "--max-handshakes-per-source".into(),
+            "2".into(),
+            "--handshake-timeout-seconds".into(),
+            "120".into(),
+        ],
+        ..Setup::default()
+    });
+    let (a, b) = (&nodes.pods.a, &nodes.pods.b);
+    // Six more addresses of pod a's /64, and a second /64 on both pods.
+    let ours: Vec<String> = (0x100..0x106).map(|i| format!("fd00:199::{i:x}")).collect();
+    for ip in &ours {
+        a.ip(&["addr", "add", &format!("{ip}/64"), "dev", "eth0", "nodad"]).expect("address");
+    }
+    a.ip(&["addr", "add", "fd00:299::1/64", "dev", "eth0", "nodad"]).expect("other /64");
+    b.ip(&["addr", "add", "fd00:299::2/64", "dev", "eth0", "nodad"]).expect("other /64");
+    let gateway = nodes.b(true, 15008);
+    // As a peer proxy connects (the proxies' cgroup: not captured), sending nothing.
+    let connect = |from: &str| -> TcpStream {
+        let from = std::net::SocketAddr::new(from.parse().expect("ip"), 0);
+        a.connect_from_in_cgroup(Some(from), gateway, &nodes.cgroup).expect("connect")
+    };
+    let mut held: Vec<TcpStream> = ours.iter().map(|ip| connect(ip)).collect();
+    let over = [("reason", "handshake_limit"), ("direction", "inbound")];
+    let node2 = &nodes.proxies[1];
+    let refused = node2.wait_metrics(Duration::from_secs(10), |m| {
+        sum_metric(m, "meshpath_connection_errors_total", &over) >= 4.0
+    });
+    assert!(refused, "six addresses of one /64 were not held to one share");
+    let mut open = 0;
+    for c in &mut held {
+        c.set_read_timeout(Some(Duration::from_millis(500))).expect("timeout");
+        match c.read(&mut [0u8; 1]) {
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => open += 1,
+            Ok(0) | Err(_) => {}
+            Ok(_) => panic!("node 2 sent bytes to a client that never started TLS"),
+        }
+    }
+    assert_eq!(open, 2, "the /64 kept other than its share");
+    // A peer from the other /64 completes TLS and HTTP/2 with node 2.
+    let other = connect("fd00:299::1");
+    other.set_nonblocking(true).expect("nonblocking");
+    let cert = nodes.ca.issue(&sa("sa-a"), Duration::from_secs(600)).expect("cert");
+    let roots = std::slice::from_ref(&nodes.ca.cert_der);
+    let config = meshpath_proxy::identity::tls::client_config(&cert, roots, vec![sa("sa-b")])
+        .expect("client config");
+    rt().block_on(async {
+        let tcp = tokio::net::TcpStream::from_std(other).expect("tokio");
+        hbone::handshake(tcp, gateway, config).await.expect("the other /64 was refused")
+    });
+    assert_eq!(node2.metric("meshpath_connection_errors_total", &over).expect("metrics"), 4.0);
+    drop(held);
+}
+
 /// The per-source share counts connections only until their client certificate is checked:
 /// a peer that has proven its identity holds more connections from one address than the share.
 #[test]

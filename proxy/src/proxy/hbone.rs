@@ -22,6 +22,17 @@ pub const MAX_FRAME: u32 = 1 << 20;
 /// more slowly than we write, once per HTTP/2 connection (not per stream).
 pub const TLS_BUFFER_LIMIT: usize = 256 << 10;
 
+/// The HTTP/2 server side of HBONE with the windows and frame size above (h2's defaults, a
+/// 64 KiB window, would throttle a stream to a trickle); callers add their own limits.
+pub fn server_builder() -> h2::server::Builder {
+    let mut builder = h2::server::Builder::new();
+    builder
+        .initial_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_frame_size(MAX_FRAME);
+    builder
+}
+
 /// Why an HBONE connection failed.
 #[derive(Debug, thiserror::Error)]
 pub enum HboneError {

@@ -106,10 +106,7 @@ async fn serve_connection(tcp: TcpStream, peer: SocketAddr, pod: &Arc<Pod>) -> a
     }
     // A workload of the trust domain: what it holds from here is its own to answer for.
     drop(unauthenticated);
-    let handshake = h2::server::Builder::new()
-        .initial_window_size(hbone::STREAM_WINDOW)
-        .initial_connection_window_size(hbone::CONNECTION_WINDOW)
-        .max_frame_size(hbone::MAX_FRAME)
+    let handshake = hbone::server_builder()
         .max_concurrent_streams(200)
         .max_header_list_size(64 * 1024)
         .max_concurrent_reset_streams(100)

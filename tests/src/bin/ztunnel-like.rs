@@ -327,13 +327,8 @@ async fn handle(mut conn: TcpStream, peer: SocketAddr, path: Path, pod: &Pod) ->
 /// Inbound HBONE: mutual TLS with the pod's certificate, then each CONNECT served.
 async fn serve_hbone(tcp: TcpStream, peer: SocketAddr, pod: &Pod) -> Result<()> {
     let tls = tokio_rustls::TlsAcceptor::from(pod.server.clone()).accept(tcp).await?;
-    // ztunnel's HTTP/2 windows (the defaults, 64 KiB, would throttle a stream to a trickle).
-    let mut conn = h2::server::Builder::new()
-        .initial_window_size(hbone::STREAM_WINDOW)
-        .initial_connection_window_size(hbone::CONNECTION_WINDOW)
-        .max_frame_size(hbone::MAX_FRAME)
-        .handshake(tls)
-        .await?;
+    // ztunnel's HTTP/2 windows.
+    let mut conn = hbone::server_builder().handshake(tls).await?;
     while let Some(stream) = conn.accept().await {
         let (req, mut respond) = stream?;
         tokio::spawn(async move {

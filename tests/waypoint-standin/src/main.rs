@@ -95,12 +95,7 @@ async fn connection(
     let cert = tls.get_ref().1.peer_certificates().and_then(|c| c.first());
     let client = tls::peer_identity(cert.context("no client certificate")?)
         .map_err(|e| anyhow::anyhow!("client identity: {e}"))?;
-    let mut conn = h2::server::Builder::new()
-        .initial_window_size(hbone::STREAM_WINDOW)
-        .initial_connection_window_size(hbone::CONNECTION_WINDOW)
-        .max_frame_size(hbone::MAX_FRAME)
-        .handshake(tls)
-        .await?;
+    let mut conn = hbone::server_builder().handshake(tls).await?;
     while let Some(stream) = conn.accept().await {
         let (req, mut respond) = stream?;
         let (waypoint, client) = (waypoint.clone(), client.clone());

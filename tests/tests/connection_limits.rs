@@ -206,6 +206,21 @@ fn an_hbone_connection_left_without_streams_is_closed_after_the_idle_time_and_fr
     });
 }
 
+/// How many of `held`, clients that never started TLS, node 2 keeps open: a read on one waits,
+/// on one it closed the read ends at once.
+fn still_open(held: &mut [TcpStream]) -> usize {
+    let mut open = 0;
+    for c in held {
+        c.set_read_timeout(Some(Duration::from_millis(500))).expect("timeout");
+        match c.read(&mut [0u8; 1]) {
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => open += 1,
+            Ok(0) | Err(_) => {}
+            Ok(_) => panic!("node 2 sent bytes to a client that never started TLS"),
+        }
+    }
+    open
+}
+
 /// A source that opens connections to a pod's HBONE port and never starts TLS holds at most
 /// its share of the pod's inbound cap: its connections beyond it are closed and counted, the
 /// ones within it stay open, and another peer still gets a slot and is served.
@@ -236,16 +251,7 @@ fn a_source_holding_connections_in_their_handshake_leaves_other_peers_slots_on_t
         sum_metric(m, "meshpath_connection_errors_total", &over) >= 4.0
     });
     assert!(refused, "node 2 did not close the connections beyond the source's share");
-    // Two are open (a read waits), four were closed (a read ends at once).
-    let mut open = 0;
-    for c in &mut held {
-        c.set_read_timeout(Some(Duration::from_millis(500))).expect("timeout");
-        match c.read(&mut [0u8; 1]) {
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => open += 1,
-            Ok(0) | Err(_) => {}
-            Ok(_) => panic!("node 2 sent bytes to a client that never started TLS"),
-        }
-    }
+    let open = still_open(&mut held);
     assert_eq!(open, 2, "the source kept other than its share of pod b's inbound");
     // Another peer (pod b's own address here) connects, and its stream reaches the app.
     let cert = nodes.ca.issue(&sa("sa-a"), Duration::from_secs(600)).expect("cert");
@@ -296,15 +302,7 @@ fn ipv6_addresses_of_one_64_share_one_handshake_share_and_another_64_is_served()
         sum_metric(m, "meshpath_connection_errors_total", &over) >= 4.0
     });
     assert!(refused, "six addresses of one /64 were not held to one share");
-    let mut open = 0;
-    for c in &mut held {
-        c.set_read_timeout(Some(Duration::from_millis(500))).expect("timeout");
-        match c.read(&mut [0u8; 1]) {
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => open += 1,
-            Ok(0) | Err(_) => {}
-            Ok(_) => panic!("node 2 sent bytes to a client that never started TLS"),
-        }
-    }
+    let open = still_open(&mut held);
     assert_eq!(open, 2, "the /64 kept other than its share");
     // A peer from the other /64 completes TLS and HTTP/2 with node 2.
     let other = connect("fd00:299::1");

@@ -3,10 +3,11 @@
 //! fails closed, and turning it off stops pairing new connections.
 //!
 //! Not covered because it fails on this kernel (6.18), which is why the shortcut is off by
-//! default (docs/datapath.md): at the end of a stream, a blocking `recv` on a paired socket can
-//! return EAGAIN instead of the remaining bytes and then EOF (every run of a 300 KB echo round
-//! trip followed by shutdown), and a sustained iperf3 stream through the proxy fails with ENOMEM
-//! on some runs and not others.
+//! default (docs/datapath.md): a blocking `recv` on a paired socket returns EAGAIN, long before
+//! its timeout, while another thread writes on the same socket (an echo round trip of 1000 bytes
+//! with the writer on its own thread: 6 of 6 runs; the same read started once the writer was
+//! done, or waiting 300 ms for a peer that speaks first: 0 of 6), and a sustained iperf3 stream
+//! through the proxy fails with ENOMEM on some runs and not others.
 
 use std::io::{Read as _, Write as _};
 

@@ -108,30 +108,12 @@ impl TestProxy {
 
     /// Waits up to `timeout` for a line starting with `prefix`; whether one came.
     pub fn wait_for_line(&self, prefix: &str, timeout: std::time::Duration) -> bool {
-        let deadline = std::time::Instant::now() + timeout;
-        loop {
-            if self.lines().iter().any(|l| l.starts_with(prefix)) {
-                return true;
-            }
-            if std::time::Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
+        crate::wait_until(timeout, || self.lines().iter().any(|l| l.starts_with(prefix)))
     }
 
     /// Waits up to `timeout` for a line containing `needle`; whether one came.
     pub fn wait_for_text(&self, needle: &str, timeout: std::time::Duration) -> bool {
-        let deadline = std::time::Instant::now() + timeout;
-        loop {
-            if self.lines().iter().any(|l| l.contains(needle)) {
-                return true;
-            }
-            if std::time::Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
+        crate::wait_until(timeout, || self.lines().iter().any(|l| l.contains(needle)))
     }
 
     /// The proxy's process id.

@@ -23,6 +23,8 @@ pub enum Status {
     Fallback(String),
     /// Absent, and capture needs it: what to do.
     Missing(String),
+    /// Present but off, because the kernel cannot do it correctly: why.
+    Off(String),
 }
 
 /// One check's outcome.
@@ -56,6 +58,7 @@ impl Check {
                 format!("fallback {}{since}: not in this kernel ({kernel}); {how}", self.what)
             }
             Status::Missing(fix) => format!("MISSING  {}{since}: {fix}", self.what),
+            Status::Off(why) => format!("off      {}{since}: {why}", self.what),
         }
     }
 }
@@ -69,9 +72,23 @@ fn at_least(major: u8, minor: u8) -> bool {
     KernelVersion::current().is_ok_and(|k| k >= KernelVersion::new(major, minor, 0))
 }
 
+/// Why the app↔proxy socket shortcut (sockops + sk_msg, `accelerate on`) stays off on every
+/// kernel meshpath runs on: two defects of the kernel's `tcp_bpf` (net/ipv4/tcp_bpf.c), both
+/// measured on 6.1, 6.12 and 6.18 and both unchanged upstream (docs/datapath.md, issue 36).
+pub const SHORTCUT_DEFECTS: &str = "the kernel's sk_msg redirect into the proxy's socket has no \
+     flow control (a pod writing faster than the proxy forwards queues without bound, up to the \
+     node's whole tcp_mem, then gets ENOMEM, and every TCP socket on the node is under memory \
+     pressure meanwhile), and a blocking read on a paired socket returns EAGAIN when a wake-up \
+     brings no data (the socket's own shutdown(SHUT_WR) does it)";
+
 /// Runs every check.
 pub fn run() -> Vec<Check> {
     let mut out = Vec::new();
+    out.push(Check {
+        what: "app-proxy socket shortcut (sockops + sk_msg)".into(),
+        since: None,
+        status: Status::Off(format!("{SHORTCUT_DEFECTS}; no kernel fixes either yet")),
+    });
     let newer = |v: &str| format!("run Linux {v} or newer");
     out.push(Check {
         what: "TCX links for the per-pod TC counters".into(),

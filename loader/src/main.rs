@@ -48,10 +48,14 @@ enum Cmd {
         #[arg(long)]
         remove: bool,
     },
-    /// Turn the same-node app↔proxy shortcut (sockops + sk_msg) on or off for the node.
+    /// Turn the same-node app↔proxy shortcut (sockops + sk_msg) on or off for the node. It is
+    /// off by default, and `on` is refused without --accept-kernel-defects: see `doctor`.
     Accelerate {
         #[arg(value_parser = ["on", "off"])]
         state: String,
+        /// Turn it on although the kernel cannot do it correctly (doctor says why).
+        #[arg(long)]
+        accept_kernel_defects: bool,
     },
     /// Make host processes (kubelet) probing enrolled pods leave from Istio's probe source
     /// addresses (169.254.7.127, fd16:9254:7127:1337:ffff:ffff:ffff:ffff).
@@ -361,7 +365,13 @@ fn run(cli: Cli) -> Result<()> {
                 println!("registered proxy cgroup {} (id {id})", cgroup.display());
             }
         }
-        Cmd::Accelerate { state } => {
+        Cmd::Accelerate { state, accept_kernel_defects } => {
+            anyhow::ensure!(
+                state == "off" || *accept_kernel_defects,
+                "the app-proxy shortcut stays off: {}; to turn it on anyway, for a measurement, \
+                 add --accept-kernel-defects",
+                meshpath_loader::doctor::SHORTCUT_DEFECTS
+            );
             dp()?.set_acceleration(state == "on")?;
             println!("app-proxy shortcut {state}");
         }

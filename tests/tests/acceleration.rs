@@ -2,12 +2,11 @@
 //! arrives through the proxy, both ends of the hop are paired in LOCAL_SOCKS, capture still
 //! fails closed, and turning it off stops pairing new connections.
 //!
-//! Not covered because it fails on this kernel (6.18), which is why the shortcut is off by
-//! default (docs/datapath.md): a blocking `recv` on a paired socket returns EAGAIN, long before
-//! its timeout, while another thread writes on the same socket (an echo round trip of 1000 bytes
-//! with the writer on its own thread: 6 of 6 runs; the same read started once the writer was
-//! done, or waiting 300 ms for a peer that speaks first: 0 of 6), and a sustained iperf3 stream
-//! through the proxy fails with ENOMEM on some runs and not others.
+//! Not covered, because the kernel gets them wrong on 6.1, 6.12 and 6.18, which is why the
+//! shortcut is off on every kernel (docs/datapath.md, "the sockops + sk_msg shortcut"): a
+//! blocking read ending in EAGAIN after the socket's own shutdown(SHUT_WR), and a sender to a
+//! proxy that forwards slower than it writes, which the kernel queues without bound until the
+//! node's TCP memory runs out (ENOMEM).
 
 use std::io::{Read as _, Write as _};
 

@@ -1,6 +1,7 @@
 //! `meshpath-loader doctor` on the machine the tests run on (this one, and each kernel of the
 //! QEMU matrix): every feature the datapath uses is reported present, or, for one it can do
-//! without, as a fallback; one line per check, each with the first kernel that has it.
+//! without, as a fallback; one line per check, each with the first kernel that has it. The
+//! app↔proxy socket shortcut is reported off, with the kernel's reasons.
 
 use meshpath_tests::{loader, require_root, PinRoot};
 
@@ -21,9 +22,17 @@ fn doctor_reports_every_feature_present_or_with_its_fallback_one_line_each() {
     assert_eq!(lines[0], format!("kernel   Linux {kernel}"));
     let checks = &lines[1..];
     assert!(
-        checks.iter().all(|l| l.starts_with("ok       ") || l.starts_with("fallback ")),
+        checks.iter().all(|l| l.starts_with("ok       ")
+            || l.starts_with("fallback ")
+            || l.starts_with("off      ")),
         "{stdout}"
     );
+    // The one feature off on every kernel, with both of the kernel's defects named.
+    let off: Vec<&&str> = checks.iter().filter(|l| l.starts_with("off")).collect();
+    assert_eq!(off.len(), 1, "{stdout}");
+    for why in ["shortcut", "no flow control", "ENOMEM", "EAGAIN"] {
+        assert!(off[0].contains(why), "{}", off[0]);
+    }
     // TCX is the one feature with a fallback; the kernel has it from 6.6.
     let tcx = checks.iter().find(|l| l.contains("TCX")).expect("a TCX check");
     assert!(tcx.contains("(Linux 6.6+)"), "{tcx}");

@@ -96,6 +96,10 @@ pub mod reason {
     /// app with CAP_NET_RAW or CAP_NET_ADMIN): not filed, so nothing reaches the app past the
     /// proxy from that address.
     pub const TRANSPARENT_NOT_PROXY: u32 = 81;
+    // TC egress on an enrolled pod's interface.
+    /// A TCP segment that no TCP socket sent (a raw or packet socket's) and that could open a
+    /// connection or carry data: dropped, so it cannot reach a peer past the proxy.
+    pub const EGRESS_DROP_NOT_TCP_SOCKET: u32 = 100;
 }
 
 /// (code, hook, decision, reason) for every reason code: labels for people and metrics.
@@ -124,6 +128,7 @@ pub const REASONS: &[(u32, &str, &str, &str)] = &[
     (reason::ORIGINAL_DST_REFUSED, "getsockopt", "refused", "no captured connection"),
     (reason::BIND_REFUSED_PROXY_PORT, "bind", "refused", "proxy port"),
     (reason::TRANSPARENT_NOT_PROXY, "sock_ops", "refused", "transparent connect outside the proxy"),
+    (reason::EGRESS_DROP_NOT_TCP_SOCKET, "tc egress", "dropped", "tcp not from a tcp socket"),
 ];
 
 /// The labels of a reason code (`None` for a code this build does not know).
@@ -141,13 +146,14 @@ pub fn is_drop(code: u32) -> bool {
             | reason::ORIGINAL_DST_REFUSED
             | reason::BIND_REFUSED_PROXY_PORT
             | reason::TRANSPARENT_NOT_PROXY
+            | reason::EGRESS_DROP_NOT_TCP_SOCKET
     )
 }
 
 /// Capacity of `DECISIONS`: every reason for every pod, and the node-wide ones.
 pub const MAX_DECISION_KEYS: u32 = (crate::consts::MAX_PODS + 1) * REASON_SLOTS;
 /// Reasons per pod the map is sized for (at least `REASONS.len()`).
-pub const REASON_SLOTS: u32 = 24;
+pub const REASON_SLOTS: u32 = 25;
 
 /// Size of the monitor's ring buffer (a power of two, a multiple of the page size).
 pub const MONITOR_RING_BYTES: u32 = 256 * 1024;

@@ -219,7 +219,8 @@ struct EnrolArgs {
     /// Capture kubelet probes too (by default they reach the app directly, as in Istio).
     #[arg(long)]
     no_probe_bypass: bool,
-    /// Skip the per-pod TC packet/byte counters (their TCX attachment is the slow part).
+    /// Skip the per-pod TC counter of incoming packets and bytes (a TCX attachment is the slow
+    /// part); the egress program, which guards, is always attached.
     #[arg(long)]
     no_counters: bool,
 }

@@ -58,7 +58,9 @@ pub struct EnrolOptions {
     pub probe_bypass: bool,
     /// Send the pod's DNS (UDP and TCP to port 53) to the proxy's DNS listener (15053).
     pub capture_dns: bool,
-    /// Count the pod's packets and bytes with TC programs on its interface.
+    /// Count the packets and bytes entering the pod with a TC program on its interface. The
+    /// egress program (which counts what leaves and drops TCP that no TCP socket sent) is
+    /// always attached.
     pub counters: bool,
     /// The pod's addresses (from the CNI result); empty: read them from its netns.
     pub pod_ips: Vec<IpAddr>,
@@ -201,11 +203,7 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
     let dir = dp.pod_dir(cookie);
     fs::create_dir(&dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
     link_sk_lookup(dp, netns, &dir, &pod, opts.capture_inbound)?;
-    let ifindex = if opts.counters {
-        netns.run(|| attach_tc(dp, cookie, &dir, &pod, &opts.iface))??
-    } else {
-        0
-    };
+    let ifindex = netns.run(|| attach_tc(dp, cookie, &dir, &pod, &opts.iface, opts.counters))??;
 
     // Last: the PODS entry is what turns capture on for the pod.
     let mut info = PodInfo::new(ifindex, netns.inode(), &pod);
@@ -365,10 +363,11 @@ pub fn tcx_supported() -> bool {
     KernelVersion::current().is_ok_and(|k| k >= KernelVersion::new(6, 6, 0))
 }
 
-/// Loads the pod's instance of the TC counters (they key on a load-time constant), attaches
+/// Loads the pod's instance of the TC programs (they key on a load-time constant), attaches
 /// them to `iface` in the calling thread's netns (the pod's) and, with TCX, pins the links in
-/// `dir`. Returns the interface index. TCX attachment costs the kernel an RCU grace period per
-/// link (~12 ms here): counters are optional.
+/// `dir`: egress always (it guards, `raw_tcp_guard.rs`), ingress with `ingress_counter`.
+/// Returns the interface index. TCX attachment costs the kernel an RCU grace period per link
+/// (~12 ms here): the ingress counter is optional.
 ///
 /// Below 6.6 (no TCX) the programs go in as netlink filters on a clsact qdisc, which is what the
 /// kernel has there. Such a filter is not a bpf link: it cannot be pinned and stays attached
@@ -380,6 +379,7 @@ fn attach_tc(
     dir: &Path,
     pod: &str,
     iface: &str,
+    ingress_counter: bool,
 ) -> Result<u32> {
     let ifindex = nix::net::if_::if_nametoindex(iface)
         .map_err(|_| Error::NoSuchInterface { pod: pod.to_owned(), iface: iface.to_owned() })?;
@@ -396,9 +396,12 @@ fn attach_tc(
     let mut ebpf = dp.load_pod_object(cookie)?;
     let attached = (|| {
         for (program, attach_type, pin) in [
-            (programs::TC_POD_INGRESS, TcAttachType::Ingress, link_pins::TC_INGRESS),
             (programs::TC_POD_EGRESS, TcAttachType::Egress, link_pins::TC_EGRESS),
+            (programs::TC_POD_INGRESS, TcAttachType::Ingress, link_pins::TC_INGRESS),
         ] {
+            if attach_type == TcAttachType::Ingress && !ingress_counter {
+                continue;
+            }
             let prog: &mut SchedClassifier = ebpf
                 .program_mut(program)
                 .and_then(|p| p.try_into().ok())

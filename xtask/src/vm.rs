@@ -44,6 +44,7 @@ const GUEST_SUITES: &[(&str, &[&str])] = &[
     ("dns_capture", &[]),
     ("pod_counters", &[]),
     ("decisions", &[]),
+    ("raw_sockets", &[]),
     ("cni", &["a_meshed_pod_is_captured_from_its_first_connection"]),
 ];
 

@@ -63,8 +63,7 @@ pub async fn join(agent: &Arc<Agent>, member: &Member, sandbox: Sandbox) -> anyh
     }
     let pod = LivePod { record, netns: Arc::new(netns) };
     if let Err(e) = agent.zds.add(&pod).await {
-        let cookie = pod.record.cookie;
-        agent.with_datapath(|dp| Ok(pods::unenrol(dp, cookie)?))?;
+        agent.with_datapath(|dp| Ok(pods::unenrol_netns(dp, &pod.netns)?))?;
         records::delete(state, &pod.record.uid)?;
         anyhow::bail!("the node proxy did not take the pod: {e}");
     }
@@ -87,8 +86,9 @@ pub async fn leave(agent: &Arc<Agent>, uid: &str) -> anyhow::Result<()> {
     }
     let pod = agent.pods.lock().map_err(|_| anyhow::anyhow!("pods lock"))?.remove(uid);
     if let Some(p) = &pod {
-        let cookie = p.record.cookie;
-        agent.with_datapath(|dp| match pods::unenrol(dp, cookie) {
+        // Through the netns: below 6.6 the egress guard is a netlink filter only the netns can
+        // take off.
+        agent.with_datapath(|dp| match pods::unenrol_netns(dp, &p.netns) {
             Ok(()) | Err(crate::Error::NotEnrolled { .. }) => Ok(()),
             Err(e) => Err(e.into()),
         })?;

@@ -1,0 +1,193 @@
+//! The pod's interface, egress: TCP that no TCP socket sent does not leave an enrolled pod.
+//!
+//! The capture hooks run when a TCP socket connects, so a pod's raw socket (`SOCK_RAW`,
+//! CAP_NET_RAW, which runtimes grant by default) or packet socket (`AF_PACKET`) can hand-build a
+//! SYN that no hook sees and reach a peer past the proxy. istio-cni's nat OUTPUT rules see a raw
+//! IP socket's SYN (netfilter's LOCAL_OUT runs for it) and redirect it to the proxy; here this
+//! program, on the pod's interface, drops it. A packet socket's frames pass no netfilter hook, so
+//! istio-cni lets them out; this program sees them unless the socket asks for
+//! `PACKET_QDISC_BYPASS`, which skips TC egress as well (docs/datapath.md, "Known limits").
+//!
+//! What passes untouched: everything that is not TCP, and TCP sent by a kernel TCP socket,
+//! which capture has already decided on (app, proxy, excluded port or prefix, probe reply).
+//! What passes from any other sender: segments that can open nothing, as the kernel's own
+//! control socket (itself a raw TCP socket) sends them: resets and bare ACKs, no SYN, no data,
+//! not fragmented. Anything else is dropped and counted (`EGRESS_DROP_NOT_TCP_SOCKET`).
+
+use aya_ebpf::{
+    bindings::{bpf_sock, TC_ACT_SHOT, TC_ACT_UNSPEC},
+    helpers::bpf_sk_fullsock,
+    programs::TcContext,
+};
+use core::ptr::{addr_of, read_volatile};
+use datapath_common::decisions::reason;
+
+use crate::{
+    decisions::{mapped, record, Tuple},
+    maps::POD_COOKIE,
+};
+
+/// TCX verdict "continue with the next program on this hook" (TCX_NEXT == TC_ACT_UNSPEC).
+pub const TCX_NEXT: i32 = TC_ACT_UNSPEC;
+/// TCX and cls_bpf verdict "drop".
+const DROP: i32 = TC_ACT_SHOT as i32;
+
+const ETH_HLEN: usize = 14;
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
+const IPPROTO_TCP: u8 = 6;
+const SOCK_STREAM: u32 = 1;
+const TCP_SYN: u8 = 0x02;
+/// IPv6 extension headers walked before giving up (each one a helper call).
+const MAX_EXTENSION_HEADERS: usize = 4;
+
+/// What the headers say about a packet.
+enum Segment {
+    /// Not TCP: not this program's business.
+    NotTcp,
+    /// A TCP segment that opens nothing and carries nothing (a reset or a bare ACK).
+    Control,
+    /// Anything else TCP: a SYN, data, a fragment, headers this program cannot walk.
+    Other(Tuple),
+}
+
+/// The verdict for one packet leaving the pod.
+#[inline(always)]
+pub fn egress(ctx: &TcContext) -> i32 {
+    if sent_by_tcp_socket(ctx) {
+        return TCX_NEXT;
+    }
+    match segment(ctx) {
+        Segment::NotTcp | Segment::Control => TCX_NEXT,
+        Segment::Other(t) => {
+            record(ctx, POD_COOKIE.load(), reason::EGRESS_DROP_NOT_TCP_SOCKET, || t);
+            DROP
+        }
+    }
+}
+
+/// Whether the kernel's TCP sent this: the skb's socket is a TCP stream socket, or one of TCP's
+/// own mini sockets (a request socket's SYN-ACK, a TIME_WAIT socket's ACK), which are not full
+/// sockets. No socket at all passes too: locally sent packets always carry theirs, so none
+/// means forwarded, which a pod cannot turn on without CAP_NET_ADMIN.
+#[inline(always)]
+fn sent_by_tcp_socket(ctx: &TcContext) -> bool {
+    // SAFETY: `skb` is the kernel's __sk_buff for this run; `sk` is read with one 8-byte load
+    // at its fixed offset, which the verifier rewrites into skb->sk (or NULL).
+    let sk: *mut bpf_sock = unsafe { read_volatile(addr_of!((*ctx.skb.skb).__bindgen_anon_2.sk)) };
+    if sk.is_null() {
+        return true;
+    }
+    // SAFETY: `sk` is non-NULL as the verifier requires; the helper answers NULL for the mini
+    // sockets.
+    let full = unsafe { bpf_sk_fullsock(sk) };
+    if full.is_null() {
+        return true;
+    }
+    // SAFETY: `type` and `protocol` are readable on a full socket (the verifier refuses them on
+    // the socket from `skb->sk` before bpf_sk_fullsock).
+    unsafe {
+        read_volatile(addr_of!((*full).type_)) == SOCK_STREAM
+            && read_volatile(addr_of!((*full).protocol)) == u32::from(IPPROTO_TCP)
+    }
+}
+
+/// Reads the headers (through bpf_skb_load_bytes, so any offset is checked at run time).
+/// Unreadable headers of a TCP packet count as [`Segment::Other`].
+#[inline(always)]
+fn segment(ctx: &TcContext) -> Segment {
+    match u16::from_be(ctx.skb.protocol() as u16) {
+        ETH_P_IP => v4(ctx),
+        ETH_P_IPV6 => v6(ctx),
+        _ => Segment::NotTcp,
+    }
+}
+
+#[inline(always)]
+fn v4(ctx: &TcContext) -> Segment {
+    let ip = ETH_HLEN;
+    match ctx.load::<u8>(ip + 9) {
+        Ok(IPPROTO_TCP) => {}
+        Ok(_) => return Segment::NotTcp,
+        Err(_) => return Segment::Other(Tuple::default()),
+    }
+    let dst = ctx.load::<u32>(ip + 16).unwrap_or(0);
+    let mut t = Tuple { dst: mapped(dst), ..Tuple::default() };
+    let (Ok(ver_ihl), Ok(total), Ok(frag)) =
+        (ctx.load::<u8>(ip), ctx.load::<u16>(ip + 2), ctx.load::<u16>(ip + 6))
+    else {
+        return Segment::Other(t);
+    };
+    // A fragment: the flags may be in a later one (or this is one), which this cannot see.
+    if u16::from_be(frag) & 0x3fff != 0 {
+        return Segment::Other(t);
+    }
+    let ihl = usize::from(ver_ihl & 0x0f) * 4;
+    tcp(ctx, ip + ihl, usize::from(u16::from_be(total)).saturating_sub(ihl), &mut t)
+}
+
+#[inline(always)]
+fn v6(ctx: &TcContext) -> Segment {
+    let ip = ETH_HLEN;
+    let (Ok(payload), Ok(mut next)) = (ctx.load::<u16>(ip + 4), ctx.load::<u8>(ip + 6)) else {
+        return Segment::Other(Tuple::default());
+    };
+    let mut t = Tuple::default();
+    for (i, w) in t.dst.iter_mut().enumerate() {
+        *w = ctx.load::<u32>(ip + 24 + 4 * i).unwrap_or(0);
+    }
+    let mut off = ip + 40;
+    let mut left = usize::from(u16::from_be(payload));
+    // Bounded for the verifier; a chain longer than this is refused, not walked.
+    for _ in 0..MAX_EXTENSION_HEADERS {
+        let len = match next {
+            IPPROTO_TCP => return tcp(ctx, off, left, &mut t),
+            // Hop-by-hop, routing, destination options: (length + 1) * 8 bytes.
+            0 | 43 | 60 => match ctx.load::<u8>(off + 1) {
+                Ok(l) => (usize::from(l) + 1) * 8,
+                Err(_) => return Segment::Other(t),
+            },
+            // Fragment: 8 bytes; TCP behind it is a fragment of a segment.
+            44 => match ctx.load::<u8>(off) {
+                Ok(IPPROTO_TCP) => return Segment::Other(t),
+                Ok(_) => return Segment::NotTcp,
+                Err(_) => return Segment::Other(t),
+            },
+            // Authentication header: (length + 2) * 4 bytes.
+            51 => match ctx.load::<u8>(off + 1) {
+                Ok(l) => (usize::from(l) + 2) * 4,
+                Err(_) => return Segment::Other(t),
+            },
+            _ => return Segment::NotTcp,
+        };
+        next = match ctx.load::<u8>(off) {
+            Ok(n) => n,
+            Err(_) => return Segment::Other(t),
+        };
+        off += len;
+        left = left.saturating_sub(len);
+    }
+    if next == IPPROTO_TCP {
+        tcp(ctx, off, left, &mut t)
+    } else {
+        Segment::Other(t)
+    }
+}
+
+/// The TCP header at `off`, `len` bytes of segment (header and data) after it.
+#[inline(always)]
+fn tcp(ctx: &TcContext, off: usize, len: usize, t: &mut Tuple) -> Segment {
+    let (Ok(ports), Ok(doff), Ok(flags)) =
+        (ctx.load::<[u16; 2]>(off), ctx.load::<u8>(off + 12), ctx.load::<u8>(off + 13))
+    else {
+        return Segment::Other(*t);
+    };
+    t.src_port = u16::from_be(ports[0]);
+    t.dst_port = u16::from_be(ports[1]);
+    let header = usize::from(doff >> 4) * 4;
+    if flags & TCP_SYN == 0 && len <= header {
+        Segment::Control
+    } else {
+        Segment::Other(*t)
+    }
+}

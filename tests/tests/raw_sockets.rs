@@ -1,0 +1,280 @@
+//! Raw and packet sockets in an enrolled pod (CAP_NET_RAW, which runtimes grant by default):
+//! a TCP SYN the pod builds by hand never reaches a peer past the proxy, and the datapath counts
+//! the drop; the pod's kernel still sends its own resets. Each "never reaches" test has a real
+//! listener behind the destination, whose answer (a SYN-ACK) the sender would see, and reads
+//! the peer's count of TCP segments received, which must not move; the first test shows the
+//! same SYN from a pod outside the mesh is answered.
+
+use std::{
+    io,
+    mem::MaybeUninit,
+    net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream},
+    os::fd::{AsRawFd as _, FromRawFd as _},
+    time::{Duration, Instant},
+};
+
+use meshpath_loader::decisions;
+use meshpath_tests::{Mesh, NetnsGuard};
+use socket2::{Domain, Protocol, Socket, Type};
+
+const SYN: u8 = 0x02;
+const ACK: u8 = 0x10;
+/// The source port the hand-built SYNs claim (no socket of the sender has it).
+const SRC_PORT: u16 = 40404;
+
+/// The one's-complement sum of 16-bit words, folded.
+fn checksum(chunks: &[&[u8]]) -> u16 {
+    let mut sum = 0u32;
+    for chunk in chunks {
+        for pair in chunk.chunks(2) {
+            sum += u32::from(u16::from_be_bytes([pair[0], *pair.get(1).unwrap_or(&0)]));
+        }
+    }
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// A 20-byte TCP header with only SYN set, its checksum over the pseudo-header of src → dst.
+fn tcp_syn(src: SocketAddr, dst: SocketAddr) -> Vec<u8> {
+    let mut tcp = vec![0u8; 20];
+    tcp[0..2].copy_from_slice(&src.port().to_be_bytes());
+    tcp[2..4].copy_from_slice(&dst.port().to_be_bytes());
+    tcp[4..8].copy_from_slice(&0x1234_5678u32.to_be_bytes());
+    tcp[12] = 5 << 4;
+    tcp[13] = SYN;
+    tcp[14..16].copy_from_slice(&64240u16.to_be_bytes());
+    let len = (tcp.len() as u32).to_be_bytes();
+    let sum = match (src.ip(), dst.ip()) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            checksum(&[&s.octets(), &d.octets(), &[0, 6], &len[2..], &tcp])
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            checksum(&[&s.octets(), &d.octets(), &len, &[0, 0, 0, 6], &tcp])
+        }
+        _ => panic!("mixed families"),
+    };
+    tcp[16..18].copy_from_slice(&sum.to_be_bytes());
+    tcp
+}
+
+/// An IPv4 header (20 bytes, DF) in front of `tcp`.
+fn ipv4(src: Ipv4Addr, dst: Ipv4Addr, tcp: &[u8]) -> Vec<u8> {
+    let mut ip = vec![0u8; 20];
+    ip[0] = 0x45;
+    ip[2..4].copy_from_slice(&((20 + tcp.len()) as u16).to_be_bytes());
+    ip[6] = 0x40;
+    ip[8] = 64;
+    ip[9] = 6;
+    ip[12..16].copy_from_slice(&src.octets());
+    ip[16..20].copy_from_slice(&dst.octets());
+    let sum = checksum(&[&ip]);
+    ip[10..12].copy_from_slice(&sum.to_be_bytes());
+    ip.extend_from_slice(tcp);
+    ip
+}
+
+/// A raw TCP socket made in `ns` (as the pod's app would make it), which also receives a copy
+/// of every TCP segment arriving there.
+fn raw_tcp(ns: &NetnsGuard, v6: bool) -> Socket {
+    let domain = if v6 { Domain::IPV6 } else { Domain::IPV4 };
+    let s = ns
+        .open()
+        .expect("netns")
+        .run(|| Socket::new(domain, Type::RAW, Some(Protocol::TCP)))
+        .expect("enter netns")
+        .expect("raw socket");
+    s.set_read_timeout(Some(Duration::from_millis(100))).expect("timeout");
+    s
+}
+
+/// Whether a SYN-ACK from `peer` to [`SRC_PORT`] arrives on `raw` within `wait`.
+fn syn_ack_from(raw: &Socket, peer: SocketAddr, wait: Duration) -> bool {
+    let deadline = Instant::now() + wait;
+    let mut buf = [MaybeUninit::<u8>::uninit(); 2048];
+    while Instant::now() < deadline {
+        let (n, from) = match raw.recv_from(&mut buf) {
+            Ok(r) => r,
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                continue
+            }
+            Err(e) => panic!("reading the raw socket: {e}"),
+        };
+        // SAFETY: recv_from initialised the first n bytes.
+        let pkt: Vec<u8> = buf[..n].iter().map(|b| unsafe { b.assume_init() }).collect();
+        // IPv4 raw sockets receive the IP header, IPv6 ones start at TCP.
+        let tcp = if peer.is_ipv4() { &pkt[usize::from(pkt[0] & 0x0f) * 4..] } else { &pkt[..] };
+        let from_ip = from.as_socket().map(|a| a.ip());
+        if tcp.len() >= 20
+            && from_ip == Some(peer.ip())
+            && u16::from_be_bytes([tcp[0], tcp[1]]) == peer.port()
+            && u16::from_be_bytes([tcp[2], tcp[3]]) == SRC_PORT
+            && tcp[13] & (SYN | ACK) == SYN | ACK
+        {
+            return true;
+        }
+    }
+    false
+}
+
+/// TCP segments received in `ns` so far (its `Tcp: InSegs`, IPv4 and IPv6 together).
+fn tcp_in_segs(ns: &NetnsGuard) -> u64 {
+    let snmp = ns
+        .open()
+        .expect("netns")
+        .run(|| std::fs::read_to_string("/proc/thread-self/net/snmp"))
+        .expect("enter netns")
+        .expect("snmp");
+    let mut tcp = snmp.lines().filter(|l| l.starts_with("Tcp:"));
+    let (names, values) = (tcp.next().expect("Tcp names"), tcp.next().expect("Tcp values"));
+    let i = names.split_whitespace().position(|n| n == "InSegs").expect("InSegs");
+    values.split_whitespace().nth(i).expect("InSegs value").parse().expect("a number")
+}
+
+/// How many TCP segments the datapath dropped on pod a's way out because no TCP socket sent them.
+fn dropped(mesh: &Mesh) -> u64 {
+    let cookie = mesh.pods.a.open().expect("netns a").cookie();
+    decisions::of(&mesh.datapath(), cookie)
+        .expect("decisions")
+        .iter()
+        .find(|d| d.hook == "tc egress" && d.decision == "dropped")
+        .map_or(0, |d| d.count)
+}
+
+/// What a "never reaches" test checks after sending its SYN: no answer, nothing received by the
+/// peer, one drop counted.
+fn assert_never_reached(mesh: &Mesh, raw: &Socket, dst: SocketAddr, segs_before: u64) {
+    assert!(!syn_ack_from(raw, dst, Duration::from_secs(1)), "{dst} answered the hand-built SYN");
+    assert_eq!(tcp_in_segs(&mesh.pods.b), segs_before, "pod b received TCP from pod a");
+    assert!(dropped(mesh) >= 1, "no drop counted");
+}
+
+#[test]
+fn a_raw_syn_from_a_pod_outside_the_mesh_is_answered() {
+    // The control for the tests below: the same SYN, sent by pod b (not enrolled) to a
+    // listener in pod a, gets its SYN-ACK.
+    let mesh = Mesh::capturing();
+    let dst = SocketAddr::new(mesh.pods.a_ip.into(), 8870);
+    let _listener = mesh.pods.a.listen(dst).expect("listener in a");
+    let raw = raw_tcp(&mesh.pods.b, false);
+    let src = SocketAddr::new(mesh.pods.b_ip.into(), SRC_PORT);
+    raw.send_to(&tcp_syn(src, dst), &dst.into()).expect("send");
+    assert!(syn_ack_from(&raw, dst, Duration::from_secs(2)), "no SYN-ACK from {dst}");
+}
+
+#[test]
+fn a_raw_socket_syn_from_a_meshed_pod_never_reaches_the_peer() {
+    let mesh = Mesh::capturing();
+    let dst = SocketAddr::new(mesh.pods.b_ip.into(), 8871);
+    let _listener = mesh.pods.b.listen(dst).expect("listener in b");
+    let raw = raw_tcp(&mesh.pods.a, false);
+    let before = tcp_in_segs(&mesh.pods.b);
+    let src = SocketAddr::new(mesh.pods.a_ip.into(), SRC_PORT);
+    raw.send_to(&tcp_syn(src, dst), &dst.into()).expect("the kernel accepts the send");
+    assert_never_reached(&mesh, &raw, dst, before);
+}
+
+#[test]
+fn a_raw_socket_syn_over_ipv6_never_reaches_the_peer() {
+    let mesh = Mesh::capturing();
+    let dst = SocketAddr::new(mesh.pods.b_ip6.into(), 8872);
+    let _listener = mesh.pods.b.listen(dst).expect("listener in b");
+    let raw = raw_tcp(&mesh.pods.a, true);
+    let before = tcp_in_segs(&mesh.pods.b);
+    let src = SocketAddr::new(mesh.pods.a_ip6.into(), SRC_PORT);
+    // An IPv6 raw socket takes the destination's port as 0 (it names a protocol there).
+    let to = SocketAddr::new(dst.ip(), 0);
+    raw.send_to(&tcp_syn(src, dst), &to.into()).expect("the kernel accepts the send");
+    assert_never_reached(&mesh, &raw, dst, before);
+}
+
+#[test]
+fn a_packet_socket_syn_from_a_meshed_pod_never_reaches_the_peer() {
+    let mesh = Mesh::capturing();
+    let dst = SocketAddr::new(mesh.pods.b_ip.into(), 8873);
+    let _listener = mesh.pods.b.listen(dst).expect("listener in b");
+    let raw = raw_tcp(&mesh.pods.a, false);
+    let before = tcp_in_segs(&mesh.pods.b);
+    let b_mac = mac_of_eth0(&mesh.pods.b);
+    let src = SocketAddr::new(mesh.pods.a_ip.into(), SRC_PORT);
+    let frame = ipv4(mesh.pods.a_ip, mesh.pods.b_ip, &tcp_syn(src, dst));
+    let sent = mesh.pods.a.open().expect("netns a").run(|| send_on_packet_socket(&frame, b_mac));
+    // A packet socket hears of a drop at TC egress: ENOBUFS (NET_XMIT_DROP).
+    match sent.expect("enter netns") {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {}
+        Err(e) => panic!("sending the frame: {e}"),
+    }
+    assert_never_reached(&mesh, &raw, dst, before);
+}
+
+#[test]
+fn a_reset_from_the_pods_kernel_still_leaves_it() {
+    // The kernel answers a SYN to a closed port with a reset from its own raw TCP socket: it must
+    // pass, or the client waits out its SYN retries instead of being refused.
+    let mesh = Mesh::capturing();
+    for ip in [IpAddr::from(mesh.pods.a_ip), IpAddr::from(mesh.pods.a_ip6)] {
+        let closed = SocketAddr::new(ip, 8874);
+        let err = mesh
+            .pods
+            .b
+            .open()
+            .expect("netns b")
+            .run(|| TcpStream::connect_timeout(&closed, Duration::from_secs(3)))
+            .expect("enter netns")
+            .expect_err("nothing listens there");
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{closed}: {err}");
+    }
+    assert_eq!(dropped(&mesh), 0);
+}
+
+/// eth0's MAC address in `ns`.
+fn mac_of_eth0(ns: &NetnsGuard) -> [u8; 6] {
+    let out = ns.ip(&["-o", "link", "show", "eth0"]).expect("ip link");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let hex = text
+        .split_whitespace()
+        .skip_while(|w| *w != "link/ether")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no MAC in {text}"));
+    let mut mac = [0u8; 6];
+    for (m, h) in mac.iter_mut().zip(hex.split(':')) {
+        *m = u8::from_str_radix(h, 16).expect("hex");
+    }
+    mac
+}
+
+/// Sends one IPv4 packet out of eth0 of the calling thread's netns on an `AF_PACKET` socket
+/// (the kernel adds the Ethernet header, to `mac`).
+fn send_on_packet_socket(packet: &[u8], mac: [u8; 6]) -> io::Result<()> {
+    const ETH_P_IP: u16 = 0x0800;
+    // SAFETY: plain socket calls on a descriptor this function owns (closed on return), with
+    // a sockaddr_ll fully initialised here.
+    unsafe {
+        let fd = libc::socket(libc::AF_PACKET, libc::SOCK_DGRAM, i32::from(ETH_P_IP.to_be()));
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let fd = std::os::fd::OwnedFd::from_raw_fd(fd);
+        let ifindex = libc::if_nametoindex(c"eth0".as_ptr());
+        let mut addr: libc::sockaddr_ll = std::mem::zeroed();
+        addr.sll_family = libc::AF_PACKET as u16;
+        addr.sll_protocol = ETH_P_IP.to_be();
+        addr.sll_ifindex = ifindex as i32;
+        addr.sll_halen = 6;
+        addr.sll_addr[..6].copy_from_slice(&mac);
+        let n = libc::sendto(
+            fd.as_raw_fd(),
+            packet.as_ptr().cast(),
+            packet.len(),
+            0,
+            std::ptr::addr_of!(addr).cast(),
+            std::mem::size_of::<libc::sockaddr_ll>() as u32,
+        );
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}

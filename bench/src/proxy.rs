@@ -286,7 +286,7 @@ fn scenario(name: &str, secs: f64, proxy_args: &[String], store: Store) -> Resul
 
 /// Each scenario's metrics (the median over rounds goes in the results file) and their column
 /// in the printed table. The last three are the proxies' own, measured for `hbone` only.
-const KEYS: [(&str, &str); 11] = [
+const KEYS: [(&str, &str); 13] = [
     ("throughput_gbps", "Gbit/s 1 stream"),
     ("throughput_4_gbps", "Gbit/s 4 streams"),
     ("rr_p50_us", "RR p50 µs"),
@@ -295,6 +295,8 @@ const KEYS: [(&str, &str); 11] = [
     ("rr_p50_us_100", "RR p50 µs, 100 clients"),
     ("rr_p99_us_100", "RR p99 µs, 100 clients"),
     ("conn_per_s_100", "conn/s, 100 clients"),
+    ("rr_cpu_us_100", "CPU µs/RR, 100 clients"),
+    ("rr_busy_100", "CPU busy, 100 clients"),
     ("cpu_s_per_gb", "proxy CPU s/GB"),
     ("rss_kib_per_conn", "RSS KiB/open stream"),
     ("rss_kib_per_idle_conn", "RSS KiB/idle pooled conn"),
@@ -388,6 +390,21 @@ pub fn run(
     {
         if let (Some(p50), Some(p99)) = (added(p50), added(p99)) {
             println!("added request/response latency, {clients} client(s): p50 {p50:.1} µs, p99 {p99:.1} µs");
+        }
+    }
+    // Little's law: with every CPU busy, N clients each waiting for one round trip see a mean
+    // of N × (CPU per round trip) / CPUs; a p50 near it is CPU, not a queue in front of idle CPUs.
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    for name in ["direct", "hbone"] {
+        let s = &scenarios[name];
+        if let (Some(cpu), Some(busy), Some(p50)) =
+            (s["rr_cpu_us_100"].as_f64(), s["rr_busy_100"].as_f64(), s["rr_p50_us_100"].as_f64())
+        {
+            println!(
+                "{name}, 100 clients: {cpu:.1} µs of CPU per round trip, CPUs {:.0}% busy; 100 × that / {cpus} CPUs = {:.0} µs, p50 {p50:.0} µs",
+                busy * 100.0,
+                100.0 * cpu / cpus
+            );
         }
     }
     eprintln!("bench: wrote {} and {}", out.display(), crate::charts::write_for(out)?.display());

@@ -7,7 +7,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 use meshpath_loader::netns::Netns;
 use serde_json::{json, Map, Value};
 
@@ -115,25 +115,52 @@ pub fn record_rate_and_latency(
 ) {
     for (clients, suffix) in [(1, ""), (100, "_100")] {
         record(out, name, &format!("conn_per_s{suffix}"), conn_per_s(ns, oneshot, secs, clients));
-        let (p50, p99) = match rr_latency(ns, rr, 2_000, 20_000, clients) {
-            Ok((p50, p99)) => (Ok(p50), Ok(p99)),
-            Err(e) => (Err(anyhow::anyhow!("{e:#}")), Err(e)),
-        };
-        record(out, name, &format!("rr_p50_us{suffix}"), p50);
-        record(out, name, &format!("rr_p99_us{suffix}"), p99);
+        let rr = rr_latency(ns, rr, 2_000, 20_000, clients);
+        let key = |k: &str| format!("{k}{suffix}");
+        for (k, v) in [
+            ("rr_p50_us", rr.as_ref().map(|r| r.p50_us)),
+            ("rr_p99_us", rr.as_ref().map(|r| r.p99_us)),
+            ("rr_cpu_us", rr.as_ref().map(|r| r.cpu_us_per_rr)),
+            ("rr_busy", rr.as_ref().map(|r| r.busy)),
+        ] {
+            record(out, name, &key(k), v.map_err(|e| anyhow::anyhow!("{e:#}")));
+        }
     }
 }
 
+/// What a request/response run measured.
+pub struct Rr {
+    /// Round-trip latency percentiles, µs.
+    pub p50_us: f64,
+    pub p99_us: f64,
+    /// The whole machine's busy CPU time per round trip (every process and the kernel), µs.
+    pub cpu_us_per_rr: f64,
+    /// The share of all CPUs busy meanwhile (0 to 1).
+    pub busy: f64,
+}
+
+/// Busy and total jiffies of all CPUs so far (/proc/stat's `cpu` line; idle and iowait are
+/// not busy, steal is neither).
+fn cpu_jiffies() -> Result<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat")?;
+    let line = stat.lines().next().filter(|l| l.starts_with("cpu ")).context("/proc/stat")?;
+    let f: Vec<u64> = line.split_whitespace().skip(1).map(|x| x.parse().unwrap_or(0)).collect();
+    let at = |i: usize| f.get(i).copied().unwrap_or(0);
+    // user nice system idle iowait irq softirq steal
+    let busy = at(0) + at(1) + at(2) + at(5) + at(6);
+    Ok((busy, busy + at(3) + at(4)))
+}
+
 /// Request/response latency from `clients` threads at once, each on its own connection:
-/// `count` round trips in all after `warmup` (both split evenly among the clients); returns
-/// (p50, p99) in microseconds over every client's round trips.
+/// `count` round trips in all after `warmup` (both split evenly among the clients); the p50 and
+/// p99 over every client's round trips, and the CPU the whole run cost per round trip.
 pub fn rr_latency(
     ns: &Netns,
     to: SocketAddr,
     warmup: usize,
     count: usize,
     clients: usize,
-) -> Result<(f64, f64)> {
+) -> Result<Rr> {
     let (warmup, count) = (warmup / clients.max(1), count / clients.max(1));
     let client = || -> Result<Vec<Duration>> {
         let mut c = TcpStream::connect(to)?;
@@ -150,9 +177,20 @@ pub fn rr_latency(
         }
         Ok(samples)
     };
-    ns.run(|| -> Result<(f64, f64)> {
+    ns.run(|| -> Result<Rr> {
+        let (busy0, total0) = cpu_jiffies()?;
         let mut samples: Vec<Duration> = in_threads(clients, client)?.concat();
-        Ok((percentile_us(&mut samples, 0.50), percentile_us(&mut samples, 0.99)))
+        let (busy1, total1) = cpu_jiffies()?;
+        let trips = ((warmup + count) * clients.max(1)) as f64;
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        let busy = (busy1 - busy0) as f64;
+        Ok(Rr {
+            p50_us: percentile_us(&mut samples, 0.50),
+            p99_us: percentile_us(&mut samples, 0.99),
+            cpu_us_per_rr: busy / hz * 1e6 / trips,
+            busy: busy / (total1 - total0).max(1) as f64,
+        })
     })?
 }
 

@@ -135,13 +135,17 @@ pub mod sol_socket {
     pub const SO_MARK: i32 = 36;
 }
 
-/// Names of the programs in the eBPF object, as the loader looks them up. The TC programs are
+/// Names of the programs in the eBPF object, as the loader looks them up. The TC counters are
 /// loaded once per pod (see [`globals::POD_COOKIE`]).
 pub mod programs {
     /// TC (TCX) program on a pod's interface, ingress direction (traffic into the pod).
     pub const TC_POD_INGRESS: &str = "tc_pod_ingress";
     /// TC (TCX) program on a pod's interface, egress direction (traffic out of the pod).
     pub const TC_POD_EGRESS: &str = "tc_pod_egress";
+    /// TC program on every enrolled pod's interface, egress: drops TCP that no TCP socket sent.
+    /// Loaded once per node; attached as a netlink filter, which is found again by this name
+    /// (under the kernel's 16-byte program name limit).
+    pub const TC_POD_GUARD: &str = "tc_pod_guard";
     /// cgroup/connect4: redirects a captured pod's IPv4 TCP connect() to the outbound listener.
     pub const CONNECT4: &str = "mp_connect4";
     /// cgroup/connect6: the same for IPv6 (and v4-mapped) sockets.

@@ -1,6 +1,5 @@
 //! TC programs on a pod's interface (attached with TCX inside the pod's netns): count the bytes
-//! and buffers that enter and leave each enrolled pod; on the way out, `raw_tcp_guard` also
-//! drops TCP that no TCP socket sent.
+//! and buffers that enter and leave each enrolled pod.
 //!
 //! Why a per-pod constant and not `bpf_get_netns_cookie(skb)`: for TC that helper answers with
 //! the netns of `skb->sk`, and a veth keeps the sending socket on the skb when it crosses into
@@ -9,14 +8,11 @@
 
 use aya_ebpf::{bindings::TC_ACT_UNSPEC, macros::classifier, programs::TcContext};
 
-use crate::{
-    maps::{POD_COOKIE, POD_COUNTERS},
-    raw_tcp_guard,
-};
+use crate::maps::{POD_COOKIE, POD_COUNTERS};
 
-/// TCX verdict "continue with the next program on this hook" (TCX_NEXT == TC_ACT_UNSPEC). Unless
-/// the guard drops, we only observe, so we never end the chain: a CNI's own TC programs keep
-/// running after ours.
+/// TCX verdict "continue with the next program on this hook" (TCX_NEXT == TC_ACT_UNSPEC). We only
+/// observe, so we never end the chain: a CNI's own TC programs (and the guard,
+/// `raw_tcp_guard.rs`) keep running after ours.
 const TCX_NEXT: i32 = TC_ACT_UNSPEC;
 
 #[derive(Clone, Copy)]
@@ -34,7 +30,7 @@ pub fn tc_pod_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn tc_pod_egress(ctx: TcContext) -> i32 {
     count(&ctx, Direction::Egress);
-    raw_tcp_guard::egress(&ctx)
+    TCX_NEXT
 }
 
 #[inline(always)]

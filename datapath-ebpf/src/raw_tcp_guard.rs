@@ -13,23 +13,28 @@
 //! What passes from any other sender: segments that can open nothing, as the kernel's own
 //! control socket (itself a raw TCP socket) sends them: resets and bare ACKs, no SYN, no data,
 //! not fragmented. Anything else is dropped and counted (`EGRESS_DROP_NOT_TCP_SOCKET`).
+//!
+//! One instance for the node, loaded and pinned once; enrolment attaches it to the pod's
+//! interface as a netlink filter on a clsact qdisc (a fraction of a millisecond) rather than a
+//! TCX link, whose attach and detach each wait for an RCU grace period (10 to 20 ms here), on
+//! the CNI ADD and DEL path. Being one instance, it has no pod cookie: drops are counted node-wide
+//! (`bpf_get_netns_cookie` takes an skb in TC only from Linux 6.15 on).
 
 use aya_ebpf::{
     bindings::{bpf_sock, TC_ACT_SHOT, TC_ACT_UNSPEC},
     helpers::bpf_sk_fullsock,
+    macros::classifier,
     programs::TcContext,
 };
 use core::ptr::{addr_of, read_volatile};
-use datapath_common::decisions::reason;
+use datapath_common::decisions::{reason, NODE_WIDE};
 
-use crate::{
-    decisions::{mapped, record, Tuple},
-    maps::POD_COOKIE,
-};
+use crate::decisions::{mapped, record, Tuple};
 
-/// TCX verdict "continue with the next program on this hook" (TCX_NEXT == TC_ACT_UNSPEC).
-pub const TCX_NEXT: i32 = TC_ACT_UNSPEC;
-/// TCX and cls_bpf verdict "drop".
+/// cls_bpf (direct action) verdict "no opinion": the next filter runs, and after the last one
+/// the packet goes on.
+const PASS: i32 = TC_ACT_UNSPEC;
+/// cls_bpf verdict "drop".
 const DROP: i32 = TC_ACT_SHOT as i32;
 
 const ETH_HLEN: usize = 14;
@@ -51,16 +56,16 @@ enum Segment {
     Other(Tuple),
 }
 
-/// The verdict for one packet leaving the pod.
-#[inline(always)]
-pub fn egress(ctx: &TcContext) -> i32 {
-    if sent_by_tcp_socket(ctx) {
-        return TCX_NEXT;
+/// The verdict for one packet leaving an enrolled pod.
+#[classifier]
+pub fn tc_pod_guard(ctx: TcContext) -> i32 {
+    if sent_by_tcp_socket(&ctx) {
+        return PASS;
     }
-    match segment(ctx) {
-        Segment::NotTcp | Segment::Control => TCX_NEXT,
+    match segment(&ctx) {
+        Segment::NotTcp | Segment::Control => PASS,
         Segment::Other(t) => {
-            record(ctx, POD_COOKIE.load(), reason::EGRESS_DROP_NOT_TCP_SOCKET, || t);
+            record(&ctx, NODE_WIDE, reason::EGRESS_DROP_NOT_TCP_SOCKET, || t);
             DROP
         }
     }

@@ -219,10 +219,15 @@ impl Datapath {
         Ok(())
     }
 
-    /// Loads and pins, once, the programs every pod links to (sk_lookup): enrolment then only
-    /// creates a link, with no object parsing or verification per pod.
+    /// Loads and pins, once, the programs every pod links to (sk_lookup, the TC guard):
+    /// enrolment then only attaches them, with no object parsing or verification per pod.
     fn pin_shared_programs(&self) -> Result<()> {
-        let names = [programs::SK_LOOKUP, programs::SK_LOOKUP_PASS, programs::SK_MSG];
+        let names = [
+            programs::SK_LOOKUP,
+            programs::SK_LOOKUP_PASS,
+            programs::SK_MSG,
+            programs::TC_POD_GUARD,
+        ];
         let dir = self.root.join(pins::PROGRAMS_DIR);
         if names.iter().all(|n| dir.join(n).exists()) {
             return Ok(());
@@ -239,6 +244,7 @@ impl Datapath {
             let pinned = match prog {
                 Program::SkLookup(p) => load(p.load(), name).map(|()| p.pin(&pin)),
                 Program::SkMsg(p) => load(p.load(), name).map(|()| p.pin(&pin)),
+                Program::SchedClassifier(p) => load(p.load(), name).map(|()| p.pin(&pin)),
                 _ => return Err(Error::bpf(name, io::Error::other("unexpected program type"))),
             }?;
             pinned.map_err(|e| Error::bpf(format!("pinning {}", pin.display()), e))?;
@@ -318,6 +324,14 @@ impl Datapath {
             .map_err(|e| Error::bpf("map NODE_CONFIG", e))?;
         let flags = config.get(&0, 0).map_err(|e| Error::bpf("reading NODE_CONFIG", e))?;
         Ok(flags & node_flags::ACCELERATE != 0)
+    }
+
+    /// The TC guard every enrolled pod's interface gets (`raw_tcp_guard.rs`), from its pin.
+    pub fn guard_program(&self) -> Result<aya::programs::SchedClassifier> {
+        aya::programs::SchedClassifier::from_pin(
+            self.root.join(pins::PROGRAMS_DIR).join(programs::TC_POD_GUARD),
+        )
+        .map_err(|e| Error::bpf("opening the TC guard", e))
     }
 
     /// A shared program, opened from its pin.

@@ -219,8 +219,8 @@ struct EnrolArgs {
     /// Capture kubelet probes too (by default they reach the app directly, as in Istio).
     #[arg(long)]
     no_probe_bypass: bool,
-    /// Skip the per-pod TC counter of incoming packets and bytes (a TCX attachment is the slow
-    /// part); the egress program, which guards, is always attached.
+    /// Skip the per-pod TC packet/byte counters (their TCX attachment is the slow part); the
+    /// guard against raw TCP goes on the interface either way.
     #[arg(long)]
     no_counters: bool,
 }
@@ -413,7 +413,8 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Unenrol(pod) => {
             let cookie = pod.cookie()?;
             match &pod.netns {
-                // Inside the netns, filters that are not links (kernels without TCX) come off too.
+                // Inside the netns, filters that are not links (the guard; the counters on kernels
+                // without TCX) come off too.
                 Some(path) => pods::unenrol_netns(&dp()?, &Netns::open(path)?)?,
                 None => pods::unenrol(&dp()?, cookie)?,
             }

@@ -58,9 +58,8 @@ pub struct EnrolOptions {
     pub probe_bypass: bool,
     /// Send the pod's DNS (UDP and TCP to port 53) to the proxy's DNS listener (15053).
     pub capture_dns: bool,
-    /// Count the packets and bytes entering the pod with a TC program on its interface. The
-    /// egress program (which counts what leaves and drops TCP that no TCP socket sent) is
-    /// always attached.
+    /// Count the pod's packets and bytes with TC programs on its interface (TCX links, one
+    /// loaded per pod). The guard (`raw_tcp_guard.rs`) goes on the interface either way.
     pub counters: bool,
     /// The pod's addresses (from the CNI result); empty: read them from its netns.
     pub pod_ips: Vec<IpAddr>,
@@ -128,8 +127,8 @@ fn check_exclusions(pod: &str, opts: &EnrolOptions) -> Result<()> {
 }
 
 /// Enrols the pod whose netns is `netns`: records its addresses, links the node's sk_lookup
-/// program into its netns, attaches the TC counters to its interface (when asked), then records
-/// it in `PODS`, which turns capture on. Either all of it happens or, on error, none of it is
+/// program into its netns, attaches the TC counters (when asked) and the node's TC guard to its
+/// interface, then records it in `PODS`, which turns capture on. Either all of it happens or, on error, none of it is
 /// left behind.
 pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsCookie> {
     let cookie = netns.cookie();
@@ -203,7 +202,12 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
     let dir = dp.pod_dir(cookie);
     fs::create_dir(&dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
     link_sk_lookup(dp, netns, &dir, &pod, opts.capture_inbound)?;
-    let ifindex = netns.run(|| attach_tc(dp, cookie, &dir, &pod, &opts.iface, opts.counters))??;
+    if opts.counters {
+        netns.run(|| attach_tc(dp, cookie, &dir, &pod, &opts.iface))??;
+    }
+    let ifindex = netns.run(|| attach_guard(dp, &pod, &opts.iface))??;
+    // A netlink filter is not undone with the pod's pins: take it off if what follows fails.
+    let guard = GuardFilter { netns, iface: &opts.iface, armed: true };
 
     // Last: the PODS entry is what turns capture on for the pod.
     let mut info = PodInfo::new(ifindex, netns.inode(), &pod);
@@ -224,6 +228,8 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
         .insert(cookie, info, 0)
         .map_err(|e| Error::bpf(format!("pod {pod}: recording enrolment"), e))?;
     undo.armed = false;
+    let mut guard = guard;
+    guard.armed = false;
     info!(%pod, cookie, ?ips, "pod enrolled");
     Ok(cookie)
 }
@@ -363,11 +369,10 @@ pub fn tcx_supported() -> bool {
     KernelVersion::current().is_ok_and(|k| k >= KernelVersion::new(6, 6, 0))
 }
 
-/// Loads the pod's instance of the TC programs (they key on a load-time constant), attaches
+/// Loads the pod's instance of the TC counters (they key on a load-time constant), attaches
 /// them to `iface` in the calling thread's netns (the pod's) and, with TCX, pins the links in
-/// `dir`: egress always (it guards, `raw_tcp_guard.rs`), ingress with `ingress_counter`.
-/// Returns the interface index. TCX attachment costs the kernel an RCU grace period per link
-/// (~12 ms here): the ingress counter is optional.
+/// `dir`. Returns the interface index. TCX attachment costs the kernel an RCU grace period per
+/// link (~12 ms here): counters are optional.
 ///
 /// Below 6.6 (no TCX) the programs go in as netlink filters on a clsact qdisc, which is what the
 /// kernel has there. Such a filter is not a bpf link: it cannot be pinned and stays attached
@@ -379,7 +384,6 @@ fn attach_tc(
     dir: &Path,
     pod: &str,
     iface: &str,
-    ingress_counter: bool,
 ) -> Result<u32> {
     let ifindex = nix::net::if_::if_nametoindex(iface)
         .map_err(|_| Error::NoSuchInterface { pod: pod.to_owned(), iface: iface.to_owned() })?;
@@ -396,12 +400,9 @@ fn attach_tc(
     let mut ebpf = dp.load_pod_object(cookie)?;
     let attached = (|| {
         for (program, attach_type, pin) in [
-            (programs::TC_POD_EGRESS, TcAttachType::Egress, link_pins::TC_EGRESS),
             (programs::TC_POD_INGRESS, TcAttachType::Ingress, link_pins::TC_INGRESS),
+            (programs::TC_POD_EGRESS, TcAttachType::Egress, link_pins::TC_EGRESS),
         ] {
-            if attach_type == TcAttachType::Ingress && !ingress_counter {
-                continue;
-            }
             let prog: &mut SchedClassifier = ebpf
                 .program_mut(program)
                 .and_then(|p| p.try_into().ok())
@@ -426,36 +427,88 @@ fn attach_tc(
     attached.map(|()| ifindex)
 }
 
-/// Removes the counters' netlink filters (kernels without TCX) from `iface` in the calling
-/// thread's netns; nothing to do where there are none. TCX links are detached by `remove_all`.
-pub fn detach_tc_filters(iface: &str) {
-    for (attach_type, program) in [
-        (TcAttachType::Ingress, programs::TC_POD_INGRESS),
-        (TcAttachType::Egress, programs::TC_POD_EGRESS),
-    ] {
-        match aya::programs::tc::qdisc_detach_program(iface, attach_type, program) {
-            Ok(()) => {}
-            Err(aya::programs::tc::TcError::IoError(e)) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => warn!(%iface, %program, error = %e, "detaching the TC counters"),
+/// Attaches the node's TC guard (`raw_tcp_guard.rs`) to `iface` in the calling thread's netns
+/// (the pod's) as a netlink filter on a clsact qdisc: a TCX link's attach and detach each wait
+/// for an RCU grace period (10 to 20 ms here), which would sit on the CNI ADD and DEL path; a
+/// filter takes a fraction of a millisecond. A guard left there by an earlier enrolment of the
+/// netns is replaced. Returns the interface index.
+fn attach_guard(dp: &Datapath, pod: &str, iface: &str) -> Result<u32> {
+    let ifindex = nix::net::if_::if_nametoindex(iface)
+        .map_err(|_| Error::NoSuchInterface { pod: pod.to_owned(), iface: iface.to_owned() })?;
+    detach_guard(iface);
+    if let Err(e) = aya::programs::tc::qdisc_add_clsact(iface) {
+        // Usually "exists" (the CNI, another tool or an earlier enrolment made it); if it is
+        // really missing, attaching says so next.
+        tracing::debug!(%pod, %iface, error = %e, "adding the clsact qdisc");
+    }
+    let mut prog = dp.guard_program()?;
+    let what = || format!("pod {pod}: attaching {} to {iface}", programs::TC_POD_GUARD);
+    let id = prog
+        .attach_with_options(
+            iface,
+            TcAttachType::Egress,
+            aya::programs::tc::TcAttachOptions::Netlink(Default::default()),
+        )
+        .map_err(|e| Error::bpf(what(), e))?;
+    // Not a bpf link: it stays attached after this process exits, until `detach_guard` or
+    // the interface goes (aya's link would detach it on drop, so it is forgotten).
+    let link = prog.take_link(id).map_err(|e| Error::bpf(what(), e))?;
+    std::mem::forget(link);
+    Ok(ifindex)
+}
+
+/// Takes the guard's filter off `iface` in the calling thread's netns, if it is there.
+fn detach_guard(iface: &str) {
+    detach_filter(iface, TcAttachType::Egress, programs::TC_POD_GUARD);
+}
+
+/// Takes the guard off again when an enrolment fails after attaching it.
+struct GuardFilter<'a> {
+    netns: &'a Netns,
+    iface: &'a str,
+    armed: bool,
+}
+
+impl Drop for GuardFilter<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.netns.run(|| detach_guard(self.iface));
         }
     }
 }
 
-/// Unenrols the pod whose netns is `netns`: as `unenrol`, and first, on kernels without TCX,
-/// takes the counters' filters off its interface (they are not links, so only something inside
-/// the netns can). Without this they would stay attached, counting nothing (their map entry is
-/// gone), until the netns goes away.
+fn detach_filter(iface: &str, attach_type: TcAttachType, program: &str) {
+    match aya::programs::tc::qdisc_detach_program(iface, attach_type, program) {
+        Ok(()) => {}
+        Err(aya::programs::tc::TcError::IoError(e)) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => warn!(%iface, %program, error = %e, "detaching a TC filter"),
+    }
+}
+
+/// Removes the counters' netlink filters (kernels without TCX) from `iface` in the calling
+/// thread's netns; nothing to do where there are none. TCX links are detached by `remove_all`.
+pub fn detach_tc_filters(iface: &str) {
+    detach_filter(iface, TcAttachType::Ingress, programs::TC_POD_INGRESS);
+    detach_filter(iface, TcAttachType::Egress, programs::TC_POD_EGRESS);
+}
+
+/// Unenrols the pod whose netns is `netns`: as `unenrol`, and first takes the netlink filters
+/// off its interface (they are not links, so only something inside the netns can): the guard
+/// always, and on kernels without TCX the counters. Without this they would stay attached (the
+/// guard still dropping the pod's raw TCP, the counters counting nothing) until the netns goes.
 pub fn unenrol_netns(dp: &Datapath, netns: &Netns) -> Result<()> {
     let cookie = netns.cookie();
-    if !tcx_supported() {
-        if let Ok(info) = dp.pods()?.get(&cookie, 0) {
-            if info.ifindex != 0 {
-                netns.run(|| {
-                    if let Ok(name) = nix::net::if_::if_indextoname(info.ifindex) {
-                        detach_tc_filters(&name.to_string_lossy());
+    if let Ok(info) = dp.pods()?.get(&cookie, 0) {
+        if info.ifindex != 0 {
+            netns.run(|| {
+                if let Ok(name) = nix::net::if_::if_indextoname(info.ifindex) {
+                    let name = name.to_string_lossy();
+                    detach_guard(&name);
+                    if !tcx_supported() {
+                        detach_tc_filters(&name);
                     }
-                })?;
-            }
+                }
+            })?;
         }
     }
     unenrol(dp, cookie)

@@ -132,10 +132,10 @@ fn tcp_in_segs(ns: &NetnsGuard) -> u64 {
     values.split_whitespace().nth(i).expect("InSegs value").parse().expect("a number")
 }
 
-/// How many TCP segments the datapath dropped on pod a's way out because no TCP socket sent them.
+/// How many TCP segments the datapath's guard dropped because no TCP socket sent them
+/// (counted node-wide: the guard is one program for every pod).
 fn dropped(mesh: &Mesh) -> u64 {
-    let cookie = mesh.pods.a.open().expect("netns a").cookie();
-    decisions::of(&mesh.datapath(), cookie)
+    decisions::of(&mesh.datapath(), datapath_common::decisions::NODE_WIDE)
         .expect("decisions")
         .iter()
         .find(|d| d.hook == "tc egress" && d.decision == "dropped")

@@ -128,8 +128,8 @@ fn check_exclusions(pod: &str, opts: &EnrolOptions) -> Result<()> {
 
 /// Enrols the pod whose netns is `netns`: records its addresses, links the node's sk_lookup
 /// program into its netns, attaches the TC counters (when asked) and the node's TC guard to its
-/// interface, then records it in `PODS`, which turns capture on. Either all of it happens or, on error, none of it is
-/// left behind.
+/// interface, then records it in `PODS`, which turns capture on. Either all of it happens or, on
+/// error, none of it is left behind.
 pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsCookie> {
     let cookie = netns.cookie();
     let pod = opts.name.clone().unwrap_or_else(|| netns.path().display().to_string());
@@ -207,7 +207,7 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
     }
     let ifindex = netns.run(|| attach_guard(dp, &pod, &opts.iface))??;
     // A netlink filter is not undone with the pod's pins: take it off if what follows fails.
-    let guard = GuardFilter { netns, iface: &opts.iface, armed: true };
+    let mut guard = GuardFilter { netns, iface: &opts.iface, armed: true };
 
     // Last: the PODS entry is what turns capture on for the pod.
     let mut info = PodInfo::new(ifindex, netns.inode(), &pod);
@@ -228,7 +228,6 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
         .insert(cookie, info, 0)
         .map_err(|e| Error::bpf(format!("pod {pod}: recording enrolment"), e))?;
     undo.armed = false;
-    let mut guard = guard;
     guard.armed = false;
     info!(%pod, cookie, ?ips, "pod enrolled");
     Ok(cookie)

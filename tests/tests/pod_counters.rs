@@ -116,9 +116,13 @@ fn counters_keep_counting_after_the_loader_process_exits() {
     );
 }
 
-/// Programs attached to `eth0` in the pod's netns, ingress then egress, as the kernel reports:
-/// TCX links where the kernel has TCX (6.6), else the clsact qdisc's filters (`tc filter show`,
-/// the netlink fallback older kernels get).
+/// What an enrolment with counters attaches to the pod's eth0, by name, sorted.
+const ENROLLED_WITH_COUNTERS: [&str; 3] =
+    [programs::TC_POD_EGRESS, programs::TC_POD_GUARD, programs::TC_POD_INGRESS];
+
+/// Programs attached to `eth0` in the pod's netns, sorted by name, as the kernel reports them:
+/// TCX links where the kernel has TCX (6.6), and the clsact qdisc's filters (`tc filter show`:
+/// the guard on every kernel, the counters' netlink fallback on older ones).
 fn attached_programs(pods: &PodPair) -> Vec<String> {
     let mut names = Vec::new();
     for dir in [TcAttachType::Ingress, TcAttachType::Egress] {
@@ -130,32 +134,23 @@ fn attached_programs(pods: &PodPair) -> Vec<String> {
                 .run(|| SchedClassifier::query_tcx("eth0", dir).expect("query tcx").1)
                 .expect("run in netns");
             names.extend(progs.iter().map(|p| p.name_as_str().unwrap_or("?").to_owned()));
-        } else {
-            let which = if dir == TcAttachType::Ingress { "ingress" } else { "egress" };
-            let out = std::process::Command::new("ip")
-                .args([
-                    "netns",
-                    "exec",
-                    pods.a.name(),
-                    "tc",
-                    "filter",
-                    "show",
-                    "dev",
-                    "eth0",
-                    which,
-                ])
-                .output()
-                .expect("tc filter show");
-            assert!(out.status.success(), "tc: {}", String::from_utf8_lossy(&out.stderr));
-            // `filter protocol all pref 49152 bpf chain 0 handle 0x1 tc_pod_ingress direct-action …`
-            for line in String::from_utf8_lossy(&out.stdout).lines() {
-                let mut words = line.split_whitespace().skip_while(|w| *w != "handle").skip(2);
-                if line.contains(" bpf ") {
-                    names.extend(words.next().map(str::to_owned));
-                }
+        }
+        // Netlink filters, on every kernel: the guard is one (the counters too, without TCX).
+        let which = if dir == TcAttachType::Ingress { "ingress" } else { "egress" };
+        let out = std::process::Command::new("ip")
+            .args(["netns", "exec", pods.a.name(), "tc", "filter", "show", "dev", "eth0", which])
+            .output()
+            .expect("tc filter show");
+        assert!(out.status.success(), "tc: {}", String::from_utf8_lossy(&out.stderr));
+        // `filter protocol all pref 49152 bpf chain 0 handle 0x1 tc_pod_ingress direct-action …`
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let mut words = line.split_whitespace().skip_while(|w| *w != "handle").skip(2);
+            if line.contains(" bpf ") {
+                names.extend(words.next().map(str::to_owned));
             }
         }
     }
+    names.sort();
     names
 }
 
@@ -165,7 +160,7 @@ fn unenrol_leaves_no_pin_link_or_map_entry() {
     let (root, pods) = (PinRoot::new(), PodPair::new().expect("pods"));
     let (a, _b) = enrol_both(&root, &pods);
     transfer(&pods, 7004, 100_000).expect("transfer");
-    assert_eq!(attached_programs(&pods), [programs::TC_POD_INGRESS, programs::TC_POD_EGRESS]);
+    assert_eq!(attached_programs(&pods), ENROLLED_WITH_COUNTERS);
 
     let dp = root.datapath().expect("datapath");
     pods::unenrol_netns(&dp, &pods.a.open().expect("netns a")).expect("unenrol");
@@ -224,7 +219,7 @@ fn enrolling_the_same_netns_twice_fails_and_changes_nothing() {
     );
 
     assert_eq!(root.pod_pins(), pins_before);
-    assert_eq!(attached_programs(&pods), [programs::TC_POD_INGRESS, programs::TC_POD_EGRESS]);
+    assert_eq!(attached_programs(&pods), ENROLLED_WITH_COUNTERS);
     let listed = pods::list(&root.datapath().expect("datapath")).expect("list");
     assert_eq!(listed.len(), 2);
     assert!(listed.iter().any(|p| p.cookie == a));

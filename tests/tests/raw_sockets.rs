@@ -142,12 +142,38 @@ fn dropped(mesh: &Mesh) -> u64 {
         .map_or(0, |d| d.count)
 }
 
-/// What a "never reaches" test checks after sending its SYN: no answer, nothing received by the
-/// peer, one drop counted.
-fn assert_never_reached(mesh: &Mesh, raw: &Socket, dst: SocketAddr, segs_before: u64) {
-    assert!(!syn_ack_from(raw, dst, Duration::from_secs(1)), "{dst} answered the hand-built SYN");
-    assert_eq!(tcp_in_segs(&mesh.pods.b), segs_before, "pod b received TCP from pod a");
-    assert!(dropped(mesh) >= 1, "no drop counted");
+/// A "never reaches" test: pod a meshed, a real listener in pod b at `dst`, a raw TCP socket in
+/// pod a to see any answer, and pod b's count of TCP segments received before the SYN.
+struct Attempt {
+    mesh: Mesh,
+    dst: SocketAddr,
+    src: SocketAddr,
+    raw: Socket,
+    segs_before: u64,
+    _listener: std::net::TcpListener,
+}
+
+impl Attempt {
+    fn new(v6: bool, port: u16) -> Self {
+        let mesh = Mesh::capturing();
+        let dst = mesh.b(v6, port);
+        let _listener = mesh.pods.b.listen(dst).expect("listener in b");
+        let raw = raw_tcp(&mesh.pods.a, v6);
+        let segs_before = tcp_in_segs(&mesh.pods.b);
+        let src = SocketAddr::new(mesh.a(v6, 0).ip(), SRC_PORT);
+        Self { mesh, dst, src, raw, segs_before, _listener }
+    }
+
+    /// After the SYN: no answer, nothing received by the peer, one drop counted.
+    fn assert_never_reached(&self) {
+        let dst = self.dst;
+        assert!(
+            !syn_ack_from(&self.raw, dst, Duration::from_secs(1)),
+            "{dst} answered the hand-built SYN"
+        );
+        assert_eq!(tcp_in_segs(&self.mesh.pods.b), self.segs_before, "pod b received TCP");
+        assert!(dropped(&self.mesh) >= 1, "no drop counted");
+    }
 }
 
 #[test]
@@ -155,7 +181,7 @@ fn a_raw_syn_from_a_pod_outside_the_mesh_is_answered() {
     // The control for the tests below: the same SYN, sent by pod b (not enrolled) to a
     // listener in pod a, gets its SYN-ACK.
     let mesh = Mesh::capturing();
-    let dst = SocketAddr::new(mesh.pods.a_ip.into(), 8870);
+    let dst = mesh.a(false, 8870);
     let _listener = mesh.pods.a.listen(dst).expect("listener in a");
     let raw = raw_tcp(&mesh.pods.b, false);
     let src = SocketAddr::new(mesh.pods.b_ip.into(), SRC_PORT);
@@ -165,48 +191,35 @@ fn a_raw_syn_from_a_pod_outside_the_mesh_is_answered() {
 
 #[test]
 fn a_raw_socket_syn_from_a_meshed_pod_never_reaches_the_peer() {
-    let mesh = Mesh::capturing();
-    let dst = SocketAddr::new(mesh.pods.b_ip.into(), 8871);
-    let _listener = mesh.pods.b.listen(dst).expect("listener in b");
-    let raw = raw_tcp(&mesh.pods.a, false);
-    let before = tcp_in_segs(&mesh.pods.b);
-    let src = SocketAddr::new(mesh.pods.a_ip.into(), SRC_PORT);
-    raw.send_to(&tcp_syn(src, dst), &dst.into()).expect("the kernel accepts the send");
-    assert_never_reached(&mesh, &raw, dst, before);
+    let t = Attempt::new(false, 8871);
+    let syn = tcp_syn(t.src, t.dst);
+    t.raw.send_to(&syn, &t.dst.into()).expect("the kernel accepts the send");
+    t.assert_never_reached();
 }
 
 #[test]
 fn a_raw_socket_syn_over_ipv6_never_reaches_the_peer() {
-    let mesh = Mesh::capturing();
-    let dst = SocketAddr::new(mesh.pods.b_ip6.into(), 8872);
-    let _listener = mesh.pods.b.listen(dst).expect("listener in b");
-    let raw = raw_tcp(&mesh.pods.a, true);
-    let before = tcp_in_segs(&mesh.pods.b);
-    let src = SocketAddr::new(mesh.pods.a_ip6.into(), SRC_PORT);
+    let t = Attempt::new(true, 8872);
     // An IPv6 raw socket takes the destination's port as 0 (it names a protocol there).
-    let to = SocketAddr::new(dst.ip(), 0);
-    raw.send_to(&tcp_syn(src, dst), &to.into()).expect("the kernel accepts the send");
-    assert_never_reached(&mesh, &raw, dst, before);
+    let to = SocketAddr::new(t.dst.ip(), 0);
+    t.raw.send_to(&tcp_syn(t.src, t.dst), &to.into()).expect("the kernel accepts the send");
+    t.assert_never_reached();
 }
 
 #[test]
 fn a_packet_socket_syn_from_a_meshed_pod_never_reaches_the_peer() {
-    let mesh = Mesh::capturing();
-    let dst = SocketAddr::new(mesh.pods.b_ip.into(), 8873);
-    let _listener = mesh.pods.b.listen(dst).expect("listener in b");
-    let raw = raw_tcp(&mesh.pods.a, false);
-    let before = tcp_in_segs(&mesh.pods.b);
-    let b_mac = mac_of_eth0(&mesh.pods.b);
-    let src = SocketAddr::new(mesh.pods.a_ip.into(), SRC_PORT);
-    let frame = ipv4(mesh.pods.a_ip, mesh.pods.b_ip, &tcp_syn(src, dst));
-    let sent = mesh.pods.a.open().expect("netns a").run(|| send_on_packet_socket(&frame, b_mac));
+    let t = Attempt::new(false, 8873);
+    let b_mac = mac_of_eth0(&t.mesh.pods.b);
+    let pods = &t.mesh.pods;
+    let frame = ipv4(pods.a_ip, pods.b_ip, &tcp_syn(t.src, t.dst));
+    let sent = pods.a.open().expect("netns a").run(|| send_on_packet_socket(&frame, b_mac));
     // A packet socket hears of a drop at TC egress: ENOBUFS (NET_XMIT_DROP).
     match sent.expect("enter netns") {
         Ok(()) => {}
         Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {}
         Err(e) => panic!("sending the frame: {e}"),
     }
-    assert_never_reached(&mesh, &raw, dst, before);
+    t.assert_never_reached();
 }
 
 #[test]

@@ -220,9 +220,13 @@ pub mod map_names {
     pub const PROXY_CGROUPS: &str = "PROXY_CGROUPS";
     /// [`crate::OrigDst`] in each captured app socket's own storage (socket storage).
     pub const ORIG_DST_BY_SOCKET: &str = "ORIG_DST_BY_SOCKET";
-    /// [`crate::OrigDst`] by [`crate::ConnKey`] (LRU), until the proxy's end of the connection
-    /// takes it.
+    /// [`crate::OrigDst`] by [`crate::ConnKey`] (a hash: nothing is evicted), until the proxy's
+    /// end of the connection takes it or the app's end closes.
     pub const ORIG_DST_BY_CONN: &str = "ORIG_DST_BY_CONN";
+    /// Each pod's entries in `ORIG_DST_BY_CONN` (a `u64` by netns cookie, created at enrolment
+    /// and removed at unenrolment; the programs only count in it): its share is
+    /// [`super::MAX_PENDING_CONNECTIONS_PER_POD`].
+    pub const PENDING_CONNECTIONS: &str = "PENDING_CONNECTIONS";
     /// [`crate::OrigDst`] in the storage of each socket the proxy accepted from a captured app
     /// (socket storage), for its getsockopt.
     pub const ORIG_DST_BY_ACCEPTED: &str = "ORIG_DST_BY_ACCEPTED";
@@ -281,9 +285,19 @@ pub const EXCLUSION_MAP_ENTRIES: u32 = MAX_PODS * 8;
 /// shared table to fill).
 pub const MAX_EXCLUSIONS_PER_POD: usize = 128;
 const _: () = assert!(EXCLUSION_MAP_ENTRIES as usize / MAX_EXCLUSIONS_PER_POD >= 256);
-/// Capacity of the per-connection maps: `ORIG_DST_BY_CONN` and `PROXY_TRANSPARENT` (LRU: the
-/// oldest entries go first), `LOCAL_SOCKS`.
+/// Capacity of the per-connection maps: `ORIG_DST_BY_CONN` (a hash, nothing evicted: see
+/// [`MAX_PENDING_CONNECTIONS_PER_POD`]), `PROXY_TRANSPARENT` (LRU: the oldest entries go first;
+/// an entry matters only while its connection's handshake is under way), `LOCAL_SOCKS`.
 pub const MAX_TRACKED_CONNECTIONS: u32 = 65_536;
+/// Entries one pod may hold in the node-wide `ORIG_DST_BY_CONN`: captured connections whose
+/// app end is established and whose proxy end is not yet (one loopback handshake apart
+/// normally; longer only when the proxy's accept queue overflows). Past it, the pod's captured
+/// connects are refused (EPERM) and counted, so one pod can never fill the map that every
+/// pod's connections need for that moment; nothing is ever evicted from it. 16 pods at their
+/// share would be needed to fill it. Istio has no such map (conntrack holds REDIRECT's
+/// destination, shared by the whole node with no share per pod).
+pub const MAX_PENDING_CONNECTIONS_PER_POD: u32 = 4_096;
+const _: () = assert!(MAX_TRACKED_CONNECTIONS / MAX_PENDING_CONNECTIONS_PER_POD >= 16);
 
 /// Socket option numbers the proxy uses to read a captured connection's original destination,
 /// as under iptables REDIRECT.

@@ -58,6 +58,10 @@ pub mod reason {
     pub const OUT_REFUSED_NO_SLOT: u32 = 8;
     /// The socket is in no enrolled pod (counted node-wide).
     pub const OUT_PASS_NOT_ENROLLED: u32 = 9;
+    /// The pod already holds its share of captured connections the proxy has not yet taken
+    /// (`consts::MAX_PENDING_CONNECTIONS_PER_POD`): refused at connect, or, for one that got
+    /// past connect meanwhile, its destination not filed (the proxy's getsockopt refuses it).
+    pub const OUT_REFUSED_SHARE_FULL: u32 = 10;
     // DNS: connect (TCP, connected UDP) and sendmsg (UDP) to port 53.
     /// Sent to the proxy's DNS listener (15053).
     pub const DNS_CAPTURED: u32 = 20;
@@ -113,6 +117,7 @@ pub const REASONS: &[(u32, &str, &str, &str)] = &[
     (reason::OUT_PASS_NOT_CAPTURED, "outbound", "passed", "capture off"),
     (reason::OUT_REFUSED_NO_SLOT, "outbound", "refused", "no original-destination slot"),
     (reason::OUT_PASS_NOT_ENROLLED, "outbound", "passed", "not enrolled"),
+    (reason::OUT_REFUSED_SHARE_FULL, "outbound", "refused", "pod's share of pending connections"),
     (reason::DNS_CAPTURED, "dns", "captured", "to dns proxy"),
     (reason::IN_STEERED, "inbound", "steered", "to proxy"),
     (reason::IN_STEERED_PROXY_PORT, "inbound", "steered", "proxy port"),
@@ -141,6 +146,7 @@ pub fn is_drop(code: u32) -> bool {
     matches!(
         code,
         reason::OUT_REFUSED_NO_SLOT
+            | reason::OUT_REFUSED_SHARE_FULL
             | reason::IN_DROP_NO_LISTENER
             | reason::IN_DROP_UNKNOWN_ADDRESS
             | reason::ORIGINAL_DST_REFUSED
@@ -153,7 +159,8 @@ pub fn is_drop(code: u32) -> bool {
 /// Capacity of `DECISIONS`: every reason for every pod, and the node-wide ones.
 pub const MAX_DECISION_KEYS: u32 = (crate::consts::MAX_PODS + 1) * REASON_SLOTS;
 /// Reasons per pod the map is sized for (at least `REASONS.len()`).
-pub const REASON_SLOTS: u32 = 25;
+pub const REASON_SLOTS: u32 = 26;
+const _: () = assert!(REASONS.len() as u32 <= REASON_SLOTS);
 
 /// Size of the monitor's ring buffer (a power of two, a multiple of the page size).
 pub const MONITOR_RING_BYTES: u32 = 256 * 1024;

@@ -15,10 +15,15 @@
 //!   listeners and its transparent connections to the app (with their reply mark).
 //! - `probes`: node side of the kubelet probe contract (probe source address, no SNAT).
 //! - `original_dst`: cgroup getsockopt answering SO_ORIGINAL_DST for the proxy.
+//! - `pending`: each pod's share of the node-wide map of connections between their app end's
+//!   establishment and the proxy end's.
 //! - `proxy_ports`: cgroup bind4/6 keeping the proxy's ports in a pod for the proxy.
 
 #![no_std]
 #![no_main]
+// `core::intrinsics::atomic_xadd` for counters shared between CPUs (`pending.rs`).
+#![allow(internal_features)]
+#![feature(core_intrinsics)]
 
 mod accelerate;
 mod decisions;
@@ -28,6 +33,7 @@ mod maps;
 mod net;
 mod original_dst;
 mod outbound;
+mod pending;
 mod pod_traffic;
 mod probes;
 mod proxy_ports;

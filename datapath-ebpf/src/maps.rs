@@ -54,11 +54,18 @@ pub static ORIG_DST_BY_SOCKET: SkStorage<OrigDst> = SkStorage::new();
 
 /// Original destination by (netns, IP version, app port, listener port): filed when the app's
 /// connection is established, taken (moved to `ORIG_DST_BY_ACCEPTED`) when the proxy's end of
-/// it is, a moment later; so it holds only connections between the two, and LRU eviction is a
-/// backstop for ones never accepted.
+/// it is, a moment later, or removed when the app's end closes first; so it holds only
+/// connections between the two. A plain hash, not an LRU: nothing in it can be evicted, by one
+/// pod's flood or otherwise; each pod's entries are counted in `PENDING_CONNECTIONS` and held
+/// to its share (`pending.rs`), so no pod can fill it either.
 #[map]
-pub static ORIG_DST_BY_CONN: LruHashMap<ConnKey, OrigDst> =
-    LruHashMap::pinned(MAX_TRACKED_CONNECTIONS, 0);
+pub static ORIG_DST_BY_CONN: HashMap<ConnKey, OrigDst> =
+    HashMap::pinned(MAX_TRACKED_CONNECTIONS, 0);
+
+/// Each enrolled pod's entries in `ORIG_DST_BY_CONN`: created (zero) by the loader at
+/// enrolment, removed at unenrolment; the programs only add and subtract.
+#[map]
+pub static PENDING_CONNECTIONS: HashMap<NetnsCookie, u64> = HashMap::pinned(MAX_PODS, 0);
 
 /// Original destination of a socket the proxy accepted from a captured app, on the socket
 /// itself (socket storage), for the proxy's getsockopt(SO_ORIGINAL_DST) as long as it lives,

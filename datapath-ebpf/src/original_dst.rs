@@ -28,6 +28,7 @@ use crate::{
     decisions::{mapped, record, Tuple},
     maps::{sk_storage_slot, ORIG_DST_BY_ACCEPTED, ORIG_DST_BY_CONN, PODS, PROXY_CGROUPS},
     net::{is_v4_mapped, words_to_bytes, SockaddrIn, SockaddrIn6, V4_MAPPED_PREFIX},
+    pending,
 };
 
 #[cgroup_sockopt(getsockopt)]
@@ -181,7 +182,7 @@ pub fn accepted(ctx: &SockOpsContext) {
             return;
         }
         *slot = orig;
-        let _ = ORIG_DST_BY_CONN.remove(&key);
+        pending::remove(&key);
     }
 }
 

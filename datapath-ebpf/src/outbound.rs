@@ -25,6 +25,7 @@ use aya_ebpf::{
     bindings::{
         bpf_sock_addr, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB,
         BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_SOCK_OPS_TCP_LISTEN_CB,
+        BPF_TCP_CLOSE,
     },
     helpers::{bpf_get_current_cgroup_id, bpf_get_netns_cookie},
     macros::{cgroup_sock_addr, sock_ops},
@@ -35,18 +36,18 @@ use core::ptr::{addr_of_mut, write_volatile};
 use datapath_common::{
     consts::ports,
     decisions::{reason, NODE_WIDE},
-    direction, pod_flags, ConnKey, NetnsCookie, OrigDst, PodIpKey, PortKey, AF_INET, AF_INET6,
+    direction, pod_flags, NetnsCookie, OrigDst, PodIpKey, PortKey, AF_INET, AF_INET6,
 };
 
 use crate::{
     accelerate,
     decisions::{mapped, record, Tuple},
     maps::{
-        sk_storage_slot, EXCLUDED_PORTS, ORIG_DST_BY_CONN, ORIG_DST_BY_SOCKET, PODS, POD_ADDRS,
-        POD_IPS, PROXY_CGROUPS,
+        sk_storage_slot, EXCLUDED_PORTS, ORIG_DST_BY_SOCKET, PODS, POD_ADDRS, POD_IPS,
+        PROXY_CGROUPS,
     },
     net::{cidr_excluded, is_loopback4, is_v4_mapped, LOOPBACK4, LOOPBACK6, V4_MAPPED_PREFIX},
-    original_dst, probes, proxy_sockets,
+    original_dst, pending, probes, proxy_sockets,
 };
 
 /// sock_addr verdicts.
@@ -197,6 +198,16 @@ fn proxy_addr6(to: u16, netns: NetnsCookie) -> [u32; 4] {
     }
 }
 
+/// Whether a captured TCP connect must be refused because its pod holds its share of
+/// connections the proxy has not taken yet (`pending.rs`).
+#[inline(always)]
+fn over_share(ctx: &SockAddrContext, hook: Hook, netns: NetnsCookie) -> bool {
+    // SAFETY: the context pointer is the kernel's bpf_sock_addr for this call.
+    hook == Hook::Connect
+        && unsafe { (*ctx.sock_addr).protocol } == IPPROTO_TCP
+        && pending::full(netns)
+}
+
 /// Files the original destination in the socket's own storage (a socket steered again, as a
 /// UDP one may be, gets the new one; one connected anywhere else forgets it: [`forget`]). No
 /// memory for it is a refusal, not a leak around the proxy.
@@ -247,6 +258,10 @@ pub fn steer4(ctx: &SockAddrContext, hook: Hook) -> i32 {
             return ALLOW;
         }
     };
+    if over_share(ctx, hook, netns) {
+        record(ctx, netns, reason::OUT_REFUSED_SHARE_FULL, || self::to(mapped(ip), port));
+        return REFUSE;
+    }
     if !remember(ctx, &OrigDst { addr: [ip, 0, 0, 0], port, family: AF_INET }) {
         record(ctx, netns, reason::OUT_REFUSED_NO_SLOT, || self::to(mapped(ip), port));
         return REFUSE;
@@ -288,6 +303,10 @@ pub fn steer6(ctx: &SockAddrContext, hook: Hook) -> i32 {
             return ALLOW;
         }
     };
+    if over_share(ctx, hook, netns) {
+        record(ctx, netns, reason::OUT_REFUSED_SHARE_FULL, || self::to(ip, port));
+        return REFUSE;
+    }
     let (orig, lo) = if mapped {
         (
             OrigDst { addr: [ip[3], 0, 0, 0], port, family: AF_INET },
@@ -426,7 +445,11 @@ pub fn mp_sock_ops(ctx: SockOpsContext) -> u32 {
         return 1;
     }
     if op == BPF_SOCK_OPS_STATE_CB {
-        proxy_sockets::state_changed(&ctx);
+        // Only sockets that asked hear of their state changes: captured app ends (their
+        // pending entry), the proxy's transparent connections (their filing).
+        if ctx.arg(1) == BPF_TCP_CLOSE && !pending::app_closed(&ctx) {
+            proxy_sockets::state_changed(&ctx);
+        }
         return 1;
     }
     if op == BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB {
@@ -451,21 +474,19 @@ pub fn mp_sock_ops(ctx: SockOpsContext) -> u32 {
     let Some(orig) = orig_of_sock_ops(&ctx) else {
         return 1;
     };
-    let v4 = ctx.family() == u32::from(AF_INET) || is_v4_mapped(&ctx.local_ip6());
-    // remote_port holds the network-order port in its upper half.
-    let proxy_port = u16::from_be((ctx.remote_port() >> 16) as u16);
-    let key = ConnKey {
-        // SAFETY: helper called with this program's own context.
-        netns: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
-        port: ctx.local_port() as u16,
-        ip_version: if v4 { 4 } else { 6 },
-        proxy_port,
-        _pad: 0,
-    };
+    let key = pending::app_key(&ctx);
     // Before the ACK that lets the proxy's end be established (and take it) is sent.
-    let _ = ORIG_DST_BY_CONN.insert(&key, &orig, 0);
+    if let Err(why) = pending::file(&ctx, &key, &orig) {
+        record(&ctx, key.netns, why, || Tuple {
+            dst: if orig.family == AF_INET { mapped(orig.addr[0]) } else { orig.addr },
+            dst_port: u16::from_be(orig.port),
+            src_port: key.port,
+            ..Tuple::default()
+        });
+        return 1;
+    }
     // The app's end of a connection to the outbound listener (not DNS).
-    if accelerate::enabled() && proxy_port == ports::OUTBOUND {
+    if accelerate::enabled() && key.proxy_port == ports::OUTBOUND {
         accelerate::add(&ctx, key.netns);
     }
     1

@@ -59,7 +59,7 @@ impl Datapath {
             }
         }
         let dp = Self::locked(root)?;
-        dp.check_socket_storage_pins()?;
+        dp.check_map_types()?;
         if !dp.maps_pinned() {
             // Parsing the object creates and pins every map it declares `pinned`.
             dp.load_object(0)?;
@@ -74,7 +74,7 @@ impl Datapath {
     /// anything (what the proxy needs to register its listeners): an error if nothing is pinned.
     pub fn open_existing(root: &Path) -> Result<Self> {
         let dp = Self::locked(root)?;
-        dp.check_socket_storage_pins()?;
+        dp.check_map_types()?;
         if !dp.maps_pinned() {
             return Err(Error::io(
                 format!("the datapath at {}", root.display()),
@@ -93,22 +93,41 @@ impl Datapath {
         Ok(Self { root: root.to_owned(), _lock: lock })
     }
 
-    /// Refuses a pin root where an older meshpath pinned a map, under a name that is socket
-    /// storage now, as another type (the original destinations were LRU hashes before
-    /// fe19d44). aya reuses a pin by name whatever its type, so the object would load against
-    /// it and a program's load fail in the verifier; or, with every program already pinned,
-    /// the old datapath would go on with no word said.
-    fn check_socket_storage_pins(&self) -> Result<()> {
-        for name in [map_names::ORIG_DST_BY_SOCKET, map_names::ORIG_DST_BY_ACCEPTED] {
+    /// Refuses a pin root where an older meshpath pinned a map as another type than this one
+    /// declares: the original destinations were LRU hashes before fe19d44 (socket storage
+    /// now), and `ORIG_DST_BY_CONN` was one until each pod got a share of it (a hash now,
+    /// from which nothing is evicted). aya reuses a pin by name whatever its type, so the
+    /// object would load against it and a program's load fail in the verifier; or, with every
+    /// program already pinned, the old datapath would go on with no word said.
+    fn check_map_types(&self) -> Result<()> {
+        fn socket_storage(m: &Map) -> bool {
+            matches!(m, Map::SkStorage(_))
+        }
+        fn hash(m: &Map) -> bool {
+            matches!(m, Map::HashMap(_))
+        }
+        /// A pinned map's name, the type this datapath declares it as, and a test for that type.
+        type Expected = (&'static str, &'static str, fn(&Map) -> bool);
+        let expected: [Expected; 3] = [
+            (map_names::ORIG_DST_BY_SOCKET, "socket storage", socket_storage),
+            (map_names::ORIG_DST_BY_ACCEPTED, "socket storage", socket_storage),
+            (map_names::ORIG_DST_BY_CONN, "a hash map", hash),
+        ];
+        for (name, wanted, is) in expected {
             let pin = self.map_pin(name);
             if !pin.exists() {
                 continue;
             }
             let map = self.map(name)?;
-            if !matches!(map, Map::SkStorage(_)) {
+            if !is(&map) {
                 let found = format!("{map:?}");
                 let found = found.split('(').next().unwrap_or("another type").to_owned();
-                return Err(Error::StaleDatapath { root: self.root.clone(), map: name, found });
+                return Err(Error::StaleDatapath {
+                    root: self.root.clone(),
+                    map: name,
+                    found,
+                    wanted,
+                });
             }
         }
         Ok(())
@@ -362,6 +381,12 @@ impl Datapath {
         &self,
     ) -> Result<HashMap<MapData, datapath_common::TransparentKey, u8>> {
         self.hash_map(map_names::PROXY_TRANSPARENT)
+    }
+
+    /// Each enrolled pod's count of entries in `ORIG_DST_BY_CONN` (its share:
+    /// `MAX_PENDING_CONNECTIONS_PER_POD`).
+    pub fn pending_connections(&self) -> Result<HashMap<MapData, NetnsCookie, u64>> {
+        self.hash_map(map_names::PENDING_CONNECTIONS)
     }
 
     /// Original destinations filed by connection (`ConnKey`) that the proxy's end of the

@@ -25,12 +25,12 @@ pub enum Error {
     NoSuchInterface { pod: String, iface: String },
 
     #[error(
-        "the datapath pinned at {} is an older meshpath's: its map {map} is {found}, not socket \
-         storage; remove that directory (as the uninstall Job's remove-datapath step does) and \
+        "the datapath pinned at {} is an older meshpath's: its map {map} is {found}, not \
+         {wanted}; remove that directory (as the uninstall Job's remove-datapath step does) and \
          start the agent again",
         root.display()
     )]
-    StaleDatapath { root: PathBuf, map: &'static str, found: String },
+    StaleDatapath { root: PathBuf, map: &'static str, found: String, wanted: &'static str },
 
     #[error("bpffs is not mounted at {0} and could not be mounted: {1}")]
     Bpffs(PathBuf, io::Error),

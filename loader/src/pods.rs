@@ -29,6 +29,9 @@ use crate::{
     Error, Result,
 };
 
+/// `BPF_NOEXIST` (linux/bpf.h): a map update that only creates.
+const BPF_NOEXIST: u64 = 1;
+
 /// Pin file names of a pod's links, inside its pod directory.
 pub mod link_pins {
     /// The TCX ingress link on the pod's interface.
@@ -223,6 +226,13 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
         if on {
             info.flags |= flag;
         }
+    }
+    // The pod's count of pending connections: kept if there is one (enrolled again, its
+    // connections still counted in it), so that what the programs count is never reset.
+    match dp.pending_connections()?.insert(cookie, 0, BPF_NOEXIST) {
+        Ok(()) => {}
+        Err(MapError::SyscallError(e)) if e.io_error.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(Error::bpf(format!("pod {pod}: its pending connections' count"), e)),
     }
     dp.pods()?
         .insert(cookie, info, 0)
@@ -605,6 +615,11 @@ fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
         );
     }
     map_step(&mut failed, "POD_COUNTERS", dp.counters().map(|mut m| vec![m.remove(&cookie)]));
+    map_step(
+        &mut failed,
+        "PENDING_CONNECTIONS",
+        dp.pending_connections().map(|mut m| vec![m.remove(&cookie)]),
+    );
     if !noted(pod_flags::NO_PREFIX_RULES) {
         let mine = cookie.to_ne_bytes();
         map_step(

@@ -325,31 +325,27 @@ fn removal_by_address_deletes_only_the_addresses_still_mapped_to_the_pod() {
     assert!(left.is_empty(), "pod a's own addresses were left behind");
 }
 
-/// A pin root where an older meshpath pinned the original destinations as an LRU hash (before
-/// they moved into socket storage) is refused with an error that names the map and what to
-/// do, before anything is loaded or attached: the old datapath is not silently kept, nor the
-/// new one half loaded against it.
-#[test]
-fn a_datapath_pinned_by_an_older_meshpath_is_refused_naming_the_map() {
+/// A pin root where an older meshpath pinned `map` as an LRU hash of `key` and `value` bytes
+/// is refused with an error that names the map and what to do, before anything is loaded or
+/// attached: the old datapath is not silently kept, nor the new one half loaded against it.
+fn an_older_lru_pin_is_refused(map: &str, key: usize, value: usize) {
     require_root();
     let root = PinRoot::new();
     let maps = root.path().join(datapath_common::consts::pins::MAPS_DIR);
     std::fs::create_dir_all(&maps).expect("maps dir");
-    let pin = maps.join(datapath_common::consts::map_names::ORIG_DST_BY_SOCKET);
+    let pin = maps.join(map);
     let out = Command::new("bpftool")
         .args(["map", "create"])
         .arg(&pin)
-        .args(["type", "lru_hash", "key", "8", "value", "20", "entries", "16", "name", "ORIG_DST"])
+        .args(["type", "lru_hash", "key", &key.to_string(), "value", &value.to_string()])
+        .args(["entries", "16", "name", "OLD_PIN"])
         .output()
         .expect("bpftool");
     assert!(out.status.success(), "bpftool: {}", String::from_utf8_lossy(&out.stderr));
 
     let err = root.datapath().expect_err("an older datapath was opened");
     let text = err.to_string();
-    assert!(
-        text.contains("older meshpath") && text.contains("ORIG_DST_BY_SOCKET"),
-        "unclear error: {text}"
-    );
+    assert!(text.contains("older meshpath") && text.contains(map), "unclear error: {text}");
     let made: Vec<_> = std::fs::read_dir(root.path())
         .expect("pin root")
         .flatten()
@@ -360,4 +356,22 @@ fn a_datapath_pinned_by_an_older_meshpath_is_refused_naming_the_map() {
     assert!(made.is_empty(), "pinned although refused: {made:?}");
     let maps_left: Vec<_> = std::fs::read_dir(&maps).expect("maps").flatten().collect();
     assert_eq!(maps_left.len(), 1, "maps pinned although refused: {maps_left:?}");
+}
+
+/// The original destinations on the socket were an LRU hash before they moved into socket
+/// storage.
+#[test]
+fn a_datapath_pinned_by_an_older_meshpath_is_refused_naming_the_map() {
+    an_older_lru_pin_is_refused(datapath_common::consts::map_names::ORIG_DST_BY_SOCKET, 8, 20);
+}
+
+/// The original destinations by connection were an LRU hash before each pod got a share of
+/// them (a hash now, from which nothing is evicted).
+#[test]
+fn a_datapath_whose_connection_map_is_an_older_lru_is_refused_naming_the_map() {
+    an_older_lru_pin_is_refused(
+        datapath_common::consts::map_names::ORIG_DST_BY_CONN,
+        std::mem::size_of::<datapath_common::ConnKey>(),
+        std::mem::size_of::<datapath_common::OrigDst>(),
+    );
 }

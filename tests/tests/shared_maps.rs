@@ -1,8 +1,13 @@
-//! The node-wide per-connection map (`ORIG_DST_BY_CONN`, an LRU of
-//! `MAX_TRACKED_CONNECTIONS` entries) under one pod's flood: a pod opening more captured
-//! connections than the map holds leaves it nearly empty (each entry leaves when the proxy's end
-//! of its connection is established, one loopback handshake after it is written), and another
-//! pod's long-lived connection, and its new connections meanwhile, keep working.
+//! The node-wide per-connection map (`ORIG_DST_BY_CONN`, a hash of `MAX_TRACKED_CONNECTIONS`
+//! entries from which nothing is evicted) shared by every pod:
+//!
+//! - under one pod's flood of more captured connections than the map holds, it stays nearly
+//!   empty (each entry leaves when the proxy's end of its connection is established, one
+//!   loopback handshake after it is written), and another pod's long-lived connection, and its
+//!   new connections meanwhile, keep working;
+//! - a pod whose connections' proxy ends do not come holds at most its share of it
+//!   (`MAX_PENDING_CONNECTIONS_PER_POD`): past that its connects are refused and counted,
+//!   another pod's are not, and the entries go when the app's ends close.
 
 use std::{
     io::{Read as _, Write as _},
@@ -11,8 +16,13 @@ use std::{
     time::Duration,
 };
 
-use datapath_common::consts::MAX_TRACKED_CONNECTIONS;
-use meshpath_loader::pods::{self, EnrolOptions};
+use std::os::fd::AsRawFd as _;
+
+use datapath_common::consts::{ports, MAX_PENDING_CONNECTIONS_PER_POD, MAX_TRACKED_CONNECTIONS};
+use meshpath_loader::{
+    decisions,
+    pods::{self, EnrolOptions},
+};
 use meshpath_tests::{read_line, sibling_bin, Mesh, TestProxy};
 
 /// Connections the flooding pod opens: more than the map holds.
@@ -43,19 +53,16 @@ fn echoes(conn: &mut TcpStream, n: usize) -> bool {
     conn.write_all(&sent).is_ok() && conn.read_exact(&mut back).is_ok() && back == sent
 }
 
-#[test]
-fn one_pods_flood_of_connections_leaves_the_map_empty_and_another_pods_connections_working() {
-    // Pod a floods: its proxy answers every connection itself with its original destination.
-    let mut mesh = Mesh::capturing();
-    mesh.start_proxy("echo");
-    // Pod b is in the mesh too, with its own proxy forwarding to pod a's echo server.
+/// Enrols pod b with outbound capture and starts its own proxy, forwarding each connection
+/// to its original destination.
+fn mesh_pod_b(mesh: &Mesh) -> TestProxy {
     pods::enrol(
         &mesh.datapath(),
         &mesh.pods.b.open().expect("netns b"),
         &EnrolOptions { capture_outbound: true, ..EnrolOptions::default() },
     )
     .expect("enrol b");
-    let _proxy_b = TestProxy::start(
+    TestProxy::start(
         &sibling_bin("meshpath-test-proxy"),
         &mesh.pods.b.path(),
         &mesh.cgroup,
@@ -63,7 +70,16 @@ fn one_pods_flood_of_connections_leaves_the_map_empty_and_another_pods_connectio
         false,
         &[],
     )
-    .expect("pod b's proxy");
+    .expect("pod b's proxy")
+}
+
+#[test]
+fn one_pods_flood_of_connections_leaves_the_map_empty_and_another_pods_connections_working() {
+    // Pod a floods: its proxy answers every connection itself with its original destination.
+    let mut mesh = Mesh::capturing();
+    mesh.start_proxy("echo");
+    // Pod b is in the mesh too, with its own proxy forwarding to pod a's echo server.
+    let _proxy_b = mesh_pod_b(&mesh);
     let echo = mesh.a(false, 9100);
     echo_server(&mesh, echo);
     let mut long_lived = mesh.connect_from_b(echo, None).expect("pod b's long-lived connection");
@@ -125,4 +141,86 @@ fn one_pods_flood_of_connections_leaves_the_map_empty_and_another_pods_connectio
     assert!(echoes(&mut long_lived, 1000), "pod b's long-lived connection after the flood");
     let left = mesh.datapath().orig_dst_by_conn().expect("map").keys().count();
     assert!(left < 100, "{left} of the flood's {FLOOD} entries are still in ORIG_DST_BY_CONN");
+}
+
+/// Pod a's entries in `ORIG_DST_BY_CONN`, by the map and by the pod's count.
+fn pending_of_a(mesh: &Mesh) -> (usize, u64) {
+    let cookie = mesh.pods.a.open().expect("netns a").cookie();
+    let dp = mesh.datapath();
+    let in_map =
+        dp.orig_dst_by_conn().expect("map").keys().flatten().filter(|k| k.netns == cookie).count();
+    let counted = dp.pending_connections().expect("counts").get(&cookie, 0).expect("a's count");
+    (in_map, counted)
+}
+
+/// How often the datapath refused pod a's connections for its share.
+fn refused_for_share(mesh: &Mesh) -> u64 {
+    let cookie = mesh.pods.a.open().expect("netns a").cookie();
+    decisions::of(&mesh.datapath(), cookie)
+        .expect("decisions")
+        .iter()
+        .find(|d| d.why == "pod's share of pending connections")
+        .map_or(0, |d| d.count)
+}
+
+#[test]
+fn a_pod_holding_its_share_of_pending_connections_is_refused_and_another_pod_is_not() {
+    let mesh = Mesh::capturing();
+    let _proxy_b = mesh_pod_b(&mesh);
+    let echo = mesh.a(false, 9100);
+    echo_server(&mesh, echo);
+    // Pod a's proxy listener defers every connection until data comes (TCP_DEFER_ACCEPT): its
+    // end of a connection is not established while the app sends nothing, as when an
+    // overflowing accept queue drops the handshake's last ACK, so each app connection holds
+    // its entry. Its queue is longer than the share, so that none falls back on a syncookie.
+    let ns_a = mesh.pods.a.open().expect("netns a");
+    ns_a.run(|| std::fs::write("/proc/sys/net/core/somaxconn", "16384"))
+        .expect("enter netns a")
+        .expect("somaxconn in pod a");
+    let proxy_a = mesh
+        .pods
+        .a
+        .listen_in_cgroup(mesh.a(false, ports::OUTBOUND), &mesh.cgroup)
+        .expect("pod a's proxy listener");
+    let defer_secs: libc::c_int = 60;
+    // SAFETY: a valid socket and an int option of the size given.
+    let rc = unsafe {
+        libc::setsockopt(
+            proxy_a.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_DEFER_ACCEPT,
+            std::ptr::from_ref(&defer_secs).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0, "TCP_DEFER_ACCEPT: {}", std::io::Error::last_os_error());
+    socket2::SockRef::from(&proxy_a).listen(16384).expect("a longer queue");
+
+    let share = MAX_PENDING_CONNECTIONS_PER_POD as usize;
+    let dst = mesh.b(false, 8080);
+    let mut held = Vec::with_capacity(share);
+    for i in 0..share {
+        held.push(mesh.connect_from_a(dst, None).unwrap_or_else(|e| panic!("connection {i}: {e}")));
+    }
+    assert_eq!(pending_of_a(&mesh), (share, share as u64), "pod a's share, filled");
+
+    // Past its share: refused at connect, and counted.
+    let refused = mesh.connect_from_a(dst, None).expect_err("a connection past the share");
+    assert_eq!(refused.kind(), std::io::ErrorKind::PermissionDenied, "{refused}");
+    assert_eq!(refused_for_share(&mesh), 1);
+    // Pod b's connections still have room.
+    for i in 0..10 {
+        let mut c = mesh.connect_from_b(echo, None).unwrap_or_else(|e| panic!("b's {i}: {e}"));
+        assert!(echoes(&mut c, 100), "pod b's connection {i} echoes");
+    }
+
+    // The app's ends closing take their entries: room again for pod a.
+    for conn in held.drain(..share / 2) {
+        socket2::SockRef::from(&conn).set_linger(Some(Duration::ZERO)).ok();
+    }
+    assert_eq!(pending_of_a(&mesh), (share / 2, (share / 2) as u64), "half closed");
+    let again = mesh.connect_from_a(dst, None).expect("pod a connects again below its share");
+    held.push(again);
+    drop(held);
+    assert_eq!(pending_of_a(&mesh), (0, 0), "every app end closed");
 }

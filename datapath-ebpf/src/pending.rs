@@ -1,0 +1,126 @@
+//! Each pod's share of `ORIG_DST_BY_CONN`, the node-wide map that holds a captured
+//! connection's original destination between its two ends' establishment (the app's end files
+//! it, the proxy's end takes it a loopback handshake later, `original_dst.rs`).
+//!
+//! The map is a plain hash, so nothing is ever evicted from it; what one pod could still do is
+//! fill it (connections whose proxy end never comes, e.g. past an overflowing accept queue),
+//! and then every pod's new connections would find no room. So each pod's entries are counted
+//! in `PENDING_CONNECTIONS` and held to `MAX_PENDING_CONNECTIONS_PER_POD`:
+//!
+//! - connect4/6 refuses a pod's captured TCP connect while the pod is at its share;
+//! - sock_ops files an entry only below it (connects that got past connect together can pass
+//!   the share only by as many as run at once, one per CPU), and counts it; the entry leaves,
+//!   counted down, when the proxy's end takes it or when the app's end closes first
+//!   ([`app_closed`]), so a pod's count is never more than its live connections.
+//!
+//! A pod with no counter (enrolled by an older agent) is not held to a share.
+
+use aya_ebpf::{
+    bindings::{BPF_EXIST, BPF_NOEXIST, BPF_SOCK_OPS_STATE_CB_FLAG},
+    helpers::bpf_get_netns_cookie,
+    programs::SockOpsContext,
+    EbpfContext as _,
+};
+use core::intrinsics::{atomic_xadd, AtomicOrdering};
+use datapath_common::{
+    consts::{ports, MAX_PENDING_CONNECTIONS_PER_POD},
+    decisions::reason,
+    ConnKey, NetnsCookie, OrigDst, AF_INET,
+};
+
+use crate::{
+    maps::{sk_storage_slot, ORIG_DST_BY_CONN, ORIG_DST_BY_SOCKET, PENDING_CONNECTIONS},
+    net::is_v4_mapped,
+};
+
+/// Whether the pod is at its share.
+#[inline(always)]
+pub fn full(netns: NetnsCookie) -> bool {
+    // SAFETY: map values are plain data owned by the map.
+    match unsafe { PENDING_CONNECTIONS.get(&netns) } {
+        // Signed: a count a re-enrolment restarted from zero may go below it for a while.
+        Some(&n) => n as i64 >= i64::from(MAX_PENDING_CONNECTIONS_PER_POD),
+        None => false,
+    }
+}
+
+/// Adds `delta` (1, or `u64::MAX` for minus one) to the pod's count, if it has one. The
+/// result is unused, so this is the plain atomic add every kernel's verifier takes (a u64: the
+/// BPF target has no 32-bit atomics).
+#[inline(always)]
+fn count(netns: NetnsCookie, delta: u64) {
+    if let Some(n) = PENDING_CONNECTIONS.get_ptr_mut(&netns) {
+        // The intrinsic, not `AtomicU64::fetch_add`: the BPF target declares no atomic
+        // read-modify-write, though its instruction set has this add.
+        // SAFETY: a pointer to the map's u64 value for this key, valid for this program run;
+        // other CPUs update it only atomically.
+        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, delta) };
+    }
+}
+
+/// The key the app's end of a captured connection files under (sock_ops on that end: the
+/// local port is the app's, the remote the proxy listener's).
+#[inline(always)]
+pub fn app_key(ctx: &SockOpsContext) -> ConnKey {
+    let v4 = ctx.family() == u32::from(AF_INET) || is_v4_mapped(&ctx.local_ip6());
+    ConnKey {
+        // SAFETY: helper called with this program's own context.
+        netns: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
+        port: ctx.local_port() as u16,
+        ip_version: if v4 { 4 } else { 6 },
+        // remote_port holds the network-order port in its upper half.
+        proxy_port: u16::from_be((ctx.remote_port() >> 16) as u16),
+        _pad: 0,
+    }
+}
+
+/// sock_ops, the app's end established: files its original destination for the proxy's end,
+/// within the pod's share, and asks to hear when this end closes. Not filed (the proxy's
+/// getsockopt will refuse the connection), the reason to count: the pod is at its share, or
+/// the map is full.
+#[inline(always)]
+pub fn file(ctx: &SockOpsContext, key: &ConnKey, orig: &OrigDst) -> Result<(), u32> {
+    if full(key.netns) {
+        return Err(reason::OUT_REFUSED_SHARE_FULL);
+    }
+    if ORIG_DST_BY_CONN.insert(key, orig, u64::from(BPF_NOEXIST)).is_ok() {
+        count(key.netns, 1);
+    } else if ORIG_DST_BY_CONN.insert(key, orig, u64::from(BPF_EXIST)).is_err() {
+        // Not new, and no entry of this key to replace: the map is full.
+        return Err(reason::OUT_REFUSED_NO_SLOT);
+    }
+    // (Replaced: an entry of this key is a closed connection's whose removal has not run yet;
+    // it stays counted once, as it was.)
+    let _ = ctx.set_cb_flags((ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
+    Ok(())
+}
+
+/// Removes `key`'s entry (the proxy's end took it, or the app's end closed), counting it down
+/// if it was there.
+#[inline(always)]
+pub fn remove(key: &ConnKey) {
+    if ORIG_DST_BY_CONN.remove(key).is_ok() {
+        count(key.netns, u64::MAX);
+    }
+}
+
+/// sock_ops, a socket closing: if it is a captured app end (it has an original destination
+/// and its peer is one of the proxy's listeners), its entry goes, if the proxy's end has not
+/// taken it already.
+#[inline(always)]
+pub fn app_closed(ctx: &SockOpsContext) -> bool {
+    let key = app_key(ctx);
+    if key.proxy_port != ports::OUTBOUND && key.proxy_port != ports::DNS {
+        return false;
+    }
+    // SAFETY: `sk` of the kernel's bpf_sock_ops for this call, null-checked; only whether a
+    // slot exists is read.
+    let captured = unsafe {
+        let sk = (*ctx.ops).__bindgen_anon_2.sk;
+        !sk.is_null() && !sk_storage_slot(&ORIG_DST_BY_SOCKET, sk, false).is_null()
+    };
+    if captured {
+        remove(&key);
+    }
+    captured
+}

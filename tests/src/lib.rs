@@ -18,6 +18,22 @@ pub fn require_root() {
     assert_eq!(euid, 0, "meshpath's end-to-end tests must run as root (they load eBPF programs)");
 }
 
+/// Raises this process's open-file limit to at least `n` (the hard limit too if it is lower:
+/// the tests run as root), for a test that holds thousands of sockets: the QEMU guests start
+/// with a soft limit of 1,024.
+pub fn raise_open_files(n: u64) {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: a valid rlimit for the kernel to fill.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0, "getrlimit");
+    if lim.rlim_cur >= n {
+        return;
+    }
+    let want = libc::rlimit { rlim_cur: n, rlim_max: lim.rlim_max.max(n) };
+    // SAFETY: a valid rlimit.
+    let rc = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) };
+    assert_eq!(rc, 0, "raising the open-file limit to {n}: {}", std::io::Error::last_os_error());
+}
+
 /// A name no other test (in this or another process) is using: `prefix` + pid + counter.
 /// Kept short: interface names are limited to 15 bytes.
 pub fn unique(prefix: &str) -> String {

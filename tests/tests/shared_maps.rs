@@ -23,7 +23,7 @@ use meshpath_loader::{
     decisions,
     pods::{self, EnrolOptions},
 };
-use meshpath_tests::{read_line, sibling_bin, Mesh, TestProxy};
+use meshpath_tests::{raise_open_files, read_line, sibling_bin, Mesh, TestProxy};
 
 /// Connections the flooding pod opens: more than the map holds.
 const FLOOD: usize = MAX_TRACKED_CONNECTIONS as usize + 4_464;
@@ -197,6 +197,8 @@ fn a_pod_holding_its_share_of_pending_connections_is_refused_and_another_pod_is_
     socket2::SockRef::from(&proxy_a).listen(16384).expect("a longer queue");
 
     let share = MAX_PENDING_CONNECTIONS_PER_POD as usize;
+    // The app's ends of the share, and as many again for the proxy's and pod b's.
+    raise_open_files(2 * share as u64 + 1024);
     let dst = mesh.b(false, 8080);
     let mut held = Vec::with_capacity(share);
     for i in 0..share {

@@ -447,7 +447,7 @@ pub fn mp_sock_ops(ctx: SockOpsContext) -> u32 {
     if op == BPF_SOCK_OPS_STATE_CB {
         // Only sockets that asked hear of their state changes: captured app ends (their
         // pending entry), the proxy's transparent connections (their filing).
-        if ctx.arg(1) == BPF_TCP_CLOSE && !pending::app_closed(&ctx) {
+        if !pending::app_state_changed(&ctx) && ctx.arg(1) == BPF_TCP_CLOSE {
             proxy_sockets::state_changed(&ctx);
         }
         return 1;

@@ -11,12 +11,12 @@
 //! - sock_ops files an entry only below it (connects that got past connect together can pass
 //!   the share only by as many as run at once, one per CPU), and counts it; the entry leaves,
 //!   counted down, when the proxy's end takes it or when the app's end closes first
-//!   ([`app_closed`]), so a pod's count is never more than its live connections.
+//!   ([`app_state_changed`]), so a pod's count is never more than its live connections.
 //!
 //! A pod with no counter (enrolled by an older agent) is not held to a share.
 
 use aya_ebpf::{
-    bindings::{BPF_EXIST, BPF_NOEXIST, BPF_SOCK_OPS_STATE_CB_FLAG},
+    bindings::{BPF_EXIST, BPF_NOEXIST, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_TCP_CLOSE},
     helpers::bpf_get_netns_cookie,
     programs::SockOpsContext,
     EbpfContext as _,
@@ -104,11 +104,13 @@ pub fn remove(key: &ConnKey) {
     }
 }
 
-/// sock_ops, a socket closing: if it is a captured app end (it has an original destination
-/// and its peer is one of the proxy's listeners), its entry goes, if the proxy's end has not
-/// taken it already.
+/// sock_ops, a state change of a socket that asked for them: if it is a captured app end (it
+/// has an original destination and its peer is one of the proxy's listeners), its entry goes
+/// when it closes, if the proxy's end has not taken it already; and once the entry is gone, the
+/// socket stops asking (one callback more per connection, not one per state). True: it was
+/// such a socket.
 #[inline(always)]
-pub fn app_closed(ctx: &SockOpsContext) -> bool {
+pub fn app_state_changed(ctx: &SockOpsContext) -> bool {
     let key = app_key(ctx);
     if key.proxy_port != ports::OUTBOUND && key.proxy_port != ports::DNS {
         return false;
@@ -119,8 +121,15 @@ pub fn app_closed(ctx: &SockOpsContext) -> bool {
         let sk = (*ctx.ops).__bindgen_anon_2.sk;
         !sk.is_null() && !sk_storage_slot(&ORIG_DST_BY_SOCKET, sk, false).is_null()
     };
-    if captured {
-        remove(&key);
+    if !captured {
+        return false;
     }
-    captured
+    if ctx.arg(1) == BPF_TCP_CLOSE {
+        remove(&key);
+    // SAFETY: map values are plain data owned by the map; only presence is read.
+    } else if unsafe { ORIG_DST_BY_CONN.get(&key) }.is_none() {
+        // Taken by the proxy's end: nothing left to watch for.
+        let _ = ctx.set_cb_flags((ctx.cb_flags() & !BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
+    }
+    true
 }

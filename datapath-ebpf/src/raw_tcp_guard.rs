@@ -10,9 +10,13 @@
 //!
 //! What passes untouched: everything that is not TCP, and TCP sent by a kernel TCP socket,
 //! which capture has already decided on (app, proxy, excluded port or prefix, probe reply).
-//! What passes from any other sender: segments that can open nothing, as the kernel's own
-//! control socket (itself a raw TCP socket) sends them: resets and bare ACKs, no SYN, no data,
-//! not fragmented. Anything else is dropped and counted (`EGRESS_DROP_NOT_TCP_SOCKET`).
+//! What passes from any other sender is what the kernel's own control socket (itself a raw TCP
+//! socket, which a program cannot tell from an app's) sends: resets (no SYN, no data, not
+//! fragmented), which no peer answers; and bare ACKs that answer one of the pod's TIME_WAIT or
+//! request sockets (found by looking the connection up in the pod's netns), the only ones that
+//! socket sends. A bare ACK, FIN or flagless segment for any other connection is a probe a peer
+//! would answer (an ACK, FIN or NULL scan); it is dropped with everything else, and counted
+//! (`EGRESS_DROP_NOT_TCP_SOCKET`).
 //!
 //! One instance for the node, loaded and pinned once; enrolment attaches it to the pod's
 //! interface as a netlink filter on a clsact qdisc (a fraction of a millisecond) rather than a
@@ -21,10 +25,14 @@
 //! (`bpf_get_netns_cookie` takes an skb in TC only from Linux 6.15 on).
 
 use aya_ebpf::{
-    bindings::{bpf_sock, TC_ACT_SHOT, TC_ACT_UNSPEC},
-    helpers::bpf_sk_fullsock,
+    bindings::{
+        bpf_sock, bpf_sock_tuple, BPF_F_CURRENT_NETNS, BPF_TCP_NEW_SYN_RECV, BPF_TCP_SYN_RECV,
+        BPF_TCP_TIME_WAIT, TC_ACT_SHOT, TC_ACT_UNSPEC,
+    },
+    helpers::{bpf_sk_fullsock, bpf_sk_release, bpf_skc_lookup_tcp},
     macros::classifier,
     programs::TcContext,
+    EbpfContext as _,
 };
 use core::ptr::{addr_of, read_volatile};
 use datapath_common::decisions::{reason, NODE_WIDE};
@@ -43,6 +51,7 @@ const ETH_P_IPV6: u16 = 0x86dd;
 const IPPROTO_TCP: u8 = 6;
 const SOCK_STREAM: u32 = 1;
 const TCP_SYN: u8 = 0x02;
+const TCP_RST: u8 = 0x04;
 /// IPv6 extension headers walked before giving up (each one a helper call).
 const MAX_EXTENSION_HEADERS: usize = 4;
 
@@ -50,8 +59,12 @@ const MAX_EXTENSION_HEADERS: usize = 4;
 enum Segment {
     /// Not TCP: not this program's business.
     NotTcp,
-    /// A TCP segment that opens nothing and carries nothing (a reset or a bare ACK).
-    Control,
+    /// A reset that opens nothing and carries nothing.
+    Reset,
+    /// A segment with neither SYN, RST nor data (a bare ACK, a FIN, no flags): the kernel's
+    /// answer for one of its mini sockets, or a probe. `v4`: the tuple's addresses are
+    /// v4-mapped.
+    Bare { t: Tuple, v4: bool },
     /// Anything else TCP: a SYN, data, a fragment, headers this program cannot walk.
     Other(Tuple),
 }
@@ -62,12 +75,62 @@ pub fn tc_pod_guard(ctx: TcContext) -> i32 {
     if sent_by_tcp_socket(&ctx) {
         return PASS;
     }
-    match segment(&ctx) {
-        Segment::NotTcp | Segment::Control => PASS,
-        Segment::Other(t) => {
-            record(&ctx, NODE_WIDE, reason::EGRESS_DROP_NOT_TCP_SOCKET, || t);
-            DROP
+    let t = match segment(&ctx) {
+        Segment::NotTcp | Segment::Reset => return PASS,
+        Segment::Bare { t, v4 } if answers_a_mini_socket(&ctx, &t, v4) => return PASS,
+        Segment::Bare { t, .. } | Segment::Other(t) => t,
+    };
+    record(&ctx, NODE_WIDE, reason::EGRESS_DROP_NOT_TCP_SOCKET, || t);
+    DROP
+}
+
+/// Whether the connection of a bare segment leaving the pod (`t`: its ports) is one of the
+/// pod's TIME_WAIT or request sockets, for which the kernel's control socket sends ACKs. Looked
+/// up as the segment's answer would be received, in the pod's netns. The addresses are read
+/// here, at their fixed offsets, not while the headers are walked: carried through every path
+/// of that walk they cost Linux 6.1's verifier over its million instructions.
+#[inline(always)]
+fn answers_a_mini_socket(ctx: &TcContext, t: &Tuple, v4: bool) -> bool {
+    // SAFETY: an all-zero tuple is valid plain data; the union's member written is the one
+    // whose size is passed.
+    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
+    let size = if v4 {
+        let Ok([src, dst]) = ctx.load::<[u32; 2]>(ETH_HLEN + 12) else {
+            return false;
+        };
+        tuple.__bindgen_anon_1.ipv4.saddr = dst;
+        tuple.__bindgen_anon_1.ipv4.daddr = src;
+        tuple.__bindgen_anon_1.ipv4.sport = t.dst_port.to_be();
+        tuple.__bindgen_anon_1.ipv4.dport = t.src_port.to_be();
+        // SAFETY: the member just written.
+        core::mem::size_of_val(unsafe { &tuple.__bindgen_anon_1.ipv4 })
+    } else {
+        let Ok([src, dst]) = ctx.load::<[[u32; 4]; 2]>(ETH_HLEN + 8) else {
+            return false;
+        };
+        tuple.__bindgen_anon_1.ipv6.saddr = dst;
+        tuple.__bindgen_anon_1.ipv6.daddr = src;
+        tuple.__bindgen_anon_1.ipv6.sport = t.dst_port.to_be();
+        tuple.__bindgen_anon_1.ipv6.dport = t.src_port.to_be();
+        // SAFETY: as above.
+        core::mem::size_of_val(unsafe { &tuple.__bindgen_anon_1.ipv6 })
+    };
+    // SAFETY: the helper gets this program's context and a tuple of the size given; a socket it
+    // returns holds a reference, released below on every path (the verifier checks that).
+    unsafe {
+        let sk = bpf_skc_lookup_tcp(
+            ctx.as_ptr(),
+            &mut tuple,
+            size as u32,
+            BPF_F_CURRENT_NETNS as u64,
+            0,
+        );
+        if sk.is_null() {
+            return false;
         }
+        let state = read_volatile(addr_of!((*sk).state));
+        bpf_sk_release(sk.cast());
+        state == BPF_TCP_TIME_WAIT || state == BPF_TCP_NEW_SYN_RECV || state == BPF_TCP_SYN_RECV
     }
 }
 
@@ -128,7 +191,7 @@ fn v4(ctx: &TcContext) -> Segment {
         return Segment::Other(t);
     }
     let ihl = usize::from(ver_ihl & 0x0f) * 4;
-    tcp(ctx, ip + ihl, usize::from(u16::from_be(total)).saturating_sub(ihl), &mut t)
+    tcp(ctx, ip + ihl, usize::from(u16::from_be(total)).saturating_sub(ihl), &mut t, true)
 }
 
 #[inline(always)]
@@ -146,7 +209,7 @@ fn v6(ctx: &TcContext) -> Segment {
     // Bounded for the verifier; a chain longer than this is refused, not walked.
     for _ in 0..MAX_EXTENSION_HEADERS {
         let len = match next {
-            IPPROTO_TCP => return tcp(ctx, off, left, &mut t),
+            IPPROTO_TCP => return tcp(ctx, off, left, &mut t, false),
             // Hop-by-hop, routing, destination options: (length + 1) * 8 bytes.
             0 | 43 | 60 => match ctx.load::<u8>(off + 1) {
                 Ok(l) => (usize::from(l) + 1) * 8,
@@ -173,15 +236,16 @@ fn v6(ctx: &TcContext) -> Segment {
         left = left.saturating_sub(len);
     }
     if next == IPPROTO_TCP {
-        tcp(ctx, off, left, &mut t)
+        tcp(ctx, off, left, &mut t, false)
     } else {
         Segment::Other(t)
     }
 }
 
-/// The TCP header at `off`, `len` bytes of segment (header and data) after it.
+/// The TCP header at `off`, `len` bytes of segment (header and data) after it; `v4`: an IPv4
+/// packet's.
 #[inline(always)]
-fn tcp(ctx: &TcContext, off: usize, len: usize, t: &mut Tuple) -> Segment {
+fn tcp(ctx: &TcContext, off: usize, len: usize, t: &mut Tuple, v4: bool) -> Segment {
     let (Ok(ports), Ok(doff), Ok(flags)) =
         (ctx.load::<[u16; 2]>(off), ctx.load::<u8>(off + 12), ctx.load::<u8>(off + 13))
     else {
@@ -190,9 +254,11 @@ fn tcp(ctx: &TcContext, off: usize, len: usize, t: &mut Tuple) -> Segment {
     t.src_port = u16::from_be(ports[0]);
     t.dst_port = u16::from_be(ports[1]);
     let header = usize::from(doff >> 4) * 4;
-    if flags & TCP_SYN == 0 && len <= header {
-        Segment::Control
-    } else {
+    if flags & TCP_SYN != 0 || len > header {
         Segment::Other(*t)
+    } else if flags & TCP_RST != 0 {
+        Segment::Reset
+    } else {
+        Segment::Bare { t: *t, v4 }
     }
 }

@@ -1,9 +1,11 @@
 //! Raw and packet sockets in an enrolled pod (CAP_NET_RAW, which runtimes grant by default):
-//! a TCP SYN the pod builds by hand never reaches a peer past the proxy, and the datapath counts
-//! the drop; the pod's kernel still sends its own resets. Each "never reaches" test has a real
-//! listener behind the destination, whose answer (a SYN-ACK) the sender would see, and reads
-//! the peer's count of TCP segments received, which must not move; the first test shows the
-//! same SYN from a pod outside the mesh is answered.
+//! a TCP SYN the pod builds by hand never reaches a peer past the proxy, nor does a probe a peer
+//! would answer (a bare ACK, a FIN: ACK and FIN scans), and the datapath counts the drop; the
+//! pod's kernel still sends its own resets, and the ACKs of its TIME_WAIT sockets. Each "never
+//! reaches" test has a real listener behind the destination (for the FIN, the peer's kernel at
+//! a closed port), whose answer (a SYN-ACK, a reset) the sender would see, and reads the peer's
+//! count of TCP segments received, which must not move; the first test shows the same SYN from
+//! a pod outside the mesh is answered.
 
 use std::{
     io,
@@ -17,7 +19,9 @@ use meshpath_loader::decisions;
 use meshpath_tests::{Mesh, NetnsGuard};
 use socket2::{Domain, Protocol, Socket, Type};
 
+const FIN: u8 = 0x01;
 const SYN: u8 = 0x02;
+const RST: u8 = 0x04;
 const ACK: u8 = 0x10;
 /// The source port the hand-built SYNs claim (no socket of the sender has it).
 const SRC_PORT: u16 = 40404;
@@ -38,12 +42,21 @@ fn checksum(chunks: &[&[u8]]) -> u16 {
 
 /// A 20-byte TCP header with only SYN set, its checksum over the pseudo-header of src → dst.
 fn tcp_syn(src: SocketAddr, dst: SocketAddr) -> Vec<u8> {
+    tcp_segment(src, dst, SYN)
+}
+
+/// A 20-byte TCP header with `flags`, no data, its checksum over the pseudo-header of
+/// src → dst.
+fn tcp_segment(src: SocketAddr, dst: SocketAddr, flags: u8) -> Vec<u8> {
     let mut tcp = vec![0u8; 20];
     tcp[0..2].copy_from_slice(&src.port().to_be_bytes());
     tcp[2..4].copy_from_slice(&dst.port().to_be_bytes());
     tcp[4..8].copy_from_slice(&0x1234_5678u32.to_be_bytes());
+    if flags & ACK != 0 {
+        tcp[8..12].copy_from_slice(&0x0bad_cafeu32.to_be_bytes());
+    }
     tcp[12] = 5 << 4;
-    tcp[13] = SYN;
+    tcp[13] = flags;
     tcp[14..16].copy_from_slice(&64240u16.to_be_bytes());
     let len = (tcp.len() as u32).to_be_bytes();
     let sum = match (src.ip(), dst.ip()) {
@@ -91,6 +104,12 @@ fn raw_tcp(ns: &NetnsGuard, v6: bool) -> Socket {
 
 /// Whether a SYN-ACK from `peer` to [`SRC_PORT`] arrives on `raw` within `wait`.
 fn syn_ack_from(raw: &Socket, peer: SocketAddr, wait: Duration) -> bool {
+    answer_from(raw, peer, SRC_PORT, SYN | ACK, wait)
+}
+
+/// Whether a segment with (at least) `flags` from `peer` to port `to` arrives on `raw` within
+/// `wait`.
+fn answer_from(raw: &Socket, peer: SocketAddr, to: u16, flags: u8, wait: Duration) -> bool {
     let deadline = Instant::now() + wait;
     let mut buf = [MaybeUninit::<u8>::uninit(); 2048];
     while Instant::now() < deadline {
@@ -109,8 +128,8 @@ fn syn_ack_from(raw: &Socket, peer: SocketAddr, wait: Duration) -> bool {
         if tcp.len() >= 20
             && from_ip == Some(peer.ip())
             && u16::from_be_bytes([tcp[0], tcp[1]]) == peer.port()
-            && u16::from_be_bytes([tcp[2], tcp[3]]) == SRC_PORT
-            && tcp[13] & (SYN | ACK) == SYN | ACK
+            && u16::from_be_bytes([tcp[2], tcp[3]]) == to
+            && tcp[13] & flags == flags
         {
             return true;
         }
@@ -150,14 +169,24 @@ struct Attempt {
     src: SocketAddr,
     raw: Socket,
     segs_before: u64,
-    _listener: std::net::TcpListener,
+    _listener: Option<std::net::TcpListener>,
 }
 
 impl Attempt {
+    /// To a listener in pod b.
     fn new(v6: bool, port: u16) -> Self {
+        Self::with(v6, port, true)
+    }
+
+    /// To a port of pod b where nothing listens: its kernel answers there with a reset.
+    fn to_closed_port(v6: bool, port: u16) -> Self {
+        Self::with(v6, port, false)
+    }
+
+    fn with(v6: bool, port: u16, listen: bool) -> Self {
         let mesh = Mesh::capturing();
         let dst = mesh.b(v6, port);
-        let _listener = mesh.pods.b.listen(dst).expect("listener in b");
+        let _listener = listen.then(|| mesh.pods.b.listen(dst).expect("listener in b"));
         let raw = raw_tcp(&mesh.pods.a, v6);
         let segs_before = tcp_in_segs(&mesh.pods.b);
         let src = SocketAddr::new(mesh.a(v6, 0).ip(), SRC_PORT);
@@ -166,10 +195,16 @@ impl Attempt {
 
     /// After the SYN: no answer, nothing received by the peer, one drop counted.
     fn assert_never_reached(&self) {
+        self.assert_unanswered(SYN | ACK, "SYN");
+    }
+
+    /// After a hand-built segment (`what`): no answer with `answer` set, nothing received by the
+    /// peer, one drop counted.
+    fn assert_unanswered(&self, answer: u8, what: &str) {
         let dst = self.dst;
         assert!(
-            !syn_ack_from(&self.raw, dst, Duration::from_secs(1)),
-            "{dst} answered the hand-built SYN"
+            !answer_from(&self.raw, dst, SRC_PORT, answer, Duration::from_secs(1)),
+            "{dst} answered the hand-built {what}"
         );
         assert_eq!(tcp_in_segs(&self.mesh.pods.b), self.segs_before, "pod b received TCP");
         assert!(dropped(&self.mesh) >= 1, "no drop counted");
@@ -220,6 +255,71 @@ fn a_packet_socket_syn_from_a_meshed_pod_never_reaches_the_peer() {
         Err(e) => panic!("sending the frame: {e}"),
     }
     t.assert_never_reached();
+}
+
+#[test]
+fn a_raw_bare_ack_from_a_meshed_pod_never_reaches_the_peer() {
+    // An ACK scan: a peer answers an ACK of no connection with a reset, listener or not.
+    let t = Attempt::new(false, 8875);
+    let ack = tcp_segment(t.src, t.dst, ACK);
+    t.raw.send_to(&ack, &t.dst.into()).expect("the kernel accepts the send");
+    t.assert_unanswered(RST, "ACK");
+}
+
+#[test]
+fn a_raw_fin_over_ipv6_from_a_meshed_pod_never_reaches_the_peer() {
+    // A FIN scan: a peer's kernel answers a FIN with a reset where nothing listens (and drops
+    // it silently where something does, which is what the scan learns).
+    let t = Attempt::to_closed_port(true, 8876);
+    let to = SocketAddr::new(t.dst.ip(), 0);
+    t.raw.send_to(&tcp_segment(t.src, t.dst, FIN), &to.into()).expect("the kernel accepts it");
+    t.assert_unanswered(RST, "FIN");
+}
+
+#[test]
+fn the_ack_of_a_time_wait_socket_of_the_pod_still_leaves_it() {
+    // The pod's kernel answers a segment for one of its TIME_WAIT sockets with an ACK from its
+    // own raw TCP socket: it must pass (or a peer whose last ACK was lost waits out its FIN
+    // retries). Pod a closes first, so its end waits in TIME_WAIT; then pod b sends a segment
+    // of that connection from a raw socket, and pod a's ACK must arrive.
+    let mesh = Mesh::capturing();
+    let server = mesh.a(false, 8877);
+    let listener = mesh.pods.a.listen(server).expect("listener in a");
+    let client = mesh
+        .pods
+        .b
+        .open()
+        .expect("netns b")
+        .run(|| TcpStream::connect(server))
+        .expect("enter netns b")
+        .expect("b connects to a");
+    let client_addr = client.local_addr().expect("client address");
+    let (accepted, _) = listener.accept().expect("accept");
+    drop(accepted);
+    let mut eof = [0u8; 1];
+    assert_eq!(io::Read::read(&mut &client, &mut eof).expect("read to the end"), 0);
+    drop(client);
+    let in_time_wait = || {
+        let ss =
+            mesh.pods.a.open().expect("netns a").run(|| {
+                std::fs::read_to_string("/proc/thread-self/net/tcp").expect("/proc/net/tcp")
+            });
+        // State 06: TIME_WAIT, on the server's port (hex).
+        let port = format!(":{:04X} ", server.port());
+        ss.expect("enter netns a").lines().any(|l| l.contains(&port) && l.contains(" 06 "))
+    };
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while !in_time_wait() {
+        assert!(Instant::now() < deadline, "pod a's end never reached TIME_WAIT");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let raw = raw_tcp(&mesh.pods.b, false);
+    raw.send_to(&tcp_segment(client_addr, server, ACK), &server.into()).expect("send");
+    assert!(
+        answer_from(&raw, server, client_addr.port(), ACK, Duration::from_secs(2)),
+        "pod a's TIME_WAIT socket's ACK did not leave it"
+    );
+    assert_eq!(dropped(&mesh), 0);
 }
 
 #[test]

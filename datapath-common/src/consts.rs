@@ -251,9 +251,13 @@ pub mod map_names {
     /// every socket that starts listening on 15006 in an enrolled pod; the kernel removes it
     /// when it closes. The proxy never touches it.
     pub const INBOUND_LISTENERS: &str = "INBOUND_LISTENERS";
-    /// Transparent connections made inside a pod to the pod itself: [`crate::TransparentKey`]
-    /// → unused (LRU). Filed and removed by `sock_ops`; the proxy never touches it.
+    /// Transparent connections made inside a pod to the pod itself, during their handshake:
+    /// [`crate::TransparentKey`] → unused (a hash: nothing is evicted). Filed and removed by
+    /// `sock_ops`; the proxy never touches it.
     pub const PROXY_TRANSPARENT: &str = "PROXY_TRANSPARENT";
+    /// Each pod's entries in `PROXY_TRANSPARENT` (as [`PENDING_CONNECTIONS`] for
+    /// `ORIG_DST_BY_CONN`): its share is [`super::MAX_PENDING_CONNECTIONS_PER_POD`].
+    pub const PENDING_TRANSPARENT: &str = "PENDING_TRANSPARENT";
 }
 
 /// meshpath's bpffs layout. Every path is relative to a pin root, [`pins::DEFAULT_ROOT`] unless
@@ -285,17 +289,22 @@ pub const EXCLUSION_MAP_ENTRIES: u32 = MAX_PODS * 8;
 /// shared table to fill).
 pub const MAX_EXCLUSIONS_PER_POD: usize = 128;
 const _: () = assert!(EXCLUSION_MAP_ENTRIES as usize / MAX_EXCLUSIONS_PER_POD >= 256);
-/// Capacity of the per-connection maps: `ORIG_DST_BY_CONN` (a hash, nothing evicted: see
-/// [`MAX_PENDING_CONNECTIONS_PER_POD`]), `PROXY_TRANSPARENT` (LRU: the oldest entries go first;
-/// an entry matters only while its connection's handshake is under way), `LOCAL_SOCKS`.
+/// Capacity of the per-connection maps: `ORIG_DST_BY_CONN` and `PROXY_TRANSPARENT` (hashes,
+/// nothing evicted, each pod held to a share: see [`MAX_PENDING_CONNECTIONS_PER_POD`]),
+/// `LOCAL_SOCKS`.
 pub const MAX_TRACKED_CONNECTIONS: u32 = 65_536;
-/// Entries one pod may hold in the node-wide `ORIG_DST_BY_CONN`: captured connections whose
-/// app end is established and whose proxy end is not yet (one loopback handshake apart
-/// normally; longer only when the proxy's accept queue overflows). Past it, the pod's captured
-/// connects are refused (EPERM) and counted, so one pod can never fill the map that every
-/// pod's connections need for that moment; nothing is ever evicted from it. 16 pods at their
-/// share would be needed to fill it. Istio has no such map (conntrack holds REDIRECT's
-/// destination, shared by the whole node with no share per pod).
+/// Entries one pod may hold in each of the node-wide maps of connections between their two
+/// ends' establishment (one loopback handshake apart normally; longer only when the accepting
+/// side's queue overflows):
+/// - `ORIG_DST_BY_CONN`: captured connections whose app end is established and whose proxy
+///   end is not yet. Past the share, the pod's captured connects are refused (EPERM).
+/// - `PROXY_TRANSPARENT`: the proxy's transparent connects to the pod's app whose app end is
+///   not accepted yet. Past the share, the proxy's next one is refused (EPERM).
+///
+/// Each refusal is counted; so one pod can never fill a map that every pod's connections need
+/// for that moment, and nothing is ever evicted from either. 16 pods at their share would be
+/// needed to fill one. Istio has no such maps (conntrack holds REDIRECT's destination, shared
+/// by the whole node with no share per pod).
 pub const MAX_PENDING_CONNECTIONS_PER_POD: u32 = 4_096;
 const _: () = assert!(MAX_TRACKED_CONNECTIONS / MAX_PENDING_CONNECTIONS_PER_POD >= 16);
 

@@ -87,6 +87,10 @@ pub mod reason {
     pub const IN_DROP_UNKNOWN_ADDRESS: u32 = 48;
     /// Traffic that stays in the pod (loopback, or the pod to its own address).
     pub const IN_PASS_IN_POD: u32 = 49;
+    // Inbound: cgroup connect4/6 of the proxy's transparent connect to the app.
+    /// The pod already holds its share of the proxy's transparent connects to it whose app end
+    /// is not accepted yet (`consts::MAX_PENDING_CONNECTIONS_PER_POD`): refused at connect.
+    pub const IN_REFUSED_SHARE_FULL: u32 = 50;
     // The proxy's getsockopt(SO_ORIGINAL_DST).
     /// Answered with a captured connection's original destination.
     pub const ORIGINAL_DST_ANSWERED: u32 = 60;
@@ -129,6 +133,12 @@ pub const REASONS: &[(u32, &str, &str, &str)] = &[
     (reason::IN_DROP_NO_LISTENER, "inbound", "dropped", "no listener"),
     (reason::IN_DROP_UNKNOWN_ADDRESS, "inbound", "dropped", "unknown address"),
     (reason::IN_PASS_IN_POD, "inbound", "passed", "in pod"),
+    (
+        reason::IN_REFUSED_SHARE_FULL,
+        "inbound",
+        "refused",
+        "pod's share of pending transparent connections",
+    ),
     (reason::ORIGINAL_DST_ANSWERED, "getsockopt", "answered", "original destination"),
     (reason::ORIGINAL_DST_REFUSED, "getsockopt", "refused", "no captured connection"),
     (reason::BIND_REFUSED_PROXY_PORT, "bind", "refused", "proxy port"),
@@ -147,6 +157,7 @@ pub fn is_drop(code: u32) -> bool {
         code,
         reason::OUT_REFUSED_NO_SLOT
             | reason::OUT_REFUSED_SHARE_FULL
+            | reason::IN_REFUSED_SHARE_FULL
             | reason::IN_DROP_NO_LISTENER
             | reason::IN_DROP_UNKNOWN_ADDRESS
             | reason::ORIGINAL_DST_REFUSED
@@ -159,7 +170,7 @@ pub fn is_drop(code: u32) -> bool {
 /// Capacity of `DECISIONS`: every reason for every pod, and the node-wide ones.
 pub const MAX_DECISION_KEYS: u32 = (crate::consts::MAX_PODS + 1) * REASON_SLOTS;
 /// Reasons per pod the map is sized for (at least `REASONS.len()`).
-pub const REASON_SLOTS: u32 = 26;
+pub const REASON_SLOTS: u32 = 32;
 const _: () = assert!(REASONS.len() as u32 <= REASON_SLOTS);
 
 /// Size of the monitor's ring buffer (a power of two, a multiple of the page size).

@@ -8,7 +8,7 @@ use aya_ebpf::{
     btf_maps::SkStorage,
     helpers::bpf_sk_storage_get,
     macros::{btf_map, map},
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuHashMap, RingBuf, SockHash},
+    maps::{Array, HashMap, LpmTrie, PerCpuHashMap, RingBuf, SockHash},
     Global,
 };
 use datapath_common::{
@@ -82,11 +82,19 @@ pub static ORIG_DST_BY_ACCEPTED: SkStorage<OrigDst> = SkStorage::new();
 #[btf_map]
 pub static PROXY_BOUND: SkStorage<u8> = SkStorage::new();
 
-/// Transparent connections made inside a pod to the pod itself (filed by sock_ops while they
-/// live): not captured inbound.
+/// Transparent connections made inside a pod to the pod itself (the proxy's to the app), filed
+/// by sock_ops while their handshake is under way: sk_lookup lets their SYN reach the app.
+/// Removed once the app's end is accepted (from then on every segment of the connection finds
+/// a socket before sk_lookup would run) or the connecting end closes first. A plain hash, as
+/// `ORIG_DST_BY_CONN`: nothing in it can be evicted; each pod's entries are counted in
+/// `PENDING_TRANSPARENT` and held to its share (`proxy_sockets.rs`).
 #[map]
-pub static PROXY_TRANSPARENT: LruHashMap<TransparentKey, u8> =
-    LruHashMap::pinned(MAX_TRACKED_CONNECTIONS, 0);
+pub static PROXY_TRANSPARENT: HashMap<TransparentKey, u8> =
+    HashMap::pinned(MAX_TRACKED_CONNECTIONS, 0);
+
+/// Each enrolled pod's entries in `PROXY_TRANSPARENT`, as `PENDING_CONNECTIONS`.
+#[map]
+pub static PENDING_TRANSPARENT: HashMap<NetnsCookie, u64> = HashMap::pinned(MAX_PODS, 0);
 
 /// Both ends of captured app↔proxy connections, when acceleration is on.
 #[map]

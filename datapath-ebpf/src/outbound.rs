@@ -11,7 +11,9 @@
 //!   captured. The
 //!   destination asked for is kept on the socket (socket storage). Sockets of the proxy's cgroup
 //!   are never captured: an app cannot join another cgroup from inside its pod, whereas it can
-//!   set any socket mark with CAP_NET_ADMIN.
+//!   set any socket mark with CAP_NET_ADMIN. A connect that is not steered may still be
+//!   refused: the proxy's transparent connect to a pod's app while that pod holds its share of
+//!   those not accepted yet (`proxy_sockets::over_share`).
 //! - sock_ops: once such a connection is established, its local port is known; the original
 //!   destination is filed under (netns, IP version, port, listener port), and the proxy's end,
 //!   once established, takes it onto its own socket for the proxy's getsockopt
@@ -43,8 +45,8 @@ use crate::{
     accelerate,
     decisions::{mapped, record, Tuple},
     maps::{
-        sk_storage_slot, EXCLUDED_PORTS, ORIG_DST_BY_SOCKET, PODS, POD_ADDRS, POD_IPS,
-        PROXY_CGROUPS,
+        sk_storage_slot, EXCLUDED_PORTS, ORIG_DST_BY_SOCKET, PENDING_CONNECTIONS, PODS, POD_ADDRS,
+        POD_IPS, PROXY_CGROUPS,
     },
     net::{cidr_excluded, is_loopback4, is_v4_mapped, LOOPBACK4, LOOPBACK6, V4_MAPPED_PREFIX},
     original_dst, pending, probes, proxy_sockets,
@@ -205,7 +207,7 @@ fn over_share(ctx: &SockAddrContext, hook: Hook, netns: NetnsCookie) -> bool {
     // SAFETY: the context pointer is the kernel's bpf_sock_addr for this call.
     hook == Hook::Connect
         && unsafe { (*ctx.sock_addr).protocol } == IPPROTO_TCP
-        && pending::full(netns)
+        && pending::full(&PENDING_CONNECTIONS, netns)
 }
 
 /// Files the original destination in the socket's own storage (a socket steered again, as a
@@ -250,9 +252,13 @@ pub fn steer4(ctx: &SockAddrContext, hook: Hook) -> i32 {
         count_loopback(ctx, hook, mapped(ip), port);
         return ALLOW;
     }
-    let (to, netns) = match target(ctx, PodIpKey::v4(ip).addr, port) {
+    let dst = PodIpKey::v4(ip).addr;
+    let (to, netns) = match target(ctx, dst, port) {
         Ok(t) => t,
         Err(not) => {
+            if hook == Hook::Connect && proxy_sockets::over_share(ctx, not.0, dst, port) {
+                return REFUSE;
+            }
             forget(ctx, hook);
             count_pass(ctx, hook, not, mapped(ip), port);
             return ALLOW;
@@ -298,6 +304,9 @@ pub fn steer6(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let (to, netns) = match target(ctx, ip, port) {
         Ok(t) => t,
         Err(not) => {
+            if hook == Hook::Connect && proxy_sockets::over_share(ctx, not.0, ip, port) {
+                return REFUSE;
+            }
             forget(ctx, hook);
             count_pass(ctx, hook, not, ip, port);
             return ALLOW;
@@ -458,6 +467,9 @@ pub fn mp_sock_ops(ctx: SockOpsContext) -> u32 {
         let local = ctx.local_port();
         if local == u32::from(ports::OUTBOUND) || local == u32::from(ports::DNS) {
             original_dst::accepted(&ctx);
+        } else if !ports::is_inbound_listener_port(local as u16) {
+            // Possibly an app's end of the proxy's transparent connection to it.
+            proxy_sockets::accepted(&ctx);
         }
         if local == u32::from(ports::OUTBOUND) && accelerate::enabled() {
             // SAFETY: helper called with this program's own context; map values are plain data.

@@ -1,11 +1,16 @@
-//! Each pod's share of `ORIG_DST_BY_CONN`, the node-wide map that holds a captured
-//! connection's original destination between its two ends' establishment (the app's end files
-//! it, the proxy's end takes it a loopback handshake later, `original_dst.rs`).
+//! Each pod's share of the node-wide maps that hold a connection between its two ends'
+//! establishment:
 //!
-//! The map is a plain hash, so nothing is ever evicted from it; what one pod could still do is
-//! fill it (connections whose proxy end never comes, e.g. past an overflowing accept queue),
-//! and then every pod's new connections would find no room. So each pod's entries are counted
-//! in `PENDING_CONNECTIONS` and held to `MAX_PENDING_CONNECTIONS_PER_POD`:
+//! - `ORIG_DST_BY_CONN`, a captured connection's original destination: the app's end files it,
+//!   the proxy's end takes it a loopback handshake later (`original_dst.rs`); this file;
+//! - `PROXY_TRANSPARENT`, the proxy's transparent connect to the app, until the app's end is
+//!   accepted (`proxy_sockets.rs`, with [`full`] and [`count`] from here).
+//!
+//! Both maps are plain hashes, so nothing is ever evicted from them; what one pod could still
+//! do is fill one (connections whose other end never comes, e.g. past an overflowing accept
+//! queue), and then every pod's new connections would find no room. So each pod's entries are
+//! counted (`PENDING_CONNECTIONS`, `PENDING_TRANSPARENT`) and held to
+//! `MAX_PENDING_CONNECTIONS_PER_POD`. For `ORIG_DST_BY_CONN`:
 //!
 //! - connect4/6 refuses a pod's captured TCP connect while the pod is at its share;
 //! - sock_ops files an entry only below it (connects that got past connect together can pass
@@ -13,11 +18,12 @@
 //!   counted down, when the proxy's end takes it or when the app's end closes first
 //!   ([`app_state_changed`]), so a pod's count is never more than its live connections.
 //!
-//! A pod with no counter (enrolled by an older agent) is not held to a share.
+//! A pod with no counter (enrolled by an agent from before the shares) is held to none.
 
 use aya_ebpf::{
     bindings::{BPF_EXIST, BPF_NOEXIST, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_TCP_CLOSE},
     helpers::bpf_get_netns_cookie,
+    maps::HashMap,
     programs::SockOpsContext,
     EbpfContext as _,
 };
@@ -33,23 +39,28 @@ use crate::{
     net::is_v4_mapped,
 };
 
-/// Whether the pod is at its share.
+/// Whether the pod is at its share by `counts` (`PENDING_CONNECTIONS`, `PENDING_TRANSPARENT`).
 #[inline(always)]
-pub fn full(netns: NetnsCookie) -> bool {
+pub fn full(counts: &HashMap<NetnsCookie, u64>, netns: NetnsCookie) -> bool {
     // SAFETY: map values are plain data owned by the map.
-    match unsafe { PENDING_CONNECTIONS.get(&netns) } {
+    match unsafe { counts.get(&netns) } {
         // Signed: a count a re-enrolment restarted from zero may go below it for a while.
         Some(&n) => n as i64 >= i64::from(MAX_PENDING_CONNECTIONS_PER_POD),
         None => false,
     }
 }
 
-/// Adds `delta` (1, or `u64::MAX` for minus one) to the pod's count, if it has one. The
-/// result is unused, so this is the plain atomic add every kernel's verifier takes (a u64: the
-/// BPF target has no 32-bit atomics).
+/// One more entry of the pod.
+pub const ONE_MORE: u64 = 1;
+/// One entry of the pod less (wrapping).
+pub const ONE_LESS: u64 = u64::MAX;
+
+/// Adds `delta` ([`ONE_MORE`] or [`ONE_LESS`]) to the pod's count in `counts`, if it has one.
+/// The result is unused, so this is the plain atomic add every kernel's verifier takes (a u64:
+/// the BPF target has no 32-bit atomics).
 #[inline(always)]
-fn count(netns: NetnsCookie, delta: u64) {
-    if let Some(n) = PENDING_CONNECTIONS.get_ptr_mut(&netns) {
+pub fn count(counts: &HashMap<NetnsCookie, u64>, netns: NetnsCookie, delta: u64) {
+    if let Some(n) = counts.get_ptr_mut(&netns) {
         // The intrinsic, not `AtomicU64::fetch_add`: the BPF target declares no atomic
         // read-modify-write, though its instruction set has this add.
         // SAFETY: a pointer to the map's u64 value for this key, valid for this program run;
@@ -80,11 +91,11 @@ pub fn app_key(ctx: &SockOpsContext) -> ConnKey {
 /// the map is full.
 #[inline(always)]
 pub fn file(ctx: &SockOpsContext, key: &ConnKey, orig: &OrigDst) -> Result<(), u32> {
-    if full(key.netns) {
+    if full(&PENDING_CONNECTIONS, key.netns) {
         return Err(reason::OUT_REFUSED_SHARE_FULL);
     }
     if ORIG_DST_BY_CONN.insert(key, orig, u64::from(BPF_NOEXIST)).is_ok() {
-        count(key.netns, 1);
+        count(&PENDING_CONNECTIONS, key.netns, ONE_MORE);
     } else if ORIG_DST_BY_CONN.insert(key, orig, u64::from(BPF_EXIST)).is_err() {
         // Not new, and no entry of this key to replace: the map is full.
         return Err(reason::OUT_REFUSED_NO_SLOT);
@@ -100,7 +111,7 @@ pub fn file(ctx: &SockOpsContext, key: &ConnKey, orig: &OrigDst) -> Result<(), u
 #[inline(always)]
 pub fn remove(key: &ConnKey) {
     if ORIG_DST_BY_CONN.remove(key).is_ok() {
-        count(key.netns, u64::MAX);
+        count(&PENDING_CONNECTIONS, key.netns, ONE_LESS);
     }
 }
 

@@ -15,10 +15,16 @@
 //!   the pod's own addresses from an address that is not the pod's (an `IP_TRANSPARENT` socket
 //!   bound to the client's address: the proxy keeping the client's address, which needs
 //!   CAP_NET_RAW or CAP_NET_ADMIN in the pod), if the proxy bound it (`PROXY_BOUND`: an app's
-//!   own is only counted), is filed in `PROXY_TRANSPARENT` once its 4-tuple
-//!   is known (`TCP_CONNECT_CB`, before its SYN is built) until it closes (`STATE_CB`, which this
-//!   turns on for that socket only; removed at close even if the pod has left); sk_lookup lets its SYN reach the app. istio-cni never redirects a
-//!   connection made inside the pod to the pod itself either. The socket gets `marks::REPLY`:
+//!   own is only counted), is filed in `PROXY_TRANSPARENT` once its 4-tuple is known
+//!   (`TCP_CONNECT_CB`, before its SYN is built); sk_lookup lets its SYN reach the app.
+//!   istio-cni never redirects a connection made inside the pod to the pod itself either. The
+//!   entry is needed only for the handshake: it goes when the app's end is accepted
+//!   (`PASSIVE_ESTABLISHED`, [`accepted`]), after which every segment of the connection finds
+//!   that socket, or its TIME_WAIT, before sk_lookup would run; or when the connecting end
+//!   closes first (`STATE_CB`, which this turns on for that socket only; removed even if the
+//!   pod has left). Each pod's entries are counted (`PENDING_TRANSPARENT`) and held to its
+//!   share: connect4/6 refuses the proxy's next transparent connect to a pod at its share
+//!   ([`over_share`]; sock_ops cannot refuse a connect). The socket gets `marks::REPLY`:
 //!   its SYN carries the mark, `tcp_fwmark_accept` gives it to the app's accepted socket, and
 //!   the pod's `fwmark 0x111/0xfff lookup 133` rule (written at enrolment) delivers the app's
 //!   replies locally, back to the proxy. The proxy's own mark (ztunnel's 0x539) is replaced on
@@ -26,22 +32,29 @@
 //!   mark and routes normally.
 
 use aya_ebpf::{
-    bindings::{BPF_ANY, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_TCP_CLOSE},
+    bindings::{BPF_ANY, BPF_EXIST, BPF_NOEXIST, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_TCP_CLOSE},
     helpers::{bpf_get_netns_cookie, bpf_setsockopt},
-    programs::SockOpsContext,
+    programs::{SockAddrContext, SockOpsContext},
     EbpfContext as _,
 };
+use core::ptr::{addr_of, read_volatile};
 use datapath_common::{
     consts::{marks, ports, sol_socket},
-    decisions::reason,
+    decisions::{reason, NODE_WIDE},
     ListenerKey, NetnsCookie, PodIpKey, TransparentKey, AF_INET, AF_INET6,
 };
 
 use crate::{
     decisions::{record, Tuple},
-    maps::{sk_storage_slot, INBOUND_LISTENERS, PODS, POD_IPS, PROXY_BOUND, PROXY_TRANSPARENT},
+    maps::{
+        sk_storage_slot, INBOUND_LISTENERS, PENDING_TRANSPARENT, PODS, POD_IPS, PROXY_BOUND,
+        PROXY_TRANSPARENT,
+    },
     net::{is_loopback4, is_v4_mapped, sock_ops_key, LOOPBACK6},
+    pending::{self, ONE_LESS, ONE_MORE},
 };
+
+const IPPROTO_TCP: u32 = 6;
 
 /// The netns cookie of the socket, if it is an enrolled pod's.
 #[inline(always)]
@@ -91,12 +104,78 @@ fn transparent_key(ctx: &SockOpsContext) -> Option<TransparentKey> {
         return None;
     }
     // …from an address that is neither the pod's nor loopback.
-    let loopback = k.local == LOOPBACK6 || (is_v4_mapped(&k.local) && is_loopback4(k.local[3]));
-    // SAFETY: as above.
-    if loopback || unsafe { POD_IPS.get(&PodIpKey { addr: k.local }) } == Some(&netns) {
+    if !outside_source(netns, &k.local) {
         return None;
     }
     Some(reversed(&k))
+}
+
+/// Whether `addr` (IPv6 or v4-mapped) is an address a transparent socket in the pod `netns`
+/// connects from: not unspecified (an unbound socket), not loopback, not the pod's own.
+#[inline(always)]
+fn outside_source(netns: NetnsCookie, addr: &[u32; 4]) -> bool {
+    let mapped = is_v4_mapped(addr);
+    let unspecified = *addr == [0; 4] || (mapped && addr[3] == 0);
+    let loopback = *addr == LOOPBACK6 || (mapped && is_loopback4(addr[3]));
+    // SAFETY: map values are plain data owned by the map.
+    !unspecified && !loopback && unsafe { POD_IPS.get(&PodIpKey { addr: *addr }) } != Some(&netns)
+}
+
+/// connect4/6 of a socket in an enrolled pod (`netns`) that is not steered, to `dst` (IPv6 or
+/// v4-mapped; `port_be` for the count): whether it is the proxy's transparent connect to the
+/// pod itself (TCP, to one of the pod's own addresses, on a socket the proxy bound to an
+/// outside address) while the pod holds its share of those not accepted yet. Refused then, and
+/// counted: sock_ops, which files them, cannot refuse a connect, and a connect left unfiled
+/// would be steered to the proxy's own `:15006`. Connects that got past here together can pass
+/// the share only by as many as run at once.
+#[inline(always)]
+pub fn over_share(ctx: &SockAddrContext, netns: NetnsCookie, dst: [u32; 4], port_be: u16) -> bool {
+    // SAFETY: the context pointer is the kernel's bpf_sock_addr for this call.
+    if netns == NODE_WIDE || unsafe { (*ctx.sock_addr).protocol } != IPPROTO_TCP {
+        return false;
+    }
+    // SAFETY: map values are plain data owned by the map.
+    if unsafe { POD_IPS.get(&PodIpKey { addr: dst }) } != Some(&netns)
+        || !pending::full(&PENDING_TRANSPARENT, netns)
+    {
+        return false;
+    }
+    // SAFETY: the helper is given this program's own socket; only whether a slot exists is
+    // read.
+    if unsafe { PROXY_BOUND.get_ptr_mut(ctx) }.is_null() {
+        return false;
+    }
+    // The address the socket is bound to. Every field loaded, at its constant offset, before
+    // the family picks: loaded in the branches, the compiler merged the two loads into one at
+    // a computed offset, which the verifier refuses ("pointer arithmetic on sock prohibited").
+    // SAFETY: the context's socket (the verifier types it a socket, never null); fields of the
+    // kernel's bpf_sock, readable in this program type.
+    let src = unsafe {
+        let sk = (*ctx.sock_addr).__bindgen_anon_1.sk;
+        let v4 = read_volatile(addr_of!((*sk).family)) == u32::from(AF_INET);
+        let ip4 = read_volatile(addr_of!((*sk).src_ip4));
+        let ip6 = [
+            read_volatile(addr_of!((*sk).src_ip6[0])),
+            read_volatile(addr_of!((*sk).src_ip6[1])),
+            read_volatile(addr_of!((*sk).src_ip6[2])),
+            read_volatile(addr_of!((*sk).src_ip6[3])),
+        ];
+        if v4 {
+            PodIpKey::v4(ip4).addr
+        } else {
+            ip6
+        }
+    };
+    if !outside_source(netns, &src) {
+        return false;
+    }
+    record(ctx, netns, reason::IN_REFUSED_SHARE_FULL, || Tuple {
+        src,
+        dst,
+        dst_port: u16::from_be(port_be),
+        ..Tuple::default()
+    });
+    true
 }
 
 /// `TCP_CONNECT_CB`: files a transparent connection to the pod itself and marks its socket,
@@ -125,12 +204,19 @@ pub fn connecting(ctx: &SockOpsContext) {
         });
         return;
     }
-    // A full map leaves the connection unfiled: sk_lookup then steers it to the proxy's
-    // inbound listener, which refuses its own connection; nothing reaches the app around it.
-    if PROXY_TRANSPARENT.insert(&key, &1, 0).is_err() {
+    // SAFETY: helper called with this program's own context.
+    let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    if PROXY_TRANSPARENT.insert(&key, &1, u64::from(BPF_NOEXIST)).is_ok() {
+        pending::count(&PENDING_TRANSPARENT, netns, ONE_MORE);
+    } else if PROXY_TRANSPARENT.insert(&key, &1, u64::from(BPF_EXIST)).is_err() {
+        // Not new, and no entry of this key: the map is full (16 pods at their share). The
+        // connection stays unfiled: sk_lookup steers it to the proxy's inbound listener,
+        // which refuses its own connection; nothing reaches the app around it.
         return;
     }
-    // The state callback removes the entry when the connection closes.
+    // (Already there: a closed connection's of the same 4-tuple whose removal has not run
+    // yet; it stays counted once.) The state callback removes the entry if this end closes
+    // before the app's end is accepted.
     let _ = ctx.set_cb_flags((ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
     let mut mark = marks::REPLY;
     // SAFETY: helper called with this program's own context and a 4-byte option value.
@@ -146,18 +232,46 @@ pub fn connecting(ctx: &SockOpsContext) {
 }
 
 /// `STATE_CB` (on only for filed transparent connections): removes the entry once the
-/// connection is closed. Whether or not the pod is still enrolled: a pod taken out with the
-/// connection open would otherwise leave the entry behind, and a pod given its address later
-/// would let that 4-tuple reach its app around the proxy.
+/// connecting end is closed, if the app's end did not take it. Whether or not the pod is still
+/// enrolled: a pod taken out with the connection open would otherwise leave the entry behind,
+/// and a pod given its address later would let that 4-tuple reach its app around the proxy.
 #[inline(always)]
 pub fn state_changed(ctx: &SockOpsContext) {
     if ctx.arg(1) != BPF_TCP_CLOSE {
         return;
     }
-    // The socket's own netns: only the 4-tuple of the key comes from it.
     // SAFETY: helper called with this program's own context.
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-    let _ = PROXY_TRANSPARENT.remove(&reversed(&sock_ops_key(ctx.ops, netns)));
+    forget(&reversed(&sock_ops_key(ctx.ops, netns)), netns);
+}
+
+/// `PASSIVE_ESTABLISHED` of a socket in an enrolled pod accepted on a port that is not the
+/// proxy's: if it is the app's end of one of the proxy's transparent connections, that
+/// connection's entry goes. From here on every segment of it finds this socket (or its
+/// TIME_WAIT) in the kernel's lookup, before sk_lookup would run; one that comes after both
+/// are gone is steered to the proxy's `:15006`, which resets it, as the app's closed port
+/// would. A connection accepted by a syncookie passed sk_lookup with the entry still there.
+#[inline(always)]
+pub fn accepted(ctx: &SockOpsContext) {
+    let Some(netns) = enrolled_netns(ctx) else {
+        return;
+    };
+    let k = sock_ops_key(ctx.ops, netns);
+    let key = TransparentKey {
+        local: k.local,
+        remote: k.remote,
+        local_port: k.local_port as u16,
+        remote_port: k.remote_port as u16,
+    };
+    forget(&key, netns);
+}
+
+/// Removes `key`'s entry, counting it down under `netns` if it was there.
+#[inline(always)]
+fn forget(key: &TransparentKey, netns: NetnsCookie) {
+    if PROXY_TRANSPARENT.remove(key).is_ok() {
+        pending::count(&PENDING_TRANSPARENT, netns, ONE_LESS);
+    }
 }
 
 /// The [`TransparentKey`] of a connection seen from its connecting end (the app's end is

@@ -95,8 +95,8 @@ impl Datapath {
 
     /// Refuses a pin root where an older meshpath pinned a map as another type than this one
     /// declares: the original destinations were LRU hashes before fe19d44 (socket storage
-    /// now), and `ORIG_DST_BY_CONN` was one until each pod got a share of it (a hash now,
-    /// from which nothing is evicted). aya reuses a pin by name whatever its type, so the
+    /// now), and `ORIG_DST_BY_CONN` and `PROXY_TRANSPARENT` were until each pod got a share
+    /// of them (hashes now, from which nothing is evicted). aya reuses a pin by name whatever its type, so the
     /// object would load against it and a program's load fail in the verifier; or, with every
     /// program already pinned, the old datapath would go on with no word said.
     fn check_map_types(&self) -> Result<()> {
@@ -108,10 +108,11 @@ impl Datapath {
         }
         /// A pinned map's name, the type this datapath declares it as, and a test for that type.
         type Expected = (&'static str, &'static str, fn(&Map) -> bool);
-        let expected: [Expected; 3] = [
+        let expected: [Expected; 4] = [
             (map_names::ORIG_DST_BY_SOCKET, "socket storage", socket_storage),
             (map_names::ORIG_DST_BY_ACCEPTED, "socket storage", socket_storage),
             (map_names::ORIG_DST_BY_CONN, "a hash map", hash),
+            (map_names::PROXY_TRANSPARENT, "a hash map", hash),
         ];
         for (name, wanted, is) in expected {
             let pin = self.map_pin(name);
@@ -375,8 +376,8 @@ impl Datapath {
         self.hash_map(map_names::POD_ADDRS)
     }
 
-    /// The transparent connections inside pods to the pods themselves (see `TransparentKey`),
-    /// as sock_ops filed them.
+    /// The transparent connections inside pods to the pods themselves (see `TransparentKey`)
+    /// whose app end is not accepted yet, as sock_ops filed them.
     pub fn proxy_transparent(
         &self,
     ) -> Result<HashMap<MapData, datapath_common::TransparentKey, u8>> {
@@ -387,6 +388,12 @@ impl Datapath {
     /// `MAX_PENDING_CONNECTIONS_PER_POD`).
     pub fn pending_connections(&self) -> Result<HashMap<MapData, NetnsCookie, u64>> {
         self.hash_map(map_names::PENDING_CONNECTIONS)
+    }
+
+    /// Each enrolled pod's count of entries in `PROXY_TRANSPARENT` (its share:
+    /// `MAX_PENDING_CONNECTIONS_PER_POD`).
+    pub fn pending_transparent(&self) -> Result<HashMap<MapData, NetnsCookie, u64>> {
+        self.hash_map(map_names::PENDING_TRANSPARENT)
     }
 
     /// Original destinations filed by connection (`ConnKey`) that the proxy's end of the

@@ -227,12 +227,19 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
             info.flags |= flag;
         }
     }
-    // The pod's count of pending connections: kept if there is one (enrolled again, its
-    // connections still counted in it), so that what the programs count is never reset.
-    match dp.pending_connections()?.insert(cookie, 0, BPF_NOEXIST) {
-        Ok(()) => {}
-        Err(MapError::SyscallError(e)) if e.io_error.kind() == io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(Error::bpf(format!("pod {pod}: its pending connections' count"), e)),
+    // The pod's counts of pending connections, for its shares of the maps that hold them: kept
+    // if there are some (enrolled again, its connections still counted in them), so that what
+    // the programs count is never reset.
+    for (mut counts, what) in [
+        (dp.pending_connections()?, "its pending connections' count"),
+        (dp.pending_transparent()?, "its pending transparent connections' count"),
+    ] {
+        match counts.insert(cookie, 0, BPF_NOEXIST) {
+            Ok(()) => {}
+            Err(MapError::SyscallError(e)) if e.io_error.kind() == io::ErrorKind::AlreadyExists => {
+            }
+            Err(e) => return Err(Error::bpf(format!("pod {pod}: {what}"), e)),
+        }
     }
     dp.pods()?
         .insert(cookie, info, 0)
@@ -619,6 +626,11 @@ fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
         &mut failed,
         "PENDING_CONNECTIONS",
         dp.pending_connections().map(|mut m| vec![m.remove(&cookie)]),
+    );
+    map_step(
+        &mut failed,
+        "PENDING_TRANSPARENT",
+        dp.pending_transparent().map(|mut m| vec![m.remove(&cookie)]),
     );
     if !noted(pod_flags::NO_PREFIX_RULES) {
         let mine = cookie.to_ne_bytes();

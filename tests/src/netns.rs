@@ -64,10 +64,51 @@ impl NetnsGuard {
             self.open()?.run(|| socket2::Socket::new(domain, socket2::Type::STREAM, None))??;
         sock.set_reuse_address(true)?;
         sock.set_reuse_port(reuse_port)?;
-        in_cgroup(&sock, SocketCall::Bind, &addr.into(), cgroup.path())
+        in_cgroup(&[&sock], SocketCall::Bind, &addr.into(), cgroup.path())
             .with_context(|| format!("binding {addr} from cgroup {}", cgroup.path().display()))?;
         sock.listen(128)?;
         Ok(sock.into())
+    }
+
+    /// A TCP listener on `addr` inside this namespace that holds every connection until data
+    /// comes (`TCP_DEFER_ACCEPT`, a minute): the listening side of a connection is not
+    /// established while its client sends nothing, as when an overflowing accept queue drops
+    /// the handshake's last ACK. Bound from `cgroup` when given (the proxy's). Its queue, and
+    /// the namespace's limits on queues, take `backlog` connections, so that none falls back on
+    /// a syncookie (which would establish it at once).
+    pub fn deferring_listener(
+        &self,
+        addr: SocketAddr,
+        cgroup: Option<&CgroupGuard>,
+        backlog: i32,
+    ) -> Result<TcpListener> {
+        use std::os::fd::AsRawFd as _;
+
+        for sysctl in ["/proc/sys/net/core/somaxconn", "/proc/sys/net/ipv4/tcp_max_syn_backlog"] {
+            self.open()?
+                .run(|| std::fs::write(sysctl, backlog.to_string()))?
+                .with_context(|| format!("{sysctl} in {}", self.name))?;
+        }
+        let listener = match cgroup {
+            Some(c) => self.listen_in_cgroup(addr, c)?,
+            None => self.listen(addr)?,
+        };
+        let defer_secs: libc::c_int = 60;
+        // SAFETY: a valid socket and an int option of the size given.
+        let rc = unsafe {
+            libc::setsockopt(
+                listener.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_DEFER_ACCEPT,
+                std::ptr::from_ref(&defer_secs).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error()).context("TCP_DEFER_ACCEPT");
+        }
+        socket2::SockRef::from(&listener).listen(backlog).context("a longer queue")?;
+        Ok(listener)
     }
 
     /// A TCP connection to `to` from inside this namespace, connected as the proxy connects:
@@ -90,7 +131,7 @@ impl NetnsGuard {
         if let Some(from) = from {
             sock.bind(&from.into()).with_context(|| format!("binding {from}"))?;
         }
-        in_cgroup(&sock, SocketCall::Connect, &to.into(), cgroup.path()).with_context(|| {
+        in_cgroup(&[&sock], SocketCall::Connect, &to.into(), cgroup.path()).with_context(|| {
             format!("connecting to {to} from cgroup {}", cgroup.path().display())
         })?;
         Ok(sock.into())
@@ -107,24 +148,52 @@ impl NetnsGuard {
         to: SocketAddr,
         cgroup: Option<&CgroupGuard>,
     ) -> Result<socket2::Socket> {
+        let mut socks = self.transparent_connects(from, to, 1, cgroup)?;
+        socks.pop().context("no socket")
+    }
+
+    /// `n` of [`Self::transparent_connect`] (`from` with port 0: each its own port), bound in
+    /// one go: from one child process when `cgroup` is given. Forking once per socket would
+    /// also copy, for as long as each child lives, every socket the test process holds, and
+    /// delay the real close of any that another test closes meanwhile.
+    pub fn transparent_connects(
+        &self,
+        from: SocketAddr,
+        to: SocketAddr,
+        n: usize,
+        cgroup: Option<&CgroupGuard>,
+    ) -> Result<Vec<socket2::Socket>> {
         let domain = if to.is_ipv4() { socket2::Domain::IPV4 } else { socket2::Domain::IPV6 };
-        let sock = self.open()?.run(|| -> std::io::Result<socket2::Socket> {
-            let s = socket2::Socket::new(domain, socket2::Type::STREAM, None)?;
-            s.set_ip_transparent(true)?;
-            s.set_freebind(true)?;
-            Ok(s)
+        let socks = self.open()?.run(|| -> std::io::Result<Vec<socket2::Socket>> {
+            (0..n)
+                .map(|_| {
+                    let s = socket2::Socket::new(domain, socket2::Type::STREAM, None)?;
+                    s.set_ip_transparent(true)?;
+                    s.set_freebind(true)?;
+                    Ok(s)
+                })
+                .collect()
         })??;
         match cgroup {
-            Some(c) => in_cgroup(&sock, SocketCall::Bind, &from.into(), c.path())?,
-            None => sock.bind(&from.into())?,
+            Some(c) => {
+                let refs: Vec<&socket2::Socket> = socks.iter().collect();
+                in_cgroup(&refs, SocketCall::Bind, &from.into(), c.path())?;
+            }
+            None => {
+                for s in &socks {
+                    s.bind(&from.into())?;
+                }
+            }
         }
-        sock.set_nonblocking(true)?;
-        match sock.connect(&to.into()) {
-            Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
-            Err(e) => return Err(e.into()),
+        for sock in &socks {
+            sock.set_nonblocking(true)?;
+            match sock.connect(&to.into()) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+                Err(e) => return Err(e.into()),
+            }
         }
-        Ok(sock)
+        Ok(socks)
     }
 
     /// `nsenter --net=<this netns> ARGS…`, not waited for: killed when the guard drops.
@@ -274,12 +343,13 @@ enum SocketCall {
     Connect,
 }
 
-/// Binds or connects `sock` to `addr` in a forked child that first moves itself into `cgroup`:
-/// the datapath judges a `bind()` or `connect()` by the cgroup of the task that makes it, and a
-/// thread cannot change cgroup alone. The socket is the caller's; the child only makes the one
-/// call (a blocking connect completes there) and exits.
+/// Binds or connects each of `socks` to `addr` in one forked child that first moves itself into
+/// `cgroup`: the datapath judges a `bind()` or `connect()` by the cgroup of the task that makes
+/// it, and a thread cannot change cgroup alone. The sockets are the caller's; the child only
+/// makes the calls (a blocking connect completes there), stopping at the first that fails, and
+/// exits.
 fn in_cgroup(
-    sock: &socket2::Socket,
+    socks: &[&socket2::Socket],
     call: SocketCall,
     addr: &socket2::SockAddr,
     cgroup: &Path,
@@ -294,21 +364,27 @@ fn in_cgroup(
     /// The child's exit code when it could not join the cgroup (a failed call exits with errno).
     const NO_CGROUP: i32 = 255;
     let procs = std::fs::OpenOptions::new().write(true).open(cgroup.join("cgroup.procs"))?;
-    let (procs_fd, sock_fd) = (procs.as_raw_fd(), sock.as_raw_fd());
-    // SAFETY: after the fork the child makes only async-signal-safe calls (write, bind, _exit)
-    // on memory and descriptors set up before it; it never returns into Rust code.
+    let procs_fd = procs.as_raw_fd();
+    let fds: Vec<i32> = socks.iter().map(|s| s.as_raw_fd()).collect();
+    // SAFETY: after the fork the child makes only async-signal-safe calls (write, bind,
+    // connect, _exit) on memory and descriptors set up before it; it never returns into Rust
+    // code.
     match unsafe { fork() }? {
         ForkResult::Child => unsafe {
             // "0" is the writing process itself.
             if libc::write(procs_fd, b"0".as_ptr().cast(), 1) != 1 {
                 libc::_exit(NO_CGROUP);
             }
-            let ret = match call {
-                SocketCall::Bind => libc::bind(sock_fd, addr.as_ptr().cast(), addr.len()),
-                SocketCall::Connect => libc::connect(sock_fd, addr.as_ptr().cast(), addr.len()),
-            };
-            let code = if ret == 0 { 0 } else { *libc::__errno_location() };
-            libc::_exit(code)
+            for &fd in &fds {
+                let ret = match call {
+                    SocketCall::Bind => libc::bind(fd, addr.as_ptr().cast(), addr.len()),
+                    SocketCall::Connect => libc::connect(fd, addr.as_ptr().cast(), addr.len()),
+                };
+                if ret != 0 {
+                    libc::_exit(*libc::__errno_location());
+                }
+            }
+            libc::_exit(0)
         },
         ForkResult::Parent { child } => match waitpid(child, None)? {
             WaitStatus::Exited(_, 0) => Ok(()),

@@ -375,3 +375,14 @@ fn a_datapath_whose_connection_map_is_an_older_lru_is_refused_naming_the_map() {
         std::mem::size_of::<datapath_common::OrigDst>(),
     );
 }
+
+/// The proxy's transparent connections were an LRU hash, filed for their whole life, before
+/// they were filed only for their handshake and each pod got a share (a hash now).
+#[test]
+fn a_datapath_whose_transparent_connection_map_is_an_older_lru_is_refused_naming_the_map() {
+    an_older_lru_pin_is_refused(
+        datapath_common::consts::map_names::PROXY_TRANSPARENT,
+        std::mem::size_of::<datapath_common::TransparentKey>(),
+        1,
+    );
+}

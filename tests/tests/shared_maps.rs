@@ -8,22 +8,28 @@
 //! - a pod whose connections' proxy ends do not come holds at most its share of it
 //!   (`MAX_PENDING_CONNECTIONS_PER_POD`): past that its connects are refused and counted,
 //!   another pod's are not, and the entries go when the app's ends close.
+//!
+//! And the one for the proxy's transparent connects to the apps (`PROXY_TRANSPARENT`, a hash
+//! of as many): a pod whose app accepts none of them holds at most its share, past which the
+//! proxy's next one to it is refused and counted, while one to another pod's app goes
+//! through, is accepted, leaves no entry behind and carries data both ways.
 
 use std::{
     io::{Read as _, Write as _},
-    net::{SocketAddr, TcpStream},
+    net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream},
     sync::atomic::{AtomicBool, AtomicUsize, Ordering},
     time::Duration,
 };
 
-use std::os::fd::AsRawFd as _;
-
-use datapath_common::consts::{ports, MAX_PENDING_CONNECTIONS_PER_POD, MAX_TRACKED_CONNECTIONS};
+use datapath_common::{
+    consts::{ports, MAX_PENDING_CONNECTIONS_PER_POD, MAX_TRACKED_CONNECTIONS},
+    PodIpKey,
+};
 use meshpath_loader::{
     decisions,
     pods::{self, EnrolOptions},
 };
-use meshpath_tests::{raise_open_files, read_line, sibling_bin, Mesh, TestProxy};
+use meshpath_tests::{raise_open_files, read_line, sibling_bin, Mesh, NetnsGuard, TestProxy};
 
 /// Connections the flooding pod opens: more than the map holds.
 const FLOOD: usize = MAX_TRACKED_CONNECTIONS as usize + 4_464;
@@ -143,6 +149,21 @@ fn one_pods_flood_of_connections_leaves_the_map_empty_and_another_pods_connectio
     assert!(left < 100, "{left} of the flood's {FLOOD} entries are still in ORIG_DST_BY_CONN");
 }
 
+/// What `read` gives once it gives `want` (10 s at most), else its last answer: entries leave
+/// at a close, but a close can come late (a child process another test forks holds a copy of
+/// every socket for a moment; a FIN is handled after `close()` returns), and a map's keys
+/// may repeat in a walk while it changes.
+fn settled<T: PartialEq + Copy>(read: impl Fn() -> T, want: T) -> T {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = read();
+        if got == want || std::time::Instant::now() > deadline {
+            return got;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Pod a's entries in `ORIG_DST_BY_CONN`, by the map and by the pod's count.
 fn pending_of_a(mesh: &Mesh) -> (usize, u64) {
     let cookie = mesh.pods.a.open().expect("netns a").cookie();
@@ -169,32 +190,13 @@ fn a_pod_holding_its_share_of_pending_connections_is_refused_and_another_pod_is_
     let _proxy_b = mesh_pod_b(&mesh);
     let echo = mesh.a(false, 9100);
     echo_server(&mesh, echo);
-    // Pod a's proxy listener defers every connection until data comes (TCP_DEFER_ACCEPT): its
-    // end of a connection is not established while the app sends nothing, as when an
-    // overflowing accept queue drops the handshake's last ACK, so each app connection holds
-    // its entry. Its queue is longer than the share, so that none falls back on a syncookie.
-    let ns_a = mesh.pods.a.open().expect("netns a");
-    ns_a.run(|| std::fs::write("/proc/sys/net/core/somaxconn", "16384"))
-        .expect("enter netns a")
-        .expect("somaxconn in pod a");
-    let proxy_a = mesh
+    // Pod a's proxy listener defers every connection until data comes: its end of a connection
+    // is not established while the app sends nothing, so each app connection holds its entry.
+    let _proxy_a = mesh
         .pods
         .a
-        .listen_in_cgroup(mesh.a(false, ports::OUTBOUND), &mesh.cgroup)
+        .deferring_listener(mesh.a(false, ports::OUTBOUND), Some(&mesh.cgroup), 16384)
         .expect("pod a's proxy listener");
-    let defer_secs: libc::c_int = 60;
-    // SAFETY: a valid socket and an int option of the size given.
-    let rc = unsafe {
-        libc::setsockopt(
-            proxy_a.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_DEFER_ACCEPT,
-            std::ptr::from_ref(&defer_secs).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    assert_eq!(rc, 0, "TCP_DEFER_ACCEPT: {}", std::io::Error::last_os_error());
-    socket2::SockRef::from(&proxy_a).listen(16384).expect("a longer queue");
 
     let share = MAX_PENDING_CONNECTIONS_PER_POD as usize;
     // The app's ends of the share, and as many again for the proxy's and pod b's.
@@ -220,9 +222,123 @@ fn a_pod_holding_its_share_of_pending_connections_is_refused_and_another_pod_is_
     for conn in held.drain(..share / 2) {
         socket2::SockRef::from(&conn).set_linger(Some(Duration::ZERO)).ok();
     }
-    assert_eq!(pending_of_a(&mesh), (share / 2, (share / 2) as u64), "half closed");
+    let half = (share / 2, (share / 2) as u64);
+    assert_eq!(settled(|| pending_of_a(&mesh), half), half, "half closed");
     let again = mesh.connect_from_a(dst, None).expect("pod a connects again below its share");
     held.push(again);
+    // Closed with a FIN: each entry goes when the FIN has reached the proxy's listener (which
+    // then establishes its end and takes it), not within the close.
     drop(held);
-    assert_eq!(pending_of_a(&mesh), (0, 0), "every app end closed");
+    assert_eq!(settled(|| pending_of_a(&mesh), (0, 0)), (0, 0), "every app end closed");
+}
+
+/// A pod's entries in `PROXY_TRANSPARENT` (those to its IPv4 address `ip`), by the map and by
+/// the pod's count.
+fn transparent_of(mesh: &Mesh, pod: &NetnsGuard, ip: Ipv4Addr) -> (usize, u64) {
+    let cookie = pod.open().expect("netns").cookie();
+    let dp = mesh.datapath();
+    let local = PodIpKey::v4(u32::from_ne_bytes(ip.octets())).addr;
+    let in_map =
+        dp.proxy_transparent().expect("map").keys().flatten().filter(|k| k.local == local).count();
+    let counted = dp.pending_transparent().expect("counts").get(&cookie, 0).expect("the count");
+    (in_map, counted)
+}
+
+#[test]
+fn a_pod_holding_its_share_of_unaccepted_transparent_connects_is_refused_more_and_another_pod_is_not(
+) {
+    let mesh = Mesh::new(EnrolOptions { capture_inbound: true, ..EnrolOptions::default() });
+    pods::enrol(
+        &mesh.datapath(),
+        &mesh.pods.b.open().expect("netns b"),
+        &EnrolOptions { capture_inbound: true, ..EnrolOptions::default() },
+    )
+    .expect("enrol b");
+    let (a_ip, b_ip) = (mesh.pods.a_ip, mesh.pods.b_ip);
+    // Pod a's app defers every connection until data comes: its end of the proxy's connection
+    // is not accepted while the proxy sends nothing, so each holds its entry.
+    let _app_a = mesh.pods.a.deferring_listener(mesh.a(false, 8080), None, 16384).expect("app a");
+    // What a proxy opens to reach an app: inside the pod, from a client's address, bound from
+    // the proxy's cgroup.
+    let client = SocketAddr::new(IpAddr::from([10, 199, 0, 2]), 0);
+    let share = MAX_PENDING_CONNECTIONS_PER_POD as usize;
+    raise_open_files(share as u64 + 1024);
+    let mut held = mesh
+        .pods
+        .a
+        .transparent_connects(client, mesh.a(false, 8080), share, Some(&mesh.cgroup))
+        .expect("the proxy's transparent connects to pod a's app");
+    assert_eq!(transparent_of(&mesh, &mesh.pods.a, a_ip), (share, share as u64), "a's share");
+
+    // Past its share: the proxy's next connect to pod a is refused, and counted.
+    let refused = mesh
+        .pods
+        .a
+        .transparent_connect(client, mesh.a(false, 8080), Some(&mesh.cgroup))
+        .expect_err("a transparent connect past the share");
+    let kind = refused.downcast_ref::<std::io::Error>().map(std::io::Error::kind);
+    assert_eq!(kind, Some(std::io::ErrorKind::PermissionDenied), "{refused:#}");
+    let cookie_a = mesh.pods.a.open().expect("netns a").cookie();
+    let counted = decisions::of(&mesh.datapath(), cookie_a)
+        .expect("decisions")
+        .iter()
+        .find(|d| d.why == "pod's share of pending transparent connections")
+        .map_or(0, |d| d.count);
+    assert_eq!(counted, 1, "the refusal was not counted");
+
+    // Pod b's app gets the proxy's connection: accepted, its entry gone, and the connection
+    // still carries data both ways (every segment finds the accepted socket).
+    // (From pod a's address: the one above is pod b's own, not a transparent source there.)
+    let client_of_b = SocketAddr::new(a_ip.into(), 0);
+    let app_b = mesh.pods.b.listen(mesh.b(false, 8080)).expect("app b");
+    let conn = mesh
+        .pods
+        .b
+        .transparent_connect(client_of_b, mesh.b(false, 8080), Some(&mesh.cgroup))
+        .expect("the proxy's connection to pod b's app");
+    let (mut accepted, from) = app_b.accept().expect("pod b's app accepts it");
+    assert_eq!(from.ip(), client_of_b.ip());
+    let cookie_b = mesh.pods.b.open().expect("netns b").cookie();
+    let passed = decisions::of(&mesh.datapath(), cookie_b)
+        .expect("decisions")
+        .iter()
+        .find(|d| d.why == "proxy connection")
+        .map_or(0, |d| d.count);
+    assert_eq!(passed, 1, "pod b's app got the connection by its entry");
+    assert_eq!(transparent_of(&mesh, &mesh.pods.b, b_ip), (0, 0), "pod b's, once accepted");
+    conn.set_nonblocking(false).expect("blocking");
+    let mut conn = TcpStream::from(conn);
+    for round in 0..3 {
+        conn.write_all(b"ping").expect("proxy → app");
+        let mut got = [0u8; 4];
+        accepted.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        accepted.read_exact(&mut got).unwrap_or_else(|e| panic!("round {round}, app: {e}"));
+        accepted.write_all(b"pong").expect("app → proxy");
+        assert!(echoes_back(&mut conn, b"pong"), "round {round}: the app's reply");
+    }
+
+    // The proxy's ends closing before the app accepted them take their entries: room again.
+    for conn in held.drain(..share / 2) {
+        conn.set_linger(Some(Duration::ZERO)).ok();
+    }
+    let half = (share / 2, (share / 2) as u64);
+    assert_eq!(settled(|| transparent_of(&mesh, &mesh.pods.a, a_ip), half), half, "half closed");
+    held.push(
+        mesh.pods
+            .a
+            .transparent_connect(client, mesh.a(false, 8080), Some(&mesh.cgroup))
+            .expect("a transparent connect below the share again"),
+    );
+    for conn in held.drain(..) {
+        conn.set_linger(Some(Duration::ZERO)).ok();
+    }
+    let none = settled(|| transparent_of(&mesh, &mesh.pods.a, a_ip), (0, 0));
+    assert_eq!(none, (0, 0), "every proxy end closed");
+}
+
+/// Reads `want.len()` bytes from `conn` (5 s at most) and tells whether they are `want`.
+fn echoes_back(conn: &mut TcpStream, want: &[u8]) -> bool {
+    let mut got = vec![0u8; want.len()];
+    conn.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    conn.read_exact(&mut got).is_ok() && got == want
 }

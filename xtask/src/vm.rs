@@ -45,7 +45,13 @@ const GUEST_SUITES: &[(&str, &[&str])] = &[
     ("pod_counters", &[]),
     ("decisions", &[]),
     ("raw_sockets", &[]),
-    ("shared_maps", &["a_pod_holding_its_share_of_pending_connections"]),
+    (
+        "shared_maps",
+        &[
+            "a_pod_holding_its_share_of_pending_connections",
+            "a_pod_holding_its_share_of_unaccepted_transparent_connects",
+        ],
+    ),
     ("cni", &["a_meshed_pod_is_captured_from_its_first_connection"]),
 ];
 

@@ -289,10 +289,17 @@ pub const EXCLUSION_MAP_ENTRIES: u32 = MAX_PODS * 8;
 /// shared table to fill).
 pub const MAX_EXCLUSIONS_PER_POD: usize = 128;
 const _: () = assert!(EXCLUSION_MAP_ENTRIES as usize / MAX_EXCLUSIONS_PER_POD >= 256);
-/// Capacity of the per-connection maps: `ORIG_DST_BY_CONN` and `PROXY_TRANSPARENT` (hashes,
-/// nothing evicted, each pod held to a share: see [`MAX_PENDING_CONNECTIONS_PER_POD`]),
-/// `LOCAL_SOCKS`.
+/// Capacity of the per-connection maps: `ORIG_DST_BY_CONN` (a hash, nothing evicted, each pod
+/// held to a share: see [`MAX_PENDING_CONNECTIONS_PER_POD`]), `LOCAL_SOCKS`.
 pub const MAX_TRACKED_CONNECTIONS: u32 = 65_536;
+/// Capacity of `PROXY_TRANSPARENT` (a hash, nothing evicted, each pod held to a share), which
+/// peers drive, not pods: each entry is one of the proxy's connections to an app, in its
+/// handshake. So it holds more than the most connections meshpath's proxy carries at all by
+/// default (its cap without a memory limit, 200,000: `proxy/src/proxy/memory.rs` asserts it),
+/// and peers filling pods' shares fill it only past 64 pods at their share. Allocated per
+/// entry (`BPF_F_NO_PREALLOC`): 4 MiB of buckets, and memory for entries only while they live.
+pub const MAX_TRANSPARENT_CONNECTIONS: u32 = 262_144;
+const _: () = assert!(MAX_TRANSPARENT_CONNECTIONS / MAX_PENDING_CONNECTIONS_PER_POD >= 64);
 /// Entries one pod may hold in each of the node-wide maps of connections between their two
 /// ends' establishment (one loopback handshake apart normally; longer only when the accepting
 /// side's queue overflows):
@@ -303,8 +310,9 @@ pub const MAX_TRACKED_CONNECTIONS: u32 = 65_536;
 ///
 /// Each refusal is counted; so one pod can never fill a map that every pod's connections need
 /// for that moment, and nothing is ever evicted from either. 16 pods at their share would be
-/// needed to fill one. Istio has no such maps (conntrack holds REDIRECT's destination, shared
-/// by the whole node with no share per pod).
+/// needed to fill the first, 64 the second ([`MAX_TRANSPARENT_CONNECTIONS`]). Istio has no
+/// such maps (conntrack holds REDIRECT's destination, shared by the whole node with no share
+/// per pod).
 pub const MAX_PENDING_CONNECTIONS_PER_POD: u32 = 4_096;
 const _: () = assert!(MAX_TRACKED_CONNECTIONS / MAX_PENDING_CONNECTIONS_PER_POD >= 16);
 

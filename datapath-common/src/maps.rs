@@ -263,8 +263,9 @@ pub mod direction {
 
 /// A connection made inside a pod to one of the pod's own addresses from an address that is not
 /// the pod's (a transparent socket: what a proxy opens to reach the app with the client's
-/// address). `sock_ops` files it when the connection starts and removes it when it closes;
-/// sk_lookup lets its SYN reach the app instead of steering it back to the proxy, as
+/// address). `sock_ops` files it when the connection starts and removes it once the app's end
+/// is accepted (or the connecting end closes first); meanwhile sk_lookup lets its handshake
+/// reach the app instead of steering it back to the proxy, as
 /// istio-cni's rules never redirect a connection made inside the pod to the pod itself.
 /// Addresses as in [`PodIpKey`] (IPv4 v4-mapped); ports host order.
 #[repr(C)]

@@ -4,7 +4,7 @@
 //! `map_pin_path`).
 
 use aya_ebpf::{
-    bindings::{bpf_sock, BPF_SK_STORAGE_GET_F_CREATE},
+    bindings::{bpf_sock, BPF_F_NO_PREALLOC, BPF_SK_STORAGE_GET_F_CREATE},
     btf_maps::SkStorage,
     helpers::bpf_sk_storage_get,
     macros::{btf_map, map},
@@ -12,7 +12,10 @@ use aya_ebpf::{
     Global,
 };
 use datapath_common::{
-    consts::{ports, EXCLUSION_MAP_ENTRIES, MAX_PODS, MAX_TRACKED_CONNECTIONS},
+    consts::{
+        ports, EXCLUSION_MAP_ENTRIES, MAX_PODS, MAX_TRACKED_CONNECTIONS,
+        MAX_TRANSPARENT_CONNECTIONS,
+    },
     decisions::{DecisionKey, MAX_DECISION_KEYS, MONITOR_RING_BYTES},
     CidrKey, ConnKey, ListenerKey, NetnsCookie, OrigDst, PodAddrs, PodCounters, PodInfo, PodIpKey,
     PortKey, SockKey, TransparentKey,
@@ -87,10 +90,11 @@ pub static PROXY_BOUND: SkStorage<u8> = SkStorage::new();
 /// Removed once the app's end is accepted (from then on every segment of the connection finds
 /// a socket before sk_lookup would run) or the connecting end closes first. A plain hash, as
 /// `ORIG_DST_BY_CONN`: nothing in it can be evicted; each pod's entries are counted in
-/// `PENDING_TRANSPARENT` and held to its share (`proxy_sockets.rs`).
+/// `PENDING_TRANSPARENT` and held to its share (`proxy_sockets.rs`). Sized and allocated as
+/// `MAX_TRANSPARENT_CONNECTIONS` says.
 #[map]
 pub static PROXY_TRANSPARENT: HashMap<TransparentKey, u8> =
-    HashMap::pinned(MAX_TRACKED_CONNECTIONS, 0);
+    HashMap::pinned(MAX_TRANSPARENT_CONNECTIONS, BPF_F_NO_PREALLOC);
 
 /// Each enrolled pod's entries in `PROXY_TRANSPARENT`, as `PENDING_CONNECTIONS`.
 #[map]

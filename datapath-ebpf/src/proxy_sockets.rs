@@ -257,6 +257,13 @@ pub fn accepted(ctx: &SockOpsContext) {
         return;
     };
     let k = sock_ops_key(ctx.ops, netns);
+    // Only at one of the pod's own addresses: a pod that put another pod's address on its
+    // interface (CAP_NET_ADMIN) must not take, and count down under itself, that pod's
+    // entries by accepting connections of their 4-tuples.
+    // SAFETY: map values are plain data owned by the map.
+    if unsafe { POD_IPS.get(&PodIpKey { addr: k.local }) } != Some(&netns) {
+        return;
+    }
     let key = TransparentKey {
         local: k.local,
         remote: k.remote,

@@ -11,20 +11,18 @@
 //!
 //! And the one for the proxy's transparent connects to the apps (`PROXY_TRANSPARENT`, a hash
 //! of as many): a pod whose app accepts none of them holds at most its share, past which the
-//! proxy's next one to it is refused and counted, while one to another pod's app goes
-//! through, is accepted, leaves no entry behind and carries data both ways.
+//! proxy's next one to it is refused and counted, while one to another pod's app, over IPv4
+//! and IPv6, goes through, is accepted, leaves no entry behind and carries data both ways; and
+//! a pod that takes another pod's address cannot take that pod's entries.
 
 use std::{
     io::{Read as _, Write as _},
-    net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream},
+    net::{IpAddr, SocketAddr, TcpStream},
     sync::atomic::{AtomicBool, AtomicUsize, Ordering},
     time::Duration,
 };
 
-use datapath_common::{
-    consts::{ports, MAX_PENDING_CONNECTIONS_PER_POD, MAX_TRACKED_CONNECTIONS},
-    PodIpKey,
-};
+use datapath_common::consts::{ports, MAX_PENDING_CONNECTIONS_PER_POD, MAX_TRACKED_CONNECTIONS};
 use meshpath_loader::{
     decisions,
     pods::{self, EnrolOptions},
@@ -232,12 +230,12 @@ fn a_pod_holding_its_share_of_pending_connections_is_refused_and_another_pod_is_
     assert_eq!(settled(|| pending_of_a(&mesh), (0, 0)), (0, 0), "every app end closed");
 }
 
-/// A pod's entries in `PROXY_TRANSPARENT` (those to its IPv4 address `ip`), by the map and by
-/// the pod's count.
-fn transparent_of(mesh: &Mesh, pod: &NetnsGuard, ip: Ipv4Addr) -> (usize, u64) {
+/// A pod's entries in `PROXY_TRANSPARENT` (those to its address `ip`), by the map and by the
+/// pod's count (over both families).
+fn transparent_of(mesh: &Mesh, pod: &NetnsGuard, ip: impl Into<IpAddr>) -> (usize, u64) {
     let cookie = pod.open().expect("netns").cookie();
     let dp = mesh.datapath();
-    let local = PodIpKey::v4(u32::from_ne_bytes(ip.octets())).addr;
+    let local = meshpath_loader::pods::ip_key(ip.into()).addr;
     let in_map =
         dp.proxy_transparent().expect("map").keys().flatten().filter(|k| k.local == local).count();
     let counted = dp.pending_transparent().expect("counts").get(&cookie, 0).expect("the count");
@@ -254,7 +252,7 @@ fn a_pod_holding_its_share_of_unaccepted_transparent_connects_is_refused_more_an
         &EnrolOptions { capture_inbound: true, ..EnrolOptions::default() },
     )
     .expect("enrol b");
-    let (a_ip, b_ip) = (mesh.pods.a_ip, mesh.pods.b_ip);
+    let a_ip = mesh.pods.a_ip;
     // Pod a's app defers every connection until data comes: its end of the proxy's connection
     // is not accepted while the proxy sends nothing, so each holds its entry.
     let _app_a = mesh.pods.a.deferring_listener(mesh.a(false, 8080), None, 16384).expect("app a");
@@ -286,36 +284,9 @@ fn a_pod_holding_its_share_of_unaccepted_transparent_connects_is_refused_more_an
         .map_or(0, |d| d.count);
     assert_eq!(counted, 1, "the refusal was not counted");
 
-    // Pod b's app gets the proxy's connection: accepted, its entry gone, and the connection
-    // still carries data both ways (every segment finds the accepted socket).
-    // (From pod a's address: the one above is pod b's own, not a transparent source there.)
-    let client_of_b = SocketAddr::new(a_ip.into(), 0);
-    let app_b = mesh.pods.b.listen(mesh.b(false, 8080)).expect("app b");
-    let conn = mesh
-        .pods
-        .b
-        .transparent_connect(client_of_b, mesh.b(false, 8080), Some(&mesh.cgroup))
-        .expect("the proxy's connection to pod b's app");
-    let (mut accepted, from) = app_b.accept().expect("pod b's app accepts it");
-    assert_eq!(from.ip(), client_of_b.ip());
-    let cookie_b = mesh.pods.b.open().expect("netns b").cookie();
-    let passed = decisions::of(&mesh.datapath(), cookie_b)
-        .expect("decisions")
-        .iter()
-        .find(|d| d.why == "proxy connection")
-        .map_or(0, |d| d.count);
-    assert_eq!(passed, 1, "pod b's app got the connection by its entry");
-    assert_eq!(transparent_of(&mesh, &mesh.pods.b, b_ip), (0, 0), "pod b's, once accepted");
-    conn.set_nonblocking(false).expect("blocking");
-    let mut conn = TcpStream::from(conn);
-    for round in 0..3 {
-        conn.write_all(b"ping").expect("proxy → app");
-        let mut got = [0u8; 4];
-        accepted.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-        accepted.read_exact(&mut got).unwrap_or_else(|e| panic!("round {round}, app: {e}"));
-        accepted.write_all(b"pong").expect("app → proxy");
-        assert!(echoes_back(&mut conn, b"pong"), "round {round}: the app's reply");
-    }
+    // Pod b's app gets the proxy's connections, over either family.
+    proxy_connection_to_b_is_accepted_and_leaves_no_entry(&mesh, false);
+    proxy_connection_to_b_is_accepted_and_leaves_no_entry(&mesh, true);
 
     // The proxy's ends closing before the app accepted them take their entries: room again.
     for conn in held.drain(..share / 2) {
@@ -336,9 +307,121 @@ fn a_pod_holding_its_share_of_unaccepted_transparent_connects_is_refused_more_an
     assert_eq!(none, (0, 0), "every proxy end closed");
 }
 
+/// The proxy's transparent connection to pod b's app (from pod a's address: pod b's own is not a
+/// transparent source there), over IPv6 when `v6`: filed (the app gets it by its entry),
+/// accepted, its entry gone at once, data both ways afterwards (every segment finds the
+/// accepted socket), and nothing counted twice when both ends close.
+fn proxy_connection_to_b_is_accepted_and_leaves_no_entry(mesh: &Mesh, v6: bool) {
+    let family = if v6 { "IPv6" } else { "IPv4" };
+    let client = SocketAddr::new(mesh.a(v6, 0).ip(), 0);
+    let app = mesh.pods.b.listen(mesh.b(v6, 8081)).expect("app b");
+    let conn = mesh
+        .pods
+        .b
+        .transparent_connect(client, mesh.b(v6, 8081), Some(&mesh.cgroup))
+        .expect("the proxy's connection to pod b's app");
+    let (mut accepted, from) = accept_within(&app, Duration::from_secs(5))
+        .unwrap_or_else(|e| panic!("{family}: pod b's app did not accept it: {e}"));
+    assert_eq!(from.ip(), client.ip());
+    let cookie_b = mesh.pods.b.open().expect("netns b").cookie();
+    let passed = decisions::of(&mesh.datapath(), cookie_b)
+        .expect("decisions")
+        .iter()
+        .find(|d| d.why == "proxy connection")
+        .map_or(0, |d| d.count);
+    assert_eq!(passed, 1 + u64::from(v6), "{family}: pod b's app got it by its entry");
+    let b = mesh.b(v6, 0).ip();
+    assert_eq!(transparent_of(mesh, &mesh.pods.b, b), (0, 0), "{family}: once accepted");
+    conn.set_nonblocking(false).expect("blocking");
+    let mut conn = TcpStream::from(conn);
+    accepted.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    for round in 0..3 {
+        conn.write_all(b"ping").expect("proxy → app");
+        let mut got = [0u8; 4];
+        accepted.read_exact(&mut got).unwrap_or_else(|e| panic!("{family} {round}, app: {e}"));
+        accepted.write_all(b"pong").expect("app → proxy");
+        assert!(echoes_back(&mut conn, b"pong"), "{family} round {round}: the app's reply");
+    }
+    drop((conn, accepted));
+    let left = settled(|| transparent_of(mesh, &mesh.pods.b, b), (0, 0));
+    assert_eq!(left, (0, 0), "{family}: both ends closed");
+}
+
+/// `listener.accept()`, waiting `within` at most.
+fn accept_within(
+    listener: &std::net::TcpListener,
+    within: Duration,
+) -> std::io::Result<(TcpStream, SocketAddr)> {
+    listener.set_nonblocking(true)?;
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        match listener.accept() {
+            Ok((conn, from)) => {
+                conn.set_nonblocking(false)?;
+                return Ok((conn, from));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if std::time::Instant::now() > deadline {
+                    return Err(e);
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Reads `want.len()` bytes from `conn` (5 s at most) and tells whether they are `want`.
 fn echoes_back(conn: &mut TcpStream, want: &[u8]) -> bool {
     let mut got = vec![0u8; want.len()];
     conn.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
     conn.read_exact(&mut got).is_ok() && got == want
+}
+
+#[test]
+fn a_pod_accepting_connections_at_another_pods_address_takes_none_of_its_entries() {
+    // Pod a is in the mesh with nothing captured; pod b is captured inbound.
+    let mesh = Mesh::new(EnrolOptions::default());
+    pods::enrol(
+        &mesh.datapath(),
+        &mesh.pods.b.open().expect("netns b"),
+        &EnrolOptions { capture_inbound: true, ..EnrolOptions::default() },
+    )
+    .expect("enrol b");
+    let b_app = mesh.b(false, 8082);
+    let _app_b = mesh.pods.b.deferring_listener(b_app, None, 128).expect("app b");
+    // The proxy's connection to pod b's app, not accepted yet: pod b's entry.
+    let outside: IpAddr = "10.199.0.77".parse().expect("ip");
+    let held = mesh
+        .pods
+        .b
+        .transparent_connect(SocketAddr::new(outside, 0), b_app, Some(&mesh.cgroup))
+        .expect("the proxy's connection to pod b's app");
+    let from = held.local_addr().expect("bound").as_socket().expect("inet");
+    assert_eq!(transparent_of(&mesh, &mesh.pods.b, b_app.ip()), (1, 1), "pod b's entry");
+
+    // Pod a (CAP_NET_ADMIN in its netns) puts pod b's address and the client's on its own
+    // loopback and accepts a connection of exactly that 4-tuple.
+    for addr in [format!("{}/32", b_app.ip()), format!("{outside}/32")] {
+        mesh.pods.a.ip(&["addr", "add", &addr, "dev", "lo"]).expect("address on pod a");
+    }
+    let listener = mesh.pods.a.listen(b_app).expect("pod a listening at pod b's address");
+    let _twin = mesh
+        .pods
+        .a
+        .transparent_connect(from, b_app, None)
+        .expect("pod a's connection of pod b's 4-tuple");
+    let (_accepted, peer) =
+        accept_within(&listener, Duration::from_secs(5)).expect("pod a accepted it");
+    assert_eq!(peer, from);
+
+    assert_eq!(
+        transparent_of(&mesh, &mesh.pods.b, b_app.ip()),
+        (1, 1),
+        "pod a's accepted connection took pod b's entry"
+    );
+    held.set_linger(Some(Duration::ZERO)).ok();
+    drop(held);
+    let left = settled(|| transparent_of(&mesh, &mesh.pods.b, b_app.ip()), (0, 0));
+    assert_eq!(left, (0, 0), "pod b's proxy end closed");
 }

@@ -50,6 +50,7 @@ const GUEST_SUITES: &[(&str, &[&str])] = &[
         &[
             "a_pod_holding_its_share_of_pending_connections",
             "a_pod_holding_its_share_of_unaccepted_transparent_connects",
+            "a_pod_accepting_connections_at_another_pods_address",
         ],
     ),
     ("cni", &["a_meshed_pod_is_captured_from_its_first_connection"]),

@@ -295,9 +295,10 @@ pub const MAX_TRACKED_CONNECTIONS: u32 = 65_536;
 /// Capacity of `PROXY_TRANSPARENT` (a hash, nothing evicted, each pod held to a share), which
 /// peers drive, not pods: each entry is one of the proxy's connections to an app, in its
 /// handshake. So it holds more than the most connections meshpath's proxy carries at all by
-/// default (its cap without a memory limit, 200,000: `proxy/src/proxy/memory.rs` asserts it),
-/// and peers filling pods' shares fill it only past 64 pods at their share. Allocated per
-/// entry (`BPF_F_NO_PREALLOC`): 4 MiB of buckets, and memory for entries only while they live.
+/// default (200,000, its cap without a memory limit; the proxy knows nothing of this map, as
+/// any proxy written for istio-cni), and peers filling pods' shares fill it only past 64 pods
+/// at their share. Allocated per entry (`BPF_F_NO_PREALLOC`): 4 MiB of buckets, and memory for
+/// entries only while they live.
 pub const MAX_TRANSPARENT_CONNECTIONS: u32 = 262_144;
 const _: () = assert!(MAX_TRANSPARENT_CONNECTIONS / MAX_PENDING_CONNECTIONS_PER_POD >= 64);
 /// Entries one pod may hold in each of the node-wide maps of connections between their two

@@ -14,11 +14,6 @@ pub const PER_CONNECTION_BYTES: u64 = 64 * 1024;
 pub const RESERVED_BYTES: u64 = 64 * 1024 * 1024;
 /// The cap without a memory limit (or when it cannot be read).
 pub const UNLIMITED_CAP: usize = 200_000;
-// Each connection the proxy carries to an app holds an entry of the datapath's
-// `PROXY_TRANSPARENT` while in its handshake: below the map's size, the default cap refuses
-// before the map can fill.
-const _: () =
-    assert!(UNLIMITED_CAP <= datapath_common::consts::MAX_TRANSPARENT_CONNECTIONS as usize);
 /// The least cap derived, whatever the limit.
 pub const MIN_CAP: usize = 1_000;
 

@@ -1,8 +1,14 @@
 //! `meshpath-bench proxy`: pod to pod directly vs through two meshpath-proxy processes (two
-//! "nodes") over HBONE with mutual TLS, on the eBPF capture. Per scenario: iperf3 1 and 4
+//! "nodes") over HBONE with mutual TLS, on the eBPF capture; and, as the floor under HBONE,
+//! through two plaintext forwarders (`meshpath-test-proxy forward`, tokio's
+//! `copy_bidirectional`) on the same capture and the same three TCP hops (pod a's outbound to
+//! the first, the first to pod b's address where inbound capture hands it to the second, the
+//! second to the app), with no TLS and no HTTP/2: what the hops cost on their own, so that HBONE's
+//! own share is measured, not guessed. Per scenario: iperf3 1 and 4
 //! streams, request/response latency and connection rate from 1 client and from 100 at once
-//! (`*_100`); for HBONE also the proxies' CPU seconds per GB carried and the resident memory
-//! node 1's proxy spends per open stream and per idle pooled HTTP/2 connection.
+//! (`*_100`); for HBONE and the forwarders also the proxies' CPU seconds per GB carried; for
+//! HBONE the resident memory node 1's proxy spends per open stream and per idle pooled HTTP/2
+//! connection.
 //!
 //! `--store-workloads N` lists N other workloads (and one service per ten of them) in the
 //! proxies' store before the two pods, as a large mesh would: what a connection costs when the
@@ -40,6 +46,35 @@ impl Drop for Hbone {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Two plaintext forwarders where the HBONE scenario has its two proxies: pod a's outbound
+/// captured to the first (in pod a), which connects to the destination; pod b's inbound captured
+/// to the second (in pod b), which connects to the app. Fields drop in order: the forwarders
+/// before their cgroup, the cgroup before the datapath.
+struct Forwarders {
+    forwarders: Vec<TestProxy>,
+    _cgroup: CgroupGuard,
+    _root: PinRoot,
+}
+
+fn start_forwarders(pods: &PodPair) -> Result<Forwarders> {
+    let (root, cgroup) = (PinRoot::new(), CgroupGuard::new()?);
+    {
+        let dp = root.datapath()?;
+        dp.register_proxy_cgroup(cgroup.path())?;
+        let a = EnrolOptions { capture_outbound: true, counters: false, ..EnrolOptions::default() };
+        pods::enrol(&dp, &pods.a.open()?, &a)?;
+        let b = EnrolOptions { capture_inbound: true, counters: false, ..EnrolOptions::default() };
+        pods::enrol(&dp, &pods.b.open()?, &b)?;
+    }
+    let bin = sibling_bin("meshpath-test-proxy");
+    let mut forwarders = Vec::new();
+    for (ns, inbound) in [(&pods.a, false), (&pods.b, true)] {
+        let quiet = [crate::QUIET_PROXY];
+        forwarders.push(TestProxy::start(&bin, &ns.path(), &cgroup, "forward", inbound, &quiet)?);
+    }
+    Ok(Forwarders { forwarders, _cgroup: cgroup, _root: root })
 }
 
 /// What the proxies' store lists besides the two pods: what a connection costs in a large mesh.
@@ -186,7 +221,13 @@ fn scenario(name: &str, secs: f64, proxy_args: &[String], store: Store) -> Resul
     let _iperf = pods.b.iperf3_server(pods.b_ip.into(), IPERF_PORT, false)?;
     let mut hbone =
         if name == "hbone" { Some(start_hbone(&pods, proxy_args, &[], store)?) } else { None };
-    let pids: Vec<u32> = hbone.iter().flat_map(|h| h.proxies.iter().map(TestProxy::pid)).collect();
+    let forwarders = if name == "forwarders" { Some(start_forwarders(&pods)?) } else { None };
+    let pids: Vec<u32> = hbone
+        .iter()
+        .flat_map(|h| h.proxies.iter())
+        .chain(forwarders.iter().flat_map(|f| f.forwarders.iter()))
+        .map(TestProxy::pid)
+        .collect();
     let cpu = |pids: &[u32]| -> Result<f64> { pids.iter().map(|&p| usage(p).map(|u| u.0)).sum() };
 
     // A metric that fails is recorded as failed (null), not the end of the whole run.
@@ -285,7 +326,8 @@ fn scenario(name: &str, secs: f64, proxy_args: &[String], store: Store) -> Resul
 }
 
 /// Each scenario's metrics (the median over rounds goes in the results file) and their column
-/// in the printed table. The last three are the proxies' own, measured for `hbone` only.
+/// in the printed table. The last three are the proxies' own: CPU per GB for `hbone` and
+/// `forwarders`, memory for `hbone` only.
 const KEYS: [(&str, &str); 13] = [
     ("throughput_gbps", "Gbit/s 1 stream"),
     ("throughput_4_gbps", "Gbit/s 4 streams"),
@@ -302,10 +344,14 @@ const KEYS: [(&str, &str); 13] = [
     ("rss_kib_per_idle_conn", "RSS KiB/idle pooled conn"),
 ];
 
-/// Whether scenario `name` measures `key`: the proxies' CPU and memory only where there are
-/// proxies.
+/// Whether scenario `name` measures `key`: the proxies' CPU only where there are proxies, their
+/// memory per stream and per pooled connection only where there are streams and a pool (HBONE).
 fn measures(name: &str, key: &str) -> bool {
-    name == "hbone" || !matches!(key, "cpu_s_per_gb" | "rss_kib_per_conn" | "rss_kib_per_idle_conn")
+    match key {
+        "cpu_s_per_gb" => name != "direct",
+        "rss_kib_per_conn" | "rss_kib_per_idle_conn" => name == "hbone",
+        _ => true,
+    }
 }
 
 /// A scenario's results: each metric's median over its rounds, how many rounds each metric
@@ -337,7 +383,7 @@ pub fn run(
     store: Store,
 ) -> Result<()> {
     meshpath_tests::require_root();
-    let names = ["direct", "hbone"];
+    let names = ["direct", "forwarders", "hbone"];
     let steal = crate::Steal::start();
     let mut runs: Vec<Vec<Value>> = vec![Vec::new(); names.len()];
     for round in 0..rounds {
@@ -374,17 +420,21 @@ pub fn run(
             KEYS.iter().map(|(k, _)| crate::traffic_cell(&scenarios[name], k, 2)).collect();
         println!("| {name} | {} |", cells.join(" | "));
     }
-    let (d, h) = (&scenarios["direct"], &scenarios["hbone"]);
-    let ratio = |k: &str| Some(h[k].as_f64()? / d[k].as_f64()?);
-    let added = |k: &str| Some(h[k].as_f64()? - d[k].as_f64()?);
-    if let (Some(t), Some(t4), Some(c), Some(c100)) = (
-        ratio("throughput_gbps"),
-        ratio("throughput_4_gbps"),
-        ratio("conn_per_s"),
-        ratio("conn_per_s_100"),
-    ) {
-        println!("\nhbone / direct: throughput {t:.2} (4 streams {t4:.2}); conn/s {c:.2} (100 clients {c100:.2})");
+    let (d, f, h) = (&scenarios["direct"], &scenarios["forwarders"], &scenarios["hbone"]);
+    for (label, over, under) in [("hbone / direct", h, d), ("hbone / forwarders", h, f)] {
+        let ratio = |k: &str| Some(over[k].as_f64()? / under[k].as_f64()?);
+        if let (Some(t), Some(t4), Some(c), Some(c100), Some(p50), Some(p50_100)) = (
+            ratio("throughput_gbps"),
+            ratio("throughput_4_gbps"),
+            ratio("conn_per_s"),
+            ratio("conn_per_s_100"),
+            ratio("rr_p50_us"),
+            ratio("rr_p50_us_100"),
+        ) {
+            println!("\n{label}: throughput {t:.2} (4 streams {t4:.2}); conn/s {c:.2} (100 clients {c100:.2}); rr p50 {p50:.2} (100 clients {p50_100:.2})");
+        }
     }
+    let added = |k: &str| Some(h[k].as_f64()? - d[k].as_f64()?);
     for (clients, p50, p99) in
         [(1, "rr_p50_us", "rr_p99_us"), (100, "rr_p50_us_100", "rr_p99_us_100")]
     {
@@ -395,7 +445,7 @@ pub fn run(
     // Little's law: with every CPU busy, N clients each waiting for one round trip see a mean
     // of N × (CPU per round trip) / CPUs; a p50 near it is CPU, not a queue in front of idle CPUs.
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-    for name in ["direct", "hbone"] {
+    for name in names {
         let s = &scenarios[name];
         if let (Some(cpu), Some(busy), Some(p50)) =
             (s["rr_cpu_us_100"].as_f64(), s["rr_busy_100"].as_f64(), s["rr_p50_us_100"].as_f64())
@@ -437,5 +487,13 @@ mod tests {
         assert!(s.get("cpu_s_per_gb").is_none());
         assert!(s["failed_rounds"].get("rss_kib_per_idle_conn").is_none());
         assert_eq!(s["failed_rounds"]["conn_per_s"], json!(1));
+    }
+
+    #[test]
+    fn the_forwarders_are_measured_for_cpu_per_gb_and_not_for_a_pools_memory() {
+        let s = summarize("forwarders", &[json!({ "throughput_gbps": 9.0 })]);
+        assert_eq!(s["failed_rounds"]["cpu_s_per_gb"], json!(1));
+        assert!(s["failed_rounds"].get("rss_kib_per_conn").is_none());
+        assert!(s["failed_rounds"].get("rss_kib_per_idle_conn").is_none());
     }
 }

@@ -3,23 +3,31 @@
 //! over a stretch of one-client connections, per connection, by program.
 //!
 //! Every meshpath program is counted, whichever socket it ran for: the app's connection to the
-//! proxy, the proxy's to the server, the server's end. The bench is the only thing loading
-//! meshpath programs while it runs (programs are told apart by their `mp_` names).
+//! proxy, the proxy's to the server, the server's end; the TC guard for every packet the pod
+//! sends. The bench is the only thing loading meshpath programs while it runs (programs are
+//! told apart by their names, `datapath_common::consts::programs::ALL`).
 
 use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
 
 use anyhow::{Context as _, Result};
+use datapath_common::consts::programs;
 use meshpath_loader::netns::Netns;
 use serde_json::{json, Value};
 
 use crate::stats;
+
+/// Whether a loaded program's name (as the kernel keeps it: cut to
+/// [`programs::KERNEL_NAME_LEN`] bytes) is one of the datapath's programs.
+fn is_meshpaths(kernel_name: &str) -> bool {
+    programs::ALL.iter().any(|n| n.get(..programs::KERNEL_NAME_LEN).unwrap_or(n) == kernel_name)
+}
 
 /// Program name → (run time, run count), for every loaded meshpath program.
 fn snapshot() -> Result<BTreeMap<String, (Duration, u64)>> {
     let mut by_name = BTreeMap::new();
     for info in aya::programs::loaded_programs() {
         let info = info.context("listing loaded eBPF programs")?;
-        let Some(name) = info.name_as_str().filter(|n| n.starts_with("mp_")) else {
+        let Some(name) = info.name_as_str().filter(|n| is_meshpaths(n)) else {
             continue;
         };
         let e = by_name.entry(name.to_owned()).or_insert((Duration::ZERO, 0));
@@ -58,4 +66,20 @@ pub fn per_connection(ns: &Netns, to: SocketAddr, secs: f64) -> Result<Value> {
         "bpf_share_of_conn": total_us / conn_us,
         "bpf_per_conn_by_program": by_program,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_meshpaths;
+
+    #[test]
+    fn every_datapath_program_is_counted_by_the_name_the_kernel_keeps_and_no_other() {
+        // The kernel cuts names to 15 bytes: mp_sk_lookup_pass is loaded as mp_sk_lookup_pa.
+        for name in ["mp_sock_ops", "tc_pod_guard", "tc_pod_egress", "mp_sk_lookup_pa"] {
+            assert!(is_meshpaths(name), "{name}");
+        }
+        for name in ["mp_sk_lookup_pass", "tc_pod", "mp_", "sd_fw_egress"] {
+            assert!(!is_meshpaths(name), "{name}");
+        }
+    }
 }

@@ -1,6 +1,9 @@
 //! `meshpath-bench capture`: the capture benchmark. Runs the peers side by side in one run, on
 //! fresh pod namespaces each, with the same minimal forwarding proxy:
 //! - `direct`: no capture, no proxy;
+//! - `proxy_addressed`: no capture; the client connects to the proxy's own address and the proxy
+//!   forwards to a fixed upstream: what a capture that cost nothing would leave, the ceiling of
+//!   any capture's ratio to `iptables`;
 //! - `iptables`: istio-cni's in-pod rule set (REDIRECT variant), proxy marks its sockets 0x539;
 //! - `ebpf`: meshpath capture (the proxy's cgroup bypasses);
 //! - `ebpf_sockmap`: meshpath capture with the sockops + sk_msg app↔proxy shortcut on;
@@ -217,6 +220,7 @@ pub(crate) fn print_steal(r: &Value) {
 /// What a scenario puts in place; dropped at the end of the scenario.
 enum Setup {
     Direct,
+    Addressed { _proxy: TestProxy, _cgroup: CgroupGuard },
     Iptables { _proxy: TestProxy, _cgroup: CgroupGuard },
     Ebpf { _monitor: Option<Drain>, _proxy: TestProxy, _cgroup: CgroupGuard, _root: PinRoot },
 }
@@ -288,6 +292,17 @@ fn setup(name: &str, pods: &PodPair) -> Result<Setup> {
     let a = pods.a.path();
     Ok(match name {
         "direct" => Setup::Direct,
+        "proxy_addressed" => {
+            let upstreams: Vec<String> = ADDRESSED_PORTS
+                .iter()
+                .map(|(at, to)| format!("{at}={}", SocketAddr::new(pods.b_ip.into(), *to)))
+                .collect();
+            let upstreams = upstreams.join(",");
+            let cgroup = CgroupGuard::new()?;
+            let env = [("MESHPATH_TEST_PROXY_UPSTREAMS", upstreams.as_str()), QUIET_PROXY];
+            let proxy = TestProxy::start(&proxy_bin, &a, &cgroup, "forward", false, &env)?;
+            Setup::Addressed { _proxy: proxy, _cgroup: cgroup }
+        }
         "iptables" => {
             istio_setup(&a.display().to_string())?;
             // istio-cni's reply routing for marked connections.
@@ -351,10 +366,17 @@ fn traffic(name: &str, secs: f64) -> Result<Value> {
     stats::start_oneshot_server(&b, oneshot_addr)?;
     let _iperf_server = pods.b.iperf3_server(pods.b_ip.into(), IPERF_PORT, false)?;
     let _setup = setup(name, &pods)?;
+    // The client asks for the servers' addresses; only `proxy_addressed`'s asks for the proxy's.
+    let (rr_addr, oneshot_addr, iperf) = if name == "proxy_addressed" {
+        let at = |port| SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, addressed(port)));
+        (at(RR_PORT), at(ONESHOT_PORT), at(IPERF_PORT))
+    } else {
+        (rr_addr, oneshot_addr, SocketAddr::new(pods.b_ip.into(), IPERF_PORT))
+    };
 
     // A metric that fails is recorded as failed, not the end of the whole run.
     let mut out = serde_json::Map::new();
-    stats::record(&mut out, name, "throughput_gbps", iperf3_gbps(&pods, secs));
+    stats::record(&mut out, name, "throughput_gbps", iperf3_gbps(&pods, iperf, secs));
     stats::record_rate_and_latency(&mut out, name, &a, oneshot_addr, rr_addr, secs);
     // Where the time of a connection goes in the datapath's programs (meshpath's path only).
     if name == "ebpf" {
@@ -382,9 +404,10 @@ fn traffic(name: &str, secs: f64) -> Result<Value> {
     Ok(Value::Object(out))
 }
 
-/// iperf3 single-stream throughput from pod a to pod b, Gbit/s (receiver side).
-fn iperf3_gbps(pods: &PodPair, secs: f64) -> Result<f64> {
-    let report = pods.a.iperf3_client(pods.b_ip.into(), IPERF_PORT, &["-t", &format!("{secs}")])?;
+/// iperf3 single-stream throughput from pod a to `to` (pod b's server, or the proxy in front of
+/// it), Gbit/s (receiver side).
+fn iperf3_gbps(pods: &PodPair, to: SocketAddr, secs: f64) -> Result<f64> {
+    let report = pods.a.iperf3_client(to.ip(), to.port(), &["-t", &format!("{secs}")])?;
     Ok(report["end"]["sum_received"]["bits_per_second"].as_f64().context("iperf3 result")? / 1e9)
 }
 
@@ -588,8 +611,26 @@ const TRAFFIC_KEYS: [&str; 9] = [
 ];
 
 /// The scenarios of `capture`, in the order they run each round.
-const SCENARIOS: [&str; 6] =
-    ["direct", "iptables", "ebpf", "ebpf_sockmap", "ebpf_no_decision_counters", "ebpf_monitor"];
+const SCENARIOS: [&str; 7] = [
+    "direct",
+    "proxy_addressed",
+    "iptables",
+    "ebpf",
+    "ebpf_sockmap",
+    "ebpf_no_decision_counters",
+    "ebpf_monitor",
+];
+
+/// Where `proxy_addressed`'s proxy listens (on the client pod's 127.0.0.1) for each of the
+/// servers, which it forwards to: the request/response server, the connection-rate server,
+/// iperf3.
+const ADDRESSED_PORTS: [(u16, u16); 3] =
+    [(16000, RR_PORT), (16001, ONESHOT_PORT), (16201, IPERF_PORT)];
+
+/// The port `proxy_addressed`'s proxy listens on for the server at `port`.
+fn addressed(port: u16) -> u16 {
+    ADDRESSED_PORTS.iter().find(|(_, to)| *to == port).map_or(port, |(at, _)| *at)
+}
 
 /// The commit measured (`+dirty` when the tree had changes), so results stay comparable. Read
 /// once, when the run starts (`main`): by then xtask has built every binary the run uses, so an
@@ -671,25 +712,32 @@ fn print_table(r: &Value) {
     }
     // The ratio of the medians, then the median of the rounds' own ratios (the scenarios of a
     // round run back to back, so a round's ratio is free of drift between rounds).
-    let ratio = |k: &str| {
-        let (e, i) = (s["ebpf"][k].as_f64(), s["iptables"][k].as_f64());
-        let medians = e.zip(i).map_or("n/a".to_owned(), |(e, i)| format!("{:.2}", e / i));
-        match paired_ratio(&s["ebpf"], &s["iptables"], k) {
+    let ratio = |over: &str, under: &str, k: &str| {
+        let (o, u) = (s[over][k].as_f64(), s[under][k].as_f64());
+        let medians = o.zip(u).map_or("n/a".to_owned(), |(o, u)| format!("{:.2}", o / u));
+        match paired_ratio(&s[over], &s[under], k) {
             Some(p) => format!("{medians} (by round {p:.2})"),
             None => medians,
         }
     };
     println!();
-    println!(
-        "ebpf / iptables: conn/s {}, throughput {}, p50 {}, p99 {}; 100 clients: conn/s {}, p50 {}, p99 {}",
-        ratio("conn_per_s"),
-        ratio("throughput_gbps"),
-        ratio("rr_p50_us"),
-        ratio("rr_p99_us"),
-        ratio("conn_per_s_100"),
-        ratio("rr_p50_us_100"),
-        ratio("rr_p99_us_100")
-    );
+    // meshpath against istio-cni; what a capture that cost nothing would get against
+    // istio-cni (the ceiling of the first); meshpath against that.
+    for (over, under) in
+        [("ebpf", "iptables"), ("proxy_addressed", "iptables"), ("ebpf", "proxy_addressed")]
+    {
+        let ratio = |k: &str| ratio(over, under, k);
+        println!(
+            "{over} / {under}: conn/s {}, throughput {}, p50 {}, p99 {}; 100 clients: conn/s {}, p50 {}, p99 {}",
+            ratio("conn_per_s"),
+            ratio("throughput_gbps"),
+            ratio("rr_p50_us"),
+            ratio("rr_p99_us"),
+            ratio("conn_per_s_100"),
+            ratio("rr_p50_us_100"),
+            ratio("rr_p99_us_100")
+        );
+    }
     if let (Some(e), Some(i)) =
         (s["ebpf"]["enrol_ms_per_pod"].as_object(), s["iptables"]["enrol_ms_per_pod"].as_object())
     {

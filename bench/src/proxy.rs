@@ -1,7 +1,7 @@
 //! `meshpath-bench proxy`: pod to pod directly vs through two meshpath-proxy processes (two
 //! "nodes") over HBONE with mutual TLS, on the eBPF capture; and, as the floor under HBONE,
 //! through two plaintext forwarders (`meshpath-test-proxy forward`, tokio's
-//! `copy_bidirectional`) on the same capture and the same three TCP hops (pod a's outbound to
+//! `copy_bidirectional` with 64 KiB buffers) on the same capture and the same three TCP hops (pod a's outbound to
 //! the first, the first to pod b's address where inbound capture hands it to the second, the
 //! second to the app), with no TLS and no HTTP/2: what the hops cost on their own, so that HBONE's
 //! own share is measured, not guessed. Per scenario: iperf3 1 and 4

@@ -195,6 +195,30 @@ pub mod programs {
         SENDMSG4,
         SENDMSG6,
     ];
+    /// Every program in the eBPF object: the cgroup programs, then the rest.
+    pub const ALL: [&str; 18] = [
+        BIND4,
+        BIND6,
+        SOCK_OPS,
+        GETSOCKOPT,
+        GETPEERNAME4,
+        GETPEERNAME6,
+        RECVMSG4,
+        RECVMSG6,
+        CONNECT4,
+        CONNECT6,
+        SENDMSG4,
+        SENDMSG6,
+        SK_LOOKUP,
+        SK_LOOKUP_PASS,
+        SK_MSG,
+        TC_POD_GUARD,
+        TC_POD_INGRESS,
+        TC_POD_EGRESS,
+    ];
+    /// The longest program name the kernel keeps (`BPF_OBJ_NAME_LEN` less its NUL): a loaded
+    /// program's name is the first this many bytes of its name here.
+    pub const KERNEL_NAME_LEN: usize = 15;
 }
 
 /// Names of load-time constants (`aya_ebpf::Global`) in the eBPF object.

@@ -12,6 +12,12 @@
 //! map: the datapath finds the listener by itself. Inbound connections are answered or
 //! forwarded the same way (echo: `INBOUND <orig dst> FROM <peer>`).
 //!
+//! With `MESHPATH_TEST_PROXY_UPSTREAMS=PORT=ADDR[,PORT=ADDR…]` it also listens on
+//! `127.0.0.1:PORT` for each pair and forwards what it accepts there to `ADDR` without asking
+//! for an original destination: the same proxy addressed directly by the client, with no capture
+//! at all (the capture benchmark's `proxy_addressed`: what a capture that cost nothing would
+//! leave).
+//!
 //! It prints `READY` once listening, `ACCEPTED <orig dst> FROM <peer> AT <local>` per
 //! connection, and one
 //! `FORWARDED <bytes up> <bytes down>` line per closed forwarded connection, unless
@@ -58,28 +64,58 @@ fn main() -> Result<()> {
         .block_on(run(forward, inbound))
 }
 
+/// Where each connection accepted on a listener goes.
+#[derive(Clone, Copy)]
+enum Route {
+    /// Its original destination, as the datapath or iptables captured it (`inbound`: on the
+    /// inbound port).
+    Captured { inbound: bool },
+    /// A fixed upstream (`MESHPATH_TEST_PROXY_UPSTREAMS`).
+    Fixed(SocketAddr),
+}
+
+/// `MESHPATH_TEST_PROXY_UPSTREAMS`: `PORT=ADDR` pairs, comma-separated.
+fn fixed_upstreams() -> Result<Vec<(u16, SocketAddr)>> {
+    let Ok(list) = std::env::var("MESHPATH_TEST_PROXY_UPSTREAMS") else { return Ok(Vec::new()) };
+    list.split(',')
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| {
+            let (port, to) =
+                pair.split_once('=').with_context(|| format!("{pair:?}: not PORT=ADDR"))?;
+            Ok((
+                port.parse().with_context(|| format!("port {port:?}"))?,
+                to.parse().with_context(|| format!("address {to:?}"))?,
+            ))
+        })
+        .collect()
+}
+
 async fn run(forward: bool, inbound: bool) -> Result<()> {
     let v4 = |port| SocketAddr::from(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port));
+    let outbound = Route::Captured { inbound: false };
     let mut listeners = vec![
-        (TcpListener::bind((Ipv6Addr::UNSPECIFIED, ports::OUTBOUND)).await?, false),
+        (TcpListener::bind((Ipv6Addr::UNSPECIFIED, ports::OUTBOUND)).await?, outbound),
         // DNS over TCP is answered like any outbound connection.
-        (TcpListener::bind(v4(ports::DNS)).await?, false),
-        (v6_only_listener(ports::DNS)?, false),
+        (TcpListener::bind(v4(ports::DNS)).await?, outbound),
+        (v6_only_listener(ports::DNS)?, outbound),
     ];
     if inbound {
         let l = TcpListener::bind((Ipv6Addr::UNSPECIFIED, ports::INBOUND_PLAINTEXT)).await?;
-        listeners.push((l, true));
+        listeners.push((l, Route::Captured { inbound: true }));
+    }
+    for (port, to) in fixed_upstreams()? {
+        listeners.push((TcpListener::bind(v4(port)).await?, Route::Fixed(to)));
     }
     // DNS over UDP: every datagram is answered with `ANSWER <datagram>`.
     for udp in [UdpSocket::bind(v4(ports::DNS)).await?, v6_only_udp(ports::DNS)?] {
         tokio::spawn(meshpath_tests::answer_dns(udp));
     }
     say("READY")?;
-    for (listener, inbound) in listeners {
+    for (listener, route) in listeners {
         tokio::spawn(async move {
             while let Ok((conn, _)) = listener.accept().await {
                 tokio::spawn(async move {
-                    if let Err(e) = serve(conn, forward, inbound).await {
+                    if let Err(e) = serve(conn, forward, route).await {
                         eprintln!("meshpath-test-proxy: {e:#}");
                     }
                 });
@@ -131,6 +167,11 @@ async fn connect_upstream(to: SocketAddr) -> io::Result<TcpStream> {
     Ok(stream)
 }
 
+/// Each direction's copy buffer: 64 KiB, not tokio's default of 8, so a bulk stream is not
+/// measured as a proxy's syscalls per 8 KiB (the HBONE proxy reads up to 256 KiB); below
+/// glibc's mmap threshold (128 KiB), so a connection's buffers are no mmap and munmap each.
+const COPY_BUF: usize = 64 * 1024;
+
 fn canonical(a: SocketAddr) -> SocketAddr {
     match a {
         SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
@@ -141,8 +182,13 @@ fn canonical(a: SocketAddr) -> SocketAddr {
     }
 }
 
-async fn serve(mut conn: TcpStream, forward: bool, inbound: bool) -> Result<()> {
-    let orig = meshpath_tests::original_dst(&conn).context("getsockopt(SO_ORIGINAL_DST)")?;
+async fn serve(mut conn: TcpStream, forward: bool, route: Route) -> Result<()> {
+    let (orig, inbound) = match route {
+        Route::Captured { inbound } => {
+            (meshpath_tests::original_dst(&conn).context("getsockopt(SO_ORIGINAL_DST)")?, inbound)
+        }
+        Route::Fixed(to) => (to, false),
+    };
     conn.set_nodelay(true)?;
     let (peer, local) = (canonical(conn.peer_addr()?), canonical(conn.local_addr()?));
     if !quiet() {
@@ -162,7 +208,9 @@ async fn serve(mut conn: TcpStream, forward: bool, inbound: bool) -> Result<()> 
     }
     let mut upstream =
         connect_upstream(orig).await.with_context(|| format!("connecting to {orig}"))?;
-    let (up, down) = tokio::io::copy_bidirectional(&mut conn, &mut upstream).await?;
+    let (up, down) =
+        tokio::io::copy_bidirectional_with_sizes(&mut conn, &mut upstream, COPY_BUF, COPY_BUF)
+            .await?;
     if !quiet() {
         say(&format!("FORWARDED {up} {down}"))?;
     }

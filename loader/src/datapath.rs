@@ -617,3 +617,22 @@ fn ensure_bpffs(root: &Path) -> Result<()> {
     info!("mounted bpffs at /sys/fs/bpf");
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use datapath_common::consts::programs;
+
+    use super::EBPF_OBJECT;
+
+    #[test]
+    fn every_program_in_the_ebpf_object_is_named_once_in_datapath_common_and_every_name_is_in_it() {
+        let object = aya_obj::Object::parse(EBPF_OBJECT).expect("the built eBPF object parses");
+        let in_object: BTreeSet<&str> = object.programs.keys().map(String::as_str).collect();
+        let named: BTreeSet<&str> = programs::ALL.into_iter().collect();
+        assert_eq!(named.len(), programs::ALL.len(), "a name listed twice in programs::ALL");
+        assert_eq!(in_object, named);
+        assert!(programs::CGROUP.iter().all(|p| named.contains(p)));
+    }
+}

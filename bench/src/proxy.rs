@@ -1,10 +1,13 @@
 //! `meshpath-bench proxy`: pod to pod directly vs through two meshpath-proxy processes (two
 //! "nodes") over HBONE with mutual TLS, on the eBPF capture; and, as the floor under HBONE,
 //! through two plaintext forwarders (`meshpath-test-proxy forward`, tokio's
-//! `copy_bidirectional` with 64 KiB buffers) on the same capture and the same three TCP hops (pod a's outbound to
-//! the first, the first to pod b's address where inbound capture hands it to the second, the
-//! second to the app), with no TLS and no HTTP/2: what the hops cost on their own, so that HBONE's
-//! own share is measured, not guessed. Per scenario: iperf3 1 and 4
+//! `copy_bidirectional` with 64 KiB buffers) on the same capture and the same three TCP hops
+//! (pod a's outbound to the first, the first to pod b's address where inbound capture hands it
+//! to the second, the second to the app), with no TLS and no HTTP/2: what the hops cost on
+//! their own, so that HBONE's own share is measured, not guessed; and HBONE again with the
+//! sockops + sk_msg shortcut on (`hbone_sockmap`: the app's socket joined to node 1's proxy,
+//! node 2's proxy joined to the app's, in the kernel; off by default, docs/datapath.md says
+//! why). Per scenario: iperf3 1 and 4
 //! streams, request/response latency and connection rate from 1 client and from 100 at once
 //! (`*_100`); for HBONE and the forwarders also the proxies' CPU seconds per GB carried; for
 //! HBONE the resident memory node 1's proxy spends per open stream and per idle pooled HTTP/2
@@ -135,16 +138,19 @@ fn store_yaml(pods: &PodPair, store: Store) -> String {
     yaml
 }
 
+/// Two meshpath-proxy processes over HBONE; with `shortcut`, the sockops + sk_msg shortcut on.
 fn start_hbone(
     pods: &PodPair,
     extra: &[String],
     env: &[(&str, &str)],
     store: Store,
+    shortcut: bool,
 ) -> Result<Hbone> {
     let (root, cgroup) = (PinRoot::new(), CgroupGuard::new()?);
     {
         let dp = root.datapath()?;
         dp.register_proxy_cgroup(cgroup.path())?;
+        dp.set_acceleration(shortcut)?;
         let opts =
             EnrolOptions { capture_outbound: true, counters: false, ..EnrolOptions::default() };
         pods::enrol(&dp, &pods.a.open()?, &opts)?;
@@ -219,8 +225,12 @@ fn scenario(name: &str, secs: f64, proxy_args: &[String], store: Store) -> Resul
     stats::start_rr_server(&b, rr)?;
     stats::start_oneshot_server(&b, oneshot)?;
     let _iperf = pods.b.iperf3_server(pods.b_ip.into(), IPERF_PORT, false)?;
-    let mut hbone =
-        if name == "hbone" { Some(start_hbone(&pods, proxy_args, &[], store)?) } else { None };
+    let mut hbone = match name {
+        "hbone" | "hbone_sockmap" => {
+            Some(start_hbone(&pods, proxy_args, &[], store, name == "hbone_sockmap")?)
+        }
+        _ => None,
+    };
     let forwarders = if name == "forwarders" { Some(start_forwarders(&pods)?) } else { None };
     let pids: Vec<u32> = hbone
         .iter()
@@ -290,7 +300,8 @@ fn scenario(name: &str, secs: f64, proxy_args: &[String], store: Store) -> Resul
     let fresh_rss_per_conn = |args: &[&str], keep_open: bool| -> Result<f64> {
         let args: Vec<String> =
             proxy_args.iter().cloned().chain(args.iter().map(|a| a.to_string())).collect();
-        let fresh = start_hbone(&pods, &args, &[("MALLOC_CONF", "dirty_decay_ms:0")], store)?;
+        let env = [("MALLOC_CONF", "dirty_decay_ms:0")];
+        let fresh = start_hbone(&pods, &args, &env, store, false)?;
         let pid = fresh.proxies[0].pid();
         drop(hold(1)?);
         std::thread::sleep(Duration::from_millis(300));
@@ -304,7 +315,8 @@ fn scenario(name: &str, secs: f64, proxy_args: &[String], store: Store) -> Resul
         std::thread::sleep(Duration::from_millis(300));
         Ok((usage(pid)?.1 - before) / 100.0)
     };
-    if let Some(old) = hbone.take() {
+    // The proxies' memory is measured once, in `hbone`; the shortcut changes no proxy buffer.
+    if let Some(old) = hbone.take().filter(|_| name == "hbone") {
         drop(old);
         // Per open stream: 100 connections held open, streams of one pooled HTTP/2 connection.
         record(&mut out, name, "rss_kib_per_conn", fresh_rss_per_conn(&[], true));
@@ -326,8 +338,8 @@ fn scenario(name: &str, secs: f64, proxy_args: &[String], store: Store) -> Resul
 }
 
 /// Each scenario's metrics (the median over rounds goes in the results file) and their column
-/// in the printed table. The last three are the proxies' own: CPU per GB for `hbone` and
-/// `forwarders`, memory for `hbone` only.
+/// in the printed table. The last three are the proxies' own: CPU per GB for every scenario
+/// with proxies, memory for `hbone` only.
 const KEYS: [(&str, &str); 13] = [
     ("throughput_gbps", "Gbit/s 1 stream"),
     ("throughput_4_gbps", "Gbit/s 4 streams"),
@@ -383,7 +395,7 @@ pub fn run(
     store: Store,
 ) -> Result<()> {
     meshpath_tests::require_root();
-    let names = ["direct", "forwarders", "hbone"];
+    let names = ["direct", "forwarders", "hbone", "hbone_sockmap"];
     let steal = crate::Steal::start();
     let mut runs: Vec<Vec<Value>> = vec![Vec::new(); names.len()];
     for round in 0..rounds {
@@ -421,7 +433,10 @@ pub fn run(
         println!("| {name} | {} |", cells.join(" | "));
     }
     let (d, f, h) = (&scenarios["direct"], &scenarios["forwarders"], &scenarios["hbone"]);
-    for (label, over, under) in [("hbone / direct", h, d), ("hbone / forwarders", h, f)] {
+    let hs = &scenarios["hbone_sockmap"];
+    for (label, over, under) in
+        [("hbone / direct", h, d), ("hbone / forwarders", h, f), ("hbone_sockmap / hbone", hs, h)]
+    {
         let ratio = |k: &str| Some(over[k].as_f64()? / under[k].as_f64()?);
         if let (Some(t), Some(t4), Some(c), Some(c100), Some(p50), Some(p50_100)) = (
             ratio("throughput_gbps"),
@@ -432,6 +447,9 @@ pub fn run(
             ratio("rr_p50_us_100"),
         ) {
             println!("\n{label}: throughput {t:.2} (4 streams {t4:.2}); conn/s {c:.2} (100 clients {c100:.2}); rr p50 {p50:.2} (100 clients {p50_100:.2})");
+        }
+        if let Some(cpu) = ratio("cpu_s_per_gb") {
+            println!("{label}: proxies' CPU per GB {cpu:.2}");
         }
     }
     let added = |k: &str| Some(h[k].as_f64()? - d[k].as_f64()?);

@@ -5,8 +5,8 @@
 //! (pod a's outbound to the first, the first to pod b's address where inbound capture hands it
 //! to the second, the second to the app), with no TLS and no HTTP/2: what the hops cost on
 //! their own, so that HBONE's own share is measured, not guessed; and HBONE again with the
-//! sockops + sk_msg shortcut on (`hbone_sockmap`: the app's socket joined to node 1's proxy,
-//! node 2's proxy joined to the app's, in the kernel; off by default, docs/datapath.md says
+//! sockops + sk_msg shortcut on (`hbone_sockmap`: the app's socket joined to node 1's proxy in
+//! the kernel; the shortcut joins the outbound hop only; off by default, docs/datapath.md says
 //! why). Per scenario: iperf3 1 and 4
 //! streams, request/response latency and connection rate from 1 client and from 100 at once
 //! (`*_100`); for HBONE and the forwarders also the proxies' CPU seconds per GB carried; for

@@ -195,27 +195,19 @@ pub mod programs {
         SENDMSG4,
         SENDMSG6,
     ];
-    /// Every program in the eBPF object: the cgroup programs, then the rest.
-    pub const ALL: [&str; 18] = [
-        BIND4,
-        BIND6,
-        SOCK_OPS,
-        GETSOCKOPT,
-        GETPEERNAME4,
-        GETPEERNAME6,
-        RECVMSG4,
-        RECVMSG6,
-        CONNECT4,
-        CONNECT6,
-        SENDMSG4,
-        SENDMSG6,
-        SK_LOOKUP,
-        SK_LOOKUP_PASS,
-        SK_MSG,
-        TC_POD_GUARD,
-        TC_POD_INGRESS,
-        TC_POD_EGRESS,
-    ];
+    /// The programs that are not cgroup programs: sk_lookup, sk_msg, TC.
+    pub const NOT_CGROUP: [&str; 6] =
+        [SK_LOOKUP, SK_LOOKUP_PASS, SK_MSG, TC_POD_GUARD, TC_POD_INGRESS, TC_POD_EGRESS];
+    /// Every program in the eBPF object: [`CGROUP`], then [`NOT_CGROUP`].
+    pub const ALL: [&str; CGROUP.len() + NOT_CGROUP.len()] = {
+        let mut all = [""; CGROUP.len() + NOT_CGROUP.len()];
+        let mut i = 0;
+        while i < all.len() {
+            all[i] = if i < CGROUP.len() { CGROUP[i] } else { NOT_CGROUP[i - CGROUP.len()] };
+            i += 1;
+        }
+        all
+    };
     /// The longest program name the kernel keeps (`BPF_OBJ_NAME_LEN` less its NUL): a loaded
     /// program's name is the first this many bytes of its name here.
     pub const KERNEL_NAME_LEN: usize = 15;

@@ -172,14 +172,19 @@ fn pending_of_a(mesh: &Mesh) -> (usize, u64) {
     (in_map, counted)
 }
 
-/// How often the datapath refused pod a's connections for its share.
-fn refused_for_share(mesh: &Mesh) -> u64 {
-    let cookie = mesh.pods.a.open().expect("netns a").cookie();
+/// How often the datapath counted a decision for `why` in `pod`.
+fn counted(mesh: &Mesh, pod: &NetnsGuard, why: &str) -> u64 {
+    let cookie = pod.open().expect("the pod's netns").cookie();
     decisions::of(&mesh.datapath(), cookie)
         .expect("decisions")
         .iter()
-        .find(|d| d.why == "pod's share of pending connections")
+        .find(|d| d.why == why)
         .map_or(0, |d| d.count)
+}
+
+/// How often the datapath refused pod a's connections for its share.
+fn refused_for_share(mesh: &Mesh) -> u64 {
+    counted(mesh, &mesh.pods.a, "pod's share of pending connections")
 }
 
 #[test]
@@ -276,13 +281,8 @@ fn a_pod_holding_its_share_of_unaccepted_transparent_connects_is_refused_more_an
         .expect_err("a transparent connect past the share");
     let kind = refused.downcast_ref::<std::io::Error>().map(std::io::Error::kind);
     assert_eq!(kind, Some(std::io::ErrorKind::PermissionDenied), "{refused:#}");
-    let cookie_a = mesh.pods.a.open().expect("netns a").cookie();
-    let counted = decisions::of(&mesh.datapath(), cookie_a)
-        .expect("decisions")
-        .iter()
-        .find(|d| d.why == "pod's share of pending transparent connections")
-        .map_or(0, |d| d.count);
-    assert_eq!(counted, 1, "the refusal was not counted");
+    let refusals = counted(&mesh, &mesh.pods.a, "pod's share of pending transparent connections");
+    assert_eq!(refusals, 1, "the refusal was not counted");
 
     // Pod b's app gets the proxy's connections, over either family.
     proxy_connection_to_b_is_accepted_and_leaves_no_entry(&mesh, false);
@@ -323,12 +323,7 @@ fn proxy_connection_to_b_is_accepted_and_leaves_no_entry(mesh: &Mesh, v6: bool) 
     let (mut accepted, from) = accept_within(&app, Duration::from_secs(5))
         .unwrap_or_else(|e| panic!("{family}: pod b's app did not accept it: {e}"));
     assert_eq!(from.ip(), client.ip());
-    let cookie_b = mesh.pods.b.open().expect("netns b").cookie();
-    let passed = decisions::of(&mesh.datapath(), cookie_b)
-        .expect("decisions")
-        .iter()
-        .find(|d| d.why == "proxy connection")
-        .map_or(0, |d| d.count);
+    let passed = counted(mesh, &mesh.pods.b, "proxy connection");
     assert_eq!(passed, 1 + u64::from(v6), "{family}: pod b's app got it by its entry");
     let b = mesh.b(v6, 0).ip();
     assert_eq!(transparent_of(mesh, &mesh.pods.b, b), (0, 0), "{family}: once accepted");

@@ -186,6 +186,9 @@ pub fn rendered_install() -> Result<Vec<Value>> {
 /// Takes meshpath off the node as docs/deploy.md says: the agent's DaemonSet, then the
 /// uninstall Job (the image and pull policy of this cluster), then the proxy's.
 pub fn uninstall() -> Result<()> {
+    // Foreground: kubectl returns once the agent's pods are gone, not only the DaemonSet object
+    // (with the default, background, an agent still shutting down overlapped the Job's removal
+    // of the pin root, and the root was there after the Job had succeeded).
     kubectl(&[
         "delete",
         "daemonset",
@@ -193,6 +196,7 @@ pub fn uninstall() -> Result<()> {
         SYSTEM_NS,
         AGENT_DS,
         "--ignore-not-found",
+        "--cascade=foreground",
         "--wait=true",
     ])?;
     let job = std::fs::read_to_string(repo_root().join("deploy/uninstall-job.yaml"))?

@@ -6,7 +6,9 @@
 //!   `POST /logging?level=FILTER` (a new one), `POST /quitquitquit` (graceful shutdown);
 //! - stats (`[::]:15020`): `GET /metrics`, Prometheus text;
 //! - readiness (`[::]:15021`): `GET /healthz/ready`, 200 once the pods are served, 503 while
-//!   starting or draining.
+//!   starting or draining; `GET /healthz/live`, 200 whenever the process answers at all: the
+//!   liveness probe's. Not ready (istiod away at start, a refused first push, an expired
+//!   certificate) is no reason to restart a proxy that carries every pod's connections.
 
 use std::{convert::Infallible, net::SocketAddr, sync::Arc};
 
@@ -113,6 +115,9 @@ fn route(
                 text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
             }
         }
+        // Answered by the same runtime that carries the traffic: a wedged runtime answers
+        // nothing and the kubelet restarts it; anything short of that is readiness's to say.
+        (Endpoints::Readiness, &Method::GET, "/healthz/live") => text(StatusCode::OK, "live\n"),
         (Endpoints::Stats, &Method::GET, "/metrics") => {
             let mut r = text(StatusCode::OK, proxy.metrics.encode());
             if let Ok(v) = http::HeaderValue::from_str("text/plain; version=0.0.4; charset=utf-8") {

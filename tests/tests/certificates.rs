@@ -139,6 +139,10 @@ fn readiness(nodes: &TwoNodes, node: usize) -> u16 {
     nodes.proxies[node].http("READINESS", "GET", "/healthz/ready").map_or(0, |r| r.0)
 }
 
+fn liveness(nodes: &TwoNodes, node: usize) -> u16 {
+    nodes.proxies[node].http("READINESS", "GET", "/healthz/live").map_or(0, |r| r.0)
+}
+
 #[test]
 fn readiness_fails_while_a_served_pods_certificate_is_expired() {
     let nodes = TwoNodes::start(Setup { cert_files: true, ..Setup::default() });
@@ -152,6 +156,8 @@ fn readiness_fails_while_a_served_pods_certificate_is_expired() {
     let now = time::OffsetDateTime::now_utc().unix_timestamp() as f64;
     assert!(expiry > now - 5.0 && expiry < now + 5.0, "expiry exported as {expiry}, now {now}");
     assert!(wait_until(Duration::from_secs(10), || readiness(&nodes, 1) == 503), "still ready");
+    // Not ready, and alive: the kubelet's liveness probe (deploy/) does not restart it.
+    assert_eq!(liveness(&nodes, 1), 200);
     // A valid certificate again: ready again.
     nodes.write_cert_files(&sa("sa-b"), Duration::from_secs(3600));
     assert!(wait_until(Duration::from_secs(10), || readiness(&nodes, 1) == 200), "not ready");

@@ -26,6 +26,11 @@ fn ready(nodes: &TwoNodes, i: usize) -> bool {
     nodes.proxies[i].http("READINESS", "GET", "/healthz/ready").is_ok_and(|(s, _)| s == 200)
 }
 
+/// What the DaemonSet's liveness probe asks: 200 while the process answers, ready or not.
+fn live(nodes: &TwoNodes, i: usize) -> bool {
+    nodes.proxies[i].http("READINESS", "GET", "/healthz/live").is_ok_and(|(s, _)| s == 200)
+}
+
 fn held_uids(nodes: &TwoNodes, i: usize) -> Vec<String> {
     let dump = nodes.proxies[i].config_dump().expect("config dump");
     dump["workloads"]
@@ -51,6 +56,7 @@ fn the_proxy_turns_ready_only_once_both_types_have_been_applied() {
     });
     assert!(acked.is_some(), "the Address response was never acknowledged");
     assert!(!ready(&nodes, 0), "ready without istiod's policies");
+    assert!(live(&nodes, 0), "a proxy waiting for its first push is not alive to the kubelet");
     nodes.istiod().withhold(AUTHORIZATION_TYPE, false);
     assert!(wait_until(Duration::from_secs(20), || ready(&nodes, 0)), "not ready after both types");
 }
@@ -202,6 +208,7 @@ fn a_refused_token_keeps_the_proxy_unready_until_a_good_one_is_in_the_file() {
     });
     assert!(refused, "no refusal logged: {}", nodes.proxies[0].proxy.lines().join("\n"));
     assert!(!ready(&nodes, 0), "ready with a token istiod refuses");
+    assert!(live(&nodes, 0), "a proxy istiod refuses is not alive to the kubelet");
     // The token file is read for each call: rotating it is enough.
     std::fs::write(nodes.istiod().dir().join("node1-token"), "good-token").expect("write token");
     assert!(

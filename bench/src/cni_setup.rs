@@ -187,7 +187,8 @@ impl IstioAgent {
     fn request(&self, payload: Payload, netns: Option<&File>) -> Result<()> {
         let req = WorkloadRequest { payload: Some(payload) };
         let resp = self.rt.block_on(async {
-            self.conn.send_msg(&req, netns.map(|f| f.as_fd())).await?;
+            let fds: Vec<_> = netns.iter().map(|f| f.as_fd()).collect();
+            self.conn.send_msg(&req, &fds).await?;
             let (resp, _) = tokio::time::timeout(
                 Duration::from_secs(10),
                 self.conn.recv_msg::<WorkloadResponse>(),
@@ -273,7 +274,11 @@ fn istio_add(node: &CniNode, agent: &IstioAgent, pod: &Pod) -> Result<()> {
         service_account: "bench".into(),
     };
     agent.request(
-        Payload::Add(AddWorkload { uid: pod.uid(), workload_info: Some(info) }),
+        Payload::Add(AddWorkload {
+            uid: pod.uid(),
+            workload_info: Some(info),
+            ..Default::default()
+        }),
         Some(&file),
     )
 }

@@ -1,7 +1,7 @@
 //! ZDS as the proxy receives it from the node agent: a sequence of messages (each: a byte for
 //! how many descriptors came with it, a length byte, then protobuf), decoded and fed to the
 //! proxy's session state machine against a model of the pods served. Invariants: an add needs
-//! one descriptor; a keep only for a pod served; a snapshot removes exactly the served pods not
+//! one descriptor (more only with held listeners); a keep only for a pod served; a snapshot removes exactly the served pods not
 //! named since the session began, so afterwards every pod served was named.
 #![no_main]
 
@@ -26,8 +26,9 @@ fuzz_target!(|data: &[u8]| {
         let Ok(req) = WorkloadRequest::decode(msg) else { continue };
         let fds = usize::from(fds % 3);
         match session.step(req, fds, &served) {
-            Ok(Step::Add { uid, .. }) => {
-                assert_eq!(fds, 1);
+            Ok(Step::Add { uid, hold_listeners, .. }) => {
+                // The netns, and listeners after it only where the agent holds them.
+                assert!(fds == 1 || (hold_listeners && (1..=9).contains(&fds)), "{fds}");
                 assert!(!uid.is_empty());
                 served.insert(uid);
             }

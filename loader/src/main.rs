@@ -175,6 +175,12 @@ struct AgentArgs {
     /// Seconds the proxy has to acknowledge a pod.
     #[arg(long, default_value_t = 10)]
     ack_timeout_seconds: u64,
+    /// Seconds a pod's listening sockets are held open while no proxy serves it, for a
+    /// proxy that hands them over (meshpath-proxy; never Istio's ztunnel): connections wait
+    /// in their backlog across a proxy restart instead of being refused, and are refused once
+    /// this passes with no proxy back. 0: not held (connections are refused while no proxy runs).
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(0..=3600))]
+    hold_listeners_seconds: u64,
 }
 
 /// `enrol`'s arguments: the pod and its capture configuration.
@@ -330,6 +336,7 @@ fn run(cli: Cli) -> Result<()> {
                 proxy_cgroup_from_zds_peer: a.proxy_cgroup_from_zds_peer,
                 health_addr: a.health_addr,
                 ack_timeout: std::time::Duration::from_secs(a.ack_timeout_seconds),
+                hold_listeners: std::time::Duration::from_secs(a.hold_listeners_seconds),
                 probe_source: a.probe_source,
                 ebpf_log: a.ebpf_log.parse().map_err(anyhow::Error::msg)?,
             };

@@ -11,7 +11,8 @@
 //!   `inbound_plaintext` (15006 → the app), `dns` (15053), `transparent` (connecting to the app
 //!   with the client's address), `hbone` (the protocol), `pool` (shared HTTP/2 connections),
 //!   `copy` (moving the bytes: buffers, idle timeout), `drain` (accept loops, connection caps,
-//!   graceful shutdown); and what they share: `node` (the node proxy: store, certificates,
+//!   graceful shutdown), `held_listeners` (a pod's listeners that outlive the proxy: taken over
+//!   from the node agent, given to it to hold); and what they share: `node` (the node proxy: store, certificates,
 //!   pool, telemetry, the pods served), `pod` (one pod: its netns sockets, certificate, caps),
 //!   `settings` and `memory` (tunables, the connection cap the memory limit holds);
 //! - `certs/` — where certificates come from (`mod.rs`: istiod, a local CA or files) and

@@ -401,7 +401,9 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
                                 format!("--pod {uid}: no workload with this uid in the store")
                             })?;
                         let p = proxy.clone();
-                        tokio::task::spawn_blocking(move || inpod::add(&p, &uid, netns, workload))
+                        tokio::task::spawn_blocking(move || {
+                            inpod::add(&p, &uid, netns, workload, Default::default())
+                        })
                             .await??;
                     }
                     anyhow::Ok(())

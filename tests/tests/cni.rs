@@ -90,7 +90,11 @@ fn the_agent_exports_its_pods_datapath_decisions_and_drops_a_pod_that_left() {
 #[test]
 fn the_agent_logs_the_datapaths_drops_when_asked_to() {
     let mut node = CniNode::bare(WORKLOADS).expect("node");
-    node.start_agent_with(&["--ebpf-log".into(), "info".into()]).expect("agent");
+    // Listeners not held (`--hold-listeners-seconds 0`, as for Istio's ztunnel): with the
+    // proxy gone nothing listens, and the datapath drops what it has nowhere to steer.
+    let no_hold = ["--hold-listeners-seconds".into(), "0".into()];
+    node.start_agent_with(&[["--ebpf-log".into(), "info".into()].as_slice(), &no_hold].concat())
+        .expect("agent");
     node.start_proxy().expect("proxy");
     let db = node.add_pod("db").expect("ADD db");
     let dst = SocketAddr::new(db.ip, 8080);

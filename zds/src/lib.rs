@@ -5,11 +5,14 @@
 //!   listens, the proxy connects and sends `ZdsHello { version: V1 }` first;
 //! - agent → proxy: `WorkloadRequest` (add with the pod's netns as one SCM_RIGHTS fd, keep, del,
 //!   snapshot sent); proxy → agent: one `WorkloadResponse { ack }` per request;
+//! - meshpath's one extension, negotiated in the hello: the pods' listening sockets held by the
+//!   agent across proxy restarts (`listeners`);
 //! - on every (re)connect the agent sends its full set and then `SnapshotSent`.
 //!
 //! The messages (`proto`) are derived with prost from `zds.proto` by hand, field numbers as
 //! Istio's; `transport` moves one message (and at most a few fds) per datagram.
 
+pub mod listeners;
 pub mod proto;
 pub mod transport;
 

@@ -12,6 +12,10 @@ pub enum Version {
 pub struct ZdsHello {
     #[prost(enumeration = "Version", tag = "1")]
     pub version: i32,
+    /// meshpath's extension (`crate::listeners`): this proxy gives its pods' listening sockets
+    /// to the agent and takes them back. Istio's agent ignores the field; ztunnel never sets it.
+    #[prost(bool, tag = "1000")]
+    pub meshpath_held_listeners: bool,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -30,6 +34,11 @@ pub struct AddWorkload {
     pub uid: String,
     #[prost(message, optional, tag = "2")]
     pub workload_info: Option<WorkloadInfo>,
+    /// meshpath's extension, sent only to a proxy that said `meshpath_held_listeners`: the
+    /// descriptors after the netns are the pod's listeners the agent held (use them rather than
+    /// binding new ones), and the ack is to carry a duplicate of each listener the pod has.
+    #[prost(bool, tag = "1000")]
+    pub hold_listeners: bool,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -121,7 +130,22 @@ mod tests {
             payload: Some(workload_request::Payload::SnapshotSent(SnapshotSent {})),
         };
         assert_eq!(snap.encode_to_vec(), vec![0x1a, 0x00]);
-        assert_eq!(ZdsHello { version: Version::V1 as i32 }.encode_to_vec(), vec![0x08, 0x01]);
+        let istio_hello = ZdsHello { version: Version::V1 as i32, ..Default::default() };
+        assert_eq!(istio_hello.encode_to_vec(), vec![0x08, 0x01]);
+    }
+
+    #[test]
+    fn the_held_listeners_extension_is_invisible_to_istio_and_read_back_by_meshpath() {
+        // Field 1000, varint: key (1000 << 3) = 8000 = 0xc0 0x3e. Istio's decoder skips it.
+        let hello = ZdsHello { version: Version::V1 as i32, meshpath_held_listeners: true };
+        let bytes = hello.encode_to_vec();
+        assert_eq!(bytes, vec![0x08, 0x01, 0xc0, 0x3e, 0x01]);
+        assert_eq!(ZdsHello::decode(bytes.as_slice()).expect("decode"), hello);
+        // An Istio agent's add (no field 1000) asks for nothing.
+        let add = AddWorkload { uid: "u".into(), ..Default::default() };
+        assert!(
+            !AddWorkload::decode(add.encode_to_vec().as_slice()).expect("decode").hold_listeners
+        );
     }
 
     #[test]
@@ -134,6 +158,7 @@ mod tests {
                     namespace: "prod".into(),
                     service_account: "web".into(),
                 }),
+                hold_listeners: true,
             })),
         };
         let back = WorkloadRequest::decode(add.encode_to_vec().as_slice()).expect("decode");

@@ -19,6 +19,10 @@ use crate::ZdsError;
 /// Largest message accepted (Istio's messages are a few hundred bytes).
 const MAX_MESSAGE: usize = 64 * 1024;
 
+/// Most descriptors one message may carry: a pod's netns and its held listeners
+/// (`crate::listeners`). More are a truncated message, refused.
+pub const MAX_FDS: usize = 1 + crate::listeners::MAX_PER_POD;
+
 fn seqpacket() -> io::Result<OwnedFd> {
     Ok(socket::socket(
         AddressFamily::Unix,
@@ -54,9 +58,12 @@ impl SeqPacket {
         Ok(cred.pid())
     }
 
-    /// Sends one datagram, with `fd` attached if given.
-    pub async fn send(&self, bytes: &[u8], fd: Option<BorrowedFd<'_>>) -> io::Result<()> {
-        let fds: Vec<RawFd> = fd.iter().map(AsRawFd::as_raw_fd).collect();
+    /// Sends one datagram, with `fds` attached (at most [`MAX_FDS`]).
+    pub async fn send(&self, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+        if fds.len() > MAX_FDS {
+            return Err(io::Error::other(format!("{} descriptors in one ZDS message", fds.len())));
+        }
+        let fds: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
         self.fd
             .async_io(Interest::WRITABLE, |s| {
                 let iov = [IoSlice::new(bytes)];
@@ -83,7 +90,7 @@ impl SeqPacket {
             .fd
             .async_io(Interest::READABLE, |s| {
                 let mut buf = vec![0u8; MAX_MESSAGE];
-                let mut space = nix::cmsg_space!([RawFd; 4]);
+                let mut space = nix::cmsg_space!([RawFd; MAX_FDS]);
                 let mut iov = [IoSliceMut::new(&mut buf)];
                 let msg = socket::recvmsg::<()>(
                     s.as_raw_fd(),
@@ -113,13 +120,28 @@ impl SeqPacket {
         Ok((data, fds))
     }
 
-    /// Sends a message.
+    /// Sends a message with `fds` attached.
     pub async fn send_msg<M: Message>(
         &self,
         m: &M,
-        fd: Option<BorrowedFd<'_>>,
+        fds: &[BorrowedFd<'_>],
     ) -> Result<(), ZdsError> {
-        Ok(self.send(&m.encode_to_vec(), fd).await?)
+        Ok(self.send(&m.encode_to_vec(), fds).await?)
+    }
+
+    /// Whether the peer has closed its end (checked without waiting, and without reading
+    /// anything it sent).
+    pub fn peer_closed(&self) -> bool {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        // A closed peer shuts both directions of a SOCK_SEQPACKET socket down: POLLHUP, which
+        // poll reports whatever was asked.
+        let mut fds = [PollFd::new(self.fd.get_ref().as_fd(), PollFlags::empty())];
+        match poll(&mut fds, PollTimeout::ZERO) {
+            Ok(_) => fds[0]
+                .revents()
+                .is_some_and(|r| r.intersects(PollFlags::POLLHUP | PollFlags::POLLERR)),
+            Err(_) => false,
+        }
     }
 
     /// Receives a message and its descriptors.

@@ -4,6 +4,8 @@
 //! - `cni_server` — the CNI plugin's requests: ADD enrols a meshed pod in the datapath and
 //!   hands it to the proxy, answering only once the proxy acked; DEL undoes it; CHECK checks;
 //! - `zds_server` — the proxy side of the node: ZDS, Istio's agent ↔ ztunnel protocol;
+//! - `held_listeners` — the pods' listening sockets, kept open while no proxy runs (a proxy
+//!   restart refuses nothing);
 //! - `records` — one file per pod under the state directory, so a restarted agent knows its
 //!   pods; the pods' netns are found again by inode;
 //! - `directory` — which pods are meshed and as whom: the Kubernetes API (Pods of this node and
@@ -23,6 +25,7 @@ pub mod cni_server;
 pub mod directory;
 pub mod ebpf_log;
 pub mod health;
+pub mod held_listeners;
 pub mod membership;
 pub mod mesh_sync;
 pub mod records;
@@ -65,6 +68,8 @@ pub struct AgentConfig {
     pub health_addr: Option<SocketAddr>,
     /// How long the proxy has to ack a request.
     pub ack_timeout: Duration,
+    /// How long a pod's listeners are held open with no proxy serving it (zero: not held).
+    pub hold_listeners: Duration,
     /// Make node processes probing pods (kubelet) leave from Istio's probe source addresses,
     /// this process's netns being the node's.
     pub probe_source: bool,
@@ -187,7 +192,7 @@ const DATAPATH_RETRY: Duration = Duration::from_secs(15);
 pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
     let directory = directory::Directory::start(&cfg.directory).await?;
     let agent = Arc::new(Agent {
-        zds: zds_server::ZdsHub::new(cfg.ack_timeout),
+        zds: zds_server::ZdsHub::new(cfg.ack_timeout, cfg.hold_listeners),
         directory,
         cfg,
         dp_lock: Mutex::new(()),

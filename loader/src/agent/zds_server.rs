@@ -3,9 +3,15 @@
 //! then on each pod added or deleted is sent as it happens. One proxy at a time: a new
 //! connection replaces the old one (a restarted proxy). With no proxy connected, adding a pod
 //! fails: the CNI ADD fails and the runtime retries, rather than a pod starting with nobody to
-//! serve it.
+//! serve it. A proxy that offers it gives the agent its pods' listeners to hold across its
+//! restarts (`held_listeners`); a proxy that does not (Istio's ztunnel) gets plain ZDS.
 
-use std::{os::fd::AsFd as _, path::PathBuf, sync::Arc, time::Duration};
+use std::{
+    os::fd::{AsFd as _, BorrowedFd, OwnedFd},
+    path::PathBuf,
+    sync::Arc,
+    time::Duration,
+};
 
 use meshpath_zds::{
     proto::{
@@ -17,7 +23,11 @@ use meshpath_zds::{
 use tokio::sync::Mutex;
 use tracing::{info, warn};
 
-use super::{Agent, LivePod};
+use super::{held_listeners::HeldListeners, Agent, LivePod};
+
+/// How often the agent looks whether the proxy closed its end, and for held listeners past
+/// their hold.
+const WATCH_EVERY: Duration = Duration::from_secs(1);
 
 /// Why a request to the proxy failed.
 #[derive(Debug, thiserror::Error)]
@@ -44,19 +54,34 @@ impl RequestError {
     }
 }
 
+/// The connected proxy.
+#[derive(Debug)]
+struct Session {
+    conn: SeqPacket,
+    /// It takes and gives back the pods' listeners (its hello said so, and the agent holds them).
+    holds: bool,
+}
+
 /// The proxy connection, if any.
 #[derive(Debug)]
 pub struct ZdsHub {
-    conn: Mutex<Option<SeqPacket>>,
+    conn: Mutex<Option<Session>>,
     ack_timeout: Duration,
+    /// The pods' listeners, kept open while no proxy runs.
+    pub held: HeldListeners,
     /// The cgroup registered for the connected proxy (`--proxy-cgroup-from-zds-peer`): a
     /// restarted proxy's replaces it, so restarts do not fill `PROXY_CGROUPS`.
     peer_cgroup: std::sync::Mutex<Option<u64>>,
 }
 
 impl ZdsHub {
-    pub fn new(ack_timeout: Duration) -> Self {
-        Self { conn: Mutex::new(None), ack_timeout, peer_cgroup: std::sync::Mutex::new(None) }
+    pub fn new(ack_timeout: Duration, hold_listeners: Duration) -> Self {
+        Self {
+            conn: Mutex::new(None),
+            ack_timeout,
+            held: HeldListeners::new(hold_listeners),
+            peer_cgroup: std::sync::Mutex::new(None),
+        }
     }
 
     /// Whether a proxy is connected (and took its snapshot).
@@ -64,19 +89,21 @@ impl ZdsHub {
         self.conn.lock().await.is_some()
     }
 
+    /// Sends `req` with `fds` and waits for the ack; returns the descriptors the ack carried.
     async fn exchange(
         &self,
         conn: &SeqPacket,
         req: &WorkloadRequest,
-        fd: Option<std::os::fd::BorrowedFd<'_>>,
-    ) -> Result<(), RequestError> {
-        conn.send_msg(req, fd).await?;
-        let (resp, _) = tokio::time::timeout(self.ack_timeout, conn.recv_msg::<WorkloadResponse>())
-            .await
-            .map_err(|_| RequestError::NoAck(self.ack_timeout))??;
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<Vec<OwnedFd>, RequestError> {
+        conn.send_msg(req, fds).await?;
+        let (resp, fds) =
+            tokio::time::timeout(self.ack_timeout, conn.recv_msg::<WorkloadResponse>())
+                .await
+                .map_err(|_| RequestError::NoAck(self.ack_timeout))??;
         match resp.payload {
             Some(meshpath_zds::proto::workload_response::Payload::Ack(a)) if a.error.is_empty() => {
-                Ok(())
+                Ok(fds)
             }
             Some(meshpath_zds::proto::workload_response::Payload::Ack(a)) => {
                 Err(RequestError::Refused(a.error))
@@ -85,41 +112,98 @@ impl ZdsHub {
         }
     }
 
+    /// The session ended: no proxy from now on, and the held listeners wait for the next.
+    fn end(&self, guard: &mut Option<Session>) {
+        if guard.take().is_some_and(|s| s.holds) {
+            self.held.proxy_gone();
+        }
+    }
+
     /// Sends one request to the connected proxy and waits for its ack. A connection that failed
     /// in any way but a refusal is dropped (the proxy will reconnect and get a snapshot).
-    async fn request(
-        &self,
-        req: WorkloadRequest,
-        pod: Option<&LivePod>,
-    ) -> Result<(), RequestError> {
+    async fn request(&self, req: WorkloadRequest) -> Result<(), RequestError> {
         let mut guard = self.conn.lock().await;
-        let Some(conn) = guard.as_ref() else {
+        let Some(session) = guard.as_ref() else {
             return Err(RequestError::NotConnected);
         };
-        let fd = pod.map(|p| p.netns.file().as_fd());
-        let result = self.exchange(conn, &req, fd).await;
+        let result = self.exchange(&session.conn, &req, &[]).await.map(drop);
         if let Err(e) = &result {
             if e.ends_session() {
                 warn!(error = %e, "ZDS connection broken; waiting for the proxy to reconnect");
-                *guard = None;
+                self.end(&mut guard);
             }
         }
         result
     }
 
-    /// Tells the proxy to serve a pod.
+    /// Tells the proxy to serve a pod (with the listeners held for it, if it takes them).
     pub async fn add(&self, pod: &LivePod) -> Result<(), RequestError> {
-        self.request(add_request(&pod.record), Some(pod)).await
+        let mut guard = self.conn.lock().await;
+        let Some(session) = guard.as_ref() else {
+            return Err(RequestError::NotConnected);
+        };
+        let result = self.add_on(session, &pod.record, &pod.netns).await;
+        if let Err(e) = &result {
+            if e.ends_session() {
+                warn!(error = %e, "ZDS connection broken; waiting for the proxy to reconnect");
+                self.end(&mut guard);
+            }
+        }
+        result
     }
 
-    /// Tells the proxy to stop serving a pod.
+    /// One `AddWorkload` on `session`: the netns, then (to a proxy that holds) the pod's held
+    /// listeners; the listeners its ack carries are held from then on.
+    async fn add_on(
+        &self,
+        session: &Session,
+        record: &super::records::PodRecord,
+        netns: &crate::netns::Netns,
+    ) -> Result<(), RequestError> {
+        let held = if session.holds { self.held.for_add(&record.uid) } else { Vec::new() };
+        let mut fds: Vec<BorrowedFd<'_>> = vec![netns.file().as_fd()];
+        fds.extend(held.iter().map(|f| f.as_fd()));
+        let req = add_request(record, session.holds);
+        match self.exchange(&session.conn, &req, &fds).await {
+            Ok(given) => {
+                if session.holds {
+                    self.held.taken(&record.uid, record.cookie, given);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.held.not_served(&record.uid);
+                Err(e)
+            }
+        }
+    }
+
+    /// Tells the proxy to stop serving a pod; the listeners held for it are closed.
     pub async fn del(&self, uid: &str) -> Result<(), RequestError> {
+        self.held.forget(uid);
         let req = WorkloadRequest { payload: Some(Payload::Del(DelWorkload { uid: uid.into() })) };
-        self.request(req, None).await
+        self.request(req).await
+    }
+
+    /// Every [`WATCH_EVERY`]: a proxy that closed its end is gone (its pods' held listeners
+    /// start waiting for the next one, not for the next request to find out), and listeners
+    /// held past their hold are closed.
+    async fn watch(&self) {
+        loop {
+            tokio::time::sleep(WATCH_EVERY).await;
+            // Busy (a request or a snapshot under way): that exchange finds out itself.
+            if let Ok(mut guard) = self.conn.try_lock() {
+                if guard.as_ref().is_some_and(|s| s.conn.peer_closed()) {
+                    warn!("the node proxy closed ZDS; waiting for it to reconnect");
+                    self.end(&mut guard);
+                }
+            }
+            self.held.expire(std::time::Instant::now());
+        }
     }
 }
 
-fn add_request(r: &super::records::PodRecord) -> WorkloadRequest {
+fn add_request(r: &super::records::PodRecord, hold_listeners: bool) -> WorkloadRequest {
     WorkloadRequest {
         payload: Some(Payload::Add(AddWorkload {
             uid: r.uid.clone(),
@@ -128,6 +212,7 @@ fn add_request(r: &super::records::PodRecord) -> WorkloadRequest {
                 namespace: r.namespace.clone(),
                 service_account: r.service_account.clone(),
             }),
+            hold_listeners,
         })),
     }
 }
@@ -144,6 +229,8 @@ fn cgroup_of(pid: i32) -> anyhow::Result<PathBuf> {
 
 /// Accepts proxies until the agent stops.
 pub fn spawn(agent: Arc<Agent>, listener: Listener) {
+    let watched = agent.clone();
+    tokio::spawn(async move { watched.zds.watch().await });
     tokio::spawn(async move {
         loop {
             match listener.accept().await {
@@ -169,6 +256,7 @@ async fn welcome(agent: &Arc<Agent>, conn: SeqPacket) -> anyhow::Result<()> {
     if hello.version != Version::V1 as i32 {
         anyhow::bail!("the proxy speaks ZDS version {}, not V1", hello.version);
     }
+    let holds = hello.meshpath_held_listeners && hub.held.enabled();
     // The new proxy's cgroup is registered now; the previous proxy's stays registered until the
     // new one has acknowledged the snapshot: during a proxy upgrade the old one keeps serving,
     // and its own connections must not be captured meanwhile.
@@ -181,7 +269,12 @@ async fn welcome(agent: &Arc<Agent>, conn: SeqPacket) -> anyhow::Result<()> {
     }
     // Holding the connection lock for the whole snapshot: no add or delete interleaves.
     let mut guard = hub.conn.lock().await;
-    *guard = None;
+    hub.end(&mut guard);
+    if !holds {
+        // It binds its own listeners in each pod, which the held ones would keep it from.
+        hub.held.release_all("the proxy that connected does not take held listeners");
+    }
+    let session = Session { conn, holds };
     let snapshot: Vec<(super::records::PodRecord, Arc<crate::netns::Netns>)> = agent
         .pods
         .lock()
@@ -189,7 +282,7 @@ async fn welcome(agent: &Arc<Agent>, conn: SeqPacket) -> anyhow::Result<()> {
         .values()
         .map(|p| (p.record.clone(), p.netns.clone()))
         .collect();
-    let acked = send_snapshot(hub, &conn, &snapshot).await;
+    let acked = send_snapshot(hub, &session, &snapshot).await;
     if let Some(id) = registered {
         // Acknowledged: the new proxy is the proxy; the previous one's cgroup goes. Not
         // acknowledged: the new one's goes, unless it is the current proxy's (it registers
@@ -209,8 +302,8 @@ async fn welcome(agent: &Arc<Agent>, conn: SeqPacket) -> anyhow::Result<()> {
         }
     }
     acked?;
-    info!(pods = snapshot.len(), "snapshot sent to the node proxy");
-    *guard = Some(conn);
+    info!(pods = snapshot.len(), holds_listeners = holds, "snapshot sent to the node proxy");
+    *guard = Some(session);
     Ok(())
 }
 
@@ -219,11 +312,11 @@ async fn welcome(agent: &Arc<Agent>, conn: SeqPacket) -> anyhow::Result<()> {
 /// would be taken for the next request's (the proxy reconnects and gets a new snapshot).
 async fn send_snapshot(
     hub: &ZdsHub,
-    conn: &SeqPacket,
+    session: &Session,
     snapshot: &[(super::records::PodRecord, Arc<crate::netns::Netns>)],
 ) -> Result<(), RequestError> {
     for (record, netns) in snapshot {
-        match hub.exchange(conn, &add_request(record), Some(netns.file().as_fd())).await {
+        match hub.add_on(session, record, netns).await {
             Ok(()) => {}
             Err(e @ RequestError::Refused(_)) => {
                 warn!(pod = %record.uid, error = %e, "the proxy did not take a pod of the snapshot");
@@ -232,5 +325,5 @@ async fn send_snapshot(
         }
     }
     let sent = WorkloadRequest { payload: Some(Payload::SnapshotSent(SnapshotSent {})) };
-    hub.exchange(conn, &sent, None).await
+    hub.exchange(&session.conn, &sent, &[]).await.map(drop)
 }

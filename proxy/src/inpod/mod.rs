@@ -15,19 +15,23 @@ use meshpath_podnet::netns::Netns;
 use tracing::{info, warn};
 
 use crate::{
-    proxy::{dns, inbound, inbound_plaintext, outbound, pod::Pod, Proxy},
+    proxy::{
+        dns, held_listeners::PodListeners, inbound, inbound_plaintext, outbound, pod::Pod, Proxy,
+    },
     state::workloads::Workload,
 };
 
 /// Starts serving a pod: `workload` is what the store (or the node agent) says about it,
-/// `netns` its network namespace. A pod already served under `uid` is replaced.
+/// `netns` its network namespace, `held` the listeners the agent held for it (served instead of
+/// new ones). A pod already served under `uid` is replaced.
 pub fn add(
     proxy: &Arc<Proxy>,
     uid: &str,
     netns: Netns,
     workload: Workload,
+    held: PodListeners,
 ) -> anyhow::Result<Arc<Pod>> {
-    let pod = Arc::new(Pod::new(proxy, uid, netns, workload)?);
+    let pod = Arc::new(Pod::new(proxy, uid, netns, workload, held)?);
     if let Some(old) = proxy.take_pod(uid) {
         old.stop();
     }
@@ -42,6 +46,13 @@ pub fn add(
         pod.stop();
         return Err(e.context(format!("opening the listeners of pod {uid}")));
     }
+    // The duplicates kept for the agent close with the listeners (SIGTERM's drain too), so
+    // that with no agent holding them the pod's listeners close as the proxy stops accepting.
+    let stopping = pod.clone();
+    tokio::spawn(async move {
+        stopping.listening.cancelled().await;
+        stopping.sockets.held.release();
+    });
     proxy.insert_pod(pod.clone());
     info!(pod = %pod.uid, identity = %pod.identity, netns = pod.netns.cookie(), "serving pod");
     Ok(pod)

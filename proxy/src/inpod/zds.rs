@@ -1,11 +1,14 @@
 //! The proxy side of ZDS: connect to the node agent (reconnecting with backoff), say hello,
 //! then serve its requests — add a pod (its netns arrives as a file descriptor), keep one,
 //! delete one, and after the snapshot drop the pods the agent no longer has — acking each.
-//! The proxy reports ready once the first snapshot is in.
+//! The proxy reports ready once the first snapshot is in. It offers the agent its pods'
+//! listeners to hold across its restarts (`meshpath_zds::listeners`): an agent that takes the
+//! offer sends them back with each pod, and gets a duplicate of each with the ack.
 
 use std::{
     collections::HashSet,
     fs::File,
+    os::fd::{AsFd, BorrowedFd, OwnedFd},
     path::{Path, PathBuf},
     sync::Arc,
     time::Duration,
@@ -13,6 +16,7 @@ use std::{
 
 use meshpath_podnet::netns::Netns;
 use meshpath_zds::{
+    listeners::MAX_PER_POD,
     proto::{
         workload_request::Payload, Version, WorkloadInfo, WorkloadRequest, WorkloadResponse,
         ZdsHello,
@@ -22,7 +26,7 @@ use meshpath_zds::{
 use tracing::{info, warn};
 
 use crate::{
-    proxy::Proxy,
+    proxy::{held_listeners::PodListeners, Proxy},
     state::workloads::{Protocol, Workload},
 };
 
@@ -56,7 +60,8 @@ pub fn spawn(proxy: Arc<Proxy>, path: PathBuf) {
 }
 
 async fn session(proxy: &Arc<Proxy>, conn: &SeqPacket) -> Result<(), ZdsError> {
-    conn.send_msg(&ZdsHello { version: Version::V1 as i32 }, None).await?;
+    let hello = ZdsHello { version: Version::V1 as i32, meshpath_held_listeners: true };
+    conn.send_msg(&hello, &[]).await?;
     let mut session = Session::default();
     loop {
         let (req, fds) = conn.recv_msg::<WorkloadRequest>().await?;
@@ -68,7 +73,7 @@ async fn session(proxy: &Arc<Proxy>, conn: &SeqPacket) -> Result<(), ZdsError> {
             }
             _ => HashSet::new(),
         };
-        let result = match session.step(req, fds.len(), &served) {
+        let result: Result<Vec<OwnedFd>, String> = match session.step(req, fds.len(), &served) {
             Err(e) => Err(e),
             // Adding a pod does blocking work (a certificate, entering its netns, netlink
             // reads there): off the runtime's worker threads.
@@ -82,18 +87,27 @@ async fn session(proxy: &Arc<Proxy>, conn: &SeqPacket) -> Result<(), ZdsError> {
         if let Err(e) = &result {
             warn!(error = %e, "ZDS request refused");
         }
-        conn.send_msg(&WorkloadResponse::ack(result), None).await?;
+        let given = result.as_ref().map(Vec::as_slice).unwrap_or_default();
+        let given: Vec<BorrowedFd<'_>> = given.iter().map(AsFd::as_fd).collect();
+        conn.send_msg(
+            &WorkloadResponse::ack(result.as_ref().map(drop).map_err(Clone::clone)),
+            &given,
+        )
+        .await?;
     }
 }
 
 /// What one request asks of the proxy.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Step {
-    /// Serve the pod whose netns is the request's one descriptor (or keep serving it, if it is
-    /// the netns already served).
+    /// Serve the pod whose netns is the request's first descriptor (or keep serving it, if it
+    /// is the netns already served), with the listeners held for it that follow it.
     Add {
         uid: String,
         info: Option<WorkloadInfo>,
+        /// The agent holds the pod's listeners: they came after the netns, and the ack carries
+        /// a duplicate of each.
+        hold_listeners: bool,
     },
     /// Nothing to do: the pod is served and stays.
     Keep,
@@ -121,17 +135,24 @@ impl Session {
     ) -> Result<Step, String> {
         match req.payload {
             Some(Payload::Add(add)) => {
-                if fds != 1 {
+                // The netns, and the listeners held for the pod only where the agent holds them.
+                let most = if add.hold_listeners { 1 + MAX_PER_POD } else { 1 };
+                if fds == 0 || fds > most {
                     return Err(format!(
-                        "AddWorkload {} came with {fds} descriptors, not 1",
-                        add.uid
+                        "AddWorkload {} came with {fds} descriptors, not 1{}",
+                        add.uid,
+                        if add.hold_listeners { " to 9" } else { "" }
                     ));
                 }
                 if add.uid.is_empty() {
                     return Err("AddWorkload without a uid".into());
                 }
                 self.named.insert(add.uid.clone());
-                Ok(Step::Add { uid: add.uid, info: add.workload_info })
+                Ok(Step::Add {
+                    uid: add.uid,
+                    info: add.workload_info,
+                    hold_listeners: add.hold_listeners,
+                })
             }
             Some(Payload::Keep(keep)) => {
                 if !served.contains(&keep.uid) {
@@ -160,26 +181,33 @@ impl Session {
     }
 }
 
-/// Carries out a step on the proxy (blocking work).
-fn apply(proxy: &Arc<Proxy>, step: Step, mut fds: Vec<std::os::fd::OwnedFd>) -> Result<(), String> {
+/// Carries out a step on the proxy (blocking work). Returns the descriptors for the ack: the
+/// pod's listeners, for an agent that holds them.
+fn apply(proxy: &Arc<Proxy>, step: Step, fds: Vec<OwnedFd>) -> Result<Vec<OwnedFd>, String> {
     match step {
-        Step::Add { uid, info } => {
-            let file = File::from(fds.pop().ok_or("AddWorkload without its netns")?);
+        Step::Add { uid, info, hold_listeners } => {
+            let mut fds = fds.into_iter();
+            let file = File::from(fds.next().ok_or("AddWorkload without its netns")?);
             let label = format!("zds:{uid}");
             let netns = Netns::from_file(file, Path::new(&label)).map_err(|e| e.to_string())?;
             if let Some(pod) = proxy.pod(&uid) {
                 if pod.netns.inode() == netns.inode() {
-                    // Re-sent in a snapshot: already served, connections untouched.
-                    return Ok(());
+                    // Re-sent in a snapshot (an agent that restarted): already served,
+                    // connections untouched; what the agent sent is the same sockets.
+                    let given = if hold_listeners { pod.sockets.held.for_agent() } else { vec![] };
+                    return Ok(given);
                 }
             }
+            let held = PodListeners::inherit(fds.collect(), netns.cookie(), &uid, hold_listeners);
             let workload = workload_for(proxy, &uid, info.as_ref())?;
-            super::add(proxy, &uid, netns, workload).map(drop).map_err(|e| format!("{e:#}"))
+            let pod =
+                super::add(proxy, &uid, netns, workload, held).map_err(|e| format!("{e:#}"))?;
+            Ok(pod.sockets.held.for_agent())
         }
-        Step::Keep => Ok(()),
+        Step::Keep => Ok(Vec::new()),
         Step::Remove(uid) => {
             super::remove(proxy, &uid);
-            Ok(())
+            Ok(Vec::new())
         }
         Step::Sweep(gone) => {
             for uid in &gone {
@@ -188,7 +216,7 @@ fn apply(proxy: &Arc<Proxy>, step: Step, mut fds: Vec<std::os::fd::OwnedFd>) -> 
             }
             proxy.set_ready(true);
             info!(removed = gone.len(), "snapshot from the node agent applied");
-            Ok(())
+            Ok(Vec::new())
         }
     }
 }
@@ -264,6 +292,25 @@ mod tests {
         }
         assert!(s.step(add(""), 1, &HashSet::new()).is_err());
         assert!(s.named().is_empty(), "a refused add was named");
+    }
+
+    #[test]
+    fn an_add_that_holds_listeners_takes_the_netns_and_at_most_eight_more() {
+        let mut s = Session::default();
+        let holding = || {
+            req(Payload::Add(AddWorkload {
+                uid: "p".into(),
+                hold_listeners: true,
+                ..Default::default()
+            }))
+        };
+        for fds in [1, 8, 1 + MAX_PER_POD] {
+            let step = s.step(holding(), fds, &HashSet::new()).expect("accepted");
+            assert!(matches!(step, Step::Add { hold_listeners: true, .. }), "{step:?}");
+        }
+        for fds in [0, 2 + MAX_PER_POD] {
+            assert!(s.step(holding(), fds, &HashSet::new()).is_err(), "{fds} accepted");
+        }
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! waypoints), inbound HBONE (15008) and plaintext (15006), DNS (15053), and what they share: the node proxy (`node`: the store, certificates, pool,
 //! telemetry, the pods served) and its tunables (`settings`, with `memory` for the default
 //! connection cap), a pod as the paths see it (`pod`, its sockets made inside its netns by
-//! `netns`), the HBONE protocol, the connection pool, the byte copy, accept loops with their
+//! `netns`, its listeners held across restarts by the node agent: `held_listeners`), the HBONE protocol, the connection pool, the byte copy, accept loops with their
 //! caps and draining, the per-source cap on unauthenticated inbound, the large reads under TLS,
 //! the allowed connections a policy change re-checks.
 
@@ -11,6 +11,7 @@ pub mod copy;
 pub mod dns;
 pub mod drain;
 pub mod hbone;
+pub mod held_listeners;
 pub mod inbound;
 pub mod inbound_plaintext;
 pub mod memory;

@@ -15,16 +15,23 @@
 //! datapath needs no mark (the proxy bypasses capture by cgroup); the mark is kept so that
 //! meshpath-proxy exercises the same kernel paths as ztunnel on a meshpath node.
 
-use std::{fs::File, io, net::SocketAddr, sync::OnceLock};
+use std::{fs::File, io, net::SocketAddr, os::fd::AsFd as _, sync::OnceLock};
 
+use datapath_common::consts::ports;
 use meshpath_podnet::netns::{run_in, Netns};
+use meshpath_zds::listeners::{ListenerId, Transport};
 use tokio::net::{TcpListener, TcpSocket, UdpSocket};
+
+use super::held_listeners::PodListeners;
 
 /// Creates sockets inside one pod's netns.
 #[derive(Debug)]
 pub struct SocketFactory {
     /// The pod's netns.
     pod: File,
+    /// Its listeners held by the node agent: taken over rather than bound anew, and given to
+    /// the agent to hold.
+    pub held: PodListeners,
 }
 
 /// The proxy's own netns, where every runtime thread lives: opened once, before any thread
@@ -57,10 +64,10 @@ fn socket_in(
 }
 
 impl SocketFactory {
-    /// A factory for the pod whose netns is `ns`.
-    pub fn new(ns: &Netns) -> io::Result<Self> {
+    /// A factory for the pod whose netns is `ns`, whose listeners the agent holds as `held`.
+    pub fn new(ns: &Netns, held: PodListeners) -> io::Result<Self> {
         home()?;
-        Ok(Self { pod: ns.file().try_clone()? })
+        Ok(Self { pod: ns.file().try_clone()?, held })
     }
 
     fn domain(addr: SocketAddr) -> socket2::Domain {
@@ -123,17 +130,26 @@ impl SocketFactory {
         self.run(addresses)
     }
 
-    /// A TCP listener on `addr` inside the pod.
+    /// A TCP listener on `addr` inside the pod: the one the agent held, if it handed it over
+    /// (with the connections that waited in its backlog), else a new one.
     pub fn listen(&self, addr: SocketAddr) -> io::Result<TcpListener> {
-        let s = self.raw(addr, socket2::Type::STREAM)?;
-        if addr.is_ipv6() {
-            s.set_only_v6(false)?;
-        }
-        s.set_reuse_address(true)?;
-        s.set_nonblocking(true)?;
-        s.bind(&addr.into())?;
-        s.listen(1024)?;
-        TcpListener::from_std(s.into())
+        let l: std::net::TcpListener =
+            match self.held.take(&ListenerId { transport: Transport::Tcp, addr }) {
+                Some(fd) => fd.into(),
+                None => {
+                    let s = self.raw(addr, socket2::Type::STREAM)?;
+                    if addr.is_ipv6() {
+                        s.set_only_v6(false)?;
+                    }
+                    s.set_reuse_address(true)?;
+                    s.bind(&addr.into())?;
+                    s.listen(1024)?;
+                    s.into()
+                }
+            };
+        l.set_nonblocking(true)?;
+        self.held.opened(l.as_fd())?;
+        TcpListener::from_std(l)
     }
 
     /// An unconnected TCP socket of `addr`'s family inside the pod.
@@ -144,10 +160,23 @@ impl SocketFactory {
         Ok(TcpSocket::from_std_stream(s.into()))
     }
 
-    /// A UDP socket inside the pod bound to `addr` (port 0: any).
+    /// A UDP socket inside the pod bound to `addr` (port 0: any). On a proxy port (DNS): the
+    /// one the agent held, if it handed it over (with the queries that waited in it).
     pub fn udp(&self, addr: SocketAddr) -> io::Result<UdpSocket> {
-        let s = self.raw(addr, socket2::Type::DGRAM)?;
-        Self::bind_udp(s, addr)
+        if !ports::is_proxy_port(addr.port()) {
+            let s = self.raw(addr, socket2::Type::DGRAM)?;
+            return Self::bind_udp(s, addr);
+        }
+        let sock = match self.held.take(&ListenerId { transport: Transport::Udp, addr }) {
+            Some(fd) => {
+                let u = std::net::UdpSocket::from(fd);
+                u.set_nonblocking(true)?;
+                UdpSocket::from_std(u)?
+            }
+            None => Self::bind_udp(self.raw(addr, socket2::Type::DGRAM)?, addr)?,
+        };
+        self.held.opened(sock.as_fd())?;
+        Ok(sock)
     }
 
     fn bind_udp(s: socket2::Socket, addr: SocketAddr) -> io::Result<UdpSocket> {

@@ -22,6 +22,7 @@ use crate::{
     metrics::Direction,
     proxy::{
         drain::{Permits, Scope},
+        held_listeners::PodListeners,
         netns::SocketFactory,
         per_source::{PerSource, SourceSlot},
         Proxy,
@@ -213,17 +214,19 @@ fn fetch_tls(proxy: &Proxy, id: &Identity) -> anyhow::Result<PodTls> {
 
 impl Pod {
     /// A pod to serve: `workload` is what the store (or the node agent) says about it, `netns`
-    /// its network namespace. Fetches its certificate and checks whether its reply routing is
-    /// in place; it opens no listener (`crate::inpod::add` does).
+    /// its network namespace, `held` its listeners the node agent handed over. Fetches its
+    /// certificate and checks whether its reply routing is in place; it opens no listener
+    /// (`crate::inpod::add` does).
     pub fn new(
         proxy: &Arc<Proxy>,
         uid: &str,
         netns: Netns,
         mut workload: Workload,
+        held: PodListeners,
     ) -> anyhow::Result<Self> {
         let identity = workload.identity();
         let tls = fetch_tls(proxy, &identity)?;
-        let sockets = SocketFactory::new(&netns)
+        let sockets = SocketFactory::new(&netns, held)
             .with_context(|| format!("a socket factory for the netns of pod {uid}"))?;
         if workload.workload_ips.is_empty() {
             // Not in the store (a pod the agent just added): its addresses are in its netns.
@@ -262,6 +265,7 @@ impl Pod {
     /// Closes its listeners and ends its connections.
     pub fn stop(&self) {
         self.listening.cancel();
+        self.sockets.held.release();
         self.gone.cancel();
         self.proxy.pool.forget_workload(&self.uid);
     }

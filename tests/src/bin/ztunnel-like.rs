@@ -90,7 +90,7 @@ fn say(line: &str) {
 /// The ZDS session: pods added and removed as the agent says.
 async fn zds(path: PathBuf, node: Arc<Node>) -> Result<()> {
     let conn = SeqPacket::connect(&path).with_context(|| format!("connecting to {path:?}"))?;
-    conn.send_msg(&ZdsHello { version: Version::V1 as i32 }, None).await?;
+    conn.send_msg(&ZdsHello { version: Version::V1 as i32, ..Default::default() }, &[]).await?;
     // Dropping a pod's sender stops its thread (its listeners close).
     let mut pods: HashMap<String, oneshot::Sender<()>> = HashMap::new();
     let mut ready = false;
@@ -131,7 +131,7 @@ async fn zds(path: PathBuf, node: Arc<Node>) -> Result<()> {
             }
             None => Err(anyhow::anyhow!("empty request")),
         };
-        conn.send_msg(&WorkloadResponse::ack(result.map_err(|e| format!("{e:#}"))), None).await?;
+        conn.send_msg(&WorkloadResponse::ack(result.map_err(|e| format!("{e:#}"))), &[]).await?;
     }
 }
 

@@ -353,6 +353,36 @@ impl CniNode {
         )
     }
 
+    /// Starts (or restarts) meshpath-proxy following `istiod` (the stand-in, listening in this
+    /// node's netns) for workloads, policies and certificates, as the DaemonSet runs it; waits
+    /// until the agent's snapshot is applied (readiness also needs istiod's first push).
+    pub fn start_proxy_xds(&mut self, istiod: &crate::istiod::Istiod) -> Result<()> {
+        self.proxy = None;
+        let token = istiod.token_file("cni-node-token", "node-token")?;
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net={}", self.node.path().display()))
+            .arg(sibling_bin("meshpath-proxy"))
+            .arg("--zds-socket")
+            .arg(self.zds_socket())
+            .args(["--xds-address", &istiod.url(0), "--ca-address", &istiod.url(0)])
+            .arg("--xds-root-ca")
+            .arg(&istiod.root_pem)
+            .arg("--ca-root-ca")
+            .arg(&istiod.root_pem)
+            .args(["--alt-xds-hostname", "istiod.istio-system.svc"])
+            .args(["--alt-ca-hostname", "istiod.istio-system.svc"])
+            .arg("--auth-token")
+            .arg(token)
+            .args(["--cluster-id", "Kubernetes"])
+            .env("RUST_LOG", "info");
+        let p = TestProxy::spawn(cmd, &self.proxy_cgroup)?;
+        if !p.wait_for_text("snapshot from the node agent applied", Duration::from_secs(10)) {
+            bail!("the proxy did not get the agent's snapshot:\n{}", p.lines().join("\n"));
+        }
+        self.proxy = Some(p);
+        Ok(())
+    }
+
     /// `start_proxy` behind `wrapper` (a command that execs its arguments).
     fn start_proxy_in(&mut self, wrapper: &[&str], extra: &[&str]) -> Result<()> {
         self.proxy = None;

@@ -269,25 +269,7 @@ fn a_policy_push_closes_an_open_connection_it_denies() {
     let mut buf = [0u8; 4];
     live.write_all(b"ping").expect("write");
     live.read_exact(&mut buf).expect("allowed before the push");
-    let deny = sec::Authorization {
-        name: "deny-a".into(),
-        namespace: "default".into(),
-        scope: sec::Scope::Namespace as i32,
-        action: sec::Action::Deny as i32,
-        rules: vec![sec::Rule {
-            clauses: vec![sec::Clause {
-                matches: vec![sec::Match {
-                    principals: vec![sec::StringMatch {
-                        match_type: Some(sec::string_match::MatchType::Exact(
-                            "cluster.local/ns/default/sa/sa-a".into(),
-                        )),
-                    }],
-                    ..Default::default()
-                }],
-            }],
-        }],
-        ..Default::default()
-    };
+    let deny = deny_from("deny-a", "sa-a");
     nodes.istiod().set_policy(deny);
     let pushed = Instant::now();
     live.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
@@ -306,4 +288,74 @@ fn a_policy_push_closes_an_open_connection_it_denies() {
         .metric("meshpath_connection_errors_total", &[("reason", "policy_denied")])
         .expect("metric");
     assert!(denied >= 1.0, "the closure was not counted");
+}
+
+/// A DENY of everything from service account `sa` in namespace default.
+fn deny_from(name: &str, sa: &str) -> sec::Authorization {
+    sec::Authorization {
+        name: name.into(),
+        namespace: "default".into(),
+        scope: sec::Scope::Namespace as i32,
+        action: sec::Action::Deny as i32,
+        rules: vec![sec::Rule {
+            clauses: vec![sec::Clause {
+                matches: vec![sec::Match {
+                    principals: vec![sec::StringMatch {
+                        match_type: Some(sec::string_match::MatchType::Exact(format!(
+                            "cluster.local/ns/default/sa/{sa}"
+                        ))),
+                    }],
+                    ..Default::default()
+                }],
+            }],
+        }],
+        ..Default::default()
+    }
+}
+
+#[test]
+fn pods_handed_over_before_istiods_policies_arrive_are_served_only_under_them() {
+    use meshpath_tests::cni_node::CniNode;
+    let mut node = CniNode::bare(
+        "workloads:
+- {uid: uid-p0, name: p0, namespace: default, serviceAccount: sa0, protocol: HBONE}
+- {uid: uid-p1, name: p1, namespace: default, serviceAccount: sa1, protocol: HBONE}
+",
+    )
+    .expect("node");
+    node.start_agent().expect("agent");
+    let istiod = Istiod::start(&[node.node.path()]).expect("istiod stand-in");
+    // istiod's policies are late: the node's pods arrive over ZDS first.
+    istiod.withhold(AUTHORIZATION_TYPE, true);
+    node.start_proxy_xds(&istiod).expect("proxy");
+    let p1 = node.add_pod("p1").expect("ADD p1");
+    let p0 = node.add_pod("p0").expect("ADD p0");
+    for (uid, sa, ip) in [("uid-p0", "sa0", p0.ip), ("uid-p1", "sa1", p1.ip)] {
+        let std::net::IpAddr::V4(v4) = ip else { panic!("IPv4 pods") };
+        istiod.set_workload(wl::Workload {
+            addresses: vec![v4.octets().to_vec().into()],
+            ..workload(uid, sa)
+        });
+    }
+    istiod.set_policy(deny_from("deny-p0", "sa0"));
+    node.echo_server(&p1, PORT).expect("echo");
+    let dst = std::net::SocketAddr::new(p1.ip, PORT);
+    // p0's connection waits (no listener accepts before the first push), unanswered: the
+    // echo server answers whoever reaches it, and served now it would meet no policy.
+    let mut c = p0.connect(dst).expect("connect");
+    c.write_all(b"early").expect("send");
+    c.set_read_timeout(Some(Duration::from_secs(2))).expect("timeout");
+    let mut b = [0u8; 5];
+    let early = c.read(&mut b);
+    assert!(early.is_err(), "served before istiod's policies: {early:?}");
+    // The policies arrive: the connection that waited is judged by them, denied.
+    istiod.withhold(AUTHORIZATION_TYPE, false);
+    c.set_read_timeout(Some(Duration::from_secs(15))).expect("timeout");
+    let end = c.read(&mut b);
+    assert!(matches!(end, Ok(0) | Err(_)), "the DENY was bypassed: {end:?}");
+    assert!(!matches!(end, Err(ref e) if e.kind() == std::io::ErrorKind::WouldBlock), "{end:?}");
+    let denied = node
+        .proxy_metric("meshpath_connection_errors_total", &[("reason", "policy_denied")])
+        .expect("metric");
+    assert!(denied >= 1.0, "no denial counted");
 }

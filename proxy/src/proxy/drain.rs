@@ -10,6 +10,8 @@ use std::{
 
 use meshpath_loglimit::PerSecond;
 
+use crate::state::Synced;
+
 use tokio::{
     net::{TcpListener, TcpStream},
     sync::{OwnedSemaphorePermit, Semaphore},
@@ -30,6 +32,9 @@ pub struct Drain {
     global: Arc<Semaphore>,
     /// The log's budget for failed connections.
     failed_logged: Arc<Mutex<PerSecond>>,
+    /// In xDS mode, the control plane's first push: no listener accepts before it is applied
+    /// (connections wait in the backlog), so none is served without istiod's policies.
+    first_push: Arc<std::sync::OnceLock<Arc<Synced>>>,
 }
 
 impl Default for Drain {
@@ -69,7 +74,13 @@ impl Drain {
             failed_logged: Arc::new(Mutex::new(PerSecond::new(
                 FAILED_CONNECTIONS_LOGGED_PER_SECOND,
             ))),
+            first_push: Arc::default(),
         }
+    }
+
+    /// Accept nothing until `synced` says the control plane's first push is applied.
+    pub fn gate_on(&self, synced: Arc<Synced>) {
+        let _ = self.first_push.set(synced);
     }
 
     /// A slot under the node-wide cap and one under `pod` (a pod's cap), or `None` when either
@@ -118,6 +129,15 @@ impl Drain {
         let drain = self.clone();
         let Scope { stop, kill, limit, metrics, direction } = scope;
         self.spawn(async move {
+            if let Some(first_push) = drain.first_push.get().cloned() {
+                if !first_push.all() {
+                    tracing::debug!("{what}: waiting for the control plane's first push");
+                }
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = first_push.wait() => {}
+                }
+            }
             loop {
                 tokio::select! {
                     () = stop.cancelled() => return,

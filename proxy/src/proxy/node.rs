@@ -68,8 +68,9 @@ impl Proxy {
         }))
     }
 
-    /// Makes readiness wait for istiod's first responses.
+    /// Makes readiness, and every listener's first accept, wait for istiod's first responses.
     pub fn expect_xds(&self, synced: Arc<Synced>) {
+        self.drain.gate_on(synced.clone());
         let _ = self.xds.set(synced);
     }
 

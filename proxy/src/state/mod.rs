@@ -21,11 +21,25 @@ pub fn canonical(ip: std::net::IpAddr) -> std::net::IpAddr {
 }
 
 /// Whether the control plane's first response of each type (addresses, authorization) has been
-/// applied: the proxy is not ready before (in xDS mode).
-#[derive(Debug, Default)]
+/// applied: the proxy is not ready before (in xDS mode), and accepts no connection before
+/// (`crate::proxy::drain`): a connection served then would meet no policy, so a DENY istiod
+/// has not sent yet would not apply.
+#[derive(Debug)]
 pub struct Synced {
     addresses: AtomicBool,
     authorization: AtomicBool,
+    /// Turns true, once, when both have been applied.
+    all: tokio::sync::watch::Sender<bool>,
+}
+
+impl Default for Synced {
+    fn default() -> Self {
+        Self {
+            addresses: AtomicBool::new(false),
+            authorization: AtomicBool::new(false),
+            all: tokio::sync::watch::Sender::new(false),
+        }
+    }
 }
 
 impl Synced {
@@ -35,9 +49,48 @@ impl Synced {
 
     pub fn set_addresses(&self) {
         self.addresses.store(true, Ordering::Relaxed);
+        self.announce();
     }
 
     pub fn set_authorization(&self) {
         self.authorization.store(true, Ordering::Relaxed);
+        self.announce();
+    }
+
+    fn announce(&self) {
+        if self.all() {
+            self.all.send_replace(true);
+        }
+    }
+
+    /// Resolves once both types have been applied.
+    pub async fn wait(&self) {
+        let mut rx = self.all.subscribe();
+        // The sender lives as long as `self`: wait_for fails only if it is dropped.
+        let _ = rx.wait_for(|all| *all).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn waiting_ends_only_once_both_types_are_applied() {
+        let s = std::sync::Arc::new(Synced::default());
+        let waiter = tokio::spawn({
+            let s = s.clone();
+            async move { s.wait().await }
+        });
+        s.set_authorization();
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(!waiter.is_finished(), "done with policies alone");
+        s.set_addresses();
+        tokio::time::timeout(std::time::Duration::from_secs(5), waiter)
+            .await
+            .expect("still waiting with both applied")
+            .expect("task");
+        // Already synced: no wait.
+        tokio::time::timeout(std::time::Duration::from_secs(1), s.wait()).await.expect("waited");
     }
 }

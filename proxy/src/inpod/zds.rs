@@ -241,6 +241,7 @@ fn workload_for(proxy: &Proxy, uid: &str, info: Option<&WorkloadInfo>) -> Result
         service_account: info.service_account.clone(),
         trust_domain: "cluster.local".into(),
         workload_ips: Vec::new(),
+        network_mode: Default::default(),
         protocol: Protocol::Hbone,
         status: Default::default(),
         services: Default::default(),

@@ -25,7 +25,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::state::{
     authorization::{Policy, Scope},
-    workloads::{parse_vip, HealthStatus, Protocol, Service, Waypoint, WaypointAt, Workload},
+    workloads::{
+        parse_vip, HealthStatus, NetworkMode, Protocol, Service, Waypoint, WaypointAt, Workload,
+    },
 };
 
 /// The file's shape (and what `/config_dump` shows): its entries in its order.
@@ -265,9 +267,17 @@ impl WorkloadStore {
         Ok(store)
     }
 
+    /// The addresses a workload is found by: none for a host-network one (they are its node's).
+    fn own_ips(w: &Workload) -> &[IpAddr] {
+        match w.network_mode {
+            NetworkMode::Standard => &w.workload_ips,
+            NetworkMode::HostNetwork => &[],
+        }
+    }
+
     fn index_workload(&mut self, name: String, w: &Arc<Workload>, last_wins: bool) {
         let first_wins = !last_wins;
-        for ip in &w.workload_ips {
+        for ip in Self::own_ips(w) {
             claim(&mut self.workload_by_ip, *ip, w.clone(), first_wins);
         }
         // Kept under its uid (istiod names a workload by it), the map of workloads is its uid
@@ -283,7 +293,7 @@ impl WorkloadStore {
     }
 
     fn unindex_workload(&mut self, name: &str, w: &Arc<Workload>) {
-        for ip in &w.workload_ips {
+        for ip in Self::own_ips(w) {
             release(&mut self.workload_by_ip, ip, w);
         }
         release(&mut self.workload_by_uid, &w.uid, w);
@@ -621,6 +631,25 @@ mod tests {
         assert_eq!(endpoint_uids(&s, &svc), ["b"]);
         assert_eq!(s.counts(), (1, 1, 0));
         assert!(s.remove_workload("pod-a").is_none(), "removed twice");
+    }
+
+    #[test]
+    fn host_network_workloads_are_never_found_by_the_nodes_address() {
+        let mut s = WorkloadStore::default();
+        let host = |uid: &str| {
+            let mut w = (*workload(uid, &["10.1.0.1"], None)).clone();
+            w.network_mode = NetworkMode::HostNetwork;
+            Arc::new(w)
+        };
+        s.put_workload("kube-proxy", host("kube-proxy"));
+        s.put_workload("node-exporter", host("node-exporter"));
+        assert_eq!(uid_at(&s, "10.1.0.1"), None, "the node's address named a host-network pod");
+        assert!(s.by_uid("kube-proxy").is_some());
+        // A pod that has the address as its own is found by it, before and after they go.
+        s.put_workload("pod", workload("pod", &["10.1.0.1"], None));
+        assert_eq!(uid_at(&s, "10.1.0.1").as_deref(), Some("pod"));
+        s.remove_workload("kube-proxy");
+        assert_eq!(uid_at(&s, "10.1.0.1").as_deref(), Some("pod"));
     }
 
     #[test]

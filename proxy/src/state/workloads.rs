@@ -33,6 +33,21 @@ pub enum Protocol {
     Tcp,
 }
 
+/// Whose network a workload uses: its own, or its node's (`hostNetwork` pods, which share the
+/// node's addresses). Named as ztunnel names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
+pub enum NetworkMode {
+    #[default]
+    Standard,
+    HostNetwork,
+}
+
+impl NetworkMode {
+    fn is_standard(&self) -> bool {
+        *self == Self::Standard
+    }
+}
+
 /// Whether a workload may be picked as a service endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 pub enum HealthStatus {
@@ -56,6 +71,10 @@ pub struct Workload {
     pub trust_domain: String,
     #[serde(default)]
     pub workload_ips: Vec<IpAddr>,
+    /// A host-network workload's addresses are its node's: it is never found by them (every
+    /// host-network pod of the node, and the node itself, has them), as in ztunnel.
+    #[serde(default, skip_serializing_if = "NetworkMode::is_standard")]
+    pub network_mode: NetworkMode,
     #[serde(default)]
     pub protocol: Protocol,
     #[serde(default)]

@@ -17,7 +17,7 @@ use meshpath_xds::{security as pb_sec, workload as pb};
 
 use crate::state::{
     authorization::{Action, Cidr, Match, Policy, Scope, ServiceAccountMatch, StringMatch},
-    workloads::{HealthStatus, Protocol, Service, Waypoint, WaypointAt, Workload},
+    workloads::{HealthStatus, NetworkMode, Protocol, Service, Waypoint, WaypointAt, Workload},
 };
 
 /// Why a resource was refused (what the NACK says after its name).
@@ -112,7 +112,10 @@ pub fn workload(w: &pb::Workload) -> Result<Workload, Refusal> {
         pb::WorkloadStatus::Healthy => HealthStatus::Healthy,
         pb::WorkloadStatus::Unhealthy => HealthStatus::Unhealthy,
     };
-    known(pb::NetworkMode::try_from(w.network_mode), "network mode")?;
+    let network_mode = match known(pb::NetworkMode::try_from(w.network_mode), "network mode")? {
+        pb::NetworkMode::Standard => NetworkMode::Standard,
+        pb::NetworkMode::HostNetwork => NetworkMode::HostNetwork,
+    };
     if let Some(t) = &w.application_tunnel {
         known(pb::application_tunnel::Protocol::try_from(t.protocol), "application tunnel")?;
     }
@@ -145,6 +148,7 @@ pub fn workload(w: &pb::Workload) -> Result<Workload, Refusal> {
             w.trust_domain.clone()
         },
         workload_ips,
+        network_mode,
         protocol,
         status,
         services,

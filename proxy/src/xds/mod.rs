@@ -486,13 +486,40 @@ mod tests {
     #[test]
     fn a_resource_of_the_other_type_in_a_response_is_refused() {
         let mut held = Held::default();
+        // A valid policy under its right name, labelled as an address: only the type check
+        // refuses it (its bytes decode, and would apply, as the response's type).
+        let valid = policy("p", "ns", security::Scope::Namespace).encode_to_vec();
         let applied = held.apply(&response(
             AUTHORIZATION_TYPE,
-            vec![resource("ns/p", ADDRESS_TYPE, address(pod("ns/p", "x")))],
+            vec![resource("ns/p", ADDRESS_TYPE, valid.clone())],
             &[],
         ));
         assert_eq!(applied.refused, 1, "{}", nack(&applied));
         assert_eq!(held.counts(), (0, 0, 0));
+        // The control: labelled right, the same bytes apply.
+        let applied = held.apply(&response(
+            AUTHORIZATION_TYPE,
+            vec![resource("ns/p", AUTHORIZATION_TYPE, valid)],
+            &[],
+        ));
+        assert_eq!(applied.refused, 0, "{}", nack(&applied));
+        assert_eq!(held.counts(), (0, 0, 1));
+    }
+
+    #[test]
+    fn a_host_network_workload_is_kept_and_never_found_by_its_nodes_address() {
+        let mut held = Held::default();
+        let mut host = pod("kube-proxy", "kube-proxy");
+        host.network_mode = workload::NetworkMode::HostNetwork as i32;
+        let applied = held.apply(&response(
+            ADDRESS_TYPE,
+            vec![resource("kube-proxy", ADDRESS_TYPE, address(host))],
+            &[],
+        ));
+        assert_eq!(applied.refused, 0, "{}", nack(&applied));
+        let store = held.store();
+        assert!(store.by_uid("kube-proxy").is_some());
+        assert!(store.by_ip("10.0.0.1".parse().expect("ip")).is_none(), "found by the node's IP");
     }
 
     #[test]

@@ -77,6 +77,8 @@ struct Shared {
     wrong_san: Option<String>,
     /// Validity given to certificates (none: what was asked).
     ttl: Option<Duration>,
+    /// A CSR for this identity is never answered (a CA that hangs).
+    stalled: Option<String>,
     version: u64,
 }
 
@@ -331,6 +333,11 @@ impl Istiod {
     /// Signs every certificate for `identity` instead of the one asked for.
     pub fn sign_wrong_san(&self, identity: Option<&str>) {
         self.shared.lock().expect("state").wrong_san = identity.map(str::to_owned);
+    }
+
+    /// Never answers a CSR for `identity` (a SPIFFE id), as a CA that hangs.
+    pub fn stall_identity(&self, identity: Option<&str>) {
+        self.shared.lock().expect("state").stalled = identity.map(str::to_owned);
     }
 
     /// Gives every certificate this validity.
@@ -620,15 +627,18 @@ impl IstioCertificateService for Service {
                 _ => None,
             })
             .collect();
-        let (wrong, ttl) = {
+        let (wrong, ttl, stalled) = {
             let mut s = self.shared.lock().map_err(|_| Status::internal("state"))?;
             s.csrs.push(CsrSeen {
                 impersonated: impersonated.clone(),
                 validity_seconds: req.validity_duration,
                 sans: sans.clone(),
             });
-            (s.wrong_san.clone(), s.ttl)
+            (s.wrong_san.clone(), s.ttl, s.stalled.clone())
         };
+        if stalled.is_some() && stalled == impersonated {
+            std::future::pending::<()>().await;
+        }
         let identity = wrong
             .or(impersonated)
             .or_else(|| sans.first().cloned())

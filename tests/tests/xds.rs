@@ -313,10 +313,10 @@ fn deny_from(name: &str, sa: &str) -> sec::Authorization {
     }
 }
 
-#[test]
-fn pods_handed_over_before_istiods_policies_arrive_are_served_only_under_them() {
-    use meshpath_tests::cni_node::CniNode;
-    let mut node = CniNode::bare(
+/// A node run through the CNI chain whose agent knows pods p0 (sa0) and p1 (sa1), its agent
+/// started; the proxy is the test's to start.
+fn cni_node() -> meshpath_tests::cni_node::CniNode {
+    let mut node = meshpath_tests::cni_node::CniNode::bare(
         "workloads:
 - {uid: uid-p0, name: p0, namespace: default, serviceAccount: sa0, protocol: HBONE}
 - {uid: uid-p1, name: p1, namespace: default, serviceAccount: sa1, protocol: HBONE}
@@ -324,6 +324,34 @@ fn pods_handed_over_before_istiods_policies_arrive_are_served_only_under_them() 
     )
     .expect("node");
     node.start_agent().expect("agent");
+    node
+}
+
+#[test]
+fn a_csr_istiod_never_answers_holds_up_no_other_pod_and_not_the_zds_session() {
+    let mut node = cni_node();
+    let istiod = Istiod::start(&[node.node.path()]).expect("istiod stand-in");
+    istiod.stall_identity(Some("spiffe://cluster.local/ns/default/sa/sa1"));
+    node.start_proxy_xds(&istiod).expect("proxy");
+    // p1's certificate never comes: its ADD fails once the request's deadline has passed,
+    // within the agent's ack timeout, so the ZDS session goes on.
+    let started = Instant::now();
+    let p1 = node.add_pod("p1");
+    assert!(p1.is_err(), "p1 added without a certificate");
+    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+    // p0's is asked for on its own, answered, and p0 served, while p1's requests keep hanging
+    // (the renewal task asks again).
+    let p0 = node.add_pod("p0").expect("ADD p0 while p1's CSR hangs");
+    let served = node.proxy_pods().expect("pods");
+    assert_eq!(served, ["uid-p0"], "p0 not served");
+    let agent = node.agent.as_ref().expect("agent").lines().join("\n");
+    assert!(!agent.contains("ZDS connection broken"), "{agent}");
+    drop(p0);
+}
+
+#[test]
+fn pods_handed_over_before_istiods_policies_arrive_are_served_only_under_them() {
+    let mut node = cni_node();
     let istiod = Istiod::start(&[node.node.path()]).expect("istiod stand-in");
     // istiod's policies are late: the node's pods arrive over ZDS first.
     istiod.withhold(AUTHORIZATION_TYPE, true);

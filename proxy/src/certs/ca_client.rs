@@ -10,7 +10,10 @@
 //!   last entry is the trust bundle;
 //! - one certificate per identity, shared by the pods that have it, renewed at half its life
 //!   (with jitter), retried with a backoff when the CA fails (a certificate still valid is kept
-//!   meanwhile); fetched ahead for this node's HBONE workloads the xDS stream lists.
+//!   meanwhile); fetched ahead for this node's HBONE workloads the xDS stream lists;
+//! - failing safe: every request has a deadline ([`CA_DEADLINE`]); one request per identity at
+//!   a time, and identities apart (a CSR istiod never answers holds up no other identity's);
+//!   one connection to istiod, reused by every request, made again only after one failed.
 
 use std::{
     collections::HashMap,
@@ -32,6 +35,11 @@ use crate::{
     istiod::{Channel, ChannelConfig},
     metrics::{ErrorLabels, Metrics},
 };
+
+/// How long one certificate request (connecting included) may take: below the node agent's
+/// ZDS ack timeout (10 s by default), since adding a pod whose certificate is not held waits for
+/// it.
+pub const CA_DEADLINE: Duration = Duration::from_secs(5);
 
 /// Why a certificate could not be had.
 #[derive(Debug, thiserror::Error)]
@@ -80,9 +88,31 @@ pub struct CaClient {
     held: Mutex<HashMap<Identity, Held>>,
     /// The trust bundle of the last answer (PEM certificates), with a counter of changes.
     roots: Mutex<(Vec<CertificateDer<'static>>, u64)>,
-    /// One request per identity at a time.
-    inflight: tokio::sync::Mutex<()>,
+    /// One request per identity at a time: a lock per identity with a request under way or
+    /// waiting (an entry goes with its last user).
+    inflight: Mutex<HashMap<Identity, Arc<tokio::sync::Mutex<()>>>>,
+    /// The connection to istiod every request shares, once made; dropped after a failed call.
+    channel: tokio::sync::Mutex<Option<Channel>>,
     metrics: Arc<Metrics>,
+}
+
+/// An identity's turn to ask the CA: held while its request runs; its entry in `inflight` goes
+/// with the last turn.
+struct Turn<'a> {
+    client: &'a CaClient,
+    id: Identity,
+    lock: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut m) = self.client.inflight.lock() {
+            // Ours and the map's: nobody else waits for this identity.
+            if Arc::strong_count(&self.lock) <= 2 {
+                m.remove(&self.id);
+            }
+        }
+    }
 }
 
 /// Renewal at half life, ±10 % of that half.
@@ -116,7 +146,8 @@ impl CaClient {
             cfg,
             held: Mutex::new(HashMap::new()),
             roots: Mutex::new((Vec::new(), 0)),
-            inflight: tokio::sync::Mutex::new(()),
+            inflight: Mutex::new(HashMap::new()),
+            channel: tokio::sync::Mutex::new(None),
             metrics,
         }
     }
@@ -138,12 +169,23 @@ impl CaClient {
         if let Some(c) = self.fresh(id) {
             return Ok(c);
         }
-        let _one = self.inflight.lock().await;
+        let turn = self.turn(id);
+        let _one = turn.lock.lock().await;
         // Another caller may have fetched it while this one waited.
         if let Some(c) = self.fresh(id) {
             return Ok(c);
         }
         self.renew(id).await
+    }
+
+    /// `id`'s lock (other identities have their own).
+    fn turn(&self, id: &Identity) -> Turn<'_> {
+        let lock = self
+            .inflight
+            .lock()
+            .map(|mut m| m.entry(id.clone()).or_default().clone())
+            .unwrap_or_default();
+        Turn { client: self, id: id.clone(), lock }
     }
 
     fn fresh(&self, id: &Identity) -> Option<WorkloadCert> {
@@ -152,9 +194,15 @@ impl CaClient {
         (Instant::now() < h.renew_at).then(|| h.cert())
     }
 
-    /// Asks the CA for a certificate for `id` and holds it.
+    /// Asks the CA for a certificate for `id` and holds it; gives up after [`CA_DEADLINE`].
     pub async fn renew(&self, id: &Identity) -> Result<WorkloadCert, CaError> {
-        let result = self.request(id).await;
+        let result = match tokio::time::timeout(CA_DEADLINE, self.request(id)).await {
+            Ok(r) => r,
+            Err(_) => Err(CaError::Call {
+                address: self.cfg.channel.address.clone(),
+                message: format!("no answer within {CA_DEADLINE:?}"),
+            }),
+        };
         let label = ErrorLabels {
             direction: "-".into(),
             reason: if result.is_ok() { "ok" } else { "error" }.into(),
@@ -200,21 +248,28 @@ impl CaClient {
         };
         let call =
             |message: String| CaError::Call { address: self.cfg.channel.address.clone(), message };
-        let channel =
-            Channel::connect(&self.cfg.channel).await.map_err(|e| call(format!("{e:#}")))?;
+        let channel = self.channel().await.map_err(|e| call(format!("{e:#}")))?;
         let mut client = IstioCertificateServiceClient::with_interceptor(
             channel.inner.clone(),
             channel.interceptor(),
         );
-        let resp = client
+        let resp = match client
             .create_certificate(IstioCertificateRequest {
                 csr,
                 validity_duration: i64::try_from(self.cfg.ttl.as_secs()).unwrap_or(86_400),
                 metadata: Some(metadata),
             })
             .await
-            .map_err(|s| call(format!("{}: {}", s.code(), s.message())))?
-            .into_inner();
+        {
+            Ok(r) => r.into_inner(),
+            Err(s) => {
+                if s.code() == tonic::Code::Unavailable || s.code() == tonic::Code::Unknown {
+                    // The connection may be what failed: the next request makes a new one.
+                    *self.channel.lock().await = None;
+                }
+                return Err(call(format!("{}: {}", s.code(), s.message())));
+            }
+        };
         let bad = |why: String| CaError::Answer { id: id.clone(), why };
         let chain = resp.cert_chain;
         if chain.len() < 2 {
@@ -256,6 +311,17 @@ impl CaClient {
         ))
     }
 
+    /// The shared connection to istiod, made now if there is none.
+    async fn channel(&self) -> anyhow::Result<Channel> {
+        let mut held = self.channel.lock().await;
+        if let Some(c) = held.as_ref() {
+            return Ok(c.clone());
+        }
+        let c = Channel::connect(&self.cfg.channel).await?;
+        *held = Some(c.clone());
+        Ok(c)
+    }
+
     /// Keeps the certificates of `wanted()` identities fresh: renews each at its time, retries a
     /// failure with a backoff (1 s doubling to 150 s), forgets identities no longer wanted.
     pub fn spawn_renewal(self: &Arc<Self>, wanted: impl Fn() -> Vec<Identity> + Send + 'static) {
@@ -279,7 +345,8 @@ impl CaClient {
                     if !due || waiting {
                         continue;
                     }
-                    let _one = me.inflight.lock().await;
+                    let turn = me.turn(&id);
+                    let _one = turn.lock.lock().await;
                     match me.renew(&id).await {
                         Ok(_) => {
                             retry.remove(&id);

@@ -61,6 +61,10 @@ struct Cli {
     /// The cluster's id, sent to istiod (`clusterid`).
     #[arg(long, env = "CLUSTER_ID", default_value = "Kubernetes")]
     cluster_id: String,
+    /// The mesh's trust domain: the SPIFFE identity of a pod handed over by the node agent
+    /// before istiod has described it (istiod's workloads carry their own).
+    #[arg(long, env = "TRUST_DOMAIN", default_value = "cluster.local")]
+    trust_domain: String,
     /// Validity asked of the CA (ztunnel's SECRET_TTL: `24h`, `90m`, `3600s` or seconds).
     #[arg(long, env = "SECRET_TTL", default_value = "24h", value_parser = parse_duration)]
     secret_ttl: Duration,
@@ -326,6 +330,7 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
         );
     }
     let settings = Settings {
+        trust_domain: cli.trust_domain.clone(),
         dns_upstreams,
         pool_max_streams: cli.pool_max_streams,
         pool_spread: cli.pool_spread,

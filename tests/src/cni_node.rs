@@ -356,7 +356,12 @@ impl CniNode {
     /// Starts (or restarts) meshpath-proxy following `istiod` (the stand-in, listening in this
     /// node's netns) for workloads, policies and certificates, as the DaemonSet runs it; waits
     /// until the agent's snapshot is applied (readiness also needs istiod's first push).
-    pub fn start_proxy_xds(&mut self, istiod: &crate::istiod::Istiod) -> Result<()> {
+    /// `extra`: more arguments.
+    pub fn start_proxy_xds(
+        &mut self,
+        istiod: &crate::istiod::Istiod,
+        extra: &[&str],
+    ) -> Result<()> {
         self.proxy = None;
         let token = istiod.token_file("cni-node-token", "node-token")?;
         let mut cmd = Command::new("nsenter");
@@ -374,6 +379,7 @@ impl CniNode {
             .arg("--auth-token")
             .arg(token)
             .args(["--cluster-id", "Kubernetes"])
+            .args(extra)
             .env("RUST_LOG", "info");
         let p = TestProxy::spawn(cmd, &self.proxy_cgroup)?;
         if !p.wait_for_text("snapshot from the node agent applied", Duration::from_secs(10)) {

@@ -332,7 +332,7 @@ fn a_csr_istiod_never_answers_holds_up_no_other_pod_and_not_the_zds_session() {
     let mut node = cni_node();
     let istiod = Istiod::start(&[node.node.path()]).expect("istiod stand-in");
     istiod.stall_identity(Some("spiffe://cluster.local/ns/default/sa/sa1"));
-    node.start_proxy_xds(&istiod).expect("proxy");
+    node.start_proxy_xds(&istiod, &[]).expect("proxy");
     // p1's certificate never comes: its ADD fails once the request's deadline has passed,
     // within the agent's ack timeout, so the ZDS session goes on.
     let started = Instant::now();
@@ -355,7 +355,7 @@ fn pods_handed_over_before_istiods_policies_arrive_are_served_only_under_them() 
     let istiod = Istiod::start(&[node.node.path()]).expect("istiod stand-in");
     // istiod's policies are late: the node's pods arrive over ZDS first.
     istiod.withhold(AUTHORIZATION_TYPE, true);
-    node.start_proxy_xds(&istiod).expect("proxy");
+    node.start_proxy_xds(&istiod, &[]).expect("proxy");
     let p1 = node.add_pod("p1").expect("ADD p1");
     let p0 = node.add_pod("p0").expect("ADD p0");
     for (uid, sa, ip) in [("uid-p0", "sa0", p0.ip), ("uid-p1", "sa1", p1.ip)] {
@@ -386,4 +386,20 @@ fn pods_handed_over_before_istiods_policies_arrive_are_served_only_under_them() 
         .proxy_metric("meshpath_connection_errors_total", &[("reason", "policy_denied")])
         .expect("metric");
     assert!(denied >= 1.0, "no denial counted");
+}
+
+#[test]
+fn a_pod_istiod_has_not_described_yet_gets_the_configured_trust_domain() {
+    let mut node = cni_node();
+    let istiod = Istiod::start(&[node.node.path()]).expect("istiod stand-in");
+    node.start_proxy_xds(&istiod, &["--trust-domain", "example.org"]).expect("proxy");
+    // istiod lists no workload: p0's identity comes from ZDS and the mesh's trust domain.
+    node.add_pod("p0").expect("ADD p0");
+    let want = "spiffe://example.org/ns/default/sa/sa0".to_owned();
+    let csrs = istiod.csrs();
+    assert!(
+        csrs.iter().any(|c| c.impersonated.as_ref() == Some(&want) && c.sans == [want.clone()]),
+        "no CSR for {want}: {csrs:?}"
+    );
+    assert!(csrs.iter().all(|c| !c.sans.iter().any(|s| s.contains("cluster.local"))), "{csrs:?}");
 }

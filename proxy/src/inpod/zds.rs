@@ -239,7 +239,7 @@ fn workload_for(proxy: &Proxy, uid: &str, info: Option<&WorkloadInfo>) -> Result
         name: info.name.clone(),
         namespace: info.namespace.clone(),
         service_account: info.service_account.clone(),
-        trust_domain: "cluster.local".into(),
+        trust_domain: proxy.settings.trust_domain.clone(),
         workload_ips: Vec::new(),
         network_mode: Default::default(),
         protocol: Protocol::Hbone,

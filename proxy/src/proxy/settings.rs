@@ -53,6 +53,9 @@ pub struct Settings {
     /// and closed, giving back its slot under the caps (`None`: never). Longer than a client's
     /// pool idle time (ours and ztunnel's: 5 minutes), so that normally the client closes first.
     pub hbone_idle: Option<Duration>,
+    /// The mesh's trust domain (`TRUST_DOMAIN`), for a pod handed over ZDS that the store does
+    /// not know yet (the store's workloads carry their own, from istiod).
+    pub trust_domain: String,
 }
 
 impl Default for Settings {
@@ -71,6 +74,7 @@ impl Default for Settings {
             max_handshakes_per_source: MAX_HANDSHAKES_PER_SOURCE,
             idle_timeout: Some(Duration::from_secs(3600)),
             hbone_idle: Some(Duration::from_secs(HBONE_IDLE_SECONDS)),
+            trust_domain: "cluster.local".into(),
         }
     }
 }

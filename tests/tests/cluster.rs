@@ -136,6 +136,20 @@ fn a_meshed_pod_reaches_an_unmeshed_one_in_plain_tcp_without_mutual_tls() {
     let plain = TestNamespace::new("plain", false).expect("namespace");
     deploy_app(&plain.name, "legacy", 8080).expect("deployment");
     let legacy = ready_pod(&plain.name, "legacy").expect("legacy");
+    // Carried by the proxy, as plain TCP: counted by the source's reporter, not mutual TLS
+    // (with capture off the client would reach the pod directly and nothing be counted).
+    let passthrough = || {
+        metric_sum(
+            &proxy_metrics().expect("metrics"),
+            "istio_tcp_connections_opened_total",
+            &[
+                ("reporter", "source"),
+                ("source_workload_namespace", &pair.ns.name),
+                ("connection_security_policy", "unknown"),
+            ],
+        )
+    };
+    let passed_before = passthrough();
     let before = metric_sum(
         &proxy_metrics().expect("metrics"),
         "istio_tcp_connections_opened_total",
@@ -154,6 +168,7 @@ fn a_meshed_pod_reaches_an_unmeshed_one_in_plain_tcp_without_mutual_tls() {
         &[("connection_security_policy", "mutual_tls")],
     );
     assert_eq!(before, after, "a connection to an unmeshed pod was counted as mutual TLS");
+    assert!(passthrough() > passed_before, "the proxy did not carry the connection");
     assert!(legacy.annotations.get("ambient.istio.io/redirection").is_none());
 }
 
@@ -266,28 +281,194 @@ fn proxy_away(away: bool) {
 }
 
 #[test]
-fn while_the_proxy_is_down_meshed_traffic_is_refused_and_once_it_is_back_it_flows() {
+fn while_the_proxy_is_away_meshed_traffic_waits_unseen_and_once_it_is_back_it_flows() {
     set_up();
     let pair = meshed_pair();
     proxy_away(true);
     let gone = wait_for("the proxy pod gone", Duration::from_secs(90), || {
         Ok(daemonset_pod(PROXY_DS).is_err().then_some(()))
     });
-    let before = sink_count(pair.server.ip).expect("sink count");
-    let refused = send(&pair, "1000");
-    let after = sink_count(pair.server.ip).expect("sink count");
-    proxy_away(false);
     gone.expect("the proxy left the node");
-    assert!(refused.is_err(), "a meshed connection went through with no proxy: {refused:?}");
-    assert_eq!(before, after, "the server's sink accepted a connection while the proxy was down");
+    // A transfer started with no proxy on the node: the agent holds the pods' listeners, so it
+    // waits in their backlog (refused only past --hold-listeners-seconds), and the server's
+    // sink, which accepts whoever reaches it, sees nothing meanwhile.
+    let before = sink_count(pair.server.ip).expect("sink count");
+    let target = format!("{}:9000", pair.server.ip);
+    let mut waiting =
+        exec_spawn(&pair.ns.name, &pair.client.name, &["send", &target, "--bytes", "1000"])
+            .expect("a transfer with no proxy");
+    std::thread::sleep(Duration::from_secs(5));
+    let after = sink_count(pair.server.ip).expect("sink count");
+    let early = waiting.try_wait().expect("the transfer's state");
+    proxy_away(false);
+    assert_eq!(before, after, "the server's sink accepted a connection while the proxy was away");
+    assert!(early.is_none(), "the transfer ended with no proxy on the node: {early:?}");
+    // The proxy back: it takes the held listeners and serves what waited.
+    let out = waiting.wait_with_output().expect("the waiting transfer's end");
+    let text =
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("bytes=1000"), "not served: {text}");
     wait_for("the proxy back", Duration::from_secs(120), || {
         Ok(daemonset_ready(PROXY_DS)?.then_some(()))
     })
     .expect("proxy back");
-    let ok = wait_for("traffic through the new proxy", Duration::from_secs(60), || {
-        Ok(send(&pair, "1000").ok())
+    assert!(send(&pair, "1000").is_ok_and(|o| o.contains("bytes=1000")), "traffic did not resume");
+}
+
+/// Seconds the connect loop runs: long enough for the three proxy restarts below (each about
+/// 10-20 s here), which must all be done before it ends.
+const LOOP_SECONDS: u64 = 100;
+
+/// Copies of the proxy pods' container logs (the kubelet's files under /var/log/pods, read on
+/// this node every 200 ms, kept after a pod is gone) until `stop`, for a failure's message.
+fn proxy_logs(stop: &std::sync::atomic::AtomicBool) -> std::collections::BTreeMap<String, String> {
+    let mut seen = std::collections::BTreeMap::new();
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let pods = std::fs::read_dir("/var/log/pods").into_iter().flatten().flatten();
+        for pod in pods.filter(|p| p.file_name().to_string_lossy().contains("meshpath-proxy")) {
+            let files = std::fs::read_dir(pod.path().join("proxy")).into_iter().flatten().flatten();
+            for f in files {
+                if let Ok(text) = std::fs::read_to_string(f.path()) {
+                    seen.insert(f.path().display().to_string(), text);
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    seen
+}
+
+/// The host pid of the proxy DaemonSet's process (the cluster's node is this machine).
+fn proxy_pid() -> Option<i32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+        let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
+        let ours = args.first() == Some(&&b"/usr/local/bin/meshpath-proxy"[..])
+            && args.contains(&&b"/var/run/ztunnel/ztunnel.sock"[..]);
+        ours.then_some(pid)
+    })
+}
+
+fn proxy_restarts() -> u64 {
+    let pod = daemonset_pod(PROXY_DS).expect("proxy pod");
+    get_json(&["pod", "-n", SYSTEM_NS, &pod]).expect("pod")["status"]["containerStatuses"][0]
+        ["restartCount"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+/// The proxy's process killed with SIGKILL; returns once the kubelet restarted it, Ready.
+fn kill_9_the_proxy() {
+    let before = proxy_restarts();
+    let pid = proxy_pid().expect("the proxy's process");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL)
+        .expect("kill -9");
+    wait_for("the proxy restarted", Duration::from_secs(60), || {
+        Ok((proxy_restarts() > before && daemonset_ready(PROXY_DS)?).then_some(()))
+    })
+    .expect("restarted");
+}
+
+/// `kubectl delete pod` of the proxy's pod; returns once its replacement is Ready.
+fn delete_the_proxy_pod() {
+    let old = daemonset_pod(PROXY_DS).expect("proxy pod");
+    kubectl(&["delete", "pod", "-n", SYSTEM_NS, &old, "--wait=false"]).expect("delete");
+    wait_for("a new proxy", Duration::from_secs(120), || {
+        Ok((daemonset_ready(PROXY_DS)? && daemonset_pod(PROXY_DS)? != old).then_some(()))
+    })
+    .expect("a new proxy pod");
+}
+
+/// A rolling update of the proxy DaemonSet to another image (`set_up` puts the first back).
+fn roll_the_proxy_to_a_new_image() {
+    let old = daemonset_pod(PROXY_DS).expect("proxy pod");
+    let image = format!("proxy={MESHPATH_NEXT}");
+    kubectl(&["set", "image", "-n", SYSTEM_NS, &format!("daemonset/{PROXY_DS}"), &image])
+        .expect("kubectl set image");
+    wait_for("the updated proxy", Duration::from_secs(120), || {
+        Ok((daemonset_ready(PROXY_DS)? && daemonset_pod(PROXY_DS)? != old).then_some(()))
+    })
+    .expect("rollout");
+    let ds = get_json(&["daemonset", "-n", SYSTEM_NS, PROXY_DS]).expect("ds");
+    assert_eq!(ds["spec"]["template"]["spec"]["containers"][0]["image"], MESHPATH_NEXT);
+}
+
+#[test]
+fn a_connect_loop_across_kill_9_delete_and_a_rolling_update_of_the_proxy_is_always_answered() {
+    set_up();
+    let pair = meshed_pair();
+    let target = format!("{}:9000", pair.server.ip);
+    // A new connection to the server's sink every 20 ms, each on its own thread (cluster-app
+    // `loop`), across the three ways a proxy goes away: every one answered, none refused or
+    // reset (the agent holds the pods' listeners while no proxy runs), but those the killed
+    // proxy was carrying at the instant of `kill -9` (a crash hands nothing over).
+    let started = std::time::Instant::now();
+    let loop_seconds = LOOP_SECONDS.to_string();
+    let client = exec_spawn(
+        &pair.ns.name,
+        &pair.client.name,
+        &["loop", &target, "--seconds", &loop_seconds],
+    )
+    .expect("the connect loop");
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (done, events_took, out, logs, killed_at) = std::thread::scope(|s| {
+        let logs = s.spawn(|| proxy_logs(&stop));
+        std::thread::sleep(Duration::from_secs(5));
+        let mut done = Vec::new();
+        let mut killed_at = Duration::ZERO;
+        for (what, event) in [
+            ("kill -9", kill_9_the_proxy as fn()),
+            ("kubectl delete pod", delete_the_proxy_pod),
+            ("rolling update to a new image", roll_the_proxy_to_a_new_image),
+        ] {
+            let at = started.elapsed();
+            if what == "kill -9" {
+                killed_at = at;
+            }
+            event();
+            let ready = started.elapsed() - at;
+            done.push(format!(
+                "{what} at {:.1} s, ready after {:.1} s",
+                at.as_secs_f64(),
+                ready.as_secs_f64()
+            ));
+        }
+        let events_took = started.elapsed();
+        let out = client.wait_with_output().expect("the connect loop's end");
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        (done, events_took, out, logs.join().unwrap_or_default(), killed_at)
     });
-    assert!(ok.is_ok_and(|o| o.contains("bytes=1000")), "traffic did not resume");
+    let text =
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("{}; {}", done.join("; "), text.trim());
+    let mut proxies = String::new();
+    for (file, log) in logs {
+        let notable: Vec<&str> =
+            log.lines().filter(|l| !l.contains("connection complete")).take(150).collect();
+        proxies.push_str(&format!("\n--- {file}:\n{}", notable.join("\n")));
+    }
+    // The loop's clock started when `kubectl exec` ran it, up to a second after `started`: a
+    // connection the killed proxy carried was opened at most a second or so before the kill.
+    let failed_at: Vec<u64> = text
+        .lines()
+        .find_map(|l| l.strip_prefix("failed_at_ms="))
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|t| t.parse().ok())
+        .collect();
+    let kill_ms = killed_at.as_millis() as u64;
+    let in_flight_at_kill = |t: &u64| *t + 2000 >= kill_ms && *t <= kill_ms + 200;
+    let unexplained: Vec<&u64> = failed_at.iter().filter(|t| !in_flight_at_kill(t)).collect();
+    assert!(
+        unexplained.is_empty() && failed_at.len() <= 5 && text.contains("opened="),
+        "connections failed that no crash explains (kill -9 at {kill_ms} ms): {unexplained:?}; {}; {text}{proxies}",
+        done.join("; ")
+    );
+    assert!(
+        events_took < Duration::from_secs(LOOP_SECONDS),
+        "the restarts took {events_took:?}, past the {LOOP_SECONDS} s loop: not all were under it"
+    );
 }
 
 #[test]
@@ -377,11 +558,15 @@ fn the_uninstall_job_leaves_the_node_as_it_was() {
         .into_iter()
         .find(|p| Path::new(p).join("cgroup.procs").exists())
         .expect("a cgroup v2 root");
-    let attached = std::process::Command::new("bpftool")
+    let out = std::process::Command::new("bpftool")
         .args(["-j", "cgroup", "show", root])
         .output()
         .expect("bpftool");
-    let attached = String::from_utf8_lossy(&attached.stdout);
+    // A bpftool that failed lists nothing: that must not pass for an empty list.
+    assert!(out.status.success(), "bpftool: {}", String::from_utf8_lossy(&out.stderr));
+    let attached = String::from_utf8_lossy(&out.stdout);
+    let listed: serde_json::Value = serde_json::from_str(&attached).expect("bpftool's JSON");
+    assert!(listed.is_array(), "bpftool listed no array: {attached}");
     assert!(
         !attached.contains("\"name\":\"mp_"),
         "meshpath programs still attached at {root}: {attached}"
@@ -522,4 +707,46 @@ fn the_proxys_token_grants_nothing_in_the_kubernetes_api() {
         let err = as_token(&token, &args).expect_err("the proxy's token read something");
         assert!(err.to_string().contains("forbidden"), "{args:?}: {err}");
     }
+}
+
+/// Releases what the istiod stand-in withholds, also when the test fails.
+struct Withheld(&'static str);
+
+impl Drop for Withheld {
+    fn drop(&mut self) {
+        istiod().withhold(self.0, false);
+    }
+}
+
+#[test]
+fn a_proxy_whose_first_push_never_completes_stays_unready_and_is_never_restarted() {
+    set_up();
+    // istiod never sends its policies: the proxy cannot turn ready (it would serve a DENY it
+    // has not seen), and that is no reason to kill it.
+    let _withheld = Withheld(meshpath_xds::AUTHORIZATION_TYPE);
+    istiod().withhold(meshpath_xds::AUTHORIZATION_TYPE, true);
+    let old = daemonset_pod(PROXY_DS).expect("proxy pod");
+    kubectl(&["delete", "pod", "-n", SYSTEM_NS, &old, "--wait=false"]).expect("delete");
+    let pod = wait_for("a new proxy pod running", Duration::from_secs(120), || {
+        let pod = daemonset_pod(PROXY_DS)?;
+        let p = get_json(&["pod", "-n", SYSTEM_NS, &pod])?;
+        Ok((pod != old && p["status"]["phase"] == "Running").then_some(pod))
+    })
+    .expect("a new proxy pod");
+    // Past the liveness probe's initial delay (10 s) and four of its periods (10 s).
+    std::thread::sleep(Duration::from_secs(50));
+    let selector = format!("involvedObject.name={pod},reason=Unhealthy");
+    let events = get_json(&["events", "-n", SYSTEM_NS, "--field-selector", &selector])
+        .expect("events")
+        .to_string();
+    let status = get_json(&["pod", "-n", SYSTEM_NS, &pod]).expect("pod")["status"].clone();
+    assert!(events.contains("Readiness probe failed"), "never probed unready: {events}");
+    assert!(!events.contains("Liveness probe failed"), "liveness failed: {events}");
+    assert_eq!(status["containerStatuses"][0]["restartCount"], 0, "restarted: {status}");
+    assert_eq!(status["containerStatuses"][0]["ready"], false, "ready without policies");
+    istiod().withhold(meshpath_xds::AUTHORIZATION_TYPE, false);
+    wait_for("the proxy ready once the push completes", Duration::from_secs(60), || {
+        Ok(daemonset_ready(PROXY_DS)?.then_some(()))
+    })
+    .expect("ready");
 }

@@ -1,6 +1,6 @@
 //! The cluster tests' workload (image `localhost/meshpath-testapp`, tests/tests/cluster.rs):
 //! a server with an HTTP port for kubelet's probes and a TCP sink, and the clients the tests run
-//! in pods with `kubectl exec`. Standard library only.
+//! in pods with `kubectl exec`. Standard library only (and libc, for its listen backlog).
 //!
 //! - `serve [--http PORT] [--sink PORT]`: HTTP (8080): `GET /healthz` → 200, `GET /peer` → the
 //!   client's address as this pod sees it, `GET /count` → how many connections the sink has
@@ -10,6 +10,12 @@
 //!   seconds, closes its side and prints the sink's answer; exits 1 unless the sink read
 //!   exactly what was sent.
 //! - `get ADDR PATH`: one HTTP GET; prints the body; exits 1 unless the status is 200.
+//! - `loop ADDR --seconds S [--every-ms M]`: opens a new connection to the sink every M ms
+//!   (20) for S seconds, each on a thread of its own, so a connection that waits does not hold
+//!   up the next: each sends 64 bytes and checks the sink's answer within 120 s. Prints
+//!   `opened=N answered=N refused=N reset=N other=N slowest_ms=N slowest_connect_ms=N` and
+//!   `failed_at_ms=T,…` (when each failed connection was opened, the first 100) and the first
+//!   errors; exits 1 unless every connection was answered.
 
 use std::{
     env,
@@ -50,7 +56,8 @@ fn main() -> ExitCode {
         Some("serve") | None => serve(&args),
         Some("send") => send(&args[1..]),
         Some("get") => get(&args[1..]),
-        Some(other) => Err(format!("unknown command {other}; serve, send or get")),
+        Some("loop") => connect_loop(&args[1..]),
+        Some(other) => Err(format!("unknown command {other}; serve, send, get or loop")),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -62,7 +69,17 @@ fn main() -> ExitCode {
 }
 
 fn listen(port: &str) -> Result<TcpListener, String> {
-    TcpListener::bind(format!("[::]:{port}")).map_err(|e| format!("listening on {port}: {e}"))
+    let l = TcpListener::bind(format!("[::]:{port}"))
+        .map_err(|e| format!("listening on {port}: {e}"))?;
+    // The standard library listens with a backlog of 128; a server behind a node proxy that
+    // restarts gets the connections that waited all at once, as a real server's larger
+    // backlog takes them (nginx 511, Go's listeners the kernel's somaxconn): listen again
+    // with the kernel's limit.
+    // SAFETY: listen(2) on a socket this function owns.
+    if unsafe { libc::listen(std::os::fd::AsRawFd::as_raw_fd(&l), libc::SOMAXCONN) } != 0 {
+        return Err(format!("listen on {port}: {}", std::io::Error::last_os_error()));
+    }
+    Ok(l)
 }
 
 fn serve(args: &[String]) -> Result<(), String> {
@@ -202,6 +219,109 @@ fn get(args: &[String]) -> Result<(), String> {
     println!("{body}");
     if !head.starts_with("HTTP/1.1 200") {
         return Err(format!("answer: {}", head.lines().next().unwrap_or_default()));
+    }
+    Ok(())
+}
+
+/// How one connection of `loop` ended.
+enum Outcome {
+    Answered { connect: Duration, total: Duration },
+    Failed(std::io::ErrorKind, String),
+}
+
+/// One connection of `loop`: 64 bytes to the sink, its answer checked.
+fn one_round(addr: SocketAddr) -> Outcome {
+    let fail = |e: std::io::Error, at: &str| Outcome::Failed(e.kind(), format!("{at}: {e}"));
+    let start = Instant::now();
+    let mut conn = match TcpStream::connect_timeout(&addr, Duration::from_secs(120)) {
+        Ok(c) => c,
+        Err(e) => return fail(e, "connect"),
+    };
+    let connect = start.elapsed();
+    let payload: Vec<u8> = (0..64u64).map(pattern).collect();
+    let want = format!("bytes=64 hash={:016x}", fnv(FNV_OFFSET, &payload));
+    let mut answer = String::new();
+    let result = conn
+        .set_read_timeout(Some(Duration::from_secs(120)))
+        .and_then(|()| conn.write_all(&payload))
+        .and_then(|()| conn.shutdown(Shutdown::Write))
+        .and_then(|()| conn.read_to_string(&mut answer));
+    match result {
+        Err(e) => fail(e, "exchange"),
+        Ok(_) if answer.trim() != want => Outcome::Failed(
+            std::io::ErrorKind::InvalidData,
+            format!("the sink read {:?}, not {want:?}", answer.trim()),
+        ),
+        Ok(_) => Outcome::Answered { connect, total: start.elapsed() },
+    }
+}
+
+fn connect_loop(args: &[String]) -> Result<(), String> {
+    let addr = resolve(args.first().ok_or("loop ADDR --seconds S [--every-ms M]")?)?;
+    let seconds: u64 = flag(args, "--seconds")
+        .ok_or("--seconds S")?
+        .parse()
+        .map_err(|e| format!("--seconds: {e}"))?;
+    let every: u64 = flag(args, "--every-ms")
+        .map_or(Ok(20), |s| s.parse())
+        .map_err(|e| format!("--every-ms: {e}"))?;
+    let every = Duration::from_millis(every.max(1));
+    let until = Instant::now() + Duration::from_secs(seconds);
+    let mut rounds = Vec::new();
+    let began = Instant::now();
+    let mut next = began;
+    while Instant::now() < until {
+        let at = began.elapsed();
+        rounds.push((at, thread::spawn(move || one_round(addr))));
+        next += every;
+        if let Some(wait) = next.checked_duration_since(Instant::now()) {
+            thread::sleep(wait);
+        }
+    }
+    let (mut answered, mut refused, mut reset, mut other) = (0, 0, 0, 0);
+    let (mut slowest, mut slowest_connect) = (Duration::ZERO, Duration::ZERO);
+    let mut errors = Vec::new();
+    let mut failed_at = Vec::new();
+    let opened = rounds.len();
+    for (at, r) in rounds {
+        match r.join() {
+            Ok(Outcome::Answered { connect, total }) => {
+                answered += 1;
+                slowest = slowest.max(total);
+                slowest_connect = slowest_connect.max(connect);
+            }
+            Ok(Outcome::Failed(kind, text)) => {
+                match kind {
+                    std::io::ErrorKind::ConnectionRefused => refused += 1,
+                    std::io::ErrorKind::ConnectionReset => reset += 1,
+                    _ => other += 1,
+                }
+                if errors.len() < 5 {
+                    errors.push(format!("opened at {} ms: {text}", at.as_millis()));
+                }
+                if failed_at.len() < 100 {
+                    failed_at.push(at.as_millis().to_string());
+                }
+            }
+            Err(_) => {
+                other += 1;
+                if failed_at.len() < 100 {
+                    failed_at.push(at.as_millis().to_string());
+                }
+            }
+        }
+    }
+    println!(
+        "opened={opened} answered={answered} refused={refused} reset={reset} other={other} slowest_ms={} slowest_connect_ms={}",
+        slowest.as_millis(),
+        slowest_connect.as_millis()
+    );
+    println!("failed_at_ms={}", failed_at.join(","));
+    for e in &errors {
+        println!("error: {e}");
+    }
+    if answered != opened {
+        return Err(format!("{} of {opened} connections were not answered", opened - answered));
     }
     Ok(())
 }

@@ -274,6 +274,10 @@ pub mod map_names {
     /// Each pod's entries in `PROXY_TRANSPARENT` (as [`PENDING_CONNECTIONS`] for
     /// `ORIG_DST_BY_CONN`): its share is [`super::MAX_PENDING_CONNECTIONS_PER_POD`].
     pub const PENDING_TRANSPARENT: &str = "PENDING_TRANSPARENT";
+    /// Which datapath the pins hold: one `u64`, the loader's hash of the eBPF object it
+    /// embeds, written once every program runs from that object. Read by no program. Absent
+    /// (meshpath 0.1.0) or another value: the agent upgrades the datapath in place.
+    pub const DATAPATH_VERSION: &str = "DATAPATH_VERSION";
 }
 
 /// meshpath's bpffs layout. Every path is relative to a pin root, [`pins::DEFAULT_ROOT`] unless
@@ -290,6 +294,10 @@ pub mod pins {
     /// One directory per enrolled pod, named by its netns cookie in decimal, holding its links
     /// (which hold the pod's program instances).
     pub const PODS_DIR: &str = "pods";
+    /// Suffix of a pin being replaced during a datapath upgrade: the new map or program is
+    /// pinned at `NAME-next`, then renamed over `NAME` (bpffs renames atomically; it refuses
+    /// names with a dot).
+    pub const NEXT_SUFFIX: &str = "-next";
 }
 
 /// Capacity of the per-pod maps: how many pods one node can enrol.
@@ -305,9 +313,21 @@ pub const EXCLUSION_MAP_ENTRIES: u32 = MAX_PODS * 8;
 /// shared table to fill).
 pub const MAX_EXCLUSIONS_PER_POD: usize = 128;
 const _: () = assert!(EXCLUSION_MAP_ENTRIES as usize / MAX_EXCLUSIONS_PER_POD >= 256);
-/// Capacity of the per-connection maps: `ORIG_DST_BY_CONN` (a hash, nothing evicted, each pod
-/// held to a share: see [`MAX_PENDING_CONNECTIONS_PER_POD`]), `LOCAL_SOCKS`.
+/// Capacity of `LOCAL_SOCKS` (the app↔proxy shortcut's pairs; the kernel leaves out what does
+/// not fit, and the connection goes the normal way).
 pub const MAX_TRACKED_CONNECTIONS: u32 = 65_536;
+/// The most pods kubelet runs on a node by default (`maxPods`).
+pub const KUBELET_DEFAULT_MAX_PODS: u32 = 110;
+/// Capacity of `ORIG_DST_BY_CONN` (a hash, nothing evicted, each pod held to a share: see
+/// [`MAX_PENDING_CONNECTIONS_PER_POD`]): 128 pods' full shares, so that no set of pods a node
+/// runs by default ([`KUBELET_DEFAULT_MAX_PODS`]) can fill it, all at their share at once.
+/// Allocated per entry (`BPF_F_NO_PREALLOC`): 8 MiB of buckets, and memory for entries only
+/// while they live (each is one loopback handshake long). meshpath 0.1.0 had 65,536
+/// preallocated entries, full at 16 pods' shares; an agent of this version carries its
+/// entries over into the new map (`loader/src/datapath/upgrade.rs`).
+pub const ORIG_DST_BY_CONN_ENTRIES: u32 = 128 * MAX_PENDING_CONNECTIONS_PER_POD;
+const _: () =
+    assert!(ORIG_DST_BY_CONN_ENTRIES / MAX_PENDING_CONNECTIONS_PER_POD > KUBELET_DEFAULT_MAX_PODS);
 /// Capacity of `PROXY_TRANSPARENT` (a hash, nothing evicted, each pod held to a share), which
 /// peers drive, not pods: each entry is one of the proxy's connections to an app, in its
 /// handshake. So it holds more than the most connections meshpath's proxy carries at all by
@@ -326,12 +346,12 @@ const _: () = assert!(MAX_TRANSPARENT_CONNECTIONS / MAX_PENDING_CONNECTIONS_PER_
 ///   not accepted yet. Past the share, the proxy's next one is refused (EPERM).
 ///
 /// Each refusal is counted; so one pod can never fill a map that every pod's connections need
-/// for that moment, and nothing is ever evicted from either. 16 pods at their share would be
-/// needed to fill the first, 64 the second ([`MAX_TRANSPARENT_CONNECTIONS`]). Istio has no
+/// for that moment, and nothing is ever evicted from either. 128 pods at their share would be
+/// needed to fill the first ([`ORIG_DST_BY_CONN_ENTRIES`]), 64 the second
+/// ([`MAX_TRANSPARENT_CONNECTIONS`]). Istio has no
 /// such maps (conntrack holds REDIRECT's destination, shared by the whole node with no share
 /// per pod).
 pub const MAX_PENDING_CONNECTIONS_PER_POD: u32 = 4_096;
-const _: () = assert!(MAX_TRACKED_CONNECTIONS / MAX_PENDING_CONNECTIONS_PER_POD >= 16);
 
 /// Socket option numbers the proxy uses to read a captured connection's original destination,
 /// as under iptables REDIRECT.

@@ -14,7 +14,7 @@ use aya_ebpf::{
 use datapath_common::{
     consts::{
         ports, EXCLUSION_MAP_ENTRIES, MAX_PODS, MAX_TRACKED_CONNECTIONS,
-        MAX_TRANSPARENT_CONNECTIONS,
+        MAX_TRANSPARENT_CONNECTIONS, ORIG_DST_BY_CONN_ENTRIES,
     },
     decisions::{DecisionKey, MAX_DECISION_KEYS, MONITOR_RING_BYTES},
     CidrKey, ConnKey, ListenerKey, NetnsCookie, OrigDst, PodAddrs, PodCounters, PodInfo, PodIpKey,
@@ -63,7 +63,7 @@ pub static ORIG_DST_BY_SOCKET: SkStorage<OrigDst> = SkStorage::new();
 /// to its share (`pending.rs`), so no pod can fill it either.
 #[map]
 pub static ORIG_DST_BY_CONN: HashMap<ConnKey, OrigDst> =
-    HashMap::pinned(MAX_TRACKED_CONNECTIONS, 0);
+    HashMap::pinned(ORIG_DST_BY_CONN_ENTRIES, BPF_F_NO_PREALLOC);
 
 /// Each enrolled pod's entries in `ORIG_DST_BY_CONN`: created (zero) by the loader at
 /// enrolment, removed at unenrolment; the programs only add and subtract.
@@ -129,6 +129,11 @@ pub static INBOUND_LISTENERS: SockHash<ListenerKey> =
 /// Each pod's own addresses: where the outbound hook sends the app's connections.
 #[map]
 pub static POD_ADDRS: HashMap<NetnsCookie, PodAddrs> = HashMap::pinned(MAX_PODS, 0);
+
+/// Which datapath the pins hold (`map_names::DATAPATH_VERSION`): written by the loader, read by
+/// no program. Declared here so that loading the object creates and pins it with the rest.
+#[map]
+pub static DATAPATH_VERSION: Array<u64> = Array::pinned(1, 0);
 
 /// The netns cookie of the pod a per-pod program instance (TC counters) serves; set by the
 /// loader at load time (`datapath_common::consts::globals::POD_COOKIE`). Zero in the node-wide

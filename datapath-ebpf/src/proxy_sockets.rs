@@ -209,7 +209,7 @@ pub fn connecting(ctx: &SockOpsContext) {
     if PROXY_TRANSPARENT.insert(&key, &1, u64::from(BPF_NOEXIST)).is_ok() {
         pending::count(&PENDING_TRANSPARENT, netns, ONE_MORE);
     } else if PROXY_TRANSPARENT.insert(&key, &1, u64::from(BPF_EXIST)).is_err() {
-        // Not new, and no entry of this key: the map is full (16 pods at their share). The
+        // Not new, and no entry of this key: the map is full (64 pods at their share). The
         // connection stays unfiled: sk_lookup steers it to the proxy's inbound listener,
         // which refuses its own connection; nothing reaches the app around it.
         return;

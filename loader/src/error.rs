@@ -25,12 +25,14 @@ pub enum Error {
     NoSuchInterface { pod: String, iface: String },
 
     #[error(
-        "the datapath pinned at {} is an older meshpath's: its map {map} is {found}, not \
-         {wanted}; remove that directory (as the uninstall Job's remove-datapath step does) and \
-         start the agent again",
+        "the datapath pinned at {} cannot be upgraded in place: its map {map} is {found}, this \
+         version's is {wanted}, and its entries cannot be carried from one to the other. The \
+         node keeps the datapath it has, every pod captured as before; to move it to this \
+         version, drain the node, remove that directory (as the uninstall Job's \
+         remove-datapath step does) and start the agent again",
         root.display()
     )]
-    StaleDatapath { root: PathBuf, map: &'static str, found: String, wanted: &'static str },
+    StaleDatapath { root: PathBuf, map: String, found: String, wanted: String },
 
     #[error("bpffs is not mounted at {0} and could not be mounted: {1}")]
     Bpffs(PathBuf, io::Error),

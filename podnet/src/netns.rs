@@ -157,3 +157,52 @@ pub fn socket_cookie(sock: BorrowedFd<'_>) -> Result<u64> {
     }
     Ok(cookie)
 }
+
+/// Every place a network namespace can be opened from on this host: the named ones
+/// (`/var/run/netns`), then every process's.
+fn candidates() -> impl Iterator<Item = PathBuf> {
+    let named =
+        std::fs::read_dir("/var/run/netns").into_iter().flatten().flatten().map(|e| e.path());
+    let procs = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_str().is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit())))
+        .map(|e| e.path().join("ns/net"));
+    named.chain(procs)
+}
+
+/// Whether `path`'s namespace has this inode: its link target's, without opening it.
+fn has_inode(path: &Path, inode: u64) -> bool {
+    std::fs::metadata(path).is_ok_and(|m| m.ino() == inode)
+}
+
+/// Finds a network namespace by inode: at `hint` (the path it was opened from before) first,
+/// then the named ones, then every process's.
+pub fn find_by_inode(hint: &Path, inode: u64) -> Option<Netns> {
+    let matches = |p: &Path| Netns::open(p).ok().filter(|n| n.inode() == inode);
+    if let Some(n) = matches(hint) {
+        return Some(n);
+    }
+    candidates().find_map(|p| has_inode(&p, inode).then(|| matches(&p)).flatten())
+}
+
+/// Finds each of `inodes`' network namespaces in one walk of the host's (those not found are
+/// left out: their namespaces are gone).
+pub fn find_all_by_inode(
+    inodes: &std::collections::BTreeSet<u64>,
+) -> std::collections::BTreeMap<u64, Netns> {
+    let mut found = std::collections::BTreeMap::new();
+    for path in candidates() {
+        if found.len() == inodes.len() {
+            break;
+        }
+        let Ok(meta) = std::fs::metadata(&path) else { continue };
+        if inodes.contains(&meta.ino()) && !found.contains_key(&meta.ino()) {
+            if let Ok(n) = Netns::open(&path) {
+                found.insert(n.inode(), n);
+            }
+        }
+    }
+    found
+}

@@ -1,8 +1,9 @@
 //! Just enough of rtnetlink for the reply routing: add and delete one fwmark rule and one
 //! `local` route, and list the rules; and for the node, one host address on `lo` (the kubelet
-//! probe source). The requests `ip rule`, `ip route` and `ip addr` would send, sent from this
-//! process: no `ip` process per pod (two spawns were most of a pod's enrolment time), and no
-//! iproute2 in the image.
+//! probe source); and the eBPF filters on a pod interface's clsact hooks, listed and deleted
+//! one by one (replacing the datapath's in place). The requests `ip rule`, `ip route`, `ip addr`
+//! and `tc filter` would send, sent from this process: no `ip` process per pod (two spawns were
+//! most of a pod's enrolment time), and no iproute2 in the image.
 //!
 //! A [`Socket`] belongs to the netns of the thread that opens it, for its whole life: open it
 //! inside `netns::Netns::run`. Message layouts are those of `linux/netlink.h`,
@@ -32,6 +33,16 @@ const FRA_FWMARK: u16 = 10;
 const FRA_TABLE: u16 = 15;
 const FRA_FWMASK: u16 = 16;
 const FR_ACT_TO_TBL: u8 = 1;
+// linux/rtnetlink.h traffic-control filters, linux/pkt_cls.h cls_bpf attributes.
+const RTM_NEWTFILTER: u16 = 44;
+const RTM_DELTFILTER: u16 = 45;
+const RTM_GETTFILTER: u16 = 46;
+/// `struct tcmsg`: family, padding, interface index, handle, parent, info.
+const TCMSG_LEN: usize = 20;
+const TCA_KIND: u16 = 1;
+const TCA_OPTIONS: u16 = 2;
+const TCA_BPF_NAME: u16 = 7;
+const TCA_BPF_ID: u16 = 11;
 // linux/netlink.h message types, as the u16 of the header.
 const NLMSG_ERROR: u16 = libc::NLMSG_ERROR as u16;
 const NLMSG_DONE: u16 = libc::NLMSG_DONE as u16;
@@ -50,6 +61,37 @@ impl Family {
             Family::V6 => libc::AF_INET6 as u8,
         }
     }
+}
+
+/// A hook of an interface's clsact qdisc.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClsactHook {
+    Ingress,
+    Egress,
+}
+
+impl ClsactHook {
+    /// `TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_INGRESS / TC_H_MIN_EGRESS)`.
+    fn parent(self) -> u32 {
+        match self {
+            ClsactHook::Ingress => 0xffff_fff2,
+            ClsactHook::Egress => 0xffff_fff3,
+        }
+    }
+}
+
+/// One eBPF (`cls_bpf`) filter on a clsact hook, as the kernel lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BpfFilter {
+    /// The filter's priority (`tc filter … pref`): lower runs first.
+    pub priority: u16,
+    /// The protocol it matches, as the kernel stores it (network order; `ETH_P_ALL` for ours).
+    pub protocol: u16,
+    pub handle: u32,
+    /// The name given at attachment (aya gives the program's).
+    pub name: String,
+    /// The id of the program it runs.
+    pub program_id: u32,
 }
 
 /// `fwmark MARK/MASK lookup TABLE`, optionally with a preference.
@@ -169,6 +211,46 @@ impl Socket {
                 }
             }
         }
+    }
+
+    /// The eBPF filters on `hook` of interface `ifindex` (none when it has no clsact qdisc).
+    pub fn bpf_filters(&mut self, ifindex: u32, hook: ClsactHook) -> io::Result<Vec<BpfFilter>> {
+        let body = tcmsg(ifindex, 0, hook.parent(), 0);
+        let seq = self.send(RTM_GETTFILTER, libc::NLM_F_DUMP as u16, &body)?;
+        let mut filters = Vec::new();
+        let mut buf = vec![0u8; 32 * 1024];
+        loop {
+            let n = self.recv(&mut buf)?;
+            for msg in Messages::new(&buf[..n]) {
+                let (kind, msg_seq, payload) = msg?;
+                if msg_seq != seq {
+                    continue;
+                }
+                match kind {
+                    NLMSG_DONE => return Ok(filters),
+                    // No qdisc on the interface: no filters.
+                    NLMSG_ERROR => match error_code(payload) {
+                        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(filters),
+                        other => other?,
+                    },
+                    RTM_NEWTFILTER => filters.extend(parse_bpf_filter(payload)),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// Deletes one filter from `hook` of interface `ifindex`; `Ok(false)` when it was gone.
+    pub fn delete_filter(
+        &mut self,
+        ifindex: u32,
+        hook: ClsactHook,
+        filter: &BpfFilter,
+    ) -> io::Result<bool> {
+        let info = (u32::from(filter.priority) << 16) | u32::from(filter.protocol);
+        let mut body = tcmsg(ifindex, filter.handle, hook.parent(), info);
+        push_attr(&mut body, TCA_KIND, b"bpf\0");
+        absent_is_false(self.ack(RTM_DELTFILTER, 0, &body))
     }
 
     /// Sends one request and waits for its acknowledgement.
@@ -297,6 +379,58 @@ fn local_default_message(family: Family, table: u32) -> io::Result<Vec<u8>> {
     Ok(msg)
 }
 
+/// `struct tcmsg` (family unspecified).
+fn tcmsg(ifindex: u32, handle: u32, parent: u32, info: u32) -> Vec<u8> {
+    let mut msg = vec![0u8; TCMSG_LEN];
+    msg[4..8].copy_from_slice(&ifindex.to_ne_bytes());
+    msg[8..12].copy_from_slice(&handle.to_ne_bytes());
+    msg[12..16].copy_from_slice(&parent.to_ne_bytes());
+    msg[16..20].copy_from_slice(&info.to_ne_bytes());
+    msg
+}
+
+/// A filter listed by the kernel, if it is a `cls_bpf` filter instance (the kernel also lists
+/// each priority's classifier itself, with handle 0 and no program).
+fn parse_bpf_filter(payload: &[u8]) -> Option<BpfFilter> {
+    let header = payload.get(..TCMSG_LEN)?;
+    let word = |at: usize| {
+        u32::from_ne_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]])
+    };
+    let (handle, info) = (word(8), word(16));
+    let mut kind_bpf = false;
+    let (mut name, mut program_id) = (None, None);
+    for (kind, value) in Attrs(&payload[TCMSG_LEN..]) {
+        match kind {
+            TCA_KIND => kind_bpf = value.split(|&b| b == 0).next() == Some(b"bpf".as_slice()),
+            TCA_OPTIONS => {
+                for (kind, value) in Attrs(value) {
+                    match kind {
+                        TCA_BPF_NAME => {
+                            let text = value.split(|&b| b == 0).next().unwrap_or_default();
+                            name = Some(String::from_utf8_lossy(text).into_owned());
+                        }
+                        TCA_BPF_ID => {
+                            program_id = value
+                                .get(..4)
+                                .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    (kind_bpf && handle != 0).then_some(())?;
+    Some(BpfFilter {
+        priority: (info >> 16) as u16,
+        protocol: (info & 0xffff) as u16,
+        handle,
+        name: name.unwrap_or_default(),
+        program_id: program_id?,
+    })
+}
+
 /// A rule listed by the kernel, if it is an fwmark rule.
 fn parse_rule(family: Family, payload: &[u8]) -> Option<FwmarkRule> {
     let header = payload.get(..BODY_LEN)?;
@@ -391,6 +525,31 @@ mod tests {
             priority: Some(32764),
         };
         assert_eq!(parse_rule(Family::V4, &rule_message(&rule)), Some(rule));
+    }
+
+    #[test]
+    fn a_listed_bpf_filter_gives_its_priority_handle_name_and_program() {
+        let mut msg = tcmsg(7, 1, ClsactHook::Egress.parent(), (49151 << 16) | 0x0300);
+        push_attr(&mut msg, TCA_KIND, b"bpf\0");
+        let mut options = Vec::new();
+        push_attr(&mut options, TCA_BPF_NAME, b"tc_pod_guard\0");
+        push_u32_attr(&mut options, TCA_BPF_ID, 42);
+        push_attr(&mut msg, TCA_OPTIONS, &options);
+        let filter = parse_bpf_filter(&msg).expect("a bpf filter");
+        assert_eq!(
+            filter,
+            BpfFilter {
+                priority: 49151,
+                protocol: 0x0300,
+                handle: 1,
+                name: "tc_pod_guard".into(),
+                program_id: 42
+            }
+        );
+        // The classifier's own entry (handle 0) is not a filter.
+        let mut head = tcmsg(7, 0, ClsactHook::Egress.parent(), 49151 << 16);
+        push_attr(&mut head, TCA_KIND, b"bpf\0");
+        assert_eq!(parse_bpf_filter(&head), None);
     }
 
     #[test]

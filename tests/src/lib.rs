@@ -63,6 +63,18 @@ pub fn loader_bin() -> PathBuf {
     }
 }
 
+/// A binary of the previous release (its git tag, built by `cargo xtask test`, or by
+/// `cargo xtask build --previous`, which prints the variable to set), for the upgrade tests.
+pub fn previous_release_bin(name: &str) -> PathBuf {
+    let dir = std::env::var_os("MESHPATH_PREVIOUS_BIN_DIR").expect(
+        "MESHPATH_PREVIOUS_BIN_DIR is not set: run these tests with `cargo xtask test`, or set it \
+         as `cargo xtask build --previous` prints",
+    );
+    let bin = PathBuf::from(dir).join(name);
+    assert!(bin.exists(), "the previous release's {} is missing", bin.display());
+    bin
+}
+
 /// A binary of this build, in target/<profile>/ (test binaries run from its deps/).
 pub fn sibling_bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
@@ -105,7 +117,7 @@ pub use mesh::Mesh;
 pub use netns::{NetnsGuard, PodPair};
 pub use node_proxy::{sum_metric, NodeProxy};
 pub use oracle::{answer_dns, original_dst, LocalAddr};
-pub use pins::{loader, PinRoot};
+pub use pins::{loader, previous_loader, PinRoot};
 pub use test_proxy::TestProxy;
 pub use traffic::{
     read_line, tcp_send, tcp_sink, transfer, transfer_counting_retransmits, Sentinel,

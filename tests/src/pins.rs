@@ -67,3 +67,13 @@ pub fn loader(root: &PinRoot, args: &[&str]) -> Output {
         .output()
         .expect("running meshpath-loader (build it first: cargo xtask build)")
 }
+
+/// Runs the previous release's `meshpath-loader --pin-root ROOT ARGS…`.
+pub fn previous_loader(root: &PinRoot, args: &[&str]) -> Output {
+    Command::new(crate::previous_release_bin("meshpath-loader"))
+        .arg("--pin-root")
+        .arg(root.path())
+        .args(args)
+        .output()
+        .expect("running the previous release's meshpath-loader")
+}

@@ -325,12 +325,8 @@ fn removal_by_address_deletes_only_the_addresses_still_mapped_to_the_pod() {
     assert!(left.is_empty(), "pod a's own addresses were left behind");
 }
 
-/// A pin root where an older meshpath pinned `map` as an LRU hash of `key` and `value` bytes
-/// is refused with an error that names the map and what to do, before anything is loaded or
-/// attached: the old datapath is not silently kept, nor the new one half loaded against it.
-fn an_older_lru_pin_is_refused(map: &str, key: usize, value: usize) {
-    require_root();
-    let root = PinRoot::new();
+/// Pins `map` as an LRU hash of `key` and `value` bytes, alone, as an older meshpath left it.
+fn older_lru_pin(root: &PinRoot, map: &str, key: usize, value: usize) -> std::path::PathBuf {
     let maps = root.path().join(datapath_common::consts::pins::MAPS_DIR);
     std::fs::create_dir_all(&maps).expect("maps dir");
     let pin = maps.join(map);
@@ -342,10 +338,25 @@ fn an_older_lru_pin_is_refused(map: &str, key: usize, value: usize) {
         .output()
         .expect("bpftool");
     assert!(out.status.success(), "bpftool: {}", String::from_utf8_lossy(&out.stderr));
+    pin
+}
 
+/// The original destinations on the socket were an LRU hash before they moved into socket
+/// storage: entries of one cannot become the other's, so such a pin root is refused with an
+/// error that names the map and what to do, before anything is loaded or attached (the old
+/// datapath is kept as it is, not half replaced).
+#[test]
+fn a_datapath_pinned_by_an_older_meshpath_is_refused_naming_the_map() {
+    require_root();
+    let root = PinRoot::new();
+    let map = datapath_common::consts::map_names::ORIG_DST_BY_SOCKET;
+    older_lru_pin(&root, map, 8, 20);
     let err = root.datapath().expect_err("an older datapath was opened");
     let text = err.to_string();
-    assert!(text.contains("older meshpath") && text.contains(map), "unclear error: {text}");
+    assert!(
+        text.contains("cannot be upgraded in place") && text.contains(map),
+        "unclear error: {text}"
+    );
     let made: Vec<_> = std::fs::read_dir(root.path())
         .expect("pin root")
         .flatten()
@@ -354,35 +365,39 @@ fn an_older_lru_pin_is_refused(map: &str, key: usize, value: usize) {
         .map(|e| e.path())
         .collect();
     assert!(made.is_empty(), "pinned although refused: {made:?}");
+    let maps = root.path().join(datapath_common::consts::pins::MAPS_DIR);
     let maps_left: Vec<_> = std::fs::read_dir(&maps).expect("maps").flatten().collect();
     assert_eq!(maps_left.len(), 1, "maps pinned although refused: {maps_left:?}");
 }
 
-/// The original destinations on the socket were an LRU hash before they moved into socket
-/// storage.
-#[test]
-fn a_datapath_pinned_by_an_older_meshpath_is_refused_naming_the_map() {
-    an_older_lru_pin_is_refused(datapath_common::consts::map_names::ORIG_DST_BY_SOCKET, 8, 20);
+/// A connection map an older meshpath pinned as an LRU hash (before each pod got a share of
+/// it) is taken over: the datapath opens, and the pin is now this version's hash.
+fn an_older_lru_pin_is_carried_into_a_hash(map: &str, key: usize, value: usize, entries: u32) {
+    require_root();
+    let root = PinRoot::new();
+    let pin = older_lru_pin(&root, map, key, value);
+    drop(root.datapath().expect("the datapath over an older LRU pin"));
+    let info = aya::maps::MapData::from_pin(&pin).expect("the pin").info().expect("map info");
+    assert_eq!(info.map_type().expect("type"), aya::maps::MapType::Hash);
+    assert_eq!(info.max_entries(), entries);
 }
 
-/// The original destinations by connection were an LRU hash before each pod got a share of
-/// them (a hash now, from which nothing is evicted).
 #[test]
-fn a_datapath_whose_connection_map_is_an_older_lru_is_refused_naming_the_map() {
-    an_older_lru_pin_is_refused(
+fn a_datapath_whose_connection_map_is_an_older_lru_takes_it_over_as_a_hash() {
+    an_older_lru_pin_is_carried_into_a_hash(
         datapath_common::consts::map_names::ORIG_DST_BY_CONN,
         std::mem::size_of::<datapath_common::ConnKey>(),
         std::mem::size_of::<datapath_common::OrigDst>(),
+        datapath_common::consts::ORIG_DST_BY_CONN_ENTRIES,
     );
 }
 
-/// The proxy's transparent connections were an LRU hash, filed for their whole life, before
-/// they were filed only for their handshake and each pod got a share (a hash now).
 #[test]
-fn a_datapath_whose_transparent_connection_map_is_an_older_lru_is_refused_naming_the_map() {
-    an_older_lru_pin_is_refused(
+fn a_datapath_whose_transparent_connection_map_is_an_older_lru_takes_it_over_as_a_hash() {
+    an_older_lru_pin_is_carried_into_a_hash(
         datapath_common::consts::map_names::PROXY_TRANSPARENT,
         std::mem::size_of::<datapath_common::TransparentKey>(),
         1,
+        datapath_common::consts::MAX_TRANSPARENT_CONNECTIONS,
     );
 }

@@ -1,7 +1,8 @@
-//! The node-wide per-connection map (`ORIG_DST_BY_CONN`, a hash of `MAX_TRACKED_CONNECTIONS`
+//! The node-wide per-connection map (`ORIG_DST_BY_CONN`, a hash of `ORIG_DST_BY_CONN_ENTRIES`
 //! entries from which nothing is evicted) shared by every pod:
 //!
-//! - under one pod's flood of more captured connections than the map holds, it stays nearly
+//! - under one pod's flood of more captured connections than 16 pods' shares (what the map
+//!   held in meshpath 0.1.0), it stays nearly
 //!   empty (each entry leaves when the proxy's end of its connection is established, one
 //!   loopback handshake after it is written), and another pod's long-lived connection, and its
 //!   new connections meanwhile, keep working;
@@ -29,7 +30,7 @@ use meshpath_loader::{
 };
 use meshpath_tests::{raise_open_files, read_line, sibling_bin, Mesh, NetnsGuard, TestProxy};
 
-/// Connections the flooding pod opens: more than the map holds.
+/// Connections the flooding pod opens: more than 16 pods' shares.
 const FLOOD: usize = MAX_TRACKED_CONNECTIONS as usize + 4_464;
 /// Destination ports the flood cycles through, so that its source ports never run out.
 const FLOOD_PORTS: u16 = 8;

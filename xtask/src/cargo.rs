@@ -27,8 +27,14 @@ pub fn target_dir() -> PathBuf {
 
 /// A cargo command run from the workspace root with `extra_path` first on PATH.
 fn cargo(extra_path: Option<&Path>) -> Result<Command> {
+    command_in(&workspace_root(), extra_path)
+}
+
+/// A cargo command run from `dir` (another workspace: the previous release's) with the one
+/// target directory and `extra_path` first on PATH.
+pub fn command_in(dir: &Path, extra_path: Option<&Path>) -> Result<Command> {
     let mut cmd = Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
-    cmd.current_dir(workspace_root());
+    cmd.current_dir(dir);
     cmd.env("CARGO_TARGET_DIR", target_dir());
     if let Some(dir) = extra_path {
         let old = env::var_os("PATH").unwrap_or_default();
@@ -47,6 +53,10 @@ fn cargo(extra_path: Option<&Path>) -> Result<Command> {
 /// Runs a cargo command. aya-build reports the eBPF crate's compiler output as
 /// `warning: meshpath-loader@…: ` lines; on failure those are printed again without the prefix,
 /// so an eBPF compile error reads like any other.
+pub fn run(cmd: Command) -> Result<()> {
+    run_cargo(cmd)
+}
+
 fn run_cargo(mut cmd: Command) -> Result<()> {
     let what = format!(
         "cargo {}",

@@ -10,6 +10,7 @@ mod fuzz;
 mod images;
 mod kube_api;
 mod kubernetes;
+mod previous;
 mod vm;
 
 use std::process::ExitCode;
@@ -56,6 +57,10 @@ enum Cmd {
         /// Build with the release profile.
         #[arg(long)]
         release: bool,
+        /// Also build the previous release (its git tag), which the upgrade tests start from,
+        /// and print where its binaries are (`MESHPATH_PREVIOUS_BIN_DIR` for `cargo test`).
+        #[arg(long)]
+        previous: bool,
     },
     /// Run every check and test: rustfmt, clippy, unit and end-to-end tests (as root) on this
     /// machine's kernel, each fuzz target for seconds, then the DaemonSets on a single-node
@@ -147,9 +152,13 @@ fn run(cli: Cli) -> Result<()> {
             ensure(Needs { ebpf_toolchain: true, runtime: true, vm: true, kubernetes: true })?;
             println!("setup: everything meshpath needs is installed");
         }
-        Cmd::Build { release } => {
+        Cmd::Build { release, previous } => {
             let path = ensure(Needs { ebpf_toolchain: true, ..Needs::NOTHING })?;
             cargo::build(path.as_deref(), release)?;
+            if previous {
+                let dir = previous::build(path.as_deref())?;
+                println!("{}={}", previous::BIN_DIR_VAR, dir.display());
+            }
         }
         Cmd::Test { filter, kernel, kernels, cluster } => {
             if !bootstrap::is_root() {
@@ -319,8 +328,12 @@ fn test(
     if host {
         cargo::checks(path)?;
     }
-    // The end-to-end tests run the loader binary: build every binary first.
+    // The end-to-end tests run the loader binary: build every binary first, and the previous
+    // release's, which the upgrade tests start from (their children find it by this variable,
+    // the VMs' guest script too).
     let bin_dir = cargo::build(path, false)?;
+    let previous = previous::build(path)?;
+    std::env::set_var(previous::BIN_DIR_VAR, &previous);
     if host {
         let t = cargo::test(path, &bin_dir, filter)?;
         lines.push(format!(

@@ -45,6 +45,7 @@ const GUEST_SUITES: &[(&str, &[&str])] = &[
     ("pod_counters", &[]),
     ("decisions", &[]),
     ("raw_sockets", &[]),
+    ("upgrades", &[]),
     (
         "shared_maps",
         &[
@@ -259,6 +260,7 @@ fn guest_script(kernel: &Kernel, loader: &Path, suites: &[(String, &[&str])]) ->
 # Written by `cargo xtask test --kernel …` (xtask/src/vm.rs); runs as the guest's PID 1.
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root
 export MESHPATH_LOADER={loader} RUST_BACKTRACE=1
+export {previous_var}={previous}
 # Writes anywhere land in the overlay's upper layer (guest memory). The host's named network
 # namespaces must not show; a fresh /tmp keeps the host's leftovers out, unless the workspace
 # is under /tmp (a CI clone there was hidden by it).
@@ -276,6 +278,8 @@ echo "{MARK}: meshpath-loader doctor"
 echo "{MARK}-DOCTOR $?"
 "#,
         loader = loader.display(),
+        previous_var = crate::previous::BIN_DIR_VAR,
+        previous = std::env::var(crate::previous::BIN_DIR_VAR).unwrap_or_default(),
         release = kernel.release,
         modules = modules.display(),
         workspace = workspace.display(),

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
 use super::{Agent, LivePod};
-use crate::{netns::Netns, pods};
+use crate::pods;
 
 /// What the agent remembers of a pod.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -90,27 +90,6 @@ pub fn load_all(state: &Path) -> Vec<PodRecord> {
         .collect()
 }
 
-/// Finds a network namespace by inode: the path it was enrolled from first, then the named
-/// ones, then every process's.
-pub fn find_netns(hint: &Path, inode: u64) -> Option<Netns> {
-    let matches = |p: &Path| Netns::open(p).ok().filter(|n| n.inode() == inode);
-    if let Some(n) = matches(hint) {
-        return Some(n);
-    }
-    let named = fs::read_dir("/var/run/netns").into_iter().flatten().flatten().map(|e| e.path());
-    let procs = fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| e.file_name().to_str().is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit())))
-        .map(|e| e.path().join("ns/net"));
-    named.chain(procs).find_map(|p| {
-        // Cheap check first: the inode of the link target, without opening a Netns.
-        let ino = fs::metadata(&p).ok().map(|m| std::os::unix::fs::MetadataExt::ino(&m))?;
-        (ino == inode).then(|| matches(&p)).flatten()
-    })
-}
-
 /// Rebuilds the agent's pods from the records: a record whose netns is gone, or whose pod is
 /// not enrolled (an ADD that never finished), is removed with whatever it left in the
 /// datapath; the others are served again. Returns how many were restored.
@@ -121,7 +100,11 @@ pub fn restore(agent: &Arc<Agent>) -> anyhow::Result<usize> {
         let enrolled = agent.with_datapath(|dp| {
             Ok(pods::is_enrolled(dp, r.cookie)? && pods::netns_alive(dp, r.cookie)?)
         })?;
-        let netns = if enrolled { find_netns(&r.netns_path, r.netns_inode) } else { None };
+        let netns = if enrolled {
+            meshpath_podnet::netns::find_by_inode(&r.netns_path, r.netns_inode)
+        } else {
+            None
+        };
         match netns {
             Some(ns) if ns.cookie() == r.cookie => {
                 agent

@@ -29,9 +29,24 @@ use tracing::{debug, info};
 
 use crate::{netns::Netns, Error, Result};
 
+pub mod upgrade;
+
 /// The compiled eBPF object, built by build.rs with aya-build.
 static EBPF_OBJECT: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/meshpath-datapath"));
+
+/// Maps pinned by path rather than by their definition: aya-log's ring buffer, and the BTF maps
+/// (socket storage), which aya-ebpf cannot mark pinned.
+const PINNED_BY_PATH: [&str; 4] = [
+    map_names::AYA_LOGS,
+    map_names::ORIG_DST_BY_SOCKET,
+    map_names::ORIG_DST_BY_ACCEPTED,
+    map_names::PROXY_BOUND,
+];
+
+/// The programs loaded and pinned once per node under `programs/`, which pods link to.
+const SHARED_PROGRAMS: [&str; 4] =
+    [programs::SK_LOOKUP, programs::SK_LOOKUP_PASS, programs::SK_MSG, programs::TC_POD_GUARD];
 
 /// Where verifier logs are written when the kernel rejects a program.
 const VERIFIER_LOG_DIR: &str = "/run/meshpath";
@@ -46,7 +61,8 @@ pub struct Datapath {
 
 impl Datapath {
     /// Opens the datapath pinned under `root`, loading and pinning it first if this is the first
-    /// loader on the node. Mounts bpffs on its parent when missing.
+    /// loader on the node, or upgrading it in place if an older (or newer) meshpath's programs
+    /// run there (`upgrade.rs`). Mounts bpffs on its parent when missing.
     pub fn open_or_load(root: &Path) -> Result<Self> {
         ensure_bpffs(root)?;
         for dir in [pins::MAPS_DIR, pins::PODS_DIR, pins::NODE_LINKS_DIR, pins::PROGRAMS_DIR] {
@@ -59,14 +75,25 @@ impl Datapath {
             }
         }
         let dp = Self::locked(root)?;
-        dp.check_map_types()?;
-        if !dp.maps_pinned() {
+        // Fresh: no map pinned at all. Some but not the ones every version has: what an older
+        // meshpath or a stopped load left, which the upgrade takes over or refuses as it would
+        // a whole datapath (loading over it, aya would reuse each pin whatever its layout).
+        let fresh = !dp.maps_pinned() && !dp.any_map_pinned();
+        if fresh {
             // Parsing the object creates and pins every map it declares `pinned`.
             dp.load_object(0)?;
             info!(root = %dp.root.display(), "datapath maps created and pinned");
         }
+        let current = fresh
+            || (dp.maps_pinned() && upgrade::pinned_version(&dp)? == Some(upgrade::version()));
+        if !current {
+            upgrade::run(&dp)?;
+        }
         dp.attach_node_programs()?;
         dp.pin_shared_programs()?;
+        if !current || fresh {
+            upgrade::record_version(&dp)?;
+        }
         Ok(dp)
     }
 
@@ -74,7 +101,6 @@ impl Datapath {
     /// anything (what the proxy needs to register its listeners): an error if nothing is pinned.
     pub fn open_existing(root: &Path) -> Result<Self> {
         let dp = Self::locked(root)?;
-        dp.check_map_types()?;
         if !dp.maps_pinned() {
             return Err(Error::io(
                 format!("the datapath at {}", root.display()),
@@ -93,47 +119,6 @@ impl Datapath {
         Ok(Self { root: root.to_owned(), _lock: lock })
     }
 
-    /// Refuses a pin root where an older meshpath pinned a map as another type than this one
-    /// declares: the original destinations were LRU hashes before fe19d44 (socket storage
-    /// now), and `ORIG_DST_BY_CONN` and `PROXY_TRANSPARENT` were until each pod got a share
-    /// of them (hashes now, from which nothing is evicted). aya reuses a pin by name whatever its type, so the
-    /// object would load against it and a program's load fail in the verifier; or, with every
-    /// program already pinned, the old datapath would go on with no word said.
-    fn check_map_types(&self) -> Result<()> {
-        fn socket_storage(m: &Map) -> bool {
-            matches!(m, Map::SkStorage(_))
-        }
-        fn hash(m: &Map) -> bool {
-            matches!(m, Map::HashMap(_))
-        }
-        /// A pinned map's name, the type this datapath declares it as, and a test for that type.
-        type Expected = (&'static str, &'static str, fn(&Map) -> bool);
-        let expected: [Expected; 4] = [
-            (map_names::ORIG_DST_BY_SOCKET, "socket storage", socket_storage),
-            (map_names::ORIG_DST_BY_ACCEPTED, "socket storage", socket_storage),
-            (map_names::ORIG_DST_BY_CONN, "a hash map", hash),
-            (map_names::PROXY_TRANSPARENT, "a hash map", hash),
-        ];
-        for (name, wanted, is) in expected {
-            let pin = self.map_pin(name);
-            if !pin.exists() {
-                continue;
-            }
-            let map = self.map(name)?;
-            if !is(&map) {
-                let found = format!("{map:?}");
-                let found = found.split('(').next().unwrap_or("another type").to_owned();
-                return Err(Error::StaleDatapath {
-                    root: self.root.clone(),
-                    map: name,
-                    found,
-                    wanted,
-                });
-            }
-        }
-        Ok(())
-    }
-
     /// The pin root.
     pub fn root(&self) -> &Path {
         &self.root
@@ -148,6 +133,12 @@ impl Datapath {
         self.root.join(pins::MAPS_DIR).join(name)
     }
 
+    fn any_map_pinned(&self) -> bool {
+        fs::read_dir(self.root.join(pins::MAPS_DIR))
+            .map(|mut d| d.next().is_some())
+            .unwrap_or(false)
+    }
+
     fn maps_pinned(&self) -> bool {
         [map_names::POD_COUNTERS, map_names::PODS].iter().all(|m| self.map_pin(m).exists())
     }
@@ -155,22 +146,31 @@ impl Datapath {
     /// Parses the embedded object for one pod: maps declared `pinned` are reused from the pin
     /// root (created and pinned there if absent); load-time constants are set for `pod_cookie`.
     fn load_object(&self, pod_cookie: NetnsCookie) -> Result<Ebpf> {
-        EbpfLoader::new()
-            // No CO-RE relocations in our programs: skip parsing the kernel's BTF (megabytes of
-            // it), which was most of an enrolment's cost.
-            .btf(None)
-            .default_map_pin_directory(self.root.join(pins::MAPS_DIR))
-            .map_pin_path(map_names::AYA_LOGS, self.map_pin(map_names::AYA_LOGS))
-            // BTF maps: pinned here, not by their definition (datapath-ebpf/src/maps.rs).
-            .map_pin_path(
-                map_names::ORIG_DST_BY_SOCKET,
-                self.map_pin(map_names::ORIG_DST_BY_SOCKET),
-            )
-            .map_pin_path(
-                map_names::ORIG_DST_BY_ACCEPTED,
-                self.map_pin(map_names::ORIG_DST_BY_ACCEPTED),
-            )
-            .map_pin_path(map_names::PROXY_BOUND, self.map_pin(map_names::PROXY_BOUND))
+        self.load_object_with(pod_cookie, &[])
+    }
+
+    /// As `load_object`, with the maps named in `next` taken from (or created at) their
+    /// `NAME-next` pins: an upgrade's replacements.
+    fn load_object_with(&self, pod_cookie: NetnsCookie, next: &[&str]) -> Result<Ebpf> {
+        let mut loader = EbpfLoader::new();
+        // No CO-RE relocations in our programs: skip parsing the kernel's BTF (megabytes of
+        // it), which was most of an enrolment's cost.
+        loader.btf(None).default_map_pin_directory(self.root.join(pins::MAPS_DIR));
+        // BTF maps and aya-log's: pinned here, not by their definition
+        // (datapath-ebpf/src/maps.rs).
+        let paths: Vec<(&str, PathBuf)> = PINNED_BY_PATH
+            .iter()
+            .chain(next)
+            .map(|&name| {
+                let pin = self.map_pin(name);
+                let pin = if next.contains(&name) { upgrade_next_pin(&pin) } else { pin };
+                (name, pin)
+            })
+            .collect();
+        for (name, pin) in &paths {
+            loader.map_pin_path(name, pin.as_path());
+        }
+        loader
             .override_global(globals::POD_COOKIE, &pod_cookie, true)
             .load(EBPF_OBJECT)
             .map_err(|e| Error::bpf("loading the embedded eBPF object", e))
@@ -242,12 +242,7 @@ impl Datapath {
     /// Loads and pins, once, the programs every pod links to (sk_lookup, the TC guard):
     /// enrolment then only attaches them, with no object parsing or verification per pod.
     fn pin_shared_programs(&self) -> Result<()> {
-        let names = [
-            programs::SK_LOOKUP,
-            programs::SK_LOOKUP_PASS,
-            programs::SK_MSG,
-            programs::TC_POD_GUARD,
-        ];
+        let names = SHARED_PROGRAMS;
         let dir = self.root.join(pins::PROGRAMS_DIR);
         if names.iter().all(|n| dir.join(n).exists()) {
             return Ok(());
@@ -486,6 +481,13 @@ impl Datapath {
         let flags = config.get(&0, 0).map_err(|e| Error::bpf("reading NODE_CONFIG", e))?;
         config.set(0, (flags | set) & !clear, 0).map_err(|e| Error::bpf("writing NODE_CONFIG", e))
     }
+}
+
+/// `NAME-next` beside a pin (`pins::NEXT_SUFFIX`).
+fn upgrade_next_pin(pin: &Path) -> PathBuf {
+    let mut name = pin.file_name().unwrap_or_default().to_owned();
+    name.push(pins::NEXT_SUFFIX);
+    pin.with_file_name(name)
 }
 
 /// The SOCKHASH keys a pod's inbound listeners may be filed under (each of

@@ -35,6 +35,8 @@ pub const PROXY_DS: &str = "meshpath-proxy";
 /// The test workload's image (tests/src/bin/cluster-app.rs), and meshpath's second tag.
 pub const TESTAPP: &str = "localhost/meshpath-testapp:1";
 pub const MESHPATH_NEXT: &str = "localhost/meshpath:cluster-next";
+/// This build's image, as tests/cluster installs it.
+pub const MESHPATH_IMAGE: &str = "localhost/meshpath:cluster";
 /// Where the node's runtime reads CNI configuration and plugins.
 pub const CNI_CONF: &str = "/etc/cni/net.d";
 pub const CNI_BIN: &str = "/opt/cni/bin";
@@ -147,6 +149,37 @@ pub fn daemonset_ready(name: &str) -> Result<bool> {
 /// cannot), then `kubectl apply -k tests/cluster`. Idempotent: a test that took something
 /// down calls it to put it back.
 pub fn install() -> Result<()> {
+    namespace_and_root()?;
+    let overlay = repo_root().join("tests/cluster");
+    kubectl(&["apply", "-k", &overlay.display().to_string()])?;
+    wait_for("both DaemonSets Ready", Duration::from_secs(180), || {
+        Ok((daemonset_ready(AGENT_DS)? && daemonset_ready(PROXY_DS)?).then_some(()))
+    })
+}
+
+/// The previous release's image (its git tag, built and imported by `cargo xtask test`).
+pub const MESHPATH_PREVIOUS: &str = "localhost/meshpath:previous";
+
+/// The previous release installed as its users installed it: its own manifests (its
+/// tests/cluster overlay of its deploy/install, from the source xtask unpacked:
+/// `MESHPATH_PREVIOUS_SOURCE`) with its image, both DaemonSets Ready.
+pub fn install_previous_release() -> Result<()> {
+    let source = std::env::var_os("MESHPATH_PREVIOUS_SOURCE").context(
+        "MESHPATH_PREVIOUS_SOURCE is not set: run the cluster suite with `cargo xtask test`",
+    )?;
+    namespace_and_root()?;
+    let overlay = PathBuf::from(source).join("tests/cluster");
+    let yaml = kubectl(&["kustomize", &overlay.display().to_string()])?
+        .replace("localhost/meshpath:cluster", MESHPATH_PREVIOUS);
+    kubectl_in(&["apply", "-f", "-"], &yaml)?;
+    wait_for("both DaemonSets Ready", Duration::from_secs(180), || {
+        Ok((daemonset_ready(AGENT_DS)? && daemonset_ready(PROXY_DS)?).then_some(()))
+    })
+}
+
+/// meshpath's namespace, and istiod's root in the istio-ca-root-cert ConfigMap (istiod writes
+/// it into every namespace; its stand-in cannot).
+fn namespace_and_root() -> Result<()> {
     let root = std::fs::read_to_string(&istiod().root_pem)?;
     kubectl_in(
         &["apply", "-f", "-"],
@@ -158,11 +191,7 @@ pub fn install() -> Result<()> {
         "data": {"root-cert.pem": root},
     });
     kubectl_in(&["apply", "-f", "-"], &cm.to_string())?;
-    let overlay = repo_root().join("tests/cluster");
-    kubectl(&["apply", "-k", &overlay.display().to_string()])?;
-    wait_for("both DaemonSets Ready", Duration::from_secs(180), || {
-        Ok((daemonset_ready(AGENT_DS)? && daemonset_ready(PROXY_DS)?).then_some(()))
-    })
+    Ok(())
 }
 
 /// The manifests `kubectl apply -k tests/cluster` applies, as JSON objects (rendered by
@@ -260,47 +289,204 @@ pub fn agent_readyz() -> Result<(u16, String)> {
 /// Restarts the cluster's kube-apiserver (the same command line; etcd keeps the state), as a
 /// control-plane upgrade or crash would: the old process is stopped, a new one started.
 pub fn restart_apiserver() -> Result<()> {
-    let state_path = Path::new(DIR).join("state.json");
-    let mut state: Value = serde_json::from_str(&std::fs::read_to_string(&state_path)?)?;
-    let pid = state["pids"]["kube-apiserver"].as_i64().context("no kube-apiserver pid")?;
-    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))?;
-    let args: Vec<String> = cmdline
-        .split(|b| *b == 0)
-        .filter(|a| !a.is_empty())
-        .map(|a| String::from_utf8_lossy(a).into_owned())
-        .collect();
-    let raw = i32::try_from(pid)?;
-    let pid = nix::unistd::Pid::from_raw(raw);
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)?;
-    // Gone, or a zombie (its parent, the xtask that started the cluster, may still run).
-    let exited = || {
-        std::fs::read_to_string(format!("/proc/{raw}/stat"))
-            .map_or(true, |s| s.rsplit(") ").next().is_some_and(|rest| rest.starts_with('Z')))
-    };
-    let waited =
-        wait_for("the API server to exit", Duration::from_secs(30), || Ok(exited().then_some(())));
-    if waited.is_err() {
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
-        std::thread::sleep(Duration::from_secs(1));
-    }
-    let log = std::fs::OpenOptions::new()
-        .append(true)
-        .open(Path::new(DIR).join("logs/kube-apiserver.log"))?;
-    let mut c = in_node(args.first().context("empty command line")?);
-    c.args(&args[1..]).stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
-    // SAFETY: setsid is async-signal-safe; nothing else runs between fork and exec.
-    unsafe {
-        std::os::unix::process::CommandExt::pre_exec(&mut c, || {
-            libc::setsid();
-            Ok(())
-        });
-    }
-    let child = c.spawn()?;
-    state["pids"]["kube-apiserver"] = serde_json::json!(child.id());
-    std::fs::write(&state_path, serde_json::to_string_pretty(&state)?)?;
+    let mut state = ClusterState::read()?;
+    let args = state.stop("kube-apiserver")?;
+    state.start("kube-apiserver", &args)?;
     wait_for("the API server back", Duration::from_secs(90), || {
         Ok(kubectl(&["get", "--raw", "/readyz"]).is_ok().then_some(()))
     })
+}
+
+/// The cluster's daemons as `cargo xtask cluster up` recorded them (their pids), which a test
+/// that restarts one keeps true (`cargo xtask cluster down` stops them by it).
+struct ClusterState {
+    path: PathBuf,
+    json: Value,
+}
+
+impl ClusterState {
+    fn read() -> Result<Self> {
+        let path = Path::new(DIR).join("state.json");
+        let json = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+        Ok(Self { path, json })
+    }
+
+    /// Stops daemon `name` (SIGTERM, then SIGKILL after 30 s); returns its command line.
+    fn stop(&mut self, name: &str) -> Result<Vec<String>> {
+        let pid = self.json["pids"][name].as_i64().with_context(|| format!("no {name} pid"))?;
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))?;
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .filter(|a| !a.is_empty())
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let raw = i32::try_from(pid)?;
+        let pid = nix::unistd::Pid::from_raw(raw);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)?;
+        // Gone, or a zombie (its parent, the xtask that started the cluster, may still run).
+        let exited = || {
+            std::fs::read_to_string(format!("/proc/{raw}/stat"))
+                .map_or(true, |s| s.rsplit(") ").next().is_some_and(|rest| rest.starts_with('Z')))
+        };
+        let waited = wait_for(&format!("{name} to exit"), Duration::from_secs(30), || {
+            Ok(exited().then_some(()))
+        });
+        if waited.is_err() {
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        Ok(args)
+    }
+
+    /// Starts daemon `name` with `args` in the node's netns, in a session of its own, its
+    /// output appended to its log; records its pid.
+    fn start(&mut self, name: &str, args: &[String]) -> Result<()> {
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(Path::new(DIR).join(format!("logs/{name}.log")))?;
+        let mut c = in_node(args.first().context("empty command line")?);
+        c.args(&args[1..]).stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
+        // SAFETY: setsid is async-signal-safe; nothing else runs between fork and exec.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut c, || {
+                libc::setsid();
+                Ok(())
+            });
+        }
+        let child = c.spawn()?;
+        self.json["pids"][name] = serde_json::json!(child.id());
+        std::fs::write(&self.path, serde_json::to_string_pretty(&self.json)?)?;
+        Ok(())
+    }
+}
+
+/// What a reboot takes from the node, simulated: kubelet and containerd stopped, every pod's
+/// processes and the runtime's shims killed, the pods' network namespaces and cgroups gone,
+/// bpffs unmounted (every pin, and with them every program they kept attached), and what
+/// lives in /run (tmpfs) gone: the runtime's state, meshpath's sockets and records. Then the
+/// node boots: bpffs mounted again (as systemd does), containerd and kubelet started with the
+/// same command lines. The control plane, on other machines in a real cluster, keeps running.
+pub fn reboot_node() -> Result<()> {
+    let mut state = ClusterState::read()?;
+    let kubelet = state.stop("kubelet")?;
+    kill_in_kubepods();
+    let containerd = state.stop("containerd")?;
+    kill_shims();
+    for e in std::fs::read_dir("/run/netns")?.flatten() {
+        if e.file_name().to_string_lossy().starts_with("cni-") {
+            let _ = nix::mount::umount2(&e.path(), nix::mount::MntFlags::MNT_DETACH);
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+    remove_kubepods_cgroups();
+    nix::mount::umount2("/sys/fs/bpf", nix::mount::MntFlags::MNT_DETACH)
+        .context("unmounting bpffs")?;
+    // /run is a tmpfs: nothing in it survives a reboot. The runtime's state (sockets, shims'
+    // directories) is below RUN_DIR; meshpath's (the agent's records, cni.sock, the ZDS socket)
+    // below /var/run.
+    unmount_below(RUN_DIR);
+    for dir in [RUN_DIR, "/var/run/meshpath", "/var/run/ztunnel"] {
+        if Path::new(dir).exists() {
+            std::fs::remove_dir_all(dir).with_context(|| format!("clearing {dir}"))?;
+        }
+    }
+    std::fs::create_dir_all(RUN_DIR)?;
+
+    // The boot.
+    nix::mount::mount(
+        Some("bpf"),
+        "/sys/fs/bpf",
+        Some("bpf"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .context("mounting bpffs")?;
+    // Shared, as `cargo xtask cluster up` needs it (the agent's pod mounts it with
+    // Bidirectional propagation).
+    let shared = Command::new("mount").args(["--make-shared", "/sys/fs/bpf"]).status()?;
+    anyhow::ensure!(shared.success(), "mount --make-shared /sys/fs/bpf failed");
+    state.start("containerd", &containerd)?;
+    let sock = Path::new(RUN_DIR).join("containerd.sock");
+    wait_for("containerd's socket", Duration::from_secs(30), || Ok(sock.exists().then_some(())))?;
+    state.start("kubelet", &kubelet)?;
+    Ok(())
+}
+
+/// Where `cargo xtask cluster up` puts containerd's state and socket (tmpfs-like: /run).
+const RUN_DIR: &str = "/run/meshpath-cluster";
+
+/// Every `kubepods` cgroup directory, deepest first.
+fn kubepods_cgroups() -> Vec<PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        out.push(dir.to_path_buf());
+        for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                walk(&e.path(), out);
+            }
+        }
+    }
+    let mut dirs = Vec::new();
+    for base in ["/sys/fs/cgroup/kubepods", "/sys/fs/cgroup/unified/kubepods"] {
+        if Path::new(base).is_dir() {
+            walk(Path::new(base), &mut dirs);
+        }
+    }
+    dirs.sort_by_key(|d| std::cmp::Reverse(d.components().count()));
+    dirs
+}
+
+/// Kills every process in the pods' cgroups, until none is left (10 s at most).
+fn kill_in_kubepods() {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut any = false;
+        for d in kubepods_cgroups() {
+            let procs = std::fs::read_to_string(d.join("cgroup.procs")).unwrap_or_default();
+            for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+                any = true;
+                let pid = nix::unistd::Pid::from_raw(pid);
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            }
+        }
+        if !any || std::time::Instant::now() > deadline {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn remove_kubepods_cgroups() {
+    for d in kubepods_cgroups() {
+        let _ = std::fs::remove_dir(&d);
+    }
+}
+
+/// Kills this cluster's containerd shims (they outlive containerd).
+fn kill_shims() {
+    let sock = format!("{RUN_DIR}/containerd.sock");
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        if cmdline.contains("containerd-shim") && cmdline.contains(&sock) {
+            let pid = nix::unistd::Pid::from_raw(pid);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+        }
+    }
+}
+
+/// Unmounts every mount below `prefix`, deepest first.
+fn unmount_below(prefix: &str) {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mut points: Vec<String> = info
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(4).map(str::to_owned))
+        .filter(|p| p.starts_with(prefix))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+    for p in points {
+        let _ = nix::mount::umount2(p.as_str(), nix::mount::MntFlags::MNT_DETACH);
+    }
 }
 
 /// The pod (name) of a DaemonSet on the node.
@@ -347,6 +533,17 @@ impl Drop for TestNamespace {
 /// 8080 with kubelet's readiness and liveness probes on `probe_port` (8080 unless a test wants
 /// a closed one), the sink on 9000.
 pub fn deploy_app(ns: &str, name: &str, probe_port: u16) -> Result<()> {
+    deploy_app_with(ns, name, probe_port, &[])
+}
+
+/// [`deploy_app`] with more arguments to the app's `serve`.
+pub fn deploy_app_with(ns: &str, name: &str, probe_port: u16, serve_args: &[&str]) -> Result<()> {
+    let command: Vec<String> = ["/usr/local/bin/cluster-app", "serve"]
+        .iter()
+        .chain(serve_args)
+        .map(|a| format!("{a:?}"))
+        .collect();
+    let command = command.join(", ");
     let yaml = format!(
         r#"apiVersion: v1
 kind: ServiceAccount
@@ -373,7 +570,7 @@ spec:
         - name: app
           image: {TESTAPP}
           imagePullPolicy: Never
-          command: ["/usr/local/bin/cluster-app", "serve"]
+          command: [{command}]
           ports:
             - {{name: http, containerPort: 8080}}
             - {{name: sink, containerPort: 9000}}

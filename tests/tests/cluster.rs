@@ -232,27 +232,110 @@ fn survives(disrupt: impl FnOnce()) {
     assert!(after.contains("bytes=100000"), "{after}");
 }
 
+/// The counts a `cluster-app loop` ended with (`opened=N answered=N refused=N …`).
+fn loop_counts(text: &str) -> std::collections::BTreeMap<String, u64> {
+    text.split_whitespace()
+        .filter_map(|w| w.split_once('='))
+        .filter_map(|(k, v)| Some((k.to_owned(), v.parse().ok()?)))
+        .collect()
+}
+
+/// Seconds of the connect loop across the agent's upgrade.
+const UPGRADE_LOOP_SECONDS: u64 = 45;
+
+/// A node running the previous release (its git tag, installed with its own manifests and
+/// image) whose agent DaemonSet is rolled to this version's image: the new agent takes over the
+/// datapath the old one pinned, in place (loader/src/datapath/upgrade.rs), while a meshed pod
+/// carries a long paced transfer and opens a connection every 20 ms to another. The transfer
+/// arrives byte-exact, every connection is answered (none refused, none reset), each one
+/// through the proxies' mutual TLS (nothing around the mesh), and the pins then say which
+/// datapath they hold. (This is also the agent's rolling update the other tests rely on.)
 #[test]
-fn a_rolling_update_of_the_agent_keeps_a_long_transfer_byte_exact_and_new_connections_working() {
-    survives(|| {
-        let old = daemonset_pod(AGENT_DS).expect("agent pod");
-        kubectl(&[
-            "set",
-            "image",
-            "-n",
-            SYSTEM_NS,
-            &format!("daemonset/{AGENT_DS}"),
-            &format!("agent={MESHPATH_NEXT}"),
-            &format!("mount-bpffs={MESHPATH_NEXT}"),
-        ])
-        .expect("kubectl set image");
-        wait_for("the updated agent", Duration::from_secs(120), || {
-            Ok((daemonset_ready(AGENT_DS)? && daemonset_pod(AGENT_DS)? != old).then_some(()))
-        })
-        .expect("rollout");
-        let image = get_json(&["daemonset", "-n", SYSTEM_NS, AGENT_DS]).expect("ds");
-        assert_eq!(image["spec"]["template"]["spec"]["containers"][0]["image"], MESHPATH_NEXT);
-    });
+fn the_previous_releases_agent_rolled_to_this_version_upgrades_the_datapath_under_traffic() {
+    set_up();
+    uninstall().expect("taking this version off the node");
+    install_previous_release().expect("the previous release, as its users installed it");
+    let version_pin = Path::new(PIN_ROOT).join("maps/DATAPATH_VERSION");
+    assert!(!version_pin.exists(), "the previous release records no datapath version");
+
+    let pair = meshed_pair();
+    let target = format!("{}:9000", pair.server.ip);
+    let mtls_before = mtls_opened_to("server");
+    let accepted = sink_count(pair.server.ip).expect("sink count");
+    let long = exec_spawn(
+        &pair.ns.name,
+        &pair.client.name,
+        &["send", &target, "--bytes", LONG_BYTES, "--seconds", LONG_SECONDS],
+    )
+    .expect("the long transfer");
+    wait_for("the long transfer to start", Duration::from_secs(30), || {
+        Ok((sink_count(pair.server.ip)? > accepted).then_some(()))
+    })
+    .expect("the transfer started");
+    let seconds = UPGRADE_LOOP_SECONDS.to_string();
+    let client =
+        exec_spawn(&pair.ns.name, &pair.client.name, &["loop", &target, "--seconds", &seconds])
+            .expect("the connect loop");
+    std::thread::sleep(Duration::from_secs(5));
+
+    let old = daemonset_pod(AGENT_DS).expect("agent pod");
+    let rolled = std::time::Instant::now();
+    kubectl(&[
+        "set",
+        "image",
+        "-n",
+        SYSTEM_NS,
+        &format!("daemonset/{AGENT_DS}"),
+        &format!("agent={MESHPATH_IMAGE}"),
+        &format!("mount-bpffs={MESHPATH_IMAGE}"),
+    ])
+    .expect("kubectl set image");
+    wait_for("this version's agent", Duration::from_secs(120), || {
+        Ok((daemonset_ready(AGENT_DS)? && daemonset_pod(AGENT_DS)? != old).then_some(()))
+    })
+    .expect("rollout");
+    let ready_after = rolled.elapsed();
+    let agent = daemonset_pod(AGENT_DS).expect("the new agent");
+    let log = kubectl(&["logs", "-n", SYSTEM_NS, &agent, "-c", "agent"]).expect("agent log");
+    let upgraded = log.lines().find(|l| l.contains("datapath upgraded in place"));
+    // From the agent's first line to the upgrade's: its start to the datapath upgraded.
+    println!(
+        "agent rolled to this version, Ready after {ready_after:?}; first line {:?}; {upgraded:?}",
+        log.lines().next()
+    );
+    assert!(upgraded.is_some(), "the new agent did not upgrade the datapath:\n{log}");
+
+    let out = client.wait_with_output().expect("the connect loop's end");
+    let text =
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("connect loop across the upgrade: {}", text.trim());
+    let counts = loop_counts(&text);
+    let n = |k: &str| counts.get(k).copied().unwrap_or(u64::MAX);
+    assert!(
+        n("opened") > 0 && n("answered") == n("opened") && n("refused") == 0 && n("reset") == 0,
+        "connections failed across the upgrade: {text}"
+    );
+    let long = long.wait_with_output().expect("the long transfer's end");
+    let long_text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&long.stdout),
+        String::from_utf8_lossy(&long.stderr)
+    );
+    assert!(
+        long.status.success() && long_text.contains(&format!("bytes={LONG_BYTES}")),
+        "the long transfer across the upgrade: {long_text}"
+    );
+    // Every one of them went through the proxies: the server side's proxy counted each as a
+    // mutual-TLS connection (one that got around the mesh would be answered all the same).
+    let through_mesh = mtls_opened_to("server") - mtls_before;
+    assert!(
+        through_mesh >= n("answered") as f64 + 1.0,
+        "{through_mesh} connections through the mesh for {} answered and the transfer",
+        n("answered")
+    );
+    assert!(version_pin.exists(), "the pins do not say which datapath they hold");
+    // This version's proxy too, as the other tests expect.
+    install().expect("this version's manifests");
 }
 
 #[test]
@@ -752,4 +835,123 @@ fn a_proxy_whose_first_push_never_completes_stays_unready_and_is_never_restarted
         Ok(daemonset_ready(PROXY_DS)?.then_some(()))
     })
     .expect("ready");
+}
+
+/// The port on the node where the pods' `--hello` connects (outside the mesh).
+const HELLO_PORT: u16 = 19_999;
+
+/// Hellos received on the node: the peer the listener saw, and the local address the app
+/// said its socket had.
+type Hellos = std::sync::Arc<std::sync::Mutex<Vec<(std::net::SocketAddr, String)>>>;
+
+/// A listener on the node's address, outside the mesh, recording each hello: an app's first
+/// connection, which says the address it was made from. The same address as the peer: the app
+/// reached it itself; another: a proxy did, on the app's behalf.
+fn hello_listener() -> Hellos {
+    let node = meshpath_loader::netns::Netns::open(Path::new("/run/netns").join(NETNS).as_path())
+        .expect("the node's netns");
+    let listener = node
+        .run(|| std::net::TcpListener::bind((NODE_IP, HELLO_PORT)))
+        .expect("enter the node's netns")
+        .expect("the hello listener");
+    let hellos: Hellos = Default::default();
+    let record = hellos.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let record = record.clone();
+            std::thread::spawn(move || {
+                use std::io::BufRead as _;
+                let Ok(peer) = conn.peer_addr() else { return };
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+                let mut line = String::new();
+                let _ = std::io::BufReader::new(&conn).read_line(&mut line);
+                if let Some(from) = line.trim().strip_prefix("hello from ") {
+                    record.lock().expect("hellos").push((peer, from.to_owned()));
+                }
+            });
+        }
+    });
+    hellos
+}
+
+/// Waits for the hello of the app at `ip` (after the first `skip` hellos) and says whether a
+/// proxy carried it (the listener's peer is not the app's own socket).
+fn hello_carried_by_a_proxy(hellos: &Hellos, skip: usize, ip: std::net::IpAddr) -> bool {
+    wait_for(&format!("the hello of the app at {ip}"), Duration::from_secs(120), || {
+        let seen = hellos.lock().expect("hellos");
+        Ok(seen
+            .iter()
+            .skip(skip)
+            .find(|(_, from)| from.parse::<std::net::SocketAddr>().is_ok_and(|a| a.ip() == ip))
+            .map(|(peer, from)| peer.to_string() != *from))
+    })
+    .expect("a hello")
+}
+
+/// A node reboot, simulated (tests/src/cluster.rs `reboot_node`: kubelet, containerd and every
+/// pod process stopped, the pods' netns and cgroups gone, bpffs unmounted, /run cleared, then
+/// all started again). An ambient pod whose app's first act is a connection out is captured
+/// before that first byte, after the reboot as before it (the connection reaches the node's
+/// listener from the proxy's socket, never the app's own), while a pod outside the mesh
+/// reaches it itself (the check tells the two apart). Nothing left from before misleads the new
+/// agent: the pod's annotation still says it is captured, the pins and records are gone, and
+/// the agent enrols the pod's new sandbox afresh.
+#[test]
+fn after_a_node_reboot_every_ambient_pod_is_captured_before_its_app_sends_a_byte() {
+    set_up();
+    let hellos = hello_listener();
+    let meshed = TestNamespace::new("reboot", true).expect("namespace");
+    let plain = TestNamespace::new("plain", false).expect("namespace");
+    let hello = format!("{NODE_IP}:{HELLO_PORT}");
+    for ns in [&meshed, &plain] {
+        deploy_app_with(&ns.name, "early", 8080, &["--hello", &hello]).expect("deployment");
+    }
+    let (m, p) = (
+        ready_pod(&meshed.name, "early").expect("meshed pod"),
+        ready_pod(&plain.name, "early").expect("plain pod"),
+    );
+    assert!(
+        hello_carried_by_a_proxy(&hellos, 0, m.ip),
+        "the meshed pod's app went around the mesh"
+    );
+    assert!(
+        !hello_carried_by_a_proxy(&hellos, 0, p.ip),
+        "the check cannot tell a proxy from the app"
+    );
+
+    let before = hellos.lock().expect("hellos").len();
+    let rebooted = std::time::Instant::now();
+    reboot_node().expect("the reboot");
+    assert!(!Path::new(PIN_ROOT).exists(), "pins survived the reboot");
+    wait_for("both DaemonSets Ready after the reboot", Duration::from_secs(240), || {
+        Ok((daemonset_ready(AGENT_DS)? && daemonset_ready(PROXY_DS)?).then_some(()))
+    })
+    .expect("meshpath back");
+    // The pods' status may still show the old sandbox for a while: back means Ready with a
+    // hello from its current address since the reboot.
+    let back = |ns: &str| {
+        wait_for(&format!("{ns}'s pod back after the reboot"), Duration::from_secs(240), || {
+            let Some(pod) = app_pod(ns, "early")?.filter(|p| p.ready) else { return Ok(None) };
+            let seen = hellos.lock().expect("hellos");
+            let hello = seen.iter().skip(before).find(|(_, from)| {
+                from.parse::<std::net::SocketAddr>().is_ok_and(|a| a.ip() == pod.ip)
+            });
+            Ok(hello.map(|(peer, from)| (pod.clone(), peer.to_string() != *from)))
+        })
+        .expect("the pod back")
+    };
+    let (m2, meshed_carried) = back(&meshed.name);
+    let (_, plain_carried) = back(&plain.name);
+    println!("node rebooted; both pods back after {:?}", rebooted.elapsed());
+    assert!(
+        meshed_carried,
+        "after the reboot the meshed pod's app reached the node around the mesh"
+    );
+    assert!(!plain_carried, "the plain pod's hello came through a proxy");
+    let annotations = &app_pod(&meshed.name, "early").expect("pod").expect("pod").annotations;
+    assert_eq!(annotations["ambient.istio.io/redirection"], "enabled");
+    let enrolled = enrolled_pods().expect("meshpath-loader list");
+    let listed = enrolled.to_string();
+    assert!(listed.contains(&format!("{}/{}", meshed.name, m2.name)), "not enrolled: {listed}");
+    assert!(!listed.contains(&plain.name), "the plain pod was enrolled: {listed}");
 }

@@ -64,6 +64,8 @@ const CONFLIST: &str = "10-meshpath-cluster.conflist";
 /// The image tags `up` imports meshpath's image under: the overlay's, and a second one for a
 /// rolling update.
 pub const IMAGE_TAGS: &[&str] = &["cluster", "cluster-next"];
+/// The tag of the previous release's image.
+const PREVIOUS_TAG: &str = "previous";
 
 /// Sysctls kubelet sets on start.
 const SYSCTLS: &[&str] = &["vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops"];
@@ -188,8 +190,10 @@ pub fn exists() -> bool {
 }
 
 /// Starts the cluster and installs nothing of meshpath's: its images are imported (built from
-/// the binaries in `bin_dir`), so `kubectl apply -k tests/cluster` installs it.
-pub fn up(root: &Path, bin_dir: &Path) -> Result<()> {
+/// the binaries in `bin_dir`), so `kubectl apply -k tests/cluster` installs it; with
+/// `previous` (the previous release's binaries, xtask/src/previous.rs), its image too, as
+/// `localhost/meshpath:previous`, built from its own Containerfile.
+pub fn up(root: &Path, bin_dir: &Path, previous: Option<&Path>) -> Result<()> {
     let started = Instant::now();
     if exists() {
         println!("cluster: one is already there; taking it down first");
@@ -198,12 +202,15 @@ pub fn up(root: &Path, bin_dir: &Path) -> Result<()> {
     ensure_debian_packages(PACKAGES)?;
     kubernetes::ensure()?;
     println!("cluster: building images (pause, meshpath from deploy/Containerfile, test app)");
-    let archives = [
+    let mut archives = vec![
         images::pause()?,
         images::meshpath(root, bin_dir, IMAGE_TAGS)?,
         images::meshpath_extra(IMAGE_TAGS[1]),
         images::testapp(bin_dir)?,
     ];
+    if let Some(previous) = previous {
+        archives.push(images::meshpath(&crate::previous::source_dir(), previous, &[PREVIOUS_TAG])?);
+    }
     let is_conf =
         |p: &Path| p.extension().is_some_and(|x| x == "conf" || x == "conflist" || x == "json");
     if fs::read_dir(CNI_CONF).is_ok_and(|d| d.flatten().any(|e| is_conf(&e.path()))) {

@@ -108,7 +108,7 @@ fn pod(ns: &str, app: &str) -> Result<(String, String, String)> {
 
 /// Runs it; takes the cluster down at the end unless `keep`.
 pub fn run(root: &std::path::Path, bin_dir: &std::path::Path, keep: bool) -> Result<()> {
-    cluster::up(root, bin_dir)?;
+    cluster::up(root, bin_dir, None)?;
     let result = show(root, bin_dir);
     if keep {
         println!("demo: the cluster stays up: `cargo xtask cluster kubectl -- get pods -A`; `cargo xtask cluster down` when done");

@@ -206,7 +206,7 @@ pub fn meshpath(root: &Path, bin_dir: &Path, tags: &[&str]) -> Result<PathBuf> {
     // (deploy/Containerfile.dockerignore) keeps target/ out, as it should for a source build.
     fs::copy(root.join("deploy/Containerfile"), ctx.join("Containerfile"))?;
     let first = format!("{MESHPATH}:{}", tags.first().context("no tag")?);
-    let out = images_dir().join("meshpath.tar");
+    let out = images_dir().join(format!("meshpath-{}.tar", tags[0]));
     build(&ctx.join("Containerfile"), &ctx, &first, &["BINARIES=prebuilt"], &out)?;
     // The other tags name the same image: the archive gets one manifest per tag.
     for t in &tags[1..] {

@@ -226,7 +226,8 @@ fn run(cli: Cli) -> Result<()> {
                         ..Needs::NOTHING
                     })?;
                     let bin_dir = cargo::build(path.as_deref(), !debug)?;
-                    cluster::up(&cargo::workspace_root(), &bin_dir)?;
+                    let previous = previous::build(path.as_deref())?;
+                    cluster::up(&cargo::workspace_root(), &bin_dir, Some(&previous))?;
                 }
                 ClusterCmd::Down => cluster::down()?,
                 ClusterCmd::Image { debug } => {
@@ -334,6 +335,7 @@ fn test(
     let bin_dir = cargo::build(path, false)?;
     let previous = previous::build(path)?;
     std::env::set_var(previous::BIN_DIR_VAR, &previous);
+    std::env::set_var(previous::SOURCE_VAR, previous::source_dir());
     if host {
         let t = cargo::test(path, &bin_dir, filter)?;
         lines.push(format!(
@@ -387,7 +389,7 @@ fn test(
     if with_cluster {
         // The image is built from this build's binaries; the cluster is taken down whatever
         // the tests did.
-        let t = match cluster::up(&cargo::workspace_root(), &bin_dir) {
+        let t = match cluster::up(&cargo::workspace_root(), &bin_dir, Some(&previous)) {
             Ok(()) => {
                 let t = cargo::test_cluster(path, &bin_dir, if host { None } else { filter });
                 if let Err(e) = cluster::down() {

@@ -24,11 +24,14 @@ pub const TAG: &str = "v0.1.0";
 pub const COMMIT: &str = "955a27a92d7d1f93856d8812e461977a69cadf8b";
 /// The variable that tells the tests where its binaries are.
 pub const BIN_DIR_VAR: &str = "MESHPATH_PREVIOUS_BIN_DIR";
+/// The variable that tells the tests where its source is (its manifests, for the cluster's
+/// upgrade test).
+pub const SOURCE_VAR: &str = "MESHPATH_PREVIOUS_SOURCE";
 /// The cargo profile its binaries are built with (target/previous/).
 const PROFILE: &str = "previous";
 
 /// Where its source is unpacked.
-fn source_dir() -> PathBuf {
+pub fn source_dir() -> PathBuf {
     cache_dir().join("previous").join(TAG)
 }
 

@@ -2,10 +2,14 @@
 //! a server with an HTTP port for kubelet's probes and a TCP sink, and the clients the tests run
 //! in pods with `kubectl exec`. Standard library only (and libc, for its listen backlog).
 //!
-//! - `serve [--http PORT] [--sink PORT]`: HTTP (8080): `GET /healthz` → 200, `GET /peer` → the
-//!   client's address as this pod sees it, `GET /count` → how many connections the sink has
-//!   accepted; the sink (9000) reads a connection to its end and answers
-//!   `bytes=N hash=H` (FNV-1a 64 of what it read), so a sender can check every byte arrived.
+//! - `serve [--http PORT] [--sink PORT] [--hello ADDR]`: HTTP (8080): `GET /healthz` → 200,
+//!   `GET /peer` → the client's address as this pod sees it, `GET /count` → how many
+//!   connections the sink has accepted; the sink (9000) reads a connection to its end and
+//!   answers `bytes=N hash=H` (FNV-1a 64 of what it read), so a sender can check every byte
+//!   arrived. With `--hello`, the first thing it does, before it listens: connect to ADDR
+//!   (again every 200 ms for up to 120 s until it can) and send `hello from LOCAL_ADDR`, the
+//!   address its own socket has, so the listener can tell whether it was reached by this
+//!   socket or by a proxy's (another port).
 //! - `send ADDR --bytes N [--seconds S]`: sends N bytes of a fixed pattern, spread over S
 //!   seconds, closes its side and prints the sink's answer; exits 1 unless the sink read
 //!   exactly what was sent.
@@ -82,7 +86,37 @@ fn listen(port: &str) -> Result<TcpListener, String> {
     Ok(l)
 }
 
+/// `serve --hello`: one connection to `to` saying which local address it was made from.
+fn hello(to: &str) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let Some(addr) = to.to_socket_addrs().ok().and_then(|mut a| a.next()) else {
+        eprintln!("cluster-app: --hello {to}: not an address");
+        return;
+    };
+    loop {
+        match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+            Ok(mut conn) => {
+                let local = conn.local_addr().map(|a| a.to_string()).unwrap_or_default();
+                let said = conn.write_all(format!("hello from {local}\n").as_bytes());
+                let _ = conn.shutdown(Shutdown::Write);
+                let mut rest = Vec::new();
+                let _ = conn.read_to_end(&mut rest);
+                eprintln!("cluster-app: hello to {to} from {local}: {said:?}");
+                return;
+            }
+            Err(e) if Instant::now() > deadline => {
+                eprintln!("cluster-app: hello to {to}: {e}");
+                return;
+            }
+            Err(_) => thread::sleep(Duration::from_millis(200)),
+        }
+    }
+}
+
 fn serve(args: &[String]) -> Result<(), String> {
+    if let Some(to) = flag(args, "--hello") {
+        hello(&to);
+    }
     let http = listen(&flag(args, "--http").unwrap_or_else(|| "8080".into()))?;
     let sink = listen(&flag(args, "--sink").unwrap_or_else(|| "9000".into()))?;
     let accepted = Arc::new(AtomicU64::new(0));

@@ -8,6 +8,9 @@
 //! istio-cni lets them out; this program sees them unless the socket asks for
 //! `PACKET_QDISC_BYPASS`, which skips TC egress as well (docs/datapath.md, "Known limits").
 //!
+//! What TCP is comes from the frame itself: its ethertype, past up to two VLAN tags, as the
+//! receiver reads it (a packet socket chooses the kernel's `skb->protocol` for its frame).
+//!
 //! What passes untouched: everything that is not TCP, and TCP sent by a kernel TCP socket,
 //! which capture has already decided on (app, proxy, excluded port or prefix, probe reply).
 //! What passes from any other sender is what the kernel's own control socket (itself a raw TCP
@@ -48,6 +51,11 @@ const DROP: i32 = TC_ACT_SHOT as i32;
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86dd;
+const ETH_P_8021Q: u16 = 0x8100;
+const ETH_P_8021AD: u16 = 0x88a8;
+/// VLAN tags skipped to find the frame's network header: 802.1ad outside 802.1Q inside (QinQ),
+/// as a receiver strips them. A frame with more is taken as TCP this cannot read.
+const MAX_VLAN_TAGS: usize = 2;
 const IPPROTO_TCP: u8 = 6;
 const SOCK_STREAM: u32 = 1;
 const TCP_SYN: u8 = 0x02;
@@ -63,8 +71,8 @@ enum Segment {
     Reset,
     /// A segment with neither SYN, RST nor data (a bare ACK, a FIN, no flags): the kernel's
     /// answer for one of its mini sockets, or a probe. `v4`: the tuple's addresses are
-    /// v4-mapped.
-    Bare { t: Tuple, v4: bool },
+    /// v4-mapped; `l3`: where the IP header starts.
+    Bare { t: Tuple, v4: bool, l3: usize },
     /// Anything else TCP: a SYN, data, a fragment, headers this program cannot walk.
     Other(Tuple),
 }
@@ -77,7 +85,7 @@ pub fn tc_pod_guard(ctx: TcContext) -> i32 {
     }
     let t = match segment(&ctx) {
         Segment::NotTcp | Segment::Reset => return PASS,
-        Segment::Bare { t, v4 } if answers_a_mini_socket(&ctx, &t, v4) => return PASS,
+        Segment::Bare { t, v4, l3 } if answers_a_mini_socket(&ctx, &t, v4, l3) => return PASS,
         Segment::Bare { t, .. } | Segment::Other(t) => t,
     };
     record(&ctx, NODE_WIDE, reason::EGRESS_DROP_NOT_TCP_SOCKET, || t);
@@ -90,12 +98,12 @@ pub fn tc_pod_guard(ctx: TcContext) -> i32 {
 /// here, at their fixed offsets, not while the headers are walked: carried through every path
 /// of that walk they cost Linux 6.1's verifier over its million instructions.
 #[inline(always)]
-fn answers_a_mini_socket(ctx: &TcContext, t: &Tuple, v4: bool) -> bool {
+fn answers_a_mini_socket(ctx: &TcContext, t: &Tuple, v4: bool, l3: usize) -> bool {
     // SAFETY: an all-zero tuple is valid plain data; the union's member written is the one
     // whose size is passed.
     let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
     let size = if v4 {
-        let Ok([src, dst]) = ctx.load::<[u32; 2]>(ETH_HLEN + 12) else {
+        let Ok([src, dst]) = ctx.load::<[u32; 2]>(l3 + 12) else {
             return false;
         };
         tuple.__bindgen_anon_1.ipv4.saddr = dst;
@@ -105,7 +113,7 @@ fn answers_a_mini_socket(ctx: &TcContext, t: &Tuple, v4: bool) -> bool {
         // SAFETY: the member just written.
         core::mem::size_of_val(unsafe { &tuple.__bindgen_anon_1.ipv4 })
     } else {
-        let Ok([src, dst]) = ctx.load::<[[u32; 4]; 2]>(ETH_HLEN + 8) else {
+        let Ok([src, dst]) = ctx.load::<[[u32; 4]; 2]>(l3 + 8) else {
             return false;
         };
         tuple.__bindgen_anon_1.ipv6.saddr = dst;
@@ -162,18 +170,41 @@ fn sent_by_tcp_socket(ctx: &TcContext) -> bool {
 
 /// Reads the headers (through bpf_skb_load_bytes, so any offset is checked at run time).
 /// Unreadable headers of a TCP packet count as [`Segment::Other`].
+///
+/// The network protocol is the frame's own ethertype, read from its bytes past any VLAN tags,
+/// as the receiver reads it: not `skb->protocol`, which a packet socket sets from its
+/// `sll_protocol` whatever the frame holds (an IPv4 SYN sent as ARP passed a guard that went by
+/// it), and which says nothing of what is behind a tag.
 #[inline(always)]
 fn segment(ctx: &TcContext) -> Segment {
-    match u16::from_be(ctx.skb.protocol() as u16) {
-        ETH_P_IP => v4(ctx),
-        ETH_P_IPV6 => v6(ctx),
+    let Ok(mut proto) = ctx.load::<u16>(ETH_HLEN - 2) else {
+        return Segment::Other(Tuple::default());
+    };
+    let mut l3 = ETH_HLEN;
+    for _ in 0..MAX_VLAN_TAGS {
+        let p = u16::from_be(proto);
+        if p != ETH_P_8021Q && p != ETH_P_8021AD {
+            break;
+        }
+        // The tag: 2 bytes of priority and VLAN id, then the ethertype of what follows.
+        proto = match ctx.load::<u16>(l3 + 2) {
+            Ok(next) => next,
+            Err(_) => return Segment::Other(Tuple::default()),
+        };
+        l3 += 4;
+    }
+    match u16::from_be(proto) {
+        ETH_P_IP => v4(ctx, l3),
+        ETH_P_IPV6 => v6(ctx, l3),
+        // More tags than this walks: what they hide is unknown.
+        ETH_P_8021Q | ETH_P_8021AD => Segment::Other(Tuple::default()),
         _ => Segment::NotTcp,
     }
 }
 
 #[inline(always)]
-fn v4(ctx: &TcContext) -> Segment {
-    let ip = ETH_HLEN;
+fn v4(ctx: &TcContext, l3: usize) -> Segment {
+    let ip = l3;
     match ctx.load::<u8>(ip + 9) {
         Ok(IPPROTO_TCP) => {}
         Ok(_) => return Segment::NotTcp,
@@ -191,12 +222,12 @@ fn v4(ctx: &TcContext) -> Segment {
         return Segment::Other(t);
     }
     let ihl = usize::from(ver_ihl & 0x0f) * 4;
-    tcp(ctx, ip + ihl, usize::from(u16::from_be(total)).saturating_sub(ihl), &mut t, true)
+    tcp(ctx, ip + ihl, usize::from(u16::from_be(total)).saturating_sub(ihl), &mut t, l3, true)
 }
 
 #[inline(always)]
-fn v6(ctx: &TcContext) -> Segment {
-    let ip = ETH_HLEN;
+fn v6(ctx: &TcContext, l3: usize) -> Segment {
+    let ip = l3;
     let (Ok(payload), Ok(mut next)) = (ctx.load::<u16>(ip + 4), ctx.load::<u8>(ip + 6)) else {
         return Segment::Other(Tuple::default());
     };
@@ -209,7 +240,7 @@ fn v6(ctx: &TcContext) -> Segment {
     // Bounded for the verifier; a chain longer than this is refused, not walked.
     for _ in 0..MAX_EXTENSION_HEADERS {
         let len = match next {
-            IPPROTO_TCP => return tcp(ctx, off, left, &mut t, false),
+            IPPROTO_TCP => return tcp(ctx, off, left, &mut t, l3, false),
             // Hop-by-hop, routing, destination options: (length + 1) * 8 bytes.
             0 | 43 | 60 => match ctx.load::<u8>(off + 1) {
                 Ok(l) => (usize::from(l) + 1) * 8,
@@ -236,16 +267,16 @@ fn v6(ctx: &TcContext) -> Segment {
         left = left.saturating_sub(len);
     }
     if next == IPPROTO_TCP {
-        tcp(ctx, off, left, &mut t, false)
+        tcp(ctx, off, left, &mut t, l3, false)
     } else {
         Segment::Other(t)
     }
 }
 
-/// The TCP header at `off`, `len` bytes of segment (header and data) after it; `v4`: an IPv4
-/// packet's.
+/// The TCP header at `off`, `len` bytes of segment (header and data) after it, in the packet
+/// whose IP header is at `l3`; `v4`: an IPv4 packet's.
 #[inline(always)]
-fn tcp(ctx: &TcContext, off: usize, len: usize, t: &mut Tuple, v4: bool) -> Segment {
+fn tcp(ctx: &TcContext, off: usize, len: usize, t: &mut Tuple, l3: usize, v4: bool) -> Segment {
     let (Ok(ports), Ok(doff), Ok(flags)) =
         (ctx.load::<[u16; 2]>(off), ctx.load::<u8>(off + 12), ctx.load::<u8>(off + 13))
     else {
@@ -259,6 +290,6 @@ fn tcp(ctx: &TcContext, off: usize, len: usize, t: &mut Tuple, v4: bool) -> Segm
     } else if flags & TCP_RST != 0 {
         Segment::Reset
     } else {
-        Segment::Bare { t: *t, v4 }
+        Segment::Bare { t: *t, v4, l3 }
     }
 }

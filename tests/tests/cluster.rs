@@ -301,7 +301,7 @@ fn the_previous_releases_agent_rolled_to_this_version_upgrades_the_datapath_unde
     // From the agent's first line to the upgrade's: its start to the datapath upgraded.
     println!(
         "agent rolled to this version, Ready after {ready_after:?}; first line {:?}; {upgraded:?}",
-        log.lines().next()
+        log.lines().find(|l| l.starts_with(|c: char| c.is_ascii_digit()))
     );
     assert!(upgraded.is_some(), "the new agent did not upgrade the datapath:\n{log}");
 

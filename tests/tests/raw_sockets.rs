@@ -5,7 +5,9 @@
 //! reaches" test has a real listener behind the destination (for the FIN, the peer's kernel at
 //! a closed port), whose answer (a SYN-ACK, a reset) the sender would see, and reads the peer's
 //! count of TCP segments received, which must not move; the first test shows the same SYN from
-//! a pod outside the mesh is answered.
+//! a pod outside the mesh is answered. A packet socket's frame is judged by what it holds: an
+//! IPv4 SYN sent with the socket's protocol set to ARP, or behind one or two VLAN tags, never
+//! reaches the peer either.
 
 use std::{
     io,
@@ -257,6 +259,66 @@ fn a_packet_socket_syn_from_a_meshed_pod_never_reaches_the_peer() {
     t.assert_never_reached();
 }
 
+/// Ethernet's IPv4 ethertype, 802.1Q and 802.1ad tags, ARP.
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_8021Q: u16 = 0x8100;
+const ETH_P_8021AD: u16 = 0x88a8;
+const ETH_P_ARP: u16 = 0x0806;
+
+/// A whole Ethernet frame from pod a to pod b: `tags` (each an ethertype, with VLAN 0, which a
+/// receiver takes as untagged) between the addresses and IPv4 carrying a hand-built SYN.
+fn tagged_syn_frame(t: &Attempt, tags: &[u16]) -> Vec<u8> {
+    let pods = &t.mesh.pods;
+    let mut frame = Vec::new();
+    frame.extend_from_slice(&mac_of_eth0(&pods.b));
+    frame.extend_from_slice(&mac_of_eth0(&pods.a));
+    for tag in tags {
+        frame.extend_from_slice(&tag.to_be_bytes());
+        frame.extend_from_slice(&[0, 0]);
+    }
+    frame.extend_from_slice(&ETH_P_IP.to_be_bytes());
+    frame.extend_from_slice(&ipv4(pods.a_ip, pods.b_ip, &tcp_syn(t.src, t.dst)));
+    frame
+}
+
+/// Sends `frame` as it is (a `SOCK_RAW` packet socket) out of pod a's eth0, the socket's
+/// protocol (`sll_protocol`, which becomes the kernel's idea of the frame's) `protocol`.
+fn send_frame(t: &Attempt, frame: &[u8], protocol: u16) {
+    let sent = t.mesh.pods.a.open().expect("netns a").run(|| send_raw_frame(frame, protocol));
+    // A packet socket hears of a drop at TC egress: ENOBUFS (NET_XMIT_DROP).
+    match sent.expect("enter netns") {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {}
+        Err(e) => panic!("sending the frame: {e}"),
+    }
+}
+
+/// The kernel takes a packet socket's frame to be what its `sll_protocol` says (ARP here),
+/// while the receiver reads the frame's own ethertype (IPv4): the guard must read the frame.
+#[test]
+fn a_packet_socket_syn_labelled_as_arp_never_reaches_the_peer() {
+    let t = Attempt::new(false, 8876);
+    send_frame(&t, &tagged_syn_frame(&t, &[]), ETH_P_ARP);
+    t.assert_never_reached();
+}
+
+/// Behind an 802.1Q tag of VLAN 0 (priority only), which the receiver strips and then reads
+/// the IPv4 SYN behind it.
+#[test]
+fn a_packet_socket_syn_behind_a_vlan_tag_never_reaches_the_peer() {
+    let t = Attempt::new(false, 8877);
+    send_frame(&t, &tagged_syn_frame(&t, &[ETH_P_8021Q]), ETH_P_8021Q);
+    t.assert_never_reached();
+}
+
+/// Behind two tags (802.1ad outside, 802.1Q inside), each stripped by the receiver in turn.
+#[test]
+fn a_packet_socket_syn_behind_two_vlan_tags_never_reaches_the_peer() {
+    let t = Attempt::new(false, 8878);
+    send_frame(&t, &tagged_syn_frame(&t, &[ETH_P_8021AD, ETH_P_8021Q]), ETH_P_8021AD);
+    t.assert_never_reached();
+}
+
 #[test]
 fn a_raw_bare_ack_from_a_meshed_pod_never_reaches_the_peer() {
     // An ACK scan: a peer answers an ACK of no connection with a reset, listener or not.
@@ -358,10 +420,38 @@ fn mac_of_eth0(ns: &NetnsGuard) -> [u8; 6] {
     mac
 }
 
+/// Sends one whole Ethernet frame out of eth0 of the calling thread's netns on a `SOCK_RAW`
+/// `AF_PACKET` socket bound to `protocol`.
+fn send_raw_frame(frame: &[u8], protocol: u16) -> io::Result<()> {
+    // SAFETY: as in send_on_packet_socket.
+    unsafe {
+        let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, i32::from(protocol.to_be()));
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let fd = std::os::fd::OwnedFd::from_raw_fd(fd);
+        let mut addr: libc::sockaddr_ll = std::mem::zeroed();
+        addr.sll_family = libc::AF_PACKET as u16;
+        addr.sll_protocol = protocol.to_be();
+        addr.sll_ifindex = libc::if_nametoindex(c"eth0".as_ptr()) as i32;
+        let n = libc::sendto(
+            fd.as_raw_fd(),
+            frame.as_ptr().cast(),
+            frame.len(),
+            0,
+            std::ptr::addr_of!(addr).cast(),
+            std::mem::size_of::<libc::sockaddr_ll>() as u32,
+        );
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 /// Sends one IPv4 packet out of eth0 of the calling thread's netns on an `AF_PACKET` socket
 /// (the kernel adds the Ethernet header, to `mac`).
 fn send_on_packet_socket(packet: &[u8], mac: [u8; 6]) -> io::Result<()> {
-    const ETH_P_IP: u16 = 0x0800;
     // SAFETY: plain socket calls on a descriptor this function owns (closed on return), with
     // a sockaddr_ll fully initialised here.
     unsafe {

@@ -96,6 +96,9 @@ pub struct Istiod {
     rt: tokio::runtime::Runtime,
     stop: Option<watch::Sender<bool>>,
     dir: PathBuf,
+    /// The DNS name its serving certificate is for (istiod's Service name unless a test that
+    /// the proxy checks it gives it another).
+    serving_name: String,
 }
 
 impl std::fmt::Debug for Istiod {
@@ -144,6 +147,7 @@ impl Istiod {
             rt,
             stop: None,
             dir,
+            serving_name: "istiod.istio-system.svc".to_owned(),
         };
         me.listen(None)?;
         Ok(me)
@@ -157,8 +161,7 @@ impl Istiod {
     fn listen(&mut self, ports: Option<Vec<u16>>) -> Result<()> {
         let (stop_tx, stop_rx) = watch::channel(false);
         let mut addrs = Vec::new();
-        let serving =
-            self.ca.issue_serving("istiod.istio-system.svc", &self.bind.ip().to_string())?;
+        let serving = self.ca.issue_serving(&self.serving_name, &self.bind.ip().to_string())?;
         let mut tls = rustls::ServerConfig::builder_with_provider(Arc::new(
             rustls::crypto::ring::default_provider(),
         ))
@@ -237,6 +240,13 @@ impl Istiod {
     }
 
     /// Listens again on the same addresses (istiod back).
+    /// Serves from now on with a certificate for `name` (its own CA's, its address too), as an
+    /// impostor with a certificate for another name would.
+    pub fn serve_as(&mut self, name: &str) -> Result<()> {
+        self.serving_name = name.to_owned();
+        self.restart()
+    }
+
     pub fn restart(&mut self) -> Result<()> {
         self.stop();
         let ports = self.addrs.iter().map(SocketAddr::port).collect();

@@ -403,3 +403,41 @@ fn a_pod_istiod_has_not_described_yet_gets_the_configured_trust_domain() {
     );
     assert!(csrs.iter().all(|c| !c.sans.iter().any(|s| s.contains("cluster.local"))), "{csrs:?}");
 }
+
+/// The proxy's log once it has tried istiod a few times, and whether any request got through.
+fn refused_istiod(node: &meshpath_tests::cni_node::CniNode, istiod: &Istiod) -> (String, usize) {
+    let proxy = node.proxy.as_ref().expect("proxy");
+    wait_until(Duration::from_secs(20), || {
+        proxy.lines().iter().filter(|l| l.contains("xDS stream failed")).count() >= 2
+    });
+    (proxy.lines().join("\n"), istiod.received().len())
+}
+
+/// istiod's serving certificate is checked against the root the proxy was given: a server with
+/// a certificate from another CA (an impostor on istiod's address) gets no request, no token,
+/// no CSR, and the proxy says why.
+#[test]
+fn the_proxy_refuses_an_istiod_whose_certificate_chains_to_another_root() {
+    let mut node = cni_node();
+    let istiod = Istiod::start(&[node.node.path()]).expect("istiod stand-in");
+    let other = meshpath_proxy::identity::LocalCa::generate("another mesh").expect("CA");
+    std::fs::write(&istiod.root_pem, other.to_pem().0).expect("the proxy's root for istiod");
+    node.start_proxy_xds(&istiod, &[]).expect("proxy");
+    let (log, received) = refused_istiod(&node, &istiod);
+    assert_eq!(received, 0, "the stand-in got requests through an unverified connection");
+    assert!(log.contains("UnknownIssuer") || log.contains("unknown issuer"), "{log}");
+    assert!(istiod.csrs().is_empty(), "a CSR went to an unverified istiod");
+}
+
+/// And against istiod's name: a certificate from the right CA for another name is refused.
+#[test]
+fn the_proxy_refuses_an_istiod_whose_certificate_is_for_another_name() {
+    let mut node = cni_node();
+    let mut istiod = Istiod::start(&[node.node.path()]).expect("istiod stand-in");
+    istiod.serve_as("istiod.elsewhere.svc").expect("serving under another name");
+    node.start_proxy_xds(&istiod, &[]).expect("proxy");
+    let (log, received) = refused_istiod(&node, &istiod);
+    assert_eq!(received, 0, "the stand-in got requests through a connection to another name");
+    assert!(log.contains("NotValidForName") || log.contains("not valid for name"), "{log}");
+    assert!(istiod.csrs().is_empty(), "a CSR went to an istiod of another name");
+}

@@ -330,7 +330,8 @@ impl CaClient {
             let mut retry: HashMap<Identity, (Instant, Duration)> = HashMap::new();
             loop {
                 tokio::time::sleep(Duration::from_millis(500)).await;
-                let want = wanted();
+                // A set: kept and retried identities are looked up in it, each in one step.
+                let want: std::collections::HashSet<Identity> = wanted().into_iter().collect();
                 if let Ok(mut held) = me.held.lock() {
                     held.retain(|id, _| want.contains(id));
                 }

@@ -83,10 +83,8 @@ impl Proxy {
             let store = self.store();
             ids.extend(
                 store
-                    .workloads()
-                    .filter(|w| {
-                        w.node == node && w.protocol == crate::state::workloads::Protocol::Hbone
-                    })
+                    .workloads_on_node(node)
+                    .filter(|w| w.protocol == crate::state::workloads::Protocol::Hbone)
                     .map(|w| w.identity()),
             );
         }

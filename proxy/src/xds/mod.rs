@@ -208,13 +208,7 @@ impl Held {
             self.store.set_policies(self.policies.values().cloned().collect());
         }
         let n = refused.len();
-        let error = (!refused.is_empty()).then(|| {
-            refused
-                .iter()
-                .map(|(name, why)| format!("{name}: {why}"))
-                .collect::<Vec<_>>()
-                .join("; ")
-        });
+        let error = (!refused.is_empty()).then(|| nack_text(&refused));
         Applied { reply: ack(error), changed, workloads_left, refused: n }
     }
 
@@ -374,6 +368,34 @@ pub fn default_token_path() -> PathBuf {
     PathBuf::from("/var/run/secrets/tokens/istio-token")
 }
 
+/// Refused resources named in one NACK, and bytes of each name and of each reason: a response
+/// of 10,000 bad resources (or one with a huge name) is answered in a few kilobytes, not with
+/// all of them joined (istiod logs the text, and sends the next push regardless).
+const NACK_NAMES: usize = 16;
+const NACK_FIELD_BYTES: usize = 256;
+
+/// The NACK's text: the first refused resources, each `name: reason` cut to a bound, and how
+/// many more there were.
+fn nack_text(refused: &[(String, String)]) -> String {
+    fn cut(s: &str) -> &str {
+        let mut end = s.len().min(NACK_FIELD_BYTES);
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        &s[..end]
+    }
+    let mut text = refused
+        .iter()
+        .take(NACK_NAMES)
+        .map(|(name, why)| format!("{}: {}", cut(name), cut(why)))
+        .collect::<Vec<_>>()
+        .join("; ");
+    if refused.len() > NACK_NAMES {
+        text.push_str(&format!("; and {} more refused", refused.len() - NACK_NAMES));
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     //! A hostile or malformed push, as `Held::apply` takes it: each refused resource is named
@@ -403,6 +425,21 @@ mod tests {
             tunnel_protocol: workload::TunnelProtocol::Hbone as i32,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_nack_of_many_refused_resources_names_the_first_and_counts_the_rest() {
+        let long = "x".repeat(100_000);
+        let mut resources: Vec<Resource> =
+            (0..10_000).map(|i| resource(&format!("bad-{i}"), ADDRESS_TYPE, vec![0xff])).collect();
+        resources.insert(0, resource(&long, ADDRESS_TYPE, vec![0xff]));
+        let mut held = Held::default();
+        let applied = held.apply(&response(ADDRESS_TYPE, resources, &[]));
+        assert_eq!(applied.refused, 10_001);
+        let text = nack(&applied);
+        assert!(text.len() < 16 * 1024, "a NACK of {} bytes", text.len());
+        assert!(text.starts_with(&"x".repeat(NACK_FIELD_BYTES)), "{}", &text[..300]);
+        assert!(text.contains("bad-0: ") && text.ends_with("; and 9985 more refused"), "{text}");
     }
 
     fn address(w: workload::Workload) -> Vec<u8> {

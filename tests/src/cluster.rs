@@ -164,9 +164,14 @@ pub const MESHPATH_PREVIOUS: &str = "localhost/meshpath:previous";
 /// tests/cluster overlay of its deploy/install, from the source xtask unpacked:
 /// `MESHPATH_PREVIOUS_SOURCE`) with its image, both DaemonSets Ready.
 pub fn install_previous_release() -> Result<()> {
-    let source = std::env::var_os("MESHPATH_PREVIOUS_SOURCE").context(
-        "MESHPATH_PREVIOUS_SOURCE is not set: run the cluster suite with `cargo xtask test`",
-    )?;
+    let Some(source) = std::env::var_os("MESHPATH_PREVIOUS_SOURCE") else {
+        match std::env::var("MESHPATH_PREVIOUS_ERROR") {
+            Ok(why) => bail!("the previous release could not be built: {why}"),
+            Err(_) => bail!(
+                "MESHPATH_PREVIOUS_SOURCE is not set: run the cluster suite with `cargo xtask test`"
+            ),
+        }
+    };
     namespace_and_root()?;
     let overlay = PathBuf::from(source).join("tests/cluster");
     let yaml = kubectl(&["kustomize", &overlay.display().to_string()])?

@@ -66,10 +66,15 @@ pub fn loader_bin() -> PathBuf {
 /// A binary of the previous release (its git tag, built by `cargo xtask test`, or by
 /// `cargo xtask build --previous`, which prints the variable to set), for the upgrade tests.
 pub fn previous_release_bin(name: &str) -> PathBuf {
-    let dir = std::env::var_os("MESHPATH_PREVIOUS_BIN_DIR").expect(
-        "MESHPATH_PREVIOUS_BIN_DIR is not set: run these tests with `cargo xtask test`, or set it \
-         as `cargo xtask build --previous` prints",
-    );
+    let Some(dir) = std::env::var_os("MESHPATH_PREVIOUS_BIN_DIR") else {
+        match std::env::var("MESHPATH_PREVIOUS_ERROR") {
+            Ok(why) => panic!("the previous release could not be built: {why}"),
+            Err(_) => panic!(
+                "MESHPATH_PREVIOUS_BIN_DIR is not set: run these tests with `cargo xtask test`, \
+                 or set it as `cargo xtask build --previous` prints"
+            ),
+        }
+    };
     let bin = PathBuf::from(dir).join(name);
     assert!(bin.exists(), "the previous release's {} is missing", bin.display());
     bin

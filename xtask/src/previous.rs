@@ -27,6 +27,8 @@ pub const BIN_DIR_VAR: &str = "MESHPATH_PREVIOUS_BIN_DIR";
 /// The variable that tells the tests where its source is (its manifests, for the cluster's
 /// upgrade test).
 pub const SOURCE_VAR: &str = "MESHPATH_PREVIOUS_SOURCE";
+/// The variable that tells the tests why it could not be built.
+pub const ERROR_VAR: &str = "MESHPATH_PREVIOUS_ERROR";
 /// The cargo profile its binaries are built with (target/previous/).
 const PROFILE: &str = "previous";
 

@@ -6,7 +6,7 @@ use std::{
     collections::BTreeMap,
     sync::{
         atomic::{AtomicBool, Ordering},
-        Arc, Mutex, RwLock,
+        Arc, Mutex, PoisonError, RwLock, Weak,
     },
 };
 
@@ -34,6 +34,11 @@ pub struct Proxy {
     pub authorized: Authorized,
     /// In xDS mode: whether istiod's first responses have been applied (readiness waits).
     xds: std::sync::OnceLock<Arc<Synced>>,
+    /// The identities of the HBONE workloads the store places on this node, and the store they
+    /// were read from: walked again only when the store is another (the renewal task asks
+    /// every 500 ms; a walk is as long as the mesh). A weak reference: the old store is not
+    /// kept, and its address not reused while this names it.
+    node_identities: Mutex<(Weak<WorkloadStore>, Vec<crate::identity::Identity>)>,
 }
 
 impl Proxy {
@@ -65,6 +70,7 @@ impl Proxy {
             transparent: Default::default(),
             authorized: Default::default(),
             xds: std::sync::OnceLock::new(),
+            node_identities: Mutex::new((Weak::new(), Vec::new())),
         }))
     }
 
@@ -81,12 +87,18 @@ impl Proxy {
             self.pods().iter().map(|p| p.identity.clone()).collect();
         if !node.is_empty() {
             let store = self.store();
-            ids.extend(
-                store
-                    .workloads_on_node(node)
-                    .filter(|w| w.protocol == crate::state::workloads::Protocol::Hbone)
-                    .map(|w| w.identity()),
-            );
+            let mut cached = self.node_identities.lock().unwrap_or_else(PoisonError::into_inner);
+            if !Weak::ptr_eq(&cached.0, &Arc::downgrade(&store)) {
+                let on_node = store
+                    .workloads()
+                    .filter(|w| {
+                        w.node == node && w.protocol == crate::state::workloads::Protocol::Hbone
+                    })
+                    .map(|w| w.identity())
+                    .collect::<std::collections::HashSet<_>>();
+                *cached = (Arc::downgrade(&store), on_node.into_iter().collect());
+            }
+            ids.extend(cached.1.iter().cloned());
         }
         ids.into_iter().collect()
     }

@@ -90,9 +90,6 @@ pub struct WorkloadStore {
     service_by_hostname: PHashMap<String, Claims<Service>>,
     /// Service key (`NS/HOSTNAME`) → the workloads that back it, by their names.
     backends: PHashMap<String, OrdMap<String, Arc<Workload>>>,
-    /// Node name → the workloads istiod places on it, by their names: the node proxy's own
-    /// (whose certificates it keeps fresh), found without walking the mesh.
-    by_node: PHashMap<String, OrdMap<String, Arc<Workload>>>,
 }
 
 /// The name a file's entry `i` is kept under: sorts in file order.
@@ -316,11 +313,6 @@ impl WorkloadStore {
             backends.insert(name.clone(), w.clone());
             self.backends.insert(key.clone(), backends);
         }
-        if !w.node.is_empty() {
-            let mut on_node = self.by_node.get(&w.node).cloned().unwrap_or_default();
-            on_node.insert(name, w.clone());
-            self.by_node.insert(w.node.clone(), on_node);
-        }
     }
 
     fn unindex_workload(&mut self, name: &str, w: &Arc<Workload>) {
@@ -336,14 +328,6 @@ impl WorkloadStore {
                 } else {
                     self.backends.insert(key.clone(), backends);
                 }
-            }
-        }
-        if let Some(mut on_node) = self.by_node.get(&w.node).cloned() {
-            on_node.remove(name);
-            if on_node.is_empty() {
-                self.by_node.remove(&w.node);
-            } else {
-                self.by_node.insert(w.node.clone(), on_node);
             }
         }
     }
@@ -426,12 +410,6 @@ impl WorkloadStore {
     /// Every workload, in file order (from istiod: in name order).
     pub fn workloads(&self) -> impl Iterator<Item = &Arc<Workload>> {
         self.workloads.values()
-    }
-
-    /// The workloads on node `node` (by their names), from the node index: as many steps as
-    /// there are, however large the mesh.
-    pub fn workloads_on_node(&self, node: &str) -> impl Iterator<Item = &Arc<Workload>> {
-        self.by_node.get(node).into_iter().flat_map(|m| m.values())
     }
 
     /// Every service, in file order (from istiod: in name order).
@@ -752,29 +730,6 @@ mod tests {
         }
         s.remove_workload("w0");
         assert_eq!(uid_at(&s, "10.0.0.1"), None);
-    }
-
-    #[test]
-    fn the_workloads_of_a_node_are_found_by_its_name_and_leave_with_their_removal() {
-        let on = |uid: &str, node: &str| {
-            let mut w = (*workload(uid, &[], None)).clone();
-            w.node = node.into();
-            Arc::new(w)
-        };
-        let mut s = WorkloadStore::default();
-        s.put_workload("a", on("a", "n1"));
-        s.put_workload("b", on("b", "n2"));
-        s.put_workload("c", on("c", "n1"));
-        let uids = |s: &WorkloadStore, n: &str| {
-            s.workloads_on_node(n).map(|w| w.uid.clone()).collect::<Vec<_>>()
-        };
-        assert_eq!(uids(&s, "n1"), ["a", "c"]);
-        // Moved to another node: found there only.
-        s.put_workload("c", on("c", "n2"));
-        assert_eq!(uids(&s, "n1"), ["a"]);
-        assert_eq!(uids(&s, "n2"), ["b", "c"]);
-        s.remove_workload("a");
-        assert!(uids(&s, "n1").is_empty());
     }
 
     #[test]

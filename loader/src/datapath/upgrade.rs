@@ -48,11 +48,23 @@ use tracing::{debug, info, warn};
 use super::{load, Datapath, EBPF_OBJECT, PINNED_BY_PATH, SHARED_PROGRAMS};
 use crate::{pods::link_pins, sys, Error, Result};
 
-/// The datapath this loader embeds: FNV-1a of its eBPF object.
+/// The datapath this loader embeds: FNV-1a of its eBPF object, taken by build.rs.
 pub fn version() -> u64 {
-    EBPF_OBJECT.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    VERSION
+}
+
+const VERSION: u64 = decimal(env!("MESHPATH_DATAPATH_VERSION"));
+
+/// A decimal number, at compile time.
+const fn decimal(s: &str) -> u64 {
+    let b = s.as_bytes();
+    let mut i = 0;
+    let mut n: u64 = 0;
+    while i < b.len() {
+        n = n.wrapping_mul(10).wrapping_add((b[i] - b'0') as u64);
+        i += 1;
+    }
+    n
 }
 
 /// `BPF_NOEXIST`: an update that only adds.

@@ -150,6 +150,17 @@ fn apply(held: &mut Held, bytes: &[u8], current: &mut WorkloadStore) -> Result<D
     Ok(took)
 }
 
+/// `bytes` applied to nothing held, three times: the times (ms), and what the last made.
+fn apply_from_empty(bytes: &[u8]) -> Result<(Vec<f64>, Held, WorkloadStore)> {
+    let mut apply_ms = Vec::new();
+    let (mut held, mut current) = (Held::default(), WorkloadStore::default());
+    for _ in 0..3 {
+        (held, current) = (Held::default(), WorkloadStore::default());
+        apply_ms.push(apply(&mut held, bytes, &mut current)?.as_secs_f64() * 1e3);
+    }
+    Ok((apply_ms, held, current))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
@@ -267,14 +278,7 @@ pub fn run(out: &Path) -> Result<()> {
     for &n in SIZES {
         let services = n / 10;
         let all = response(0..n, 0..services);
-        let mut apply_ms = Vec::new();
-        let mut held = Held::default();
-        let mut current = WorkloadStore::default();
-        for _ in 0..3 {
-            held = Held::default();
-            current = WorkloadStore::default();
-            apply_ms.push(apply(&mut held, &all, &mut current)?.as_secs_f64() * 1e3);
-        }
+        let (apply_ms, mut held, mut current) = apply_from_empty(&all)?;
         let mut delta_us = Vec::new();
         for k in 0..20 {
             let one = response(n + k..n + k + 1, 0..0);
@@ -346,14 +350,7 @@ const SHARED: usize = 10_000;
 /// one removed (median of 20).
 fn shared_address(n: usize) -> Result<Value> {
     let all = response_of(0..n, 0..0, sharing);
-    let mut apply_ms = Vec::new();
-    let mut held = Held::default();
-    let mut current = WorkloadStore::default();
-    for _ in 0..3 {
-        held = Held::default();
-        current = WorkloadStore::default();
-        apply_ms.push(apply(&mut held, &all, &mut current)?.as_secs_f64() * 1e3);
-    }
+    let (apply_ms, mut held, mut current) = apply_from_empty(&all)?;
     let mut more_us = Vec::new();
     for k in 0..20 {
         let one = response_of(n + k..n + k + 1, 0..0, sharing);

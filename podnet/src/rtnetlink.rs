@@ -189,35 +189,28 @@ impl Socket {
     pub fn fwmark_rules(&mut self, family: Family) -> io::Result<Vec<FwmarkRule>> {
         let mut body = [0u8; BODY_LEN];
         body[0] = family.af();
-        let seq = self.send(libc::RTM_GETRULE, libc::NLM_F_DUMP as u16, &body)?;
-        let mut rules = Vec::new();
-        let mut buf = vec![0u8; 32 * 1024];
-        loop {
-            let n = self.recv(&mut buf)?;
-            for msg in Messages::new(&buf[..n]) {
-                let (kind, msg_seq, payload) = msg?;
-                if msg_seq != seq {
-                    continue;
-                }
-                match kind {
-                    NLMSG_DONE => return Ok(rules),
-                    NLMSG_ERROR => error_code(payload)?,
-                    libc::RTM_NEWRULE => {
-                        if let Some(rule) = parse_rule(family, payload) {
-                            rules.push(rule);
-                        }
-                    }
-                    _ => {}
-                }
-            }
-        }
+        self.dump(libc::RTM_GETRULE, &body, libc::RTM_NEWRULE, None, |p| parse_rule(family, p))
     }
 
-    /// The eBPF filters on `hook` of interface `ifindex` (none when it has no clsact qdisc).
+    /// The eBPF filters on `hook` of interface `ifindex` (none when it has no clsact qdisc,
+    /// which the kernel says with EINVAL).
     pub fn bpf_filters(&mut self, ifindex: u32, hook: ClsactHook) -> io::Result<Vec<BpfFilter>> {
         let body = tcmsg(ifindex, 0, hook.parent(), 0);
-        let seq = self.send(RTM_GETTFILTER, libc::NLM_F_DUMP as u16, &body)?;
-        let mut filters = Vec::new();
+        self.dump(RTM_GETTFILTER, &body, RTM_NEWTFILTER, Some(libc::EINVAL), parse_bpf_filter)
+    }
+
+    /// A dump request: every `answer` message parsed by `parse` (those it refuses left out);
+    /// an error `empty_errno` means there is nothing to list.
+    fn dump<T>(
+        &mut self,
+        request: u16,
+        body: &[u8],
+        answer: u16,
+        empty_errno: Option<i32>,
+        parse: impl Fn(&[u8]) -> Option<T>,
+    ) -> io::Result<Vec<T>> {
+        let seq = self.send(request, libc::NLM_F_DUMP as u16, body)?;
+        let mut out = Vec::new();
         let mut buf = vec![0u8; 32 * 1024];
         loop {
             let n = self.recv(&mut buf)?;
@@ -227,13 +220,14 @@ impl Socket {
                     continue;
                 }
                 match kind {
-                    NLMSG_DONE => return Ok(filters),
-                    // No qdisc on the interface: no filters.
+                    NLMSG_DONE => return Ok(out),
                     NLMSG_ERROR => match error_code(payload) {
-                        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(filters),
+                        Err(e) if empty_errno.is_some() && e.raw_os_error() == empty_errno => {
+                            return Ok(out)
+                        }
                         other => other?,
                     },
-                    RTM_NEWTFILTER => filters.extend(parse_bpf_filter(payload)),
+                    k if k == answer => out.extend(parse(payload)),
                     _ => {}
                 }
             }

@@ -204,11 +204,9 @@ fn kubelet_probes_reach_a_meshed_pod_and_a_closed_probe_port_leaves_it_unready()
     assert_eq!(app_pod(&ns.name, "open").expect("pod").expect("pod").restarts, 0);
 }
 
-/// Starts a long paced transfer from the client, runs `disrupt`, and checks the transfer
-/// arrives byte-exact and a new connection works after.
-fn survives(disrupt: impl FnOnce()) {
-    set_up();
-    let pair = meshed_pair();
+/// A long paced transfer from the client to the server's sink, once the server has accepted
+/// it (a disruption after this is one it is under way across).
+fn long_transfer_under_way(pair: &MeshedPair) -> std::process::Child {
     let target = format!("{}:9000", pair.server.ip);
     let accepted = sink_count(pair.server.ip).expect("sink count");
     let long = exec_spawn(
@@ -217,11 +215,19 @@ fn survives(disrupt: impl FnOnce()) {
         &["send", &target, "--bytes", LONG_BYTES, "--seconds", LONG_SECONDS],
     )
     .expect("the long transfer");
-    // Disrupted once it is under way: the server has accepted it.
     wait_for("the long transfer to start", Duration::from_secs(30), || {
         Ok((sink_count(pair.server.ip)? > accepted).then_some(()))
     })
     .expect("the transfer started");
+    long
+}
+
+/// Starts a long paced transfer from the client, runs `disrupt`, and checks the transfer
+/// arrives byte-exact and a new connection works after.
+fn survives(disrupt: impl FnOnce()) {
+    set_up();
+    let pair = meshed_pair();
+    let long = long_transfer_under_way(&pair);
     disrupt();
     let out = long.wait_with_output().expect("the long transfer's end");
     let text =
@@ -261,17 +267,7 @@ fn the_previous_releases_agent_rolled_to_this_version_upgrades_the_datapath_unde
     let pair = meshed_pair();
     let target = format!("{}:9000", pair.server.ip);
     let mtls_before = mtls_opened_to("server");
-    let accepted = sink_count(pair.server.ip).expect("sink count");
-    let long = exec_spawn(
-        &pair.ns.name,
-        &pair.client.name,
-        &["send", &target, "--bytes", LONG_BYTES, "--seconds", LONG_SECONDS],
-    )
-    .expect("the long transfer");
-    wait_for("the long transfer to start", Duration::from_secs(30), || {
-        Ok((sink_count(pair.server.ip)? > accepted).then_some(()))
-    })
-    .expect("the transfer started");
+    let long = long_transfer_under_way(&pair);
     let seconds = UPGRADE_LOOP_SECONDS.to_string();
     let client =
         exec_spawn(&pair.ns.name, &pair.client.name, &["loop", &target, "--seconds", &seconds])

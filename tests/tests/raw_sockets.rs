@@ -423,9 +423,22 @@ fn mac_of_eth0(ns: &NetnsGuard) -> [u8; 6] {
 /// Sends one whole Ethernet frame out of eth0 of the calling thread's netns on a `SOCK_RAW`
 /// `AF_PACKET` socket bound to `protocol`.
 fn send_raw_frame(frame: &[u8], protocol: u16) -> io::Result<()> {
-    // SAFETY: as in send_on_packet_socket.
+    send_on_eth0(libc::SOCK_RAW, frame, protocol, None)
+}
+
+/// Sends one IPv4 packet out of eth0 of the calling thread's netns on an `AF_PACKET` socket
+/// (the kernel adds the Ethernet header, to `mac`).
+fn send_on_packet_socket(packet: &[u8], mac: [u8; 6]) -> io::Result<()> {
+    send_on_eth0(libc::SOCK_DGRAM, packet, ETH_P_IP, Some(mac))
+}
+
+/// One `sendto` on an `AF_PACKET` socket of type `ty` and `protocol` out of eth0, to `mac`
+/// when the kernel is to build the Ethernet header.
+fn send_on_eth0(ty: i32, bytes: &[u8], protocol: u16, mac: Option<[u8; 6]>) -> io::Result<()> {
+    // SAFETY: plain socket calls on a descriptor this function owns (closed on return), with
+    // a sockaddr_ll fully initialised here.
     unsafe {
-        let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, i32::from(protocol.to_be()));
+        let fd = libc::socket(libc::AF_PACKET, ty, i32::from(protocol.to_be()));
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -434,43 +447,14 @@ fn send_raw_frame(frame: &[u8], protocol: u16) -> io::Result<()> {
         addr.sll_family = libc::AF_PACKET as u16;
         addr.sll_protocol = protocol.to_be();
         addr.sll_ifindex = libc::if_nametoindex(c"eth0".as_ptr()) as i32;
+        if let Some(mac) = mac {
+            addr.sll_halen = 6;
+            addr.sll_addr[..6].copy_from_slice(&mac);
+        }
         let n = libc::sendto(
             fd.as_raw_fd(),
-            frame.as_ptr().cast(),
-            frame.len(),
-            0,
-            std::ptr::addr_of!(addr).cast(),
-            std::mem::size_of::<libc::sockaddr_ll>() as u32,
-        );
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-    }
-    Ok(())
-}
-
-/// Sends one IPv4 packet out of eth0 of the calling thread's netns on an `AF_PACKET` socket
-/// (the kernel adds the Ethernet header, to `mac`).
-fn send_on_packet_socket(packet: &[u8], mac: [u8; 6]) -> io::Result<()> {
-    // SAFETY: plain socket calls on a descriptor this function owns (closed on return), with
-    // a sockaddr_ll fully initialised here.
-    unsafe {
-        let fd = libc::socket(libc::AF_PACKET, libc::SOCK_DGRAM, i32::from(ETH_P_IP.to_be()));
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let fd = std::os::fd::OwnedFd::from_raw_fd(fd);
-        let ifindex = libc::if_nametoindex(c"eth0".as_ptr());
-        let mut addr: libc::sockaddr_ll = std::mem::zeroed();
-        addr.sll_family = libc::AF_PACKET as u16;
-        addr.sll_protocol = ETH_P_IP.to_be();
-        addr.sll_ifindex = ifindex as i32;
-        addr.sll_halen = 6;
-        addr.sll_addr[..6].copy_from_slice(&mac);
-        let n = libc::sendto(
-            fd.as_raw_fd(),
-            packet.as_ptr().cast(),
-            packet.len(),
+            bytes.as_ptr().cast(),
+            bytes.len(),
             0,
             std::ptr::addr_of!(addr).cast(),
             std::mem::size_of::<libc::sockaddr_ll>() as u32,

@@ -163,7 +163,7 @@ impl Datapath {
             .chain(next)
             .map(|&name| {
                 let pin = self.map_pin(name);
-                let pin = if next.contains(&name) { upgrade_next_pin(&pin) } else { pin };
+                let pin = if next.contains(&name) { upgrade::next_pin(&pin) } else { pin };
                 (name, pin)
             })
             .collect();
@@ -481,13 +481,6 @@ impl Datapath {
         let flags = config.get(&0, 0).map_err(|e| Error::bpf("reading NODE_CONFIG", e))?;
         config.set(0, (flags | set) & !clear, 0).map_err(|e| Error::bpf("writing NODE_CONFIG", e))
     }
-}
-
-/// `NAME-next` beside a pin (`pins::NEXT_SUFFIX`).
-fn upgrade_next_pin(pin: &Path) -> PathBuf {
-    let mut name = pin.file_name().unwrap_or_default().to_owned();
-    name.push(pins::NEXT_SUFFIX);
-    pin.with_file_name(name)
 }
 
 /// The SOCKHASH keys a pod's inbound listeners may be filed under (each of

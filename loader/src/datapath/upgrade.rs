@@ -203,10 +203,10 @@ fn declared_maps() -> Result<BTreeMap<String, Layout>> {
 
 /// Each declared map's plan against the pins under `dp`; refused (before anything changes)
 /// where a map's entries cannot be carried over.
-fn plan(dp: &Datapath) -> Result<BTreeMap<String, Plan>> {
+fn plan(dp: &Datapath, declared: &BTreeMap<String, Layout>) -> Result<BTreeMap<String, Plan>> {
     let mut plans = BTreeMap::new();
-    for (name, new) in declared_maps()? {
-        let pin = dp.map_pin(&name);
+    for (name, &new) in declared {
+        let pin = dp.map_pin(name);
         let plan = if !pin.exists() {
             Plan::Create
         } else {
@@ -220,13 +220,13 @@ fn plan(dp: &Datapath) -> Result<BTreeMap<String, Plan>> {
             } else {
                 return Err(Error::StaleDatapath {
                     root: dp.root.clone(),
-                    map: name,
+                    map: name.clone(),
                     found: old.describe(),
                     wanted: new.describe(),
                 });
             }
         };
-        plans.insert(name, plan);
+        plans.insert(name.clone(), plan);
     }
     Ok(plans)
 }
@@ -252,7 +252,8 @@ pub struct Report {
 /// Upgrades the datapath pinned under `dp` to this loader's (see the module's docs).
 pub(super) fn run(dp: &Datapath) -> Result<Report> {
     let started = Instant::now();
-    let plans = plan(dp)?;
+    let declared = declared_maps()?;
+    let plans = plan(dp, &declared)?;
     let mut report = Report::default();
     // Maps loaded from their `-next` pin: new ones taking an old one's place.
     let replaced: Vec<&str> = plans
@@ -264,11 +265,8 @@ pub(super) fn run(dp: &Datapath) -> Result<Report> {
         // A `-next` left by an upgrade that stopped part way is used again if it has the new
         // layout (programs may already run on it), else made anew.
         let next = next_pin(&dp.map_pin(name));
-        if next.exists() {
-            let wanted = declared_maps()?.get(*name).copied();
-            if Layout::of_pin(&next).ok() != wanted {
-                remove_pin(&next)?;
-            }
+        if next.exists() && Layout::of_pin(&next).ok() != declared.get(*name).copied() {
+            remove_pin(&next)?;
         }
     }
     let mut ebpf = dp.load_object_with(0, &replaced)?;
@@ -554,8 +552,11 @@ fn pin_program(ebpf: &mut Ebpf, name: &str, pin: &Path) -> Result<()> {
     prog.pin(pin).map_err(|e| Error::bpf(format!("pinning {}", pin.display()), e))
 }
 
-fn next_pin(pin: &Path) -> PathBuf {
-    super::upgrade_next_pin(pin)
+/// `NAME-next` beside a pin (`pins::NEXT_SUFFIX`): where a replacement waits.
+pub(super) fn next_pin(pin: &Path) -> PathBuf {
+    let mut name = pin.file_name().unwrap_or_default().to_owned();
+    name.push(pins::NEXT_SUFFIX);
+    pin.with_file_name(name)
 }
 
 fn remove_pin(pin: &Path) -> Result<()> {

@@ -109,10 +109,11 @@ fn route(
 ) -> Response<Full<Bytes>> {
     match (which, req.method(), req.uri().path()) {
         (Endpoints::Readiness, &Method::GET, "/healthz/ready") => {
-            if proxy.is_ready() {
+            let why = proxy.not_ready_reasons();
+            if why.is_empty() {
                 text(StatusCode::OK, "ready\n")
             } else {
-                text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+                text(StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {}\n", why.join("; ")))
             }
         }
         // Answered by the same runtime that carries the traffic: a wedged runtime answers

@@ -277,6 +277,16 @@ pub fn uninstall() -> Result<()> {
 
 /// The agent's readiness answer (status code and body), from its health port on the node.
 pub fn agent_readyz() -> Result<(u16, String)> {
+    node_http_get(8000, "/readyz")
+}
+
+/// The proxy's readiness answer (status code and body: why it is not ready), on the node.
+pub fn proxy_readiness() -> Result<(u16, String)> {
+    node_http_get(15021, "/healthz/ready")
+}
+
+/// `GET http://NODE_IP:port/path` from the node: status code and body.
+fn node_http_get(port: u16, path: &str) -> Result<(u16, String)> {
     let mut c = in_node("curl");
     c.args([
         "-s",
@@ -284,7 +294,7 @@ pub fn agent_readyz() -> Result<(u16, String)> {
         "5",
         "-w",
         "\n%{http_code}",
-        &format!("http://{NODE_IP}:8000/readyz"),
+        &format!("http://{NODE_IP}:{port}{path}"),
     ]);
     let out = output(c, None)?;
     let (body, code) = out.trim_end().rsplit_once('\n').unwrap_or(("", out.trim()));

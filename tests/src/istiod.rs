@@ -79,6 +79,8 @@ struct Shared {
     ttl: Option<Duration>,
     /// A CSR for this identity is never answered (a CA that hangs).
     stalled: Option<String>,
+    /// Every CSR is answered UNAVAILABLE (istiod's CA away).
+    ca_away: bool,
     version: u64,
 }
 
@@ -348,6 +350,11 @@ impl Istiod {
     /// Never answers a CSR for `identity` (a SPIFFE id), as a CA that hangs.
     pub fn stall_identity(&self, identity: Option<&str>) {
         self.shared.lock().expect("state").stalled = identity.map(str::to_owned);
+    }
+
+    /// Answers every CSR UNAVAILABLE (true) as an istiod whose CA is away, or signs again.
+    pub fn ca_away(&self, away: bool) {
+        self.shared.lock().expect("state").ca_away = away;
     }
 
     /// Gives every certificate this validity.
@@ -644,6 +651,9 @@ impl IstioCertificateService for Service {
                 validity_seconds: req.validity_duration,
                 sans: sans.clone(),
             });
+            if s.ca_away {
+                return Err(Status::unavailable("istiod's CA is away (stand-in)"));
+            }
             (s.wrong_san.clone(), s.ttl, s.stalled.clone())
         };
         if stalled.is_some() && stalled == impersonated {

@@ -56,9 +56,34 @@ fn the_proxy_turns_ready_only_once_both_types_have_been_applied() {
     });
     assert!(acked.is_some(), "the Address response was never acknowledged");
     assert!(!ready(&nodes, 0), "ready without istiod's policies");
+    let (_, why) = nodes.proxies[0].http("READINESS", "GET", "/healthz/ready").expect("readiness");
+    assert!(why.contains("istiod's Authorization") && !why.contains("Address"), "{why}");
     assert!(live(&nodes, 0), "a proxy waiting for its first push is not alive to the kubelet");
     nodes.istiod().withhold(AUTHORIZATION_TYPE, false);
     assert!(wait_until(Duration::from_secs(20), || ready(&nodes, 0)), "not ready after both types");
+}
+
+#[test]
+fn a_first_push_with_a_refused_resource_leaves_the_proxy_unready_until_istiod_sends_one_it_takes() {
+    // As ztunnel: a type counts once a response of it is accepted whole. Serving on a first push
+    // with a refused policy could let through what that policy denies.
+    let nodes = istiod(Some(|i| i.set_address_raw("not-a-message", vec![0xff, 0xff, 0xff])));
+    let nack = nodes.istiod().wait_received(Duration::from_secs(20), |r| r.error.is_some());
+    assert!(nack.is_some_and(|n| n.type_url == ADDRESS_TYPE), "the bad resource was not NACKed");
+    let policies = nodes.istiod().wait_received(Duration::from_secs(20), |r| {
+        r.type_url == AUTHORIZATION_TYPE && !r.nonce.is_empty() && r.error.is_none()
+    });
+    assert!(policies.is_some(), "the policies were not acknowledged");
+    let (code, why) =
+        nodes.proxies[0].http("READINESS", "GET", "/healthz/ready").expect("readiness");
+    assert_eq!(code, 503, "ready on a first push it refused part of: {why}");
+    assert!(why.contains("istiod's Address"), "{why}");
+    assert!(live(&nodes, 0), "a proxy that refused a resource is not alive to the kubelet");
+    nodes.istiod().remove_address("not-a-message");
+    assert!(
+        wait_until(Duration::from_secs(20), || ready(&nodes, 0)),
+        "not ready once istiod sent a response it takes"
+    );
 }
 
 #[test]

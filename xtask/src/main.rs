@@ -309,8 +309,8 @@ fn took(since: &mut std::time::Instant) -> String {
 }
 
 /// Checks and tests on this machine's kernel (`host`), the fuzz targets, then the cluster's
-/// tests and, beside them, the capture tests in a VM per kernel series; ends with one total
-/// line per stage and one overall.
+/// tests; beside the last two, the capture tests in a VM per kernel series. Ends with one
+/// total line per stage and one overall.
 fn test(
     path: Option<&std::path::Path>,
     filter: Option<&str>,
@@ -361,25 +361,11 @@ fn test(
             bad.push("this machine's kernel".to_owned());
         }
     }
-    if host && filter.is_none() {
-        let secs = fuzz::IN_TESTS_SECS;
-        match fuzz::run(&[], secs) {
-            Ok(()) => lines.push(format!(
-                "fuzz targets: {} run {secs} s each, no crash ({})",
-                fuzz::TARGETS.len(),
-                took(&mut stage)
-            )),
-            Err(e) => {
-                println!("fuzz: {e:#}");
-                lines.push(format!("fuzz targets: failed: {e:#} ({})", took(&mut stage)));
-                bad.push("the fuzz targets".to_owned());
-            }
-        }
-    }
-    // The kernels' VMs run while the cluster's tests do: those mostly wait on kubelet and
-    // paced transfers, the VMs (TCG) mostly compute, and neither sees the other's namespaces,
-    // cgroups or pins (the guest has its own). Their lines are told apart by the `[6.1]`-style
-    // prefix the guest's output carries.
+    // The kernels' VMs run while the fuzz targets and the cluster's tests do: the fuzzer is
+    // one process (one core, the VM's TCG the other), the cluster's tests mostly wait on
+    // kubelet and paced transfers, and none sees another's namespaces, cgroups or pins (the
+    // guest has its own). Their lines are told apart by the `[6.1]`-style prefix the guest's
+    // output carries.
     let vms = if series.is_empty() {
         None
     } else {
@@ -396,6 +382,21 @@ fn test(
             Ok(outs)
         }))
     };
+    if host && filter.is_none() {
+        let secs = fuzz::IN_TESTS_SECS;
+        match fuzz::run(&[], secs) {
+            Ok(()) => lines.push(format!(
+                "fuzz targets: {} run {secs} s each, no crash ({})",
+                fuzz::TARGETS.len(),
+                took(&mut stage)
+            )),
+            Err(e) => {
+                println!("fuzz: {e:#}");
+                lines.push(format!("fuzz targets: failed: {e:#} ({})", took(&mut stage)));
+                bad.push("the fuzz targets".to_owned());
+            }
+        }
+    }
     if with_cluster {
         // The image is built from this build's binaries; the cluster is taken down whatever
         // the tests did.
@@ -443,7 +444,7 @@ fn test(
             lines.push(format!(
                 "tests on Linux {} (QEMU{}): {} passed, {} failed{} ({took})",
                 out.release,
-                if with_cluster { ", beside the cluster's" } else { "" },
+                if with_cluster { ", beside the fuzz targets and the cluster" } else { "" },
                 out.tests.passed,
                 out.tests.failed,
                 if out.failed_suites.is_empty() {

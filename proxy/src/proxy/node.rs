@@ -172,10 +172,36 @@ impl Proxy {
     /// Ready: the pods are served (the agent's snapshot applied), not draining, and no served
     /// pod's certificate has expired (its peers would refuse every connection).
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::Relaxed)
-            && self.xds.get().is_none_or(|s| s.all())
-            && !self.drain.is_stopping()
-            && self.expired_certificates().is_empty()
+        self.not_ready_reasons().is_empty()
+    }
+
+    /// Why the proxy is not ready (none: it is), for its readiness answer: what an operator
+    /// who reads it needs to act on.
+    pub fn not_ready_reasons(&self) -> Vec<String> {
+        let mut why = Vec::new();
+        if !self.ready.load(Ordering::Relaxed) {
+            why.push("the node agent's pods (ZDS snapshot) not applied yet".to_owned());
+        }
+        if let Some(missing) = self.xds.get().map(|s| s.missing()).filter(|m| !m.is_empty()) {
+            why.push(format!(
+                "no response of istiod's {} accepted whole yet (istiod unreachable, or a \
+                 resource refused: see meshpath_xds_responses_total and the log)",
+                missing.join(" and ")
+            ));
+        }
+        if self.drain.is_stopping() {
+            why.push("draining".to_owned());
+        }
+        let expired = self.expired_certificates();
+        if !expired.is_empty() {
+            why.push(format!(
+                "{} pod(s) without a valid certificate (istiod's CA unreachable or refusing), \
+                 first {}",
+                expired.len(),
+                expired[0]
+            ));
+        }
+        why
     }
 
     /// The served pods whose certificate has expired.

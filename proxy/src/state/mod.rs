@@ -21,7 +21,8 @@ pub fn canonical(ip: std::net::IpAddr) -> std::net::IpAddr {
 }
 
 /// Whether the control plane's first response of each type (addresses, authorization) has been
-/// applied: the proxy is not ready before (in xDS mode), and accepts no connection before
+/// accepted whole (ACKed, as ztunnel counts it; one with a refused resource leaves the type
+/// waiting for the next): the proxy is not ready before (in xDS mode), and accepts no connection before
 /// (`crate::proxy::drain`): a connection served then would meet no policy, so a DENY istiod
 /// has not sent yet would not apply.
 #[derive(Debug)]
@@ -45,6 +46,18 @@ impl Default for Synced {
 impl Synced {
     pub fn all(&self) -> bool {
         self.addresses.load(Ordering::Relaxed) && self.authorization.load(Ordering::Relaxed)
+    }
+
+    /// The types still waiting for a response accepted whole, for the readiness answer.
+    pub fn missing(&self) -> Vec<&'static str> {
+        let mut missing = Vec::new();
+        if !self.addresses.load(Ordering::Relaxed) {
+            missing.push("Address");
+        }
+        if !self.authorization.load(Ordering::Relaxed) {
+            missing.push("Authorization");
+        }
+        missing
     }
 
     pub fn set_addresses(&self) {

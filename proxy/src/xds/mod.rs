@@ -10,9 +10,11 @@
 //! - Each response is applied as a whole (the proxy's store swapped once) and answered: an ACK
 //!   (type and nonce), or a NACK naming each refused resource and why (`name: reason; …`) with
 //!   the rest applied. A refused resource keeps what was held under its name.
-//! - Ready once one response of each type has been applied; istiod lost later, the proxy keeps
-//!   serving the last state and reconnects with a jittered backoff (`meshpath_xds_connected`,
-//!   `meshpath_xds_last_applied_timestamp_seconds`).
+//! - Ready once one response of each type has been accepted whole (ACKed: a first push with a
+//!   refused resource leaves the proxy unready, as ztunnel, until istiod sends one it takes;
+//!   serving without a policy it refused could let through what that policy denies). istiod
+//!   lost later, the proxy keeps serving the last state and reconnects with a jittered backoff
+//!   (`meshpath_xds_connected`, `meshpath_xds_last_applied_timestamp_seconds`).
 //! - Bounded: a message over [`MAX_MESSAGE`] ends the stream (the state held stays), and no
 //!   type holds more than [`MAX_RESOURCES`].
 

@@ -308,6 +308,33 @@ fn a_datapath_pinned_by_the_previous_release_is_upgraded_in_place_while_connecti
     drop(node.proxy);
 }
 
+/// A rollback (`kubectl rollout undo` of the agent): the previous release's loader on pins this
+/// version wrote. It has no code to take a newer datapath over; what it must not do is break
+/// the one running. The pod stays captured throughout, and this version's loader, back again,
+/// finds its own datapath and keeps it as it is.
+#[test]
+fn a_rollback_to_the_previous_release_leaves_this_versions_datapath_capturing() {
+    let node = Node::enrolled_by(loader);
+    let node_links = node.root.path().join(pins::NODE_LINKS_DIR);
+    let before = link_programs(&node_links);
+    let out = previous_loader(&node.root, &["reconcile"]);
+    println!(
+        "the previous release's loader on this version's pins: {}; {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    node.assert_captured("after the previous release's loader ran");
+    assert_eq!(link_programs(&node_links), before, "the previous release replaced a program");
+    assert_eq!(pinned_version(&node.root), upgrade::version(), "the version record changed");
+    let again = reconcile_logged(&node.root);
+    succeeded(again.clone(), "this version's loader after the rollback");
+    let log = String::from_utf8_lossy(&again.stderr);
+    assert!(!log.contains("datapath upgraded in place"), "upgraded its own datapath:\n{log}");
+    assert_eq!(link_programs(&node_links), before, "this version replaced its own programs");
+    node.assert_captured("after this version's loader came back");
+    drop(node.proxy);
+}
+
 /// Every pin under `dir`.
 fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();

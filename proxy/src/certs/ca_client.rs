@@ -140,6 +140,49 @@ fn all_pem(text: &str) -> Result<Vec<CertificateDer<'static>>, String> {
         .map_err(|e| format!("not PEM certificates: {e}"))
 }
 
+/// A CA's answer, checked: its leaf names exactly the identity asked for, every entry is PEM,
+/// the last one holds the trust bundle.
+#[derive(Debug)]
+struct Answer {
+    /// The leaf and any intermediates.
+    chain: Vec<CertificateDer<'static>>,
+    roots: Vec<CertificateDer<'static>>,
+    not_before: time::OffsetDateTime,
+    not_after: time::OffsetDateTime,
+}
+
+impl Answer {
+    /// Checks `entries` (`cert_chain` of the answer, PEM each) for `id`; why not, if refused.
+    fn parse(id: &Identity, entries: &[String]) -> Result<Self, String> {
+        let [first, middle @ .., last] = entries else {
+            return Err(format!(
+                "{} certificate(s): a leaf and the root bundle are needed",
+                entries.len()
+            ));
+        };
+        let leaf = first_pem(first)?;
+        let found = tls::spiffe_ids(&leaf);
+        if found.len() != 1 || &found[0] != id {
+            let found: Vec<String> = found.iter().map(ToString::to_string).collect();
+            return Err(format!("the leaf names {found:?}, not {id}: refused"));
+        }
+        let mut chain = vec![leaf];
+        for mid in middle {
+            chain.push(first_pem(mid)?);
+        }
+        let roots = all_pem(last)?;
+        if roots.is_empty() {
+            return Err("no root certificate in its last entry".into());
+        }
+        let (not_before, not_after) = x509_parser::parse_x509_certificate(&chain[0])
+            .map(|(_, c)| {
+                (c.validity().not_before.to_datetime(), c.validity().not_after.to_datetime())
+            })
+            .map_err(|e| format!("the leaf does not parse: {e}"))?;
+        Ok(Self { chain, roots, not_before, not_after })
+    }
+}
+
 impl CaClient {
     pub fn new(cfg: CaConfig, metrics: Arc<Metrics>) -> Self {
         Self {
@@ -270,33 +313,10 @@ impl CaClient {
                 return Err(call(format!("{}: {}", s.code(), s.message())));
             }
         };
-        let bad = |why: String| CaError::Answer { id: id.clone(), why };
-        let chain = resp.cert_chain;
-        if chain.len() < 2 {
-            return Err(bad(format!(
-                "{} certificate(s): a leaf and the root bundle are needed",
-                chain.len()
-            )));
-        }
-        let leaf = first_pem(&chain[0]).map_err(bad)?;
-        let found = tls::spiffe_ids(&leaf);
-        if found.len() != 1 || &found[0] != id {
-            let found: Vec<String> = found.iter().map(ToString::to_string).collect();
-            return Err(bad(format!("the leaf names {found:?}, not {id}: refused")));
-        }
-        let mut certs = vec![leaf];
-        for mid in &chain[1..chain.len() - 1] {
-            certs.push(first_pem(mid).map_err(bad)?);
-        }
-        let roots = all_pem(&chain[chain.len() - 1]).map_err(bad)?;
-        if roots.is_empty() {
-            return Err(bad("no root certificate in its last entry".into()));
-        }
-        let (not_before, not_after) = x509_parser::parse_x509_certificate(&certs[0])
-            .map(|(_, c)| {
-                (c.validity().not_before.to_datetime(), c.validity().not_after.to_datetime())
-            })
-            .map_err(|e| bad(format!("the leaf does not parse: {e}")))?;
+        let answer = Answer::parse(id, &resp.cert_chain)
+            .map_err(|why| CaError::Answer { id: id.clone(), why })?;
+        let (certs, roots, not_before, not_after) =
+            (answer.chain, answer.roots, answer.not_before, answer.not_after);
         let key = PrivateKeyDer::Pkcs8(key.serialize_der().into());
         info!(identity = %id, %not_after, "certificate from the CA");
         Ok((
@@ -363,5 +383,97 @@ impl CaClient {
                 }
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! What the CA client takes from an answer, and when it renews.
+
+    use super::*;
+    use crate::identity::LocalCa;
+
+    fn id(sa: &str) -> Identity {
+        Identity::new("cluster.local", "default", sa)
+    }
+
+    /// An answer as istiod's CA gives it: the leaf for `uris`, then the root, PEM each.
+    fn answer(ca: &LocalCa, uris: &[String]) -> Vec<String> {
+        let now = time::OffsetDateTime::now_utc();
+        let cert = ca
+            .issue_with_uris(uris, now - time::Duration::minutes(1), now + time::Duration::hours(1))
+            .expect("issue");
+        let (leaf, _) = cert.to_pem();
+        let (root, _) = ca.to_pem();
+        // `to_pem` gives the leaf and the CA: keep only the leaf's block for the first entry.
+        let leaf = leaf.split_inclusive("-----END CERTIFICATE-----").next().expect("a block");
+        vec![leaf.to_owned(), root]
+    }
+
+    #[test]
+    fn an_answer_naming_the_identity_asked_for_is_taken_with_its_validity_and_bundle() {
+        let ca = LocalCa::generate("ca").expect("ca");
+        let a = Answer::parse(&id("sa"), &answer(&ca, &[id("sa").to_string()])).expect("taken");
+        assert_eq!(a.chain.len(), 1);
+        assert_eq!(a.roots, vec![ca.cert_der.clone()]);
+        assert!(a.not_after - a.not_before > time::Duration::minutes(59));
+    }
+
+    #[test]
+    fn a_leaf_for_another_identity_is_refused() {
+        let ca = LocalCa::generate("ca").expect("ca");
+        let why = Answer::parse(&id("sa"), &answer(&ca, &[id("mallory").to_string()]))
+            .expect_err("taken");
+        assert!(why.contains("mallory") && why.contains("refused"), "{why}");
+    }
+
+    #[test]
+    fn a_leaf_naming_the_identity_and_another_is_refused() {
+        let ca = LocalCa::generate("ca").expect("ca");
+        let both = [id("sa").to_string(), id("other").to_string()];
+        assert!(Answer::parse(&id("sa"), &answer(&ca, &both)).is_err());
+    }
+
+    #[test]
+    fn an_answer_without_the_root_bundle_is_refused() {
+        let ca = LocalCa::generate("ca").expect("ca");
+        let mut entries = answer(&ca, &[id("sa").to_string()]);
+        entries.truncate(1);
+        let why = Answer::parse(&id("sa"), &entries).expect_err("taken");
+        assert!(why.contains("1 certificate(s)"), "{why}");
+        assert!(Answer::parse(&id("sa"), &[]).is_err());
+    }
+
+    #[test]
+    fn an_entry_that_is_not_pem_is_refused() {
+        let ca = LocalCa::generate("ca").expect("ca");
+        let mut entries = answer(&ca, &[id("sa").to_string()]);
+        entries[1] = "not a certificate".into();
+        assert!(Answer::parse(&id("sa"), &entries).is_err(), "a bundle that is not PEM");
+        entries[0] = "not a certificate".into();
+        assert!(Answer::parse(&id("sa"), &entries).is_err(), "a leaf that is not PEM");
+    }
+
+    #[test]
+    fn a_bundle_of_several_roots_is_taken_whole() {
+        let (ca, other) =
+            (LocalCa::generate("ca").expect("ca"), LocalCa::generate("b").expect("b"));
+        let mut entries = answer(&ca, &[id("sa").to_string()]);
+        entries[1].push_str(&other.to_pem().0);
+        let a = Answer::parse(&id("sa"), &entries).expect("taken");
+        assert_eq!(a.roots, vec![ca.cert_der.clone(), other.cert_der.clone()]);
+    }
+
+    #[test]
+    fn renewal_falls_at_half_life_within_ten_percent() {
+        let now = time::OffsetDateTime::now_utc();
+        for _ in 0..50 {
+            let at = renew_at(now, now + time::Duration::seconds(1000));
+            let wait = at.saturating_duration_since(Instant::now()).as_secs_f64();
+            assert!((448.0..=551.0).contains(&wait), "renewal in {wait} s of a 1000 s life");
+        }
+        // Past half life already (a certificate held long): due now.
+        let at = renew_at(now - time::Duration::seconds(900), now + time::Duration::seconds(100));
+        assert!(at <= Instant::now() + Duration::from_millis(10));
     }
 }

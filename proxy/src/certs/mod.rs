@@ -242,3 +242,142 @@ impl Certs {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The files source: what it refuses, and when a certificate it gave is replaced.
+
+    use super::*;
+
+    /// A directory of its own under the system's temporary one, removed on drop.
+    struct Dir(PathBuf);
+
+    impl Dir {
+        fn new(name: &str) -> Self {
+            static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let d = std::env::temp_dir()
+                .join(format!("meshpath-certs-{name}-{}-{n}", std::process::id()));
+            std::fs::create_dir_all(&d).expect("temporary directory");
+            Self(d)
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn id() -> Identity {
+        Identity::new("cluster.local", "default", "sa")
+    }
+
+    /// Files mode over `dir` with `ca`'s root as the bundle; `cert` written as `id()`'s files.
+    fn files(dir: &Dir, ca: &LocalCa, cert: &WorkloadCert) -> Certs {
+        let bundle = dir.0.join("root-cert.pem");
+        std::fs::write(&bundle, ca.to_pem().0).expect("bundle");
+        write(dir, cert);
+        Certs::files(dir.0.join("certs"), bundle).expect("files mode")
+    }
+
+    fn write(dir: &Dir, cert: &WorkloadCert) {
+        let d = dir.0.join("certs/default/sa");
+        std::fs::create_dir_all(&d).expect("identity directory");
+        let (chain, key) = cert.to_pem();
+        std::fs::write(d.join("cert-chain.pem"), chain).expect("chain");
+        std::fs::write(d.join("key.pem"), key).expect("key");
+    }
+
+    #[test]
+    fn a_certificate_file_for_the_identity_is_taken() {
+        let (dir, ca) = (Dir::new("taken"), LocalCa::generate("ca").expect("ca"));
+        let certs = files(&dir, &ca, &ca.issue(&id(), Duration::from_secs(3600)).expect("issue"));
+        let got = certs.fetch(&id()).expect("taken");
+        assert_eq!(got.chain.len(), 2);
+        assert_eq!(*certs.roots(), vec![ca.cert_der.clone()]);
+    }
+
+    #[test]
+    fn a_certificate_file_naming_another_identity_is_refused() {
+        let (dir, ca) = (Dir::new("other"), LocalCa::generate("ca").expect("ca"));
+        let mallory = Identity::new("cluster.local", "default", "mallory");
+        let certs =
+            files(&dir, &ca, &ca.issue(&mallory, Duration::from_secs(3600)).expect("issue"));
+        let err = certs.fetch(&id()).expect_err("taken");
+        assert!(matches!(err, CertError::WrongIdentity { .. }), "{err}");
+        assert!(err.to_string().contains("mallory"), "{err}");
+    }
+
+    #[test]
+    fn an_expired_certificate_file_is_refused() {
+        let (dir, ca) = (Dir::new("expired"), LocalCa::generate("ca").expect("ca"));
+        let now = time::OffsetDateTime::now_utc();
+        let old = ca
+            .issue_between(&id(), now - time::Duration::hours(2), now - time::Duration::hours(1))
+            .expect("issue");
+        let err = files(&dir, &ca, &old).fetch(&id()).expect_err("taken");
+        assert!(matches!(err, CertError::Expired { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_missing_or_empty_file_says_which() {
+        let (dir, ca) = (Dir::new("missing"), LocalCa::generate("ca").expect("ca"));
+        let certs = files(&dir, &ca, &ca.issue(&id(), Duration::from_secs(3600)).expect("issue"));
+        let nobody = Identity::new("cluster.local", "default", "nobody");
+        let err = certs.fetch(&nobody).expect_err("taken");
+        assert!(err.to_string().contains("nobody/cert-chain.pem"), "{err}");
+        std::fs::write(dir.0.join("certs/default/sa/cert-chain.pem"), "").expect("emptied");
+        assert!(matches!(certs.fetch(&id()), Err(CertError::Empty(_))));
+    }
+
+    #[test]
+    fn a_certificate_is_stale_once_its_files_change_and_not_before() {
+        let (dir, ca) = (Dir::new("stale"), LocalCa::generate("ca").expect("ca"));
+        let certs = files(&dir, &ca, &ca.issue(&id(), Duration::from_secs(3600)).expect("issue"));
+        let stamp = certs.stamp(&id());
+        let got = certs.fetch(&id()).expect("taken");
+        assert!(!certs.stale(&id(), &got, SystemTime::now(), &stamp));
+        // A rewrite within the file system's timestamp tick would keep the stamp: step past it.
+        std::thread::sleep(Duration::from_millis(20));
+        write(&dir, &ca.issue(&id(), Duration::from_secs(3600)).expect("issue"));
+        let key = dir.0.join("certs/default/sa/key.pem");
+        let later = SystemTime::now() + Duration::from_secs(1);
+        std::fs::File::options()
+            .write(true)
+            .open(&key)
+            .and_then(|f| f.set_modified(later))
+            .expect("touch");
+        assert!(certs.stale(&id(), &got, SystemTime::now(), &stamp));
+    }
+
+    #[test]
+    fn the_trust_bundle_is_read_again_only_when_it_changed() {
+        let (dir, ca) = (Dir::new("bundle"), LocalCa::generate("ca").expect("ca"));
+        let certs = files(&dir, &ca, &ca.issue(&id(), Duration::from_secs(3600)).expect("issue"));
+        assert!(!certs.reload_roots().expect("reload"), "reloaded an unchanged bundle");
+        let next = LocalCa::generate("next").expect("ca");
+        let bundle = dir.0.join("root-cert.pem");
+        std::fs::write(&bundle, format!("{}{}", ca.to_pem().0, next.to_pem().0)).expect("bundle");
+        std::fs::File::options()
+            .write(true)
+            .open(&bundle)
+            .and_then(|f| f.set_modified(SystemTime::now() + Duration::from_secs(1)))
+            .expect("touch");
+        assert!(certs.reload_roots().expect("reload"), "the new bundle was not read");
+        assert_eq!(*certs.roots(), vec![ca.cert_der.clone(), next.cert_der.clone()]);
+    }
+
+    #[test]
+    fn a_minted_certificate_is_stale_past_half_its_life() {
+        let ca = LocalCa::generate("ca").expect("ca");
+        let certs = Certs::local_ca(ca, Duration::from_secs(100));
+        let cert = certs.fetch(&id()).expect("minted");
+        assert!(!certs.stale(&id(), &cert, SystemTime::now(), &[]));
+        // Half the life it had left when fetched: fetched 40 s ago with 140 s left, it is not
+        // stale (30 s to go); fetched 110 s ago with 210 s left, it is (5 s past).
+        let ago = |s| SystemTime::now() - Duration::from_secs(s);
+        assert!(!certs.stale(&id(), &cert, ago(40), &[]), "stale before half its life");
+        assert!(certs.stale(&id(), &cert, ago(110), &[]), "not stale past half its life");
+    }
+}

@@ -12,7 +12,7 @@
 use std::{
     io,
     mem::MaybeUninit,
-    net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream},
     os::fd::{AsRawFd as _, FromRawFd as _},
     time::{Duration, Instant},
 };
@@ -86,6 +86,19 @@ fn ipv4(src: Ipv4Addr, dst: Ipv4Addr, tcp: &[u8]) -> Vec<u8> {
     ip[16..20].copy_from_slice(&dst.octets());
     let sum = checksum(&[&ip]);
     ip[10..12].copy_from_slice(&sum.to_be_bytes());
+    ip.extend_from_slice(tcp);
+    ip
+}
+
+/// An IPv6 header (40 bytes) in front of `tcp`.
+fn ipv6(src: Ipv6Addr, dst: Ipv6Addr, tcp: &[u8]) -> Vec<u8> {
+    let mut ip = vec![0u8; 40];
+    ip[0] = 0x60;
+    ip[4..6].copy_from_slice(&(tcp.len() as u16).to_be_bytes());
+    ip[6] = 6;
+    ip[7] = 64;
+    ip[8..24].copy_from_slice(&src.octets());
+    ip[24..40].copy_from_slice(&dst.octets());
     ip.extend_from_slice(tcp);
     ip
 }
@@ -259,25 +272,49 @@ fn a_packet_socket_syn_from_a_meshed_pod_never_reaches_the_peer() {
     t.assert_never_reached();
 }
 
-/// Ethernet's IPv4 ethertype, 802.1Q and 802.1ad tags, ARP.
+/// Ethernet's IPv4 and IPv6 ethertypes, 802.1Q and 802.1ad tags, ARP.
 const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
 const ETH_P_8021Q: u16 = 0x8100;
 const ETH_P_8021AD: u16 = 0x88a8;
 const ETH_P_ARP: u16 = 0x0806;
 
 /// A whole Ethernet frame from pod a to pod b: `tags` (each an ethertype, with VLAN 0, which a
-/// receiver takes as untagged) between the addresses and IPv4 carrying a hand-built SYN.
+/// receiver takes as untagged) between the addresses and IPv4 or IPv6 (the attempt's family)
+/// carrying a hand-built SYN.
 fn tagged_syn_frame(t: &Attempt, tags: &[u16]) -> Vec<u8> {
     let pods = &t.mesh.pods;
+    syn_frame(mac_of_eth0(&pods.b), mac_of_eth0(&pods.a), t.src, t.dst, tags)
+}
+
+/// An Ethernet frame to `to_mac` from `from_mac`, `tags` (VLAN 0 each), then a SYN from `src`
+/// to `dst` over their family.
+fn syn_frame(
+    to_mac: [u8; 6],
+    from_mac: [u8; 6],
+    src: SocketAddr,
+    dst: SocketAddr,
+    tags: &[u16],
+) -> Vec<u8> {
     let mut frame = Vec::new();
-    frame.extend_from_slice(&mac_of_eth0(&pods.b));
-    frame.extend_from_slice(&mac_of_eth0(&pods.a));
+    frame.extend_from_slice(&to_mac);
+    frame.extend_from_slice(&from_mac);
     for tag in tags {
         frame.extend_from_slice(&tag.to_be_bytes());
         frame.extend_from_slice(&[0, 0]);
     }
-    frame.extend_from_slice(&ETH_P_IP.to_be_bytes());
-    frame.extend_from_slice(&ipv4(pods.a_ip, pods.b_ip, &tcp_syn(t.src, t.dst)));
+    let syn = tcp_syn(src, dst);
+    match (src.ip(), dst.ip()) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            frame.extend_from_slice(&ETH_P_IP.to_be_bytes());
+            frame.extend_from_slice(&ipv4(s, d, &syn));
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            frame.extend_from_slice(&ETH_P_IPV6.to_be_bytes());
+            frame.extend_from_slice(&ipv6(s, d, &syn));
+        }
+        _ => panic!("mixed families"),
+    }
     frame
 }
 
@@ -317,6 +354,30 @@ fn a_packet_socket_syn_behind_two_vlan_tags_never_reaches_the_peer() {
     let t = Attempt::new(false, 8878);
     send_frame(&t, &tagged_syn_frame(&t, &[ETH_P_8021AD, ETH_P_8021Q]), ETH_P_8021AD);
     t.assert_never_reached();
+}
+
+/// IPv6 behind an 802.1Q tag of VLAN 0, the socket saying ARP.
+#[test]
+fn a_packet_socket_ipv6_syn_behind_a_vlan_tag_never_reaches_the_peer() {
+    let t = Attempt::new(true, 8879);
+    send_frame(&t, &tagged_syn_frame(&t, &[ETH_P_8021Q]), ETH_P_ARP);
+    t.assert_never_reached();
+}
+
+/// The control for the frames above: the same IPv6 frame from pod b, outside the mesh, to a
+/// listener in pod a is answered (the frame is one a receiver takes).
+#[test]
+fn a_packet_socket_ipv6_syn_behind_a_vlan_tag_from_outside_the_mesh_is_answered() {
+    let mesh = Mesh::capturing();
+    let dst = mesh.a(true, 8880);
+    let _listener = mesh.pods.a.listen(dst).expect("listener in a");
+    let raw = raw_tcp(&mesh.pods.b, true);
+    let src = SocketAddr::new(mesh.b(true, 0).ip(), SRC_PORT);
+    let (a_mac, b_mac) = (mac_of_eth0(&mesh.pods.a), mac_of_eth0(&mesh.pods.b));
+    let frame = syn_frame(a_mac, b_mac, src, dst, &[ETH_P_8021Q]);
+    let sent = mesh.pods.b.open().expect("netns b").run(|| send_raw_frame(&frame, ETH_P_ARP));
+    sent.expect("enter netns").expect("sending the frame");
+    assert!(syn_ack_from(&raw, dst, Duration::from_secs(2)), "no SYN-ACK from {dst}");
 }
 
 #[test]

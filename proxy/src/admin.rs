@@ -72,7 +72,7 @@ fn config_dump(proxy: &Proxy) -> Result<String, serde_json::Error> {
         .iter()
         .map(|p| PodDump {
             uid: p.uid.clone(),
-            identity: p.identity.to_string(),
+            identity: p.identity().to_string(),
             netns_cookie: p.netns.cookie(),
             certificate: p.cert().map(|c| CertDump {
                 serial: c.serial(),

@@ -608,15 +608,19 @@ impl CniNode {
 
     /// The proxy's admin view: uids of the pods it serves.
     pub fn proxy_pods(&self) -> Result<Vec<String>> {
-        let p = self.proxy.as_ref().context("no proxy")?;
-        let np = NodeProxyView { proxy: p, node: &self.node };
-        let dump = np.config_dump()?;
+        let dump = self.proxy_config_dump()?;
         Ok(dump["pods"]
             .as_array()
             .into_iter()
             .flatten()
             .filter_map(|p| p["uid"].as_str().map(str::to_owned))
             .collect())
+    }
+
+    /// The proxy's `/config_dump`.
+    pub fn proxy_config_dump(&self) -> Result<Value> {
+        let p = self.proxy.as_ref().context("no proxy")?;
+        NodeProxyView { proxy: p, node: &self.node }.config_dump()
     }
 
     /// The sum of the proxy's metric `name` over series with `labels`.

@@ -429,6 +429,47 @@ fn a_pod_istiod_has_not_described_yet_gets_the_configured_trust_domain() {
     assert!(csrs.iter().all(|c| !c.sans.iter().any(|s| s.contains("cluster.local"))), "{csrs:?}");
 }
 
+/// A pod added before istiod described it is given the identity ZDS and the configured trust
+/// domain make; once istiod describes it under another trust domain, the pod takes istiod's
+/// identity, with a certificate for it (as a mesh whose trust domain is not cluster.local
+/// needs, whatever the proxy was started with).
+#[test]
+fn a_pod_takes_the_identity_istiod_gives_it_after_it_was_added() {
+    let mut node = cni_node();
+    let istiod = Istiod::start(&[node.node.path()]).expect("istiod stand-in");
+    node.start_proxy_xds(&istiod, &[]).expect("proxy");
+    let p0 = node.add_pod("p0").expect("ADD p0");
+    let pod_in_dump = || {
+        let dump = node.proxy_config_dump().expect("config dump");
+        let pods = dump["pods"].as_array().cloned().unwrap_or_default();
+        pods.into_iter().find(|p| p["uid"] == "uid-p0").unwrap_or_default()
+    };
+    let before = pod_in_dump();
+    assert_eq!(before["identity"], "spiffe://cluster.local/ns/default/sa/sa0");
+    let mut w = workload("uid-p0", "sa0");
+    w.trust_domain = "example.org".into();
+    w.addresses = vec![match p0.ip {
+        std::net::IpAddr::V4(v4) => v4.octets().to_vec().into(),
+        std::net::IpAddr::V6(v6) => v6.octets().to_vec().into(),
+    }];
+    istiod.set_workload(w);
+    let want = "spiffe://example.org/ns/default/sa/sa0";
+    assert!(
+        wait_until(Duration::from_secs(20), || pod_in_dump()["identity"] == want),
+        "p0 kept {}",
+        pod_in_dump()["identity"]
+    );
+    let after = pod_in_dump();
+    assert_ne!(after["certificate"]["serial"], before["certificate"]["serial"], "same certificate");
+    let csrs = istiod.csrs();
+    assert!(
+        csrs.iter().any(|c| c.impersonated.as_deref() == Some(want) && c.sans == [want]),
+        "no CSR for {want}: {csrs:?}"
+    );
+    let log = node.proxy.as_ref().expect("proxy").lines().join("\n");
+    assert!(log.contains("the pod's identity changed"), "{log}");
+}
+
 /// The proxy's log once it has tried istiod a few times, and whether any request got through.
 fn refused_istiod(node: &meshpath_tests::cni_node::CniNode, istiod: &Istiod) -> (String, usize) {
     let proxy = node.proxy.as_ref().expect("proxy");

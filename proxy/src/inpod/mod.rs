@@ -54,7 +54,7 @@ pub fn add(
         stopping.sockets.held.release();
     });
     proxy.insert_pod(pod.clone());
-    info!(pod = %pod.uid, identity = %pod.identity, netns = pod.netns.cookie(), "serving pod");
+    info!(pod = %pod.uid, identity = %pod.identity(), netns = pod.netns.cookie(), "serving pod");
     Ok(pod)
 }
 

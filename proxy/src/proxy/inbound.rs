@@ -100,9 +100,10 @@ async fn serve_connection(tcp: TcpStream, peer: SocketAddr, pod: &Arc<Pod>) -> a
             anyhow::bail!("the client certificate names no identity: {why}");
         }
     };
-    if client.trust_domain != pod.identity.trust_domain {
+    let me = pod.identity();
+    if client.trust_domain != me.trust_domain {
         proxy.metrics.error(Direction::Inbound, "trust_domain");
-        anyhow::bail!("client {client} is not in trust domain {}", pod.identity.trust_domain);
+        anyhow::bail!("client {client} is not in trust domain {}", me.trust_domain);
     }
     // A workload of the trust domain: what it holds from here is its own to answer for.
     drop(unauthenticated);
@@ -280,7 +281,7 @@ async fn serve_stream(
         dst_addr: target,
         hbone_addr: Some(SocketAddr::new(dialed_ip, ports::HBONE)),
         dst_workload: Some(pod.current_workload(&store).clone()),
-        dst_identity: Some(pod.identity.clone()),
+        dst_identity: Some(pod.identity().as_ref().clone()),
         dst_service: None,
     };
     let guard = ConnGuard::open(&proxy.metrics, info);

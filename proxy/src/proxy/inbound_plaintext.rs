@@ -75,7 +75,7 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
         dst_addr: dst,
         hbone_addr: None,
         dst_workload: Some(pod.current_workload(&store).clone()),
-        dst_identity: Some(pod.identity.clone()),
+        dst_identity: Some(pod.identity().as_ref().clone()),
         dst_service: None,
     };
     let guard = ConnGuard::open(&proxy.metrics, info);

@@ -84,7 +84,7 @@ impl Proxy {
     /// HBONE workloads the store places on `node` (their pods are about to arrive).
     pub fn wanted_identities(&self, node: &str) -> Vec<crate::identity::Identity> {
         let mut ids: std::collections::HashSet<crate::identity::Identity> =
-            self.pods().iter().map(|p| p.identity.clone()).collect();
+            self.pods().iter().map(|p| p.identity().as_ref().clone()).collect();
         if !node.is_empty() {
             let store = self.store();
             let mut cached = self.node_identities.lock().unwrap_or_else(PoisonError::into_inner);

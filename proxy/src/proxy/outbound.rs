@@ -60,7 +60,7 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
     }
     conn.set_nodelay(true)?;
     let store = proxy.store();
-    let target = match resolve(&store, orig, (&pod.identity, peer.ip())) {
+    let target = match resolve(&store, orig, (&*pod.identity(), peer.ip())) {
         Ok(t) => t,
         Err((reason, why)) => {
             proxy.metrics.error(Direction::Outbound, reason);
@@ -75,7 +75,7 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
         direction: Direction::Outbound,
         src_addr: peer,
         src_workload: Some(pod.current_workload(&store).clone()),
-        src_identity: Some(pod.identity.clone()),
+        src_identity: Some(pod.identity().as_ref().clone()),
         dst_addr: target.addr,
         hbone_addr: target.hbone,
         dst_workload: target.workload.clone(),
@@ -110,7 +110,7 @@ async fn via_hbone(
     let dst = target.workload.as_ref().context("HBONE needs a destination workload")?;
     let gateway = target.hbone.context("HBONE needs an address to dial")?;
     let key = PoolKey {
-        src: pod.identity.clone(),
+        src: pod.identity().as_ref().clone(),
         dst: dst.identity(),
         src_workload: pod.uid.clone(),
         gateway,

@@ -31,6 +31,9 @@ use crate::{
 };
 
 struct PodTls {
+    /// Whom the certificate names: the pod's identity, changed with it (istiod describing a
+    /// pod added before, under another trust domain or service account than assumed).
+    identity: Arc<Identity>,
     cert: Arc<WorkloadCert>,
     fetched: SystemTime,
     stamp: Vec<Option<SystemTime>>,
@@ -48,7 +51,6 @@ pub struct Pod {
     /// Creates the pod's sockets inside its netns.
     pub sockets: SocketFactory,
     pub workload: Workload,
-    pub identity: Identity,
     tls: RwLock<PodTls>,
     pub proxy: Arc<Proxy>,
     /// Cancelled to close the pod's listeners (removal or proxy shutdown).
@@ -97,11 +99,19 @@ impl PodCaps {
 
 impl std::fmt::Debug for Pod {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pod").field("uid", &self.uid).field("identity", &self.identity).finish()
+        f.debug_struct("Pod").field("uid", &self.uid).field("identity", &self.identity()).finish()
     }
 }
 
 impl Pod {
+    /// The pod's identity now (what its certificate names).
+    pub fn identity(&self) -> Arc<Identity> {
+        match self.tls.read() {
+            Ok(t) => t.identity.clone(),
+            Err(poisoned) => poisoned.into_inner().identity.clone(),
+        }
+    }
+
     /// The pod's certificate now.
     pub fn cert(&self) -> Option<Arc<WorkloadCert>> {
         self.tls.read().ok().map(|t| t.cert.clone())
@@ -129,21 +139,34 @@ impl Pod {
     /// Replaces the pod's certificate if the source says it is stale (or `force`).
     /// Returns whether it did.
     pub fn refresh_cert(&self, force: bool) -> anyhow::Result<bool> {
-        let stale = self
+        // The identity istiod gives the pod now: another than the one held (a pod added before
+        // istiod described it, whose trust domain or service account was assumed) gets a
+        // certificate for the new one, and the pod takes both together.
+        let wanted = self.current_workload(&self.proxy.store()).identity();
+        let (held, stale) = self
             .tls
             .read()
-            .map(|t| force || self.proxy.certs.stale(&self.identity, &t.cert, t.fetched, &t.stamp))
-            .unwrap_or(true);
-        if !stale {
+            .map(|t| {
+                let stale =
+                    force || self.proxy.certs.stale(&t.identity, &t.cert, t.fetched, &t.stamp);
+                (t.identity.clone(), stale)
+            })
+            .map_err(|_| anyhow::anyhow!("TLS state lock poisoned"))?;
+        let changed = *held != wanted;
+        if !stale && !changed {
             return Ok(false);
         }
-        let next = fetch_tls(&self.proxy, &self.identity)?;
+        let next = fetch_tls(&self.proxy, &wanted)?;
         let serial = next.cert.serial();
         if let Ok(mut t) = self.tls.write() {
             *t = next;
         }
         self.proxy.metrics.cert_rotations.inc();
-        info!(pod = %self.uid, identity = %self.identity, serial, "certificate renewed");
+        if changed {
+            info!(pod = %self.uid, from = %held, identity = %wanted, serial, "the pod's identity changed; certificate replaced");
+        } else {
+            info!(pod = %self.uid, identity = %wanted, serial, "certificate renewed");
+        }
         Ok(true)
     }
 
@@ -204,6 +227,7 @@ fn fetch_tls(proxy: &Proxy, id: &Identity) -> anyhow::Result<PodTls> {
     let server = tls::server_config(&cert, &proxy.certs.roots())
         .with_context(|| format!("certificate for {id}"))?;
     Ok(PodTls {
+        identity: Arc::new(id.clone()),
         cert: Arc::new(cert),
         fetched: SystemTime::now(),
         stamp,
@@ -224,8 +248,7 @@ impl Pod {
         mut workload: Workload,
         held: PodListeners,
     ) -> anyhow::Result<Self> {
-        let identity = workload.identity();
-        let tls = fetch_tls(proxy, &identity)?;
+        let tls = fetch_tls(proxy, &workload.identity())?;
         let sockets = SocketFactory::new(&netns, held)
             .with_context(|| format!("a socket factory for the netns of pod {uid}"))?;
         if workload.workload_ips.is_empty() {
@@ -249,7 +272,6 @@ impl Pod {
             netns,
             sockets,
             workload,
-            identity,
             tls: RwLock::new(tls),
             proxy: proxy.clone(),
             listening: proxy.drain.child_token(),

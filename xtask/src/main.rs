@@ -308,9 +308,9 @@ fn took(since: &mut std::time::Instant) -> String {
     format!("{}m {:02}s", secs / 60, secs % 60)
 }
 
-/// Checks and tests on this machine's kernel (`host`), the fuzz targets, then the cluster's
-/// tests; beside the last two, the capture tests in a VM per kernel series. Ends with one
-/// total line per stage and one overall.
+/// Checks and tests on this machine's kernel (`host`), the fuzz targets (the cluster coming
+/// up beside them), then the cluster's tests; beside the last two, the capture tests in a VM
+/// per kernel series. Ends with one total line per stage and one overall.
 fn test(
     path: Option<&std::path::Path>,
     filter: Option<&str>,
@@ -382,6 +382,13 @@ fn test(
             Ok(outs)
         }))
     };
+    // The cluster comes up (images built, the control plane and the node's daemons started:
+    // mostly waiting) while the fuzz targets run.
+    let cluster_up = with_cluster.then(|| {
+        let (root, bin_dir, previous) =
+            (cargo::workspace_root(), bin_dir.clone(), previous.clone());
+        std::thread::spawn(move || cluster::up(&root, &bin_dir, previous.as_deref()))
+    });
     if host && filter.is_none() {
         let secs = fuzz::IN_TESTS_SECS;
         match fuzz::run(&[], secs) {
@@ -397,10 +404,12 @@ fn test(
             }
         }
     }
-    if with_cluster {
+    if let Some(cluster_up) = cluster_up {
         // The image is built from this build's binaries; the cluster is taken down whatever
         // the tests did.
-        let t = match cluster::up(&cargo::workspace_root(), &bin_dir, previous.as_deref()) {
+        let up =
+            cluster_up.join().map_err(|_| anyhow::anyhow!("bringing the cluster up panicked"))?;
+        let t = match up {
             Ok(()) => {
                 let t = cargo::test_cluster(path, &bin_dir, if host { None } else { filter });
                 if let Err(e) = cluster::down() {

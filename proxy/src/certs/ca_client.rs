@@ -93,7 +93,21 @@ pub struct CaClient {
     inflight: Mutex<HashMap<Identity, Arc<tokio::sync::Mutex<()>>>>,
     /// The connection to istiod every request shares, once made; dropped after a failed call.
     channel: tokio::sync::Mutex<Option<Channel>>,
+    /// Why the last request for an identity failed (gone once one succeeds, or once the
+    /// identity is no longer wanted): what the admin dump shows as `Unavailable: …`.
+    failed: Mutex<HashMap<Identity, String>>,
     metrics: Arc<Metrics>,
+}
+
+/// Where an identity's certificate stands, as the admin dump shows it (ztunnel's states).
+#[derive(Debug)]
+pub enum CertState {
+    /// Held, with its chain (leaf first).
+    Available(WorkloadCert),
+    /// Being asked for, none held yet.
+    Initializing,
+    /// The last request failed, none held: why.
+    Unavailable(String),
 }
 
 /// An identity's turn to ask the CA: held while its request runs; its entry in `inflight` goes
@@ -191,6 +205,7 @@ impl CaClient {
             roots: Mutex::new((Vec::new(), 0)),
             inflight: Mutex::new(HashMap::new()),
             channel: tokio::sync::Mutex::new(None),
+            failed: Mutex::new(HashMap::new()),
             metrics,
         }
     }
@@ -198,6 +213,29 @@ impl CaClient {
     /// The trust bundle of the last answer (empty before any), and how many times it changed.
     pub fn roots(&self) -> (Vec<CertificateDer<'static>>, u64) {
         self.roots.lock().map(|r| r.clone()).unwrap_or_default()
+    }
+
+    /// Every identity the client holds a certificate for, is asking for, or last failed to
+    /// get one for, with where it stands; sorted by identity.
+    pub fn states(&self) -> Vec<(Identity, CertState)> {
+        let mut states: std::collections::BTreeMap<String, (Identity, CertState)> =
+            Default::default();
+        if let Ok(inflight) = self.inflight.lock() {
+            for id in inflight.keys() {
+                states.insert(id.to_string(), (id.clone(), CertState::Initializing));
+            }
+        }
+        if let Ok(failed) = self.failed.lock() {
+            for (id, why) in failed.iter() {
+                states.insert(id.to_string(), (id.clone(), CertState::Unavailable(why.clone())));
+            }
+        }
+        if let Ok(held) = self.held.lock() {
+            for (id, h) in held.iter() {
+                states.insert(id.to_string(), (id.clone(), CertState::Available(h.cert())));
+            }
+        }
+        states.into_values().collect()
     }
 
     /// The certificate held for `id`, if one is and it is still valid.
@@ -251,6 +289,12 @@ impl CaClient {
             reason: if result.is_ok() { "ok" } else { "error" }.into(),
         };
         self.metrics.ca_requests.get_or_create(&label).inc();
+        if let Ok(mut failed) = self.failed.lock() {
+            match &result {
+                Ok(_) => failed.remove(id),
+                Err(e) => failed.insert(id.clone(), e.to_string()),
+            };
+        }
         let (held, roots) = result?;
         let cert = held.cert();
         if let Ok(mut r) = self.roots.lock() {
@@ -354,6 +398,9 @@ impl CaClient {
                 let want: std::collections::HashSet<Identity> = wanted().into_iter().collect();
                 if let Ok(mut held) = me.held.lock() {
                     held.retain(|id, _| want.contains(id));
+                }
+                if let Ok(mut failed) = me.failed.lock() {
+                    failed.retain(|id, _| want.contains(id));
                 }
                 retry.retain(|id, _| want.contains(id));
                 for id in want {

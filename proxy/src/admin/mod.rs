@@ -1,8 +1,8 @@
 //! The node-wide HTTP endpoints, served from the proxy's own network namespace:
 //! - admin (`127.0.0.1:15000`, or a unix socket only root can reach, `--admin-socket`, which
 //!   deploy uses with `--no-admin-tcp`: on a hostNetwork node any host process reaches
-//!   127.0.0.1): `GET /config_dump` (workloads, services, policies, pods with
-//!   their certificates, the pool, as JSON), `GET /logging` (the log filter now),
+//!   127.0.0.1): `GET /config_dump` (`config_dump.rs`: what `istioctl ztunnel-config` reads,
+//!   and meshpath's own sections), `GET /logging` (the log filter now),
 //!   `POST /logging?level=FILTER` (a new one), `POST /quitquitquit` (graceful shutdown);
 //! - stats (`[::]:15020`): `GET /metrics`, Prometheus text;
 //! - readiness (`[::]:15021`): `GET /healthz/ready`, 200 once the pods are served, 503 while
@@ -17,14 +17,15 @@ use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::{body::Incoming, service::service_fn};
 use hyper_util::rt::TokioIo;
-use serde::Serialize;
 use tokio::{
     io::{AsyncRead, AsyncWrite},
     net::{TcpListener, UnixListener},
 };
 use tracing::{info, warn};
 
-use crate::{proxy::pool::PoolEntry, proxy::Proxy};
+mod config_dump;
+
+use crate::proxy::Proxy;
 
 /// Changes the log filter; returns the filter now in force.
 pub type LogControl = Arc<dyn Fn(Option<&str>) -> Result<String, String> + Send + Sync>;
@@ -35,60 +36,6 @@ pub enum Endpoints {
     Admin,
     Stats,
     Readiness,
-}
-
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-struct CertDump {
-    serial: String,
-    not_before: String,
-    not_after: String,
-    expires_in_seconds: i64,
-}
-
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-struct PodDump {
-    uid: String,
-    identity: String,
-    netns_cookie: u64,
-    certificate: Option<CertDump>,
-}
-
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-struct ConfigDump {
-    certificate_source: &'static str,
-    pods: Vec<PodDump>,
-    pool: Vec<PoolEntry>,
-    #[serde(flatten)]
-    store: crate::state::store::WorkloadStore,
-}
-
-fn config_dump(proxy: &Proxy) -> Result<String, serde_json::Error> {
-    let now = time::OffsetDateTime::now_utc();
-    let pods = proxy
-        .pods()
-        .iter()
-        .map(|p| PodDump {
-            uid: p.uid.clone(),
-            identity: p.identity().to_string(),
-            netns_cookie: p.netns.cookie(),
-            certificate: p.cert().map(|c| CertDump {
-                serial: c.serial(),
-                not_before: c.not_before.to_string(),
-                not_after: c.not_after.to_string(),
-                expires_in_seconds: (c.not_after - now).whole_seconds(),
-            }),
-        })
-        .collect();
-    let dump = ConfigDump {
-        certificate_source: proxy.certs.mode(),
-        pods,
-        pool: proxy.pool.dump(),
-        store: (*proxy.store()).clone(),
-    };
-    serde_json::to_string_pretty(&dump)
 }
 
 fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
@@ -126,7 +73,7 @@ fn route(
             }
             r
         }
-        (Endpoints::Admin, &Method::GET, "/config_dump") => match config_dump(proxy) {
+        (Endpoints::Admin, &Method::GET, "/config_dump") => match config_dump::render(proxy) {
             Ok(json) => text(StatusCode::OK, json),
             Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         },

@@ -1,10 +1,11 @@
-//! What `istioctl ztunnel-config certificates` and `connections` read from a ztunnel's
-//! `/config_dump`, read from meshpath's proxy: the structure istioctl declares for them
-//! (istio/istio 86c9f01, istioctl/pkg/writer/ztunnel/configdump/api.go; facts carried over)
-//! decoded strictly here (a key istioctl reads that is missing, renamed or of another type
-//! fails), and the certificates table rendered as istioctl prints it (a small renderer here,
-//! never shipped): a Leaf row per served identity, valid now, with the serial the pod presents,
-//! and the Root row of the trust bundle.
+//! What `istioctl ztunnel-config` reads from a ztunnel's `/config_dump`, read from meshpath's
+//! proxy: the structure istioctl declares (istio/istio 86c9f01,
+//! istioctl/pkg/writer/ztunnel/configdump/api.go; facts carried over) decoded strictly here (a
+//! key istioctl reads that is missing, renamed or of another type fails; those it marks
+//! omitempty may be absent), and the workloads, services and certificates tables rendered as
+//! istioctl prints them (a small renderer here, never shipped): pod a's row with its addresses
+//! and protocol, pod b's service with its one healthy endpoint, a Leaf row per served identity,
+//! valid now, with the serial the pod presents, and the Root row of the trust bundle.
 
 use std::collections::BTreeMap;
 
@@ -16,11 +17,81 @@ use serde::Deserialize;
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Dump {
-    workloads: serde_json::Value,
-    services: serde_json::Value,
-    policies: serde_json::Value,
+    workloads: Vec<Workload>,
+    services: Vec<Service>,
+    policies: Vec<Policy>,
     certificates: Vec<CertsDump>,
     workload_state: BTreeMap<String, WorkloadState>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)] // decoded for its shape: istioctl reads each field
+struct Workload {
+    uid: String,
+    workload_ips: Vec<String>,
+    #[serde(default)]
+    waypoint: Option<GatewayAddress>,
+    protocol: String,
+    name: String,
+    namespace: String,
+    service_account: String,
+    workload_name: String,
+    workload_type: String,
+    canonical_name: String,
+    canonical_revision: String,
+    cluster_id: String,
+    #[serde(default)]
+    trust_domain: String,
+    node: String,
+    #[serde(default)]
+    network: String,
+    status: String,
+    hostname: String,
+    capacity: u32,
+    #[serde(default)]
+    authorization_policies: Vec<String>,
+}
+
+#[derive(Deserialize)]
+struct GatewayAddress {
+    destination: String,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)] // decoded for its shape: istioctl reads each field
+struct Service {
+    name: String,
+    namespace: String,
+    hostname: String,
+    vips: Vec<String>,
+    ports: BTreeMap<String, u32>,
+    #[serde(default)]
+    waypoint: Option<GatewayAddress>,
+    endpoints: BTreeMap<String, Endpoint>,
+    ip_families: String,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)] // decoded for its shape: istioctl reads each field
+struct Endpoint {
+    workload_uid: String,
+    service: String,
+    #[serde(default)]
+    address: String,
+    port: BTreeMap<String, u16>,
+}
+
+#[derive(Deserialize)]
+#[allow(dead_code)] // decoded for its shape: istioctl reads each field
+struct Policy {
+    name: String,
+    namespace: String,
+    scope: String,
+    action: String,
+    rules: Vec<Vec<Vec<serde_json::Value>>>,
 }
 
 #[derive(Deserialize)]
@@ -73,6 +144,17 @@ struct WorkloadInfo {
     trust_domain: String,
     service_account: String,
 }
+
+/// Pod b's service (pod b names it in the workloads file).
+const SERVICE_B: &str = "services:
+- name: b
+  namespace: default
+  hostname: b.default.svc.cluster.local
+  vips: [\"/10.96.0.10\"]
+  ports: {80: 8090}
+policies:
+- {name: no-8091, namespace: default, scope: Namespace, action: Deny, rules: [[[{destinationPorts: [8091]}]]]}
+";
 
 /// A decimal number (istioctl's serial) in lower-case hex without leading zeros, as istioctl
 /// prints it.
@@ -167,6 +249,81 @@ fn certificate_rows(dump: &Dump) -> Vec<[String; 7]> {
     rows
 }
 
+/// istioctl's WAYPOINT column: `None`, the name of the service the destination names (by
+/// `NS/HOSTNAME` or one of its VIPs), or `NA`.
+fn waypoint_column(w: Option<&GatewayAddress>, services: &[Service]) -> String {
+    let Some(w) = w else { return "None".into() };
+    services
+        .iter()
+        .find(|s| {
+            format!("{}/{}", s.namespace, s.hostname) == w.destination
+                || s.vips.contains(&w.destination)
+        })
+        .map_or_else(|| "NA".into(), |s| s.name.clone())
+}
+
+/// The rows of `istioctl ztunnel-config workloads` (NAMESPACE, POD NAME, ADDRESS, NODE,
+/// WAYPOINT, PROTOCOL), sorted as it sorts them.
+fn workload_rows(dump: &Dump) -> Vec<[String; 6]> {
+    let mut ws: Vec<&Workload> = dump.workloads.iter().collect();
+    ws.sort_by(|a, b| {
+        (format!("{}.{}", a.namespace, a.name), &a.node)
+            .cmp(&(format!("{}.{}", b.namespace, b.name), &b.node))
+    });
+    ws.iter()
+        .map(|w| {
+            let address = if w.workload_ips.is_empty() {
+                w.hostname.clone()
+            } else {
+                w.workload_ips.join(",")
+            };
+            [
+                w.namespace.clone(),
+                w.name.clone(),
+                address,
+                w.node.clone(),
+                waypoint_column(w.waypoint.as_ref(), &dump.services),
+                w.protocol.clone(),
+            ]
+        })
+        .collect()
+}
+
+/// The rows of `istioctl ztunnel-config services` (NAMESPACE, SERVICE NAME, SERVICE VIP,
+/// WAYPOINT, ENDPOINTS as healthy/total).
+fn service_rows(dump: &Dump) -> Vec<[String; 5]> {
+    let healthy = |uid: &str| dump.workloads.iter().any(|w| w.uid == uid && w.status == "Healthy");
+    let mut rows: Vec<[String; 5]> = dump
+        .services
+        .iter()
+        .map(|s| {
+            let vips: Vec<&str> =
+                s.vips.iter().map(|v| v.split_once('/').map_or(v.as_str(), |(_, ip)| ip)).collect();
+            let up = s.endpoints.values().filter(|e| healthy(&e.workload_uid)).count();
+            [
+                s.namespace.clone(),
+                s.name.clone(),
+                vips.join(","),
+                waypoint_column(s.waypoint.as_ref(), &dump.services),
+                format!("{up}/{}", s.endpoints.len()),
+            ]
+        })
+        .collect();
+    rows.sort();
+    rows
+}
+
+/// The rows of `istioctl ztunnel-config policies` (NAMESPACE, POLICY NAME, ACTION, SCOPE).
+fn policy_rows(dump: &Dump) -> Vec<[String; 4]> {
+    let mut rows: Vec<[String; 4]> = dump
+        .policies
+        .iter()
+        .map(|p| [p.namespace.clone(), p.name.clone(), p.action.clone(), p.scope.clone()])
+        .collect();
+    rows.sort();
+    rows
+}
+
 /// The dump of `nodes`' first proxy, decoded as istioctl declares it, and its raw form.
 fn dump_of(nodes: &TwoNodes) -> (Dump, serde_json::Value) {
     let raw = nodes.proxies[0].config_dump().expect("config dump");
@@ -182,9 +339,24 @@ fn pod_serial(raw: &serde_json::Value, uid: &str) -> String {
     serial.replace(':', "").to_lowercase().trim_start_matches('0').to_owned()
 }
 
-fn assert_istioctl_reads_pod_a(nodes: &TwoNodes) {
+fn assert_istioctl_reads_pod_a(nodes: &TwoNodes, with_service: bool) {
     let (dump, raw) = dump_of(nodes);
-    assert!(dump.workloads.is_array() && dump.services.is_array() && dump.policies.is_array());
+    let workloads = workload_rows(&dump);
+    let a = workloads.iter().find(|r| r[1] == "app-a").expect("pod a's row");
+    let a_ips = format!("{},{}", nodes.pods.a_ip, nodes.pods.a_ip6);
+    assert_eq!(a[..3], ["default".to_owned(), "app-a".into(), a_ips], "{workloads:?}");
+    assert_eq!((&*a[4], &*a[5]), ("None", "HBONE"), "{workloads:?}");
+    let services = service_rows(&dump);
+    if with_service {
+        let b = ["default", "b", "10.96.0.10", "None", "1/1"].map(str::to_owned);
+        assert!(services.contains(&b), "pod b's service: {services:?}");
+        let policies = policy_rows(&dump);
+        let deny = ["default", "no-8091", "Deny", "Namespace"].map(str::to_owned);
+        assert_eq!(policies, [deny], "{policies:?}");
+    }
+    println!(
+        "istioctl ztunnel-config workloads would print:\n{workloads:?}\nservices:\n{services:?}"
+    );
     let rows = certificate_rows(&dump);
     let id = "spiffe://cluster.local/ns/default/sa/sa-a";
     let mine: Vec<&[String; 7]> = rows.iter().filter(|r| r[0] == id).collect();
@@ -210,13 +382,13 @@ fn assert_istioctl_reads_pod_a(nodes: &TwoNodes) {
 }
 
 #[test]
-fn istioctl_reads_the_certificates_and_workload_state_of_a_proxy_with_a_local_ca() {
-    let nodes = TwoNodes::new(MESHED);
-    assert_istioctl_reads_pod_a(&nodes);
+fn istioctl_reads_the_workloads_services_certificates_and_pods_of_a_proxy_with_a_local_ca() {
+    let nodes = TwoNodes::start(Setup { view: MESHED, yaml: SERVICE_B.into(), ..Setup::default() });
+    assert_istioctl_reads_pod_a(&nodes, true);
 }
 
 #[test]
-fn istioctl_reads_the_certificates_and_workload_state_of_a_proxy_istiod_configures() {
+fn istioctl_reads_the_workloads_certificates_and_pods_of_a_proxy_istiod_configures() {
     let nodes = TwoNodes::start(Setup { istiod: true, ..Setup::default() });
     assert!(
         meshpath_tests::wait_until(std::time::Duration::from_secs(30), || {
@@ -224,5 +396,5 @@ fn istioctl_reads_the_certificates_and_workload_state_of_a_proxy_istiod_configur
         }),
         "not ready"
     );
-    assert_istioctl_reads_pod_a(&nodes);
+    assert_istioctl_reads_pod_a(&nodes, false);
 }

@@ -4,7 +4,12 @@
 //! types and meanings, so Istio's own tools read meshpath's proxy unchanged. meshpath's extras
 //! are under keys of their own (`pods`, `pool`, `certificateSource`).
 //!
-//! - `workloads`, `services`, `policies`: the store, as ztunnel's local-file format spells it.
+//! - `workloads`, `services`, `policies`: the store, as the workloads file spells it, with the
+//!   keys istioctl reads that the file has not: a workload's `workloadType` (`pod`),
+//!   `canonicalRevision`, `clusterId`, `hostname`, `network` (present and empty: the proxy
+//!   does not hold them), `capacity` (1), `node`; a waypoint's `destination` as one string
+//!   (`NS/HOSTNAME` or `NETWORK/IP`); a service's `endpoints` (by `UID:/IP`, from the workloads
+//!   that back it) and `ipFamilies`.
 //! - `certificates`: each identity the proxy serves, holds or is asking istiod for, with its
 //!   state (`Available`, `Initializing`, `Unavailable: why`), its chain and the trust roots;
 //!   serial numbers in decimal, times in RFC 3339, as ztunnel writes them.
@@ -25,7 +30,7 @@ use crate::{
 #[serde(rename_all = "camelCase")]
 struct ConfigDump {
     #[serde(flatten)]
-    store: crate::state::store::WorkloadStore,
+    store: serde_json::Map<String, serde_json::Value>,
     certificates: Vec<CertsDump>,
     workload_state: BTreeMap<String, WorkloadState>,
     certificate_source: &'static str,
@@ -109,7 +114,7 @@ pub(super) fn render(proxy: &Proxy) -> Result<String, serde_json::Error> {
     let pods = proxy.pods();
     let store = proxy.store();
     let dump = ConfigDump {
-        store: (*store).clone(),
+        store: store_view(&store)?,
         certificates: certificates(proxy, now),
         workload_state: pods
             .iter()
@@ -146,6 +151,84 @@ pub(super) fn render(proxy: &Proxy) -> Result<String, serde_json::Error> {
         pool: proxy.pool.dump(),
     };
     serde_json::to_string_pretty(&dump)
+}
+
+/// The store as istioctl reads it (the module's comment says what is added to the file's form).
+fn store_view(
+    store: &crate::state::store::WorkloadStore,
+) -> Result<serde_json::Map<String, serde_json::Value>, serde_json::Error> {
+    use serde_json::{json, Value};
+    let serde_json::Value::Object(mut view) = serde_json::to_value(store)? else {
+        return Ok(Default::default());
+    };
+    // A service's endpoints: the workloads that name it, each under `UID:/IP` (its first
+    // address), as ztunnel keys them.
+    let mut endpoints: BTreeMap<String, serde_json::Map<String, Value>> = BTreeMap::new();
+    for w in store.workloads() {
+        let address = w.workload_ips.first().map(|ip| format!("/{ip}")).unwrap_or_default();
+        for (service, ports) in &w.services {
+            let port: serde_json::Map<String, Value> =
+                ports.iter().map(|(p, t)| (p.to_string(), json!(t))).collect();
+            endpoints.entry(service.clone()).or_default().insert(
+                format!("{}:{address}", w.uid),
+                json!({"workloadUid": w.uid, "service": service, "address": address, "port": port}),
+            );
+        }
+    }
+    let defaults = [
+        ("workloadType", json!("pod")),
+        ("canonicalRevision", json!("")),
+        ("clusterId", json!("")),
+        ("hostname", json!("")),
+        ("network", json!("")),
+        ("capacity", json!(1)),
+        ("node", json!("")),
+    ];
+    if let Some(Value::Array(workloads)) = view.get_mut("workloads") {
+        for w in workloads.iter_mut().filter_map(Value::as_object_mut) {
+            for (key, value) in &defaults {
+                w.entry(*key).or_insert_with(|| value.clone());
+            }
+            flatten_waypoint(w);
+        }
+    }
+    if let Some(Value::Array(services)) = view.get_mut("services") {
+        for svc in services.iter_mut().filter_map(Value::as_object_mut) {
+            let key = format!(
+                "{}/{}",
+                svc.get("namespace").and_then(Value::as_str).unwrap_or_default(),
+                svc.get("hostname").and_then(Value::as_str).unwrap_or_default()
+            );
+            svc.insert(
+                "endpoints".into(),
+                Value::Object(endpoints.remove(&key).unwrap_or_default()),
+            );
+            svc.entry("ipFamilies").or_insert_with(|| json!(""));
+            flatten_waypoint(svc);
+        }
+    }
+    Ok(view)
+}
+
+/// A waypoint's destination as istioctl compares it: `NS/HOSTNAME`, or the address as given
+/// (`NETWORK/IP` or `IP`), in place of the file's `{hostname: {namespace, hostname}}` or
+/// `{address}`.
+fn flatten_waypoint(entry: &mut serde_json::Map<String, serde_json::Value>) {
+    let Some(dest) = entry.get_mut("waypoint").and_then(|w| w.get_mut("destination")) else {
+        return;
+    };
+    let flat = if let Some(a) = dest.get("address").and_then(|a| a.as_str()) {
+        a.to_owned()
+    } else if let Some(h) = dest.get("hostname") {
+        format!(
+            "{}/{}",
+            h.get("namespace").and_then(|n| n.as_str()).unwrap_or_default(),
+            h.get("hostname").and_then(|n| n.as_str()).unwrap_or_default()
+        )
+    } else {
+        return;
+    };
+    *dest = serde_json::Value::String(flat);
 }
 
 /// Every identity the served pods have (their certificates as they present them), then, from

@@ -20,8 +20,13 @@
 //!    front of the old before the old is deleted, the sk_msg program is attached to the
 //!    shortcut's map, and the node's cgroup links are updated in the order they were attached.
 //! 5. **Copy again** what the old programs did to the replaced maps between the first copy and
-//!    the swap (entries they added are added, entries they took are taken), then rename the new
-//!    maps over the old pins. The old maps go with the last old program.
+//!    the swap: once just before the node's cgroup links switch (the programs that file a
+//!    connection's original destination and read it back at the proxy's accept), once after
+//!    (entries they added are added, entries they took are taken); then rename the new maps
+//!    over the old pins. The old maps go with the last old program. What is left: a
+//!    connection filed by an old program within the few link updates of the node's switch and
+//!    accepted before the last copy finds no original destination (only in an upgrade that
+//!    reshapes `ORIG_DST_BY_CONN`, as the one from 0.1.0 does).
 //! 6. **Write the version**, last: an upgrade that stopped part way is done again, from the
 //!    start, by the next agent (every step is idempotent).
 
@@ -306,6 +311,19 @@ pub(super) fn run(dp: &Datapath) -> Result<Report> {
             .map_err(|e| Error::bpf("opening LOCAL_SOCKS", e))?;
         sys::sk_msg_on_map(fd, socks.fd().as_fd().as_raw_fd(), true)
             .map_err(|e| Error::io("attaching the new sk_msg program to LOCAL_SOCKS", e))?;
+    }
+    // Again, just before the node's cgroup links switch (their programs file a connection's
+    // original destination and read it back at the proxy's accept): what the old programs
+    // added while the pods' hooks switched is carried now, so that a connection filed by an
+    // old program and accepted under a new one finds its entry. Left to the copy after the
+    // swap: only what they file in the few link updates between.
+    for (name, old, new, first) in &mut copies {
+        let old_pin = dp.map_pin(name);
+        let now = snapshot(&old_pin, old)?;
+        let added: BTreeMap<Vec<u8>, Vec<u8>> =
+            now.into_iter().filter(|(k, _)| !first.contains_key(k)).collect();
+        write_entries(&next_pin(&old_pin), new, &added)?;
+        first.extend(added);
     }
     let node = dp.root.join(pins::NODE_LINKS_DIR);
     for name in programs::CGROUP {

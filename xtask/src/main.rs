@@ -308,9 +308,10 @@ fn took(since: &mut std::time::Instant) -> String {
     format!("{}m {:02}s", secs / 60, secs % 60)
 }
 
-/// Checks and tests on this machine's kernel (`host`), the fuzz targets (the cluster coming
-/// up beside them), then the cluster's tests; beside the last two, the capture tests in a VM
-/// per kernel series. Ends with one total line per stage and one overall.
+/// Checks and tests on this machine's kernel (`host`), the fuzz targets' build, their runs
+/// (the cluster coming up beside them), then the cluster's tests; beside the runs and the
+/// cluster's tests, the capture tests in a VM per kernel series. Ends with one total line per
+/// stage and one overall.
 fn test(
     path: Option<&std::path::Path>,
     filter: Option<&str>,
@@ -361,11 +362,14 @@ fn test(
             bad.push("this machine's kernel".to_owned());
         }
     }
-    // The kernels' VMs run while the fuzz targets and the cluster's tests do: the fuzzer is
-    // one process (one core, the VM's TCG the other), the cluster's tests mostly wait on
-    // kubelet and paced transfers, and none sees another's namespaces, cgroups or pins (the
-    // guest has its own). Their lines are told apart by the `[6.1]`-style prefix the guest's
-    // output carries.
+    // The fuzz targets' build first, alone: it compiles on both cores.
+    let fuzzing = host && filter.is_none();
+    let fuzz_built = if fuzzing { fuzz::build() } else { Ok(()) };
+    // The kernels' VMs run once the fuzz targets are built, while they run and the cluster's
+    // tests do: the fuzzer is one process (one core, the VM's TCG the other), the cluster's
+    // tests mostly wait on kubelet and paced transfers, and none sees another's namespaces,
+    // cgroups or pins (the guest has its own). Their lines are told apart by the `[6.1]`-style
+    // prefix the guest's output carries.
     let vms = if series.is_empty() {
         None
     } else {
@@ -389,9 +393,9 @@ fn test(
             (cargo::workspace_root(), bin_dir.clone(), previous.clone());
         std::thread::spawn(move || cluster::up(&root, &bin_dir, previous.as_deref()))
     });
-    if host && filter.is_none() {
+    if fuzzing {
         let secs = fuzz::IN_TESTS_SECS;
-        match fuzz::run(&[], secs) {
+        match fuzz_built.and_then(|()| fuzz::run(&[], secs)) {
             Ok(()) => lines.push(format!(
                 "fuzz targets: {} run {secs} s each, no crash ({})",
                 fuzz::TARGETS.len(),

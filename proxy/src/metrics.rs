@@ -424,11 +424,14 @@ impl<'a> ConnGuard<'a> {
             dst.hbone_addr = %opt(i.hbone_addr.map(|a| a.to_string())),
             dst.service = %opt(i.dst_service.clone()),
             dst.workload = %opt(i.dst_workload.as_ref().map(|w| w.name.clone())),
+            dst.namespace = %opt(i.dst_workload.as_ref().map(|w| w.namespace.clone())),
             dst.identity = %opt(i.dst_identity.as_ref().map(ToString::to_string)),
             direction = i.direction.as_str(),
             bytes_sent = down,
             bytes_recv = up,
-            duration_ms = self.start.elapsed().as_millis() as u64,
+            // As ztunnel writes it (`duration="12ms"`), what Kiali's and the dashboards' log
+            // queries read.
+            duration = %format!("{}ms", self.start.elapsed().as_millis()),
             error = error.unwrap_or("-"),
             "connection complete"
         );

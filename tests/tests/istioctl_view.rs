@@ -128,7 +128,6 @@ struct Connections {
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
-#[allow(dead_code)] // decoded for its shape: istioctl reads each field
 struct Connection {
     src: String,
     original_dst: Option<String>,
@@ -324,9 +323,65 @@ fn policy_rows(dump: &Dump) -> Vec<[String; 4]> {
     rows
 }
 
+/// The rows of `istioctl ztunnel-config connections` (WORKLOAD, DIRECTION, LOCAL, REMOTE,
+/// REMOTE TARGET, PROTOCOL): each served pod's open connections, inbound first, addresses named
+/// as istioctl names them (a service's first VIP by its hostname, a workload's first address
+/// by `NAME.NAMESPACE`, with the port).
+fn connection_rows(dump: &Dump) -> Vec<[String; 6]> {
+    let lookup = |addr: &str| -> String {
+        let Some((host, port)) = addr.rsplit_once(':') else { return addr.to_owned() };
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let vip = |v: &String| v.split_once('/').map_or(v.clone(), |(_, ip)| ip.to_owned());
+        if let Some(s) =
+            dump.services.iter().find(|s| s.vips.first().map(vip).as_deref() == Some(host))
+        {
+            return format!("{}:{port}", s.hostname);
+        }
+        if let Some(w) =
+            dump.workloads.iter().find(|w| w.workload_ips.first().map(String::as_str) == Some(host))
+        {
+            return format!("{}.{}:{port}", w.name, w.namespace);
+        }
+        addr.to_owned()
+    };
+    let mut states: Vec<&WorkloadState> = dump.workload_state.values().collect();
+    states
+        .sort_by(|a, b| (&a.info.namespace, &a.info.name).cmp(&(&b.info.namespace, &b.info.name)));
+    let mut rows = Vec::new();
+    for st in states {
+        let name = format!("{}.{}", st.info.name, st.info.namespace);
+        for c in &st.connections.inbound {
+            rows.push([
+                name.clone(),
+                "Inbound".into(),
+                lookup(&c.actual_dst),
+                lookup(&c.src),
+                c.original_dst.clone().unwrap_or_default(),
+                c.protocol.clone(),
+            ]);
+        }
+        for c in &st.connections.outbound {
+            rows.push([
+                name.clone(),
+                "Outbound".into(),
+                lookup(&c.src),
+                lookup(&c.actual_dst),
+                lookup(c.original_dst.as_deref().unwrap_or_default()),
+                c.protocol.clone(),
+            ]);
+        }
+    }
+    rows
+}
+
 /// The dump of `nodes`' first proxy, decoded as istioctl declares it, and its raw form.
 fn dump_of(nodes: &TwoNodes) -> (Dump, serde_json::Value) {
-    let raw = nodes.proxies[0].config_dump().expect("config dump");
+    dump_at(nodes, 0)
+}
+
+/// The dump of `nodes`' proxy `i`, decoded as istioctl declares it, and its raw form.
+fn dump_at(nodes: &TwoNodes, i: usize) -> (Dump, serde_json::Value) {
+    let raw = nodes.proxies[i].config_dump().expect("config dump");
     let dump: Dump = serde_json::from_value(raw.clone())
         .unwrap_or_else(|e| panic!("not what istioctl reads: {e}\n{raw:#}"));
     (dump, raw)
@@ -377,7 +432,6 @@ fn assert_istioctl_reads_pod_a(nodes: &TwoNodes, with_service: bool) {
         ("default", "sa-a", "cluster.local")
     );
     assert!(!state.info.name.is_empty(), "no name");
-    let _ = (&state.connections.inbound, &state.connections.outbound);
     println!("istioctl ztunnel-config certificates would print:\n{table}");
 }
 
@@ -397,4 +451,41 @@ fn istioctl_reads_the_workloads_certificates_and_pods_of_a_proxy_istiod_configur
         "not ready"
     );
     assert_istioctl_reads_pod_a(&nodes, false);
+}
+
+/// A pod's open connection as `istioctl ztunnel-config connections` lists it at both ends:
+/// outbound at pod a's proxy (from pod a, to pod b's HBONE port, for pod b's port), inbound at
+/// pod b's (to pod b's port, from pod a); gone from the list once closed.
+#[test]
+fn istioctl_lists_an_open_connection_at_both_ends_until_it_closes() {
+    use std::io::{Read as _, Write as _};
+    let nodes = TwoNodes::new(MESHED);
+    let dst = nodes.b(false, 8096);
+    nodes.echo_server_in_b(dst);
+    let mut live = nodes.connect_from_a(dst).expect("connect");
+    live.write_all(b"ping").expect("write");
+    let mut back = [0u8; 4];
+    live.read_exact(&mut back).expect("the echo");
+    let outbound = connection_rows(&dump_at(&nodes, 0).0);
+    let inbound = connection_rows(&dump_at(&nodes, 1).0);
+    println!("pod a's proxy: {outbound:?}\npod b's proxy: {inbound:?}");
+    let [row] = &outbound[..] else { panic!("one connection at pod a's proxy: {outbound:?}") };
+    assert_eq!((&*row[0], &*row[1]), ("app-a.default", "Outbound"), "{row:?}");
+    assert!(row[2].starts_with("app-a.default:"), "{row:?}");
+    assert_eq!(
+        (&*row[3], &*row[4], &*row[5]),
+        ("app-b.default:15008", "app-b.default:8096", "HBONE")
+    );
+    let [row] = &inbound[..] else { panic!("one connection at pod b's proxy: {inbound:?}") };
+    assert_eq!((&*row[0], &*row[1], &*row[2]), ("app-b.default", "Inbound", "app-b.default:8096"));
+    assert!(row[3].starts_with("app-a.default:"), "{row:?}");
+    assert_eq!((&*row[4], &*row[5]), (&*dst.to_string(), "HBONE"), "{row:?}");
+    drop(live);
+    assert!(
+        meshpath_tests::wait_until(std::time::Duration::from_secs(10), || {
+            connection_rows(&dump_at(&nodes, 0).0).is_empty()
+                && connection_rows(&dump_at(&nodes, 1).0).is_empty()
+        }),
+        "the closed connection is still listed"
+    );
 }

@@ -92,6 +92,11 @@ fn each_connection_writes_one_access_log_line_with_both_identities() {
             "bytes_sent=1000",
             "bytes_recv=1000",
             "outbound",
+            // The rest of the fields Kiali's and Istio's dashboards' log queries read, as
+            // ztunnel writes them.
+            "src.namespace=default",
+            "dst.namespace=default",
+            "duration=",
         ],
     );
 }

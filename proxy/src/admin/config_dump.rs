@@ -13,8 +13,9 @@
 //! - `certificates`: each identity the proxy serves, holds or is asking istiod for, with its
 //!   state (`Available`, `Initializing`, `Unavailable: why`), its chain and the trust roots;
 //!   serial numbers in decimal, times in RFC 3339, as ztunnel writes them.
-//! - `workloadState`: each served pod by uid: `Up`, who it is (`info`); its `connections` are
-//!   present and empty (open connections are not listed yet: `istio_tcp_*` counts them).
+//! - `workloadState`: each served pod by uid: `Up`, who it is (`info`), its open
+//!   `connections` by direction (`proxy/open_connections.rs`): the client's address, where it
+//!   was going, where the proxy connected, `HBONE` or `TCP`.
 
 use std::collections::BTreeMap;
 
@@ -23,6 +24,7 @@ use serde::Serialize;
 use crate::{
     certs::ca_client::CertState,
     identity::WorkloadCert,
+    metrics::Direction,
     proxy::{pool::PoolEntry, Proxy},
 };
 
@@ -127,10 +129,20 @@ pub(super) fn render(proxy: &Proxy) -> Result<String, serde_json::Error> {
                     trust_domain: id.trust_domain.clone(),
                     service_account: id.service_account.clone(),
                 };
-                (
-                    p.uid.clone(),
-                    WorkloadState { state: "Up", connections: Default::default(), info },
-                )
+                let mut connections = Connections::default();
+                for e in p.open.snapshot() {
+                    let c = Connection {
+                        src: e.src.to_string(),
+                        original_dst: e.original_dst.to_string(),
+                        actual_dst: e.actual_dst.to_string(),
+                        protocol: e.protocol.to_owned(),
+                    };
+                    match e.direction {
+                        Direction::Inbound => connections.inbound.push(c),
+                        Direction::Outbound => connections.outbound.push(c),
+                    }
+                }
+                (p.uid.clone(), WorkloadState { state: "Up", connections, info })
             })
             .collect(),
         certificate_source: proxy.certs.mode(),

@@ -285,6 +285,13 @@ async fn serve_stream(
         dst_service: None,
     };
     let guard = ConnGuard::open(&proxy.metrics, info);
+    let _listed = pod.open.list(crate::proxy::open_connections::Entry {
+        direction: Direction::Inbound,
+        src,
+        original_dst: target,
+        actual_dst: target,
+        protocol: "HBONE",
+    });
     // Held until the stream ends: a policy change that denies it closes it.
     let allowed = Authorized::register(proxy, &pod.uid, Some(client), src.ip(), target);
     let limit = proxy.settings.connect_timeout;

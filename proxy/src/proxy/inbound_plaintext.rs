@@ -79,6 +79,13 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
         dst_service: None,
     };
     let guard = ConnGuard::open(&proxy.metrics, info);
+    let _listed = pod.open.list(crate::proxy::open_connections::Entry {
+        direction: Direction::Inbound,
+        src: peer,
+        original_dst: dst,
+        actual_dst: dst,
+        protocol: "TCP",
+    });
     // Held until the connection ends: a policy change that denies it closes it.
     let allowed = Authorized::register(&pod.proxy, &pod.uid, None, peer.ip(), dst);
     let limit = proxy.settings.connect_timeout;

@@ -4,7 +4,8 @@
 //! connection cap), a pod as the paths see it (`pod`, its sockets made inside its netns by
 //! `netns`, its listeners held across restarts by the node agent: `held_listeners`), the HBONE protocol, the connection pool, the byte copy, accept loops with their
 //! caps and draining, the per-source cap on unauthenticated inbound, the large reads under TLS,
-//! the allowed connections a policy change re-checks.
+//! the allowed connections a policy change re-checks, the open ones the admin dump lists
+//! (`open_connections`).
 
 pub mod authorized;
 pub mod copy;
@@ -17,6 +18,7 @@ pub mod inbound_plaintext;
 pub mod memory;
 pub mod netns;
 pub mod node;
+pub mod open_connections;
 pub mod outbound;
 pub mod per_source;
 pub mod pod;

@@ -83,6 +83,13 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
         dst_service: target.service.clone(),
     };
     let guard = ConnGuard::open(&proxy.metrics, info);
+    let _listed = pod.open.list(crate::proxy::open_connections::Entry {
+        direction: Direction::Outbound,
+        src: peer,
+        original_dst: orig,
+        actual_dst: target.hbone.unwrap_or(target.addr),
+        protocol: if hbone { "HBONE" } else { "TCP" },
+    });
     let meters = (&guard.from_client, &guard.to_client);
     let result = if hbone {
         via_hbone(conn, peer, pod, &target, meters).await

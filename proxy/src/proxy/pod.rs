@@ -57,6 +57,8 @@ pub struct Pod {
     pub listening: CancellationToken,
     /// Cancelled to end the pod's connections (removal only: shutdown lets them drain).
     pub gone: CancellationToken,
+    /// Its open connections, for the admin dump.
+    pub open: super::open_connections::OpenConnections,
     /// Whether connections to its apps keep the client's address (see `Pod::new`).
     transparent: bool,
     /// Its caps on connections carried at once, one per direction, so that connections opened
@@ -276,6 +278,7 @@ impl Pod {
             proxy: proxy.clone(),
             listening: proxy.drain.child_token(),
             gone: CancellationToken::new(),
+            open: Default::default(),
             transparent,
             conns: PodCaps::new(
                 proxy.settings.max_connections_per_pod,

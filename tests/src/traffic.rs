@@ -58,6 +58,18 @@ pub fn tcp_send(ns: &Netns, addr: SocketAddrV4, bytes: usize) -> Result<u64> {
 /// `tcpi_total_retrans`) times its MSS. A loaded machine retransmits now and then, and a
 /// counter of bytes on the wire rightly counts those bytes again.
 fn retransmitted_at_most(conn: &TcpStream) -> Result<u64> {
+    let info = tcp_info(conn)?;
+    Ok(u64::from(info.tcpi_total_retrans) * u64::from(info.tcpi_snd_mss))
+}
+
+/// How many SYNs a just-connected `conn` sent: its first and each retransmission (a loaded
+/// machine, a VM under emulation, may answer the first late). The receiving side's socket
+/// lookup, and each decision it counts, runs once for each.
+pub fn syns_sent(conn: &TcpStream) -> Result<u64> {
+    Ok(1 + u64::from(tcp_info(conn)?.tcpi_total_retrans))
+}
+
+fn tcp_info(conn: &TcpStream) -> Result<libc::tcp_info> {
     use std::os::fd::AsRawFd as _;
     // SAFETY: an all-zero tcp_info is valid; getsockopt writes at most `len` bytes into it.
     let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
@@ -75,7 +87,7 @@ fn retransmitted_at_most(conn: &TcpStream) -> Result<u64> {
     if rc != 0 {
         return Err(std::io::Error::last_os_error()).context("TCP_INFO");
     }
-    Ok(u64::from(info.tcpi_total_retrans) * u64::from(info.tcpi_snd_mss))
+    Ok(info)
 }
 
 /// Sends `bytes` from pod a to pod b over TCP and returns what b received.

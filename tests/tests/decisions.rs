@@ -18,7 +18,7 @@ use datapath_common::{
     node_flags,
 };
 use meshpath_loader::{decisions, pods::EnrolOptions};
-use meshpath_tests::{loader_bin, read_line, Mesh, PinRoot, Sentinel};
+use meshpath_tests::{loader_bin, read_line, syns_sent, Mesh, PinRoot, Sentinel};
 use serde_json::Value;
 
 /// `meshpath-loader monitor --json` on a test's datapath, stopped (SIGTERM) on drop.
@@ -309,9 +309,11 @@ fn inbound_to_the_hbone_port_is_counted_as_steered_to_a_proxy_port() {
     let monitor = Monitor::start(&mesh.root, &[]);
     let hbone = mesh.a(false, ports::HBONE);
     let server = mesh.echo_server_as_proxy_in_a(hbone);
-    drop(mesh.connect_from_b(hbone, None).expect("connect to 15008"));
+    let conn = mesh.connect_from_b(hbone, None).expect("connect to 15008");
+    let syns = syns_sent(&conn).expect("TCP_INFO");
+    drop(conn);
     server.join().expect("server").expect("15008 took the connection");
-    assert_eq!(count(&mesh, cookie_a(&mesh), "inbound", "steered", "proxy port"), 1);
+    assert_eq!(count(&mesh, cookie_a(&mesh), "inbound", "steered", "proxy port"), syns);
     monitor.expect("inbound", "steered", "proxy port", Some(hbone));
 }
 
@@ -321,9 +323,11 @@ fn an_excluded_inbound_port_is_counted_as_passed() {
     let monitor = Monitor::start(&mesh.root, &[]);
     let dst = mesh.a(false, 2222);
     let app = mesh.echo_server_in_a(dst);
-    drop(mesh.connect_from_b(dst, None).expect("excluded port reaches the app"));
+    let conn = mesh.connect_from_b(dst, None).expect("excluded port reaches the app");
+    let syns = syns_sent(&conn).expect("TCP_INFO");
+    drop(conn);
     app.join().expect("app").expect("the app took the connection");
-    assert_eq!(count(&mesh, cookie_a(&mesh), "inbound", "passed", "excluded port"), 1);
+    assert_eq!(count(&mesh, cookie_a(&mesh), "inbound", "passed", "excluded port"), syns);
     monitor.expect("inbound", "passed", "excluded port", Some(dst));
 }
 
@@ -336,9 +340,11 @@ fn an_excluded_inbound_client_prefix_is_counted_as_passed() {
     let monitor = Monitor::start(&mesh.root, &[]);
     let dst = mesh.a(false, 2224);
     let app = mesh.echo_server_in_a(dst);
-    drop(mesh.connect_from_b(dst, None).expect("excluded client reaches the app"));
+    let conn = mesh.connect_from_b(dst, None).expect("excluded client reaches the app");
+    let syns = syns_sent(&conn).expect("TCP_INFO");
+    drop(conn);
     app.join().expect("app").expect("the app took the connection");
-    assert_eq!(count(&mesh, cookie_a(&mesh), "inbound", "passed", "excluded cidr"), 1);
+    assert_eq!(count(&mesh, cookie_a(&mesh), "inbound", "passed", "excluded cidr"), syns);
     monitor.expect("inbound", "passed", "excluded cidr", Some(dst));
 }
 

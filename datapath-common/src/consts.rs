@@ -239,6 +239,10 @@ pub mod map_names {
     /// [`crate::OrigDst`] by [`crate::ConnKey`] (a hash: nothing is evicted), until the proxy's
     /// end of the connection takes it or the app's end closes.
     pub const ORIG_DST_BY_CONN: &str = "ORIG_DST_BY_CONN";
+    /// The same layout as `ORIG_DST_BY_CONN`, where the programs also look: during a datapath
+    /// upgrade that replaces that map with one of another shape, the replaced map itself;
+    /// else one empty slot.
+    pub const ORIG_DST_BY_CONN_PREVIOUS: &str = "ORIG_DST_BY_CONN_PREVIOUS";
     /// Each pod's entries in `ORIG_DST_BY_CONN` (a `u64` by netns cookie, created at enrolment
     /// and removed at unenrolment; the programs only count in it): its share is
     /// [`super::MAX_PENDING_CONNECTIONS_PER_POD`].

@@ -65,6 +65,14 @@ pub static ORIG_DST_BY_SOCKET: SkStorage<OrigDst> = SkStorage::new();
 pub static ORIG_DST_BY_CONN: HashMap<ConnKey, OrigDst> =
     HashMap::pinned(ORIG_DST_BY_CONN_ENTRIES, BPF_F_NO_PREALLOC);
 
+/// While a datapath upgrade replaces `ORIG_DST_BY_CONN` with one of another shape (capacity,
+/// flags, hash kind), the old map itself, so that a connection an old program filed there is
+/// still found by the new programs until the last old one is gone and its entries are copied
+/// (`pending::filed`, loader/src/datapath/upgrade.rs). Otherwise, and once that upgrade is
+/// done (the loader links the readers again without it), this: one slot, always empty.
+#[map]
+pub static ORIG_DST_BY_CONN_PREVIOUS: HashMap<ConnKey, OrigDst> = HashMap::pinned(1, 0);
+
 /// Each enrolled pod's entries in `ORIG_DST_BY_CONN`: created (zero) by the loader at
 /// enrolment, removed at unenrolment; the programs only add and subtract.
 #[map]

@@ -26,7 +26,7 @@ use datapath_common::{
 
 use crate::{
     decisions::{mapped, record, Tuple},
-    maps::{sk_storage_slot, ORIG_DST_BY_ACCEPTED, ORIG_DST_BY_CONN, PODS, PROXY_CGROUPS},
+    maps::{sk_storage_slot, ORIG_DST_BY_ACCEPTED, PODS, PROXY_CGROUPS},
     net::{is_v4_mapped, words_to_bytes, SockaddrIn, SockaddrIn6, V4_MAPPED_PREFIX},
     pending,
 };
@@ -84,9 +84,7 @@ unsafe fn answer(ctx: &SockoptContext) {
         };
         // Taken onto the socket when it was accepted (`accepted`); still filed by connection
         // if that did not happen (the proxy's end established first, as with TCP Fast Open).
-        match unsafe { accepted_orig(sk) }
-            .or_else(|| unsafe { ORIG_DST_BY_CONN.get(&key) }.copied())
-        {
+        match unsafe { accepted_orig(sk) }.or_else(|| pending::filed(&key)) {
             Some(o) => o,
             None => return refused(ctx, netns, peer_ip6, peer_port, local_port),
         }
@@ -169,7 +167,7 @@ pub fn accepted(ctx: &SockOpsContext) {
     // for this call, null-checked (the verifier types it "socket or null"); a slot the helper
     // returns is that socket's OrigDst.
     unsafe {
-        let Some(orig) = ORIG_DST_BY_CONN.get(&key).copied() else {
+        let Some(orig) = pending::filed(&key) else {
             return;
         };
         let sk = (*ctx.ops).__bindgen_anon_2.sk;

@@ -35,7 +35,10 @@ use datapath_common::{
 };
 
 use crate::{
-    maps::{sk_storage_slot, ORIG_DST_BY_CONN, ORIG_DST_BY_SOCKET, PENDING_CONNECTIONS},
+    maps::{
+        sk_storage_slot, ORIG_DST_BY_CONN, ORIG_DST_BY_CONN_PREVIOUS, ORIG_DST_BY_SOCKET,
+        PENDING_CONNECTIONS,
+    },
     net::is_v4_mapped,
 };
 
@@ -106,11 +109,23 @@ pub fn file(ctx: &SockOpsContext, key: &ConnKey, orig: &OrigDst) -> Result<(), u
     Ok(())
 }
 
+/// The original destination filed under `key`: in `ORIG_DST_BY_CONN`, or, during a datapath
+/// upgrade that replaces that map, in the map it replaces, where the old programs still file
+/// (`ORIG_DST_BY_CONN_PREVIOUS`; empty at any other time).
+#[inline(always)]
+pub fn filed(key: &ConnKey) -> Option<OrigDst> {
+    // SAFETY: map values are plain data owned by the map, copied out at once.
+    unsafe { ORIG_DST_BY_CONN.get(key).or_else(|| ORIG_DST_BY_CONN_PREVIOUS.get(key)).copied() }
+}
+
 /// Removes `key`'s entry (the proxy's end took it, or the app's end closed), counting it down
-/// if it was there.
+/// if it was there: from both maps [`filed`] reads (the upgrade's first copy may have put one
+/// filing in both), counted once.
 #[inline(always)]
 pub fn remove(key: &ConnKey) {
-    if ORIG_DST_BY_CONN.remove(key).is_ok() {
+    let current = ORIG_DST_BY_CONN.remove(key).is_ok();
+    let previous = ORIG_DST_BY_CONN_PREVIOUS.remove(key).is_ok();
+    if current || previous {
         count(&PENDING_CONNECTIONS, key.netns, ONE_LESS);
     }
 }
@@ -137,8 +152,7 @@ pub fn app_state_changed(ctx: &SockOpsContext) -> bool {
     }
     if ctx.arg(1) == BPF_TCP_CLOSE {
         remove(&key);
-    // SAFETY: map values are plain data owned by the map; only presence is read.
-    } else if unsafe { ORIG_DST_BY_CONN.get(&key) }.is_none() {
+    } else if filed(&key).is_none() {
         // Taken by the proxy's end: nothing left to watch for.
         let _ = ctx.set_cb_flags((ctx.cb_flags() & !BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
     }

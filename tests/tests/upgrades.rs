@@ -14,7 +14,7 @@
 //!   working as it was: no program replaced, the pod still captured.
 
 use std::{
-    io::{BufRead as _, BufReader},
+    io::{BufRead as _, BufReader, Write as _},
     net::{SocketAddr, TcpStream},
     path::Path,
     process::Output,
@@ -31,7 +31,7 @@ use aya::{
     programs::links::{FdLink, PinnedLink},
 };
 use datapath_common::{
-    consts::{map_names, pins, programs, ORIG_DST_BY_CONN_ENTRIES},
+    consts::{map_names, pins, ports, programs, ORIG_DST_BY_CONN_ENTRIES},
     ConnKey, OrigDst,
 };
 use meshpath_loader::{datapath::upgrade, pods::link_pins};
@@ -63,6 +63,11 @@ struct Node {
 
 impl Node {
     fn enrolled_by(run: fn(&PinRoot, &[&str]) -> Output) -> Self {
+        Self::enrolled_with(run, &[])
+    }
+
+    /// As [`Node::enrolled_by`], the proxy started with `proxy_env` as well.
+    fn enrolled_with(run: fn(&PinRoot, &[&str]) -> Output, proxy_env: &[(&str, &str)]) -> Self {
         require_root();
         let (root, pods, cgroup) =
             (PinRoot::new(), PodPair::new().expect("pods"), CgroupGuard::new().expect("cgroup"));
@@ -77,7 +82,7 @@ impl Node {
             &cgroup,
             "echo",
             true,
-            &[("MESHPATH_TEST_PROXY_QUIET", "1")],
+            &[[("MESHPATH_TEST_PROXY_QUIET", "1")].as_slice(), proxy_env].concat(),
         )
         .expect("the proxy in pod a");
         let sentinels = [
@@ -224,6 +229,20 @@ fn map_max_entries(root: &PinRoot, name: &str) -> u32 {
     MapData::from_pin(pin).expect("pinned map").info().expect("map info").max_entries()
 }
 
+fn map_id(root: &PinRoot, name: &str) -> u32 {
+    let pin = root.path().join(pins::MAPS_DIR).join(name);
+    MapData::from_pin(pin).expect("pinned map").info().expect("map info").id()
+}
+
+/// A pinned hash map of connection entries.
+fn conn_map(root: &PinRoot, name: &str) -> aya::maps::HashMap<MapData, ConnKey, OrigDst> {
+    let pin = root.path().join(pins::MAPS_DIR).join(name);
+    aya::maps::HashMap::try_from(aya::maps::Map::HashMap(
+        MapData::from_pin(pin).expect("pinned map"),
+    ))
+    .expect("a hash of connection entries")
+}
+
 /// The version the pins record (0: none).
 fn pinned_version(root: &PinRoot) -> u64 {
     let pin = root.path().join(pins::MAPS_DIR).join(map_names::DATAPATH_VERSION);
@@ -256,6 +275,8 @@ fn a_datapath_pinned_by_the_previous_release_is_upgraded_in_place_while_connecti
     let guard_before = filter_programs(&node.pods, programs::TC_POD_GUARD);
     assert_eq!(guard_before.len(), 1, "the previous release's guard on pod a's eth0");
     assert_eq!(pinned_version(&node.root), 0, "meshpath 0.1.0 records no version");
+    let replaced_map = map_id(&node.root, map_names::ORIG_DST_BY_CONN);
+    assert!(MapData::from_id(replaced_map).is_ok(), "the previous release's map, found by id");
 
     let stop = Arc::new(AtomicBool::new(false));
     let loops = node.loops(&stop);
@@ -300,11 +321,64 @@ fn a_datapath_pinned_by_the_previous_release_is_upgraded_in_place_while_connecti
         "ORIG_DST_BY_CONN has this version's size"
     );
     assert_eq!(pinned_version(&node.root), upgrade::version());
+    // The replaced map was the new programs' fallback while the upgrade ran; then the readers
+    // were linked again without it, and nothing holds it any more.
+    assert_eq!(map_max_entries(&node.root, map_names::ORIG_DST_BY_CONN_PREVIOUS), 1);
+    let freed = Instant::now() + Duration::from_secs(10);
+    while MapData::from_id(replaced_map).is_ok() {
+        assert!(Instant::now() < freed, "the replaced ORIG_DST_BY_CONN is still held");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let leftovers: Vec<_> = walk(node.root.path())
         .into_iter()
         .filter(|p| p.to_string_lossy().ends_with(pins::NEXT_SUFFIX))
         .collect();
     assert!(leftovers.is_empty(), "pins left half-way: {leftovers:?}");
+    drop(node.proxy);
+}
+
+/// During an upgrade that replaces `ORIG_DST_BY_CONN`, an old program may file a connection's
+/// entry in the old map after its entries were copied, and a new program take it at the
+/// proxy's end a moment later: the new programs look in the replaced map too (their fallback,
+/// `ORIG_DST_BY_CONN_PREVIOUS`). Staged on this version's datapath, where the moment can be
+/// held open: the proxy's listener defers its end of a connection until the app's first byte
+/// (TCP_DEFER_ACCEPT), and the test moves the app end's entry into the fallback before sending
+/// it. The proxy answers with the original destination, and the entry is taken from the
+/// fallback; without the fallback the proxy's getsockopt finds nothing and the connection is
+/// refused.
+#[test]
+fn a_connection_filed_in_the_map_an_upgrade_replaces_is_found_by_the_new_programs() {
+    let node = Node::enrolled_with(loader, &[("MESHPATH_TEST_PROXY_DEFER_ACCEPT", "1")]);
+    let ns = node.pods.a.open().expect("netns a");
+    let mut conn = ns
+        .run(|| TcpStream::connect_timeout(&node.outbound(), Duration::from_secs(5)))
+        .expect("enter netns a")
+        .expect("pod a's app connects (its end is established)");
+    let port = conn.local_addr().expect("local address").port();
+    let mut current = conn_map(&node.root, map_names::ORIG_DST_BY_CONN);
+    let mut fallback = conn_map(&node.root, map_names::ORIG_DST_BY_CONN_PREVIOUS);
+    let (key, dst) = current
+        .iter()
+        .flatten()
+        .find(|(k, _)| k.port == port && k.proxy_port == ports::OUTBOUND)
+        .expect("the app's end filed its original destination");
+    current.remove(&key).expect("taking the entry out of ORIG_DST_BY_CONN");
+    fallback.insert(key, dst, 0).expect("filing it in the fallback, as an old program would");
+
+    conn.write_all(b"x").expect("the app's first byte");
+    conn.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let mut line = String::new();
+    let got = BufReader::new(&conn).read_line(&mut line).map(|_| line.trim_end().to_owned());
+    assert_eq!(
+        got.map_err(|e| e.to_string()),
+        Ok(format!("ORIG_DST {}", node.outbound())),
+        "the proxy's answer"
+    );
+    assert!(fallback.get(&key, 0).is_err(), "the entry is still in the fallback");
+    assert!(current.get(&key, 0).is_err(), "the entry came back to ORIG_DST_BY_CONN");
+    for s in &node.sentinels {
+        s.assert_untouched("a connection taken from the fallback");
+    }
     drop(node.proxy);
 }
 

@@ -12,7 +12,10 @@
 //!    anything is touched, and the node keeps the datapath it has, every pod captured
 //!    ([`Error::StaleDatapath`]; the agent says so on /readyz and in an Event on its Node).
 //! 2. **Load** the new object against those maps, and every program (the verifier's verdict
-//!    comes before any change).
+//!    comes before any change). Where `ORIG_DST_BY_CONN` is replaced, the new programs get
+//!    the old map as their fallback (`ORIG_DST_BY_CONN_PREVIOUS`), where they look after the
+//!    new one: a connection an old program files at any moment of the swap is found by a new
+//!    program at the proxy's accept ([`FALLBACK`]).
 //! 3. **Copy** the entries of the maps that are replaced.
 //! 4. **Swap**, each hook at once, never detached: the shared programs' pins are replaced
 //!    (rename), each pod's sk_lookup and TCX links are updated (`BPF_LINK_UPDATE`), each pod's
@@ -20,13 +23,10 @@
 //!    front of the old before the old is deleted, the sk_msg program is attached to the
 //!    shortcut's map, and the node's cgroup links are updated in the order they were attached.
 //! 5. **Copy again** what the old programs did to the replaced maps between the first copy and
-//!    the swap: once just before the node's cgroup links switch (the programs that file a
-//!    connection's original destination and read it back at the proxy's accept), once after
-//!    (entries they added are added, entries they took are taken); then rename the new maps
-//!    over the old pins. The old maps go with the last old program. What is left: a
-//!    connection filed by an old program within the few link updates of the node's switch and
-//!    accepted before the last copy finds no original destination (only in an upgrade that
-//!    reshapes `ORIG_DST_BY_CONN`, as the one from 0.1.0 does).
+//!    the swap (entries they added are added, entries they took are taken, and so are entries
+//!    the new programs took through the fallback); then rename the new maps over the old
+//!    pins, and link the fallback's readers again, loaded against the empty fallback. The old
+//!    maps go with the last program that held them.
 //! 6. **Write the version**, last: an upgrade that stopped part way is done again, from the
 //!    start, by the next agent (every step is idempotent).
 
@@ -74,6 +74,20 @@ const fn decimal(s: &str) -> u64 {
 
 /// `BPF_NOEXIST`: an update that only adds.
 const BPF_NOEXIST: u64 = 1;
+
+/// A map one program files into and another reads from a moment later (a connection's two
+/// ends): replaced by one of another shape, an entry an old program filed after the copy would
+/// be missed by a new program reading the new map. So the new programs also read the map it
+/// replaces, pinned as the fallback while the upgrade runs, until the last old program is
+/// gone and its entries are copied; then the readers are loaded again against the empty
+/// fallback and their links updated once more.
+struct Fallback {
+    /// The programs that read the map (sock_ops takes an entry at the proxy's accept,
+    /// getsockopt answers from it), each linked at the node's cgroup.
+    readers: [&'static str; 2],
+}
+
+const FALLBACK: Fallback = Fallback { readers: [programs::SOCK_OPS, programs::GETSOCKOPT] };
 
 /// `enum bpf_map_type` values this module tells apart.
 mod map_type {
@@ -214,6 +228,9 @@ fn plan(dp: &Datapath, declared: &BTreeMap<String, Layout>) -> Result<BTreeMap<S
         let pin = dp.map_pin(name);
         let plan = if !pin.exists() {
             Plan::Create
+        } else if name == map_names::ORIG_DST_BY_CONN_PREVIOUS {
+            // Empty at rest, whatever its shape (see [`FALLBACK`]).
+            Plan::Keep
         } else {
             let old = Layout::of_pin(&pin)?;
             if old == new {
@@ -274,7 +291,20 @@ pub(super) fn run(dp: &Datapath) -> Result<Report> {
             remove_pin(&next)?;
         }
     }
-    let mut ebpf = dp.load_object_with(0, &replaced)?;
+    // ORIG_DST_BY_CONN replaced: the new programs also read the map it replaces, until the
+    // last old program is gone and its entries are copied ([`FALLBACK`]).
+    let fallback = matches!(plans.get(map_names::ORIG_DST_BY_CONN), Some(Plan::Copy { .. }));
+    let fallback_pin = next_pin(&dp.map_pin(map_names::ORIG_DST_BY_CONN_PREVIOUS));
+    remove_pin(&fallback_pin)?;
+    let mut first_load = replaced.clone();
+    if fallback {
+        let old = MapData::from_pin(dp.map_pin(map_names::ORIG_DST_BY_CONN))
+            .map_err(|e| Error::bpf("opening ORIG_DST_BY_CONN", e))?;
+        old.pin(&fallback_pin)
+            .map_err(|e| Error::bpf(format!("pinning {}", fallback_pin.display()), e))?;
+        first_load.push(map_names::ORIG_DST_BY_CONN_PREVIOUS);
+    }
+    let mut ebpf = dp.load_object_with(0, &first_load)?;
     for name in [SHARED_PROGRAMS.as_slice(), programs::CGROUP.as_slice()].concat() {
         load_program(&mut ebpf, name)?;
     }
@@ -304,26 +334,13 @@ pub(super) fn run(dp: &Datapath) -> Result<Report> {
         fs::rename(&next, &pin)
             .map_err(|e| Error::io(format!("replacing {}", pin.display()), e))?;
     }
-    switch_pods(dp, &mut ebpf, &replaced, &mut report)?;
+    switch_pods(dp, &mut ebpf, &first_load, &mut report)?;
     if dp.acceleration()? {
         let fd = program_fd(&ebpf, programs::SK_MSG)?;
         let socks = MapData::from_pin(dp.map_pin(map_names::LOCAL_SOCKS))
             .map_err(|e| Error::bpf("opening LOCAL_SOCKS", e))?;
         sys::sk_msg_on_map(fd, socks.fd().as_fd().as_raw_fd(), true)
             .map_err(|e| Error::io("attaching the new sk_msg program to LOCAL_SOCKS", e))?;
-    }
-    // Again, just before the node's cgroup links switch (their programs file a connection's
-    // original destination and read it back at the proxy's accept): what the old programs
-    // added while the pods' hooks switched is carried now, so that a connection filed by an
-    // old program and accepted under a new one finds its entry. Left to the copy after the
-    // swap: only what they file in the few link updates between.
-    for (name, old, new, first) in &mut copies {
-        let old_pin = dp.map_pin(name);
-        let now = snapshot(&old_pin, old)?;
-        let added: BTreeMap<Vec<u8>, Vec<u8>> =
-            now.into_iter().filter(|(k, _)| !first.contains_key(k)).collect();
-        write_entries(&next_pin(&old_pin), new, &added)?;
-        first.extend(added);
     }
     let node = dp.root.join(pins::NODE_LINKS_DIR);
     for name in programs::CGROUP {
@@ -361,9 +378,17 @@ pub(super) fn run(dp: &Datapath) -> Result<Report> {
                 .map_err(|e| Error::bpf(format!("opening {}", next.display()), e))?;
             let fd = data.fd().as_fd().as_raw_fd();
             let mut value = vec![0u8; new.value_len()?];
-            for (key, was) in first.iter().filter(|(k, _)| !last.contains_key(*k)) {
-                // Taken by an old program after the first copy; unless a new program wrote
-                // the key since (another value), it goes.
+            // Taken after the first copy (by an old program, or by a new one through the
+            // fallback), or, for a fallback map, while this copy ran (the new programs take
+            // from it, and look in the new map first, so nothing taken after this walk was
+            // missed): unless a new program wrote the key since (another value), it goes.
+            let now = if fallback && name == map_names::ORIG_DST_BY_CONN {
+                snapshot(&old_pin, &old)?
+            } else {
+                last.clone()
+            };
+            let taken = first.iter().chain(&added).filter(|(k, _)| !now.contains_key(*k));
+            for (key, was) in taken {
                 if sys::map_lookup(fd, key, &mut value).unwrap_or(false) && &value == was {
                     let _ = sys::map_delete(fd, key);
                 }
@@ -377,6 +402,20 @@ pub(super) fn run(dp: &Datapath) -> Result<Report> {
         let pin = dp.map_pin(name);
         fs::rename(next_pin(&pin), &pin)
             .map_err(|e| Error::io(format!("replacing {}", pin.display()), e))?;
+    }
+    if fallback {
+        // No old program runs and the new map holds what the old one had: the readers are
+        // linked again, loaded against the empty fallback, and the old map goes with the
+        // programs that held it.
+        let mut readers = dp.load_object_with(0, &[])?;
+        for name in FALLBACK.readers {
+            load_program(&mut readers, name)?;
+            let pin = node.join(name);
+            sys::update_pinned_link(&pin, program_fd(&readers, name)?)
+                .map_err(|e| Error::io(format!("updating {}", pin.display()), e))?;
+            report.links_updated += 1;
+        }
+        remove_pin(&fallback_pin)?;
     }
     report.elapsed = started.elapsed();
     info!(

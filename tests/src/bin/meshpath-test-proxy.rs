@@ -25,6 +25,8 @@
 //! here and a wake-up of the reading process; without them the eBPF scenario's conn/s from 100
 //! clients was 11% higher, four alternating runs each, 2026-12-02). Event-driven
 //! (tokio), like the proxies it stands in for, so the benchmark measures capture, not threads.
+//! `MESHPATH_TEST_PROXY_DEFER_ACCEPT=1` sets TCP_DEFER_ACCEPT on the outbound listener (see
+//! `defer_accept`).
 //! Usage: `meshpath-test-proxy NETNS_PATH echo|forward [inbound]`.
 
 use std::{
@@ -93,8 +95,12 @@ fn fixed_upstreams() -> Result<Vec<(u16, SocketAddr)>> {
 async fn run(forward: bool, inbound: bool) -> Result<()> {
     let v4 = |port| SocketAddr::from(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port));
     let outbound = Route::Captured { inbound: false };
+    let outbound_listener = TcpListener::bind((Ipv6Addr::UNSPECIFIED, ports::OUTBOUND)).await?;
+    if std::env::var("MESHPATH_TEST_PROXY_DEFER_ACCEPT").is_ok_and(|v| v == "1") {
+        defer_accept(&outbound_listener)?;
+    }
     let mut listeners = vec![
-        (TcpListener::bind((Ipv6Addr::UNSPECIFIED, ports::OUTBOUND)).await?, outbound),
+        (outbound_listener, outbound),
         // DNS over TCP is answered like any outbound connection.
         (TcpListener::bind(v4(ports::DNS)).await?, outbound),
         (v6_only_listener(ports::DNS)?, outbound),
@@ -123,6 +129,29 @@ async fn run(forward: bool, inbound: bool) -> Result<()> {
         });
     }
     std::future::pending().await
+}
+
+/// `MESHPATH_TEST_PROXY_DEFER_ACCEPT=1`: TCP_DEFER_ACCEPT on the outbound listener, so that
+/// the proxy's end of a connection is established (its sock_ops `PASSIVE_ESTABLISHED` runs)
+/// only once the app sends its first byte, while the app's end is established at once: a
+/// test can act between the two (upgrades.rs).
+fn defer_accept(listener: &TcpListener) -> io::Result<()> {
+    use std::os::fd::AsRawFd as _;
+    let seconds: nix::libc::c_int = 60;
+    // SAFETY: a valid socket descriptor and a c_int option value of the size given.
+    let rc = unsafe {
+        nix::libc::setsockopt(
+            listener.as_raw_fd(),
+            nix::libc::IPPROTO_TCP,
+            nix::libc::TCP_DEFER_ACCEPT,
+            (&seconds as *const nix::libc::c_int).cast(),
+            std::mem::size_of::<nix::libc::c_int>() as nix::libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 fn say(line: &str) -> io::Result<()> {

@@ -112,9 +112,14 @@ pub fn get_json(args: &[&str]) -> Result<Value> {
 
 pub use crate::waits::wait_for;
 
-/// The repository root (tests/ is one level below it).
+/// The repository root (tests/ is one level below it), as `cargo test` names it to the
+/// running binary: checkouts share one target directory, and an unchanged binary built in
+/// another checkout is not rebuilt, so the path compiled in can name the other checkout.
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+    let manifest_dir = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    manifest_dir.parent().map(Path::to_path_buf).unwrap_or_default()
 }
 
 /// istiod's port, where the stand-in listens on the node's address.

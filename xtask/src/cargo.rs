@@ -10,9 +10,15 @@ use std::{
 
 use anyhow::{bail, Context as _, Result};
 
-/// The workspace root (xtask lives one level below it).
+/// The workspace root (xtask lives one level below it). Read as the process starts (`cargo
+/// run` sets `CARGO_MANIFEST_DIR` for it): checkouts share one target directory, and a binary
+/// built in another checkout, unchanged, is not rebuilt, so the path it was compiled with can
+/// name the other checkout.
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+    let manifest_dir = env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    manifest_dir.parent().map(Path::to_path_buf).unwrap_or_default()
 }
 
 /// Where xtask's builds go: `CARGO_TARGET_DIR` if set, else `target/` under the tool cache

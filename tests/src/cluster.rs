@@ -674,6 +674,20 @@ pub fn exec_spawn(ns: &str, pod: &str, args: &[&str]) -> Result<std::process::Ch
     Ok(c.spawn()?)
 }
 
+/// As [`exec_spawn`], with the child's standard input passed to the app (`kubectl exec -i`):
+/// closing the child's stdin ends the app's.
+pub fn exec_spawn_with_stdin(ns: &str, pod: &str, args: &[&str]) -> Result<std::process::Child> {
+    let mut c = in_node("kubectl");
+    c.arg("--kubeconfig")
+        .arg(Path::new(DIR).join("admin.kubeconfig"))
+        .args(["exec", "-i", "-n", ns, pod, "--", "/usr/local/bin/cluster-app"])
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    Ok(c.spawn()?)
+}
+
 /// How many connections the sink of the pod at `ip` has accepted (asked over its HTTP port
 /// from the node, as kubelet's probes reach it).
 pub fn sink_count(ip: IpAddr) -> Result<u64> {

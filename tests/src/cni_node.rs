@@ -297,9 +297,14 @@ impl CniNode {
 
     /// The sum of the agent's metric `name` over series carrying `labels` (its `/metrics`).
     pub fn agent_metric(&self, name: &str, labels: &[(&str, &str)]) -> Result<f64> {
+        Ok(super::sum_metric(&self.agent_metrics_text()?, name, labels))
+    }
+
+    /// The agent's `/metrics`, as Prometheus scrapes it.
+    pub fn agent_metrics_text(&self) -> Result<String> {
         let (ok, body) = self.agent_http("/metrics").context("the agent is unreachable")?;
         anyhow::ensure!(ok, "/metrics answered: {body}");
-        Ok(super::sum_metric(&body, name, labels))
+        Ok(body)
     }
 
     /// GET `path` from the agent's health endpoint: (200?, body).
@@ -625,10 +630,15 @@ impl CniNode {
 
     /// The sum of the proxy's metric `name` over series with `labels`.
     pub fn proxy_metric(&self, name: &str, labels: &[(&str, &str)]) -> Result<f64> {
+        Ok(super::sum_metric(&self.proxy_metrics_text()?, name, labels))
+    }
+
+    /// The proxy's `/metrics`, as Prometheus scrapes it.
+    pub fn proxy_metrics_text(&self) -> Result<String> {
         let p = self.proxy.as_ref().context("no proxy")?;
         let (status, body) = NodeProxy::http_in(p, &self.node, "STATS", "GET", "/metrics")?;
         anyhow::ensure!(status == 200, "/metrics answered {status}");
-        Ok(super::sum_metric(&body, name, labels))
+        Ok(body)
     }
 
     /// A TCP echo server in `pod` on `port`, until the test ends.

@@ -167,6 +167,14 @@ pub struct Failure {
 const MESSAGE_LINES: usize = 6;
 
 impl Totals {
+    /// Adds what `other` (another, separately read output) counted.
+    pub fn merge(&mut self, other: Totals) {
+        self.passed += other.passed;
+        self.failed += other.failed;
+        self.failures.extend(other.failures);
+        self.binary_start = self.failures.len();
+    }
+
     /// Reads one line of libtest output: `test result:` totals, `test NAME ... FAILED`, the
     /// `---- NAME stdout ----` blocks' panic messages, and the list of failed names libtest
     /// prints last (which names a test whose own result line other output cut in two).

@@ -14,8 +14,9 @@
 //!   seconds, closes its side and prints the sink's answer; exits 1 unless the sink read
 //!   exactly what was sent.
 //! - `get ADDR PATH`: one HTTP GET; prints the body; exits 1 unless the status is 200.
-//! - `loop ADDR --seconds S [--every-ms M]`: opens a new connection to the sink every M ms
-//!   (20) for S seconds, each on a thread of its own, so a connection that waits does not hold
+//! - `loop ADDR --seconds S [--every-ms M] [--until-stdin-closes]`: opens a new connection to
+//!   the sink every M ms (20) for S seconds (or, with `--until-stdin-closes`, until its
+//!   standard input ends, S seconds at most), each on a thread of its own, so a connection that waits does not hold
 //!   up the next: each sends 64 bytes and checks the sink's answer within 120 s. Prints
 //!   `opened=N answered=N refused=N reset=N other=N slowest_ms=N slowest_connect_ms=N` and
 //!   `failed_at_ms=T,…` (when each failed connection was opened, the first 100) and the first
@@ -301,10 +302,18 @@ fn connect_loop(args: &[String]) -> Result<(), String> {
         .map_err(|e| format!("--every-ms: {e}"))?;
     let every = Duration::from_millis(every.max(1));
     let until = Instant::now() + Duration::from_secs(seconds);
+    let stdin_closed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if args.iter().any(|a| a == "--until-stdin-closes") {
+        let closed = stdin_closed.clone();
+        thread::spawn(move || {
+            let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+            closed.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+    }
     let mut rounds = Vec::new();
     let began = Instant::now();
     let mut next = began;
-    while Instant::now() < until {
+    while Instant::now() < until && !stdin_closed.load(std::sync::atomic::Ordering::Relaxed) {
         let at = began.elapsed();
         rounds.push((at, thread::spawn(move || one_round(addr))));
         next += every;

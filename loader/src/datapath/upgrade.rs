@@ -409,8 +409,12 @@ pub(super) fn run(dp: &Datapath) -> Result<Report> {
         // programs that held it.
         let mut readers = dp.load_object_with(0, &[])?;
         for name in FALLBACK.readers {
-            load_program(&mut readers, name)?;
             let pin = node.join(name);
+            if !pin.exists() {
+                // Not attached yet (pins of maps alone): attached after this, as on a new node.
+                continue;
+            }
+            load_program(&mut readers, name)?;
             sys::update_pinned_link(&pin, program_fd(&readers, name)?)
                 .map_err(|e| Error::io(format!("updating {}", pin.display()), e))?;
             report.links_updated += 1;

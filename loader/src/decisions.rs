@@ -72,16 +72,21 @@ pub(crate) fn remove_orphans(
     Ok(keys.iter().map(|k| map.remove(k)).collect())
 }
 
-/// The counts in Prometheus text format: `meshpath_datapath_decisions_total` labelled by pod
-/// (its name as enrolled, `node` for node-wide decisions), hook, decision and reason. Pods that
-/// left are gone from the map, so from the metric.
+/// The counts in Prometheus text format: `meshpath_datapath_pods`, the pods enrolled, then
+/// `meshpath_datapath_decisions_total` labelled by pod (its name as enrolled, `node` for
+/// node-wide decisions), hook, decision and reason. Pods that left are gone from the map, so
+/// from the metric.
 pub fn prometheus(dp: &Datapath) -> Result<String> {
     use std::fmt::Write as _;
     let names: std::collections::HashMap<NetnsCookie, String> =
         dp.pods()?.iter().flatten().map(|(c, info)| (c, info.name().to_owned())).collect();
-    let mut out = String::from(
-        "# HELP meshpath_datapath_decisions_total Decisions the eBPF datapath made, by pod and reason.\n\
+    let mut out = format!(
+        "# HELP meshpath_datapath_pods Pods enrolled in the node's datapath.\n\
+         # TYPE meshpath_datapath_pods gauge\n\
+         meshpath_datapath_pods {}\n\
+         # HELP meshpath_datapath_decisions_total Decisions the eBPF datapath made, by pod and reason.\n\
          # TYPE meshpath_datapath_decisions_total counter\n",
+        names.len()
     );
     for c in counts(dp)? {
         let pod = if c.netns == NODE_WIDE {

@@ -55,6 +55,43 @@ pub struct ErrorLabels {
     pub reason: String,
 }
 
+/// `istio_build`'s labels: the component Istio's dashboards select (`ztunnel`: the node
+/// proxy's role) and the build (`meshpath-VERSION`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabels {
+    pub component: String,
+    pub tag: String,
+}
+
+/// `istio_dns_requests`' labels, as ztunnel's: the query's type (lowercase, one of
+/// [`DNS_QUERY_TYPES`] or `other`: a pod chooses the type, so the set is bounded here) and
+/// `udp` or `tcp`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DnsLabels {
+    pub request_query_type: String,
+    pub request_protocol: String,
+}
+
+/// The query types `istio_dns_requests` names; any other is counted as `other`.
+pub const DNS_QUERY_TYPES: [&str; 12] =
+    ["a", "aaaa", "any", "cname", "https", "mx", "ns", "ptr", "soa", "srv", "svcb", "txt"];
+
+/// Why the xDS stream ended, with ztunnel's names for `istio_xds_connection_terminations`.
+#[derive(Debug, Clone, Copy)]
+pub enum XdsTermination {
+    /// istiod could not be reached.
+    ConnectionError,
+    /// The stream failed.
+    Error,
+    /// istiod ended it.
+    Complete,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TerminationLabels {
+    pub reason: String,
+}
+
 /// Every metric the proxy exports.
 pub struct Metrics {
     registry: Mutex<Registry>,
@@ -83,6 +120,13 @@ pub struct Metrics {
     pub xds_resources: Family<XdsLabels, Gauge>,
     /// Certificates asked of the CA, by result (`ok`, `error`).
     pub ca_requests: Family<ErrorLabels, Counter>,
+    /// ztunnel's names, which Istio's ztunnel dashboard reads: the build, DNS requests
+    /// answered, xDS streams ended, pods served and pods being set up.
+    pub build: Family<BuildLabels, Gauge>,
+    pub dns_requests: Family<DnsLabels, Counter>,
+    pub xds_terminations: Family<TerminationLabels, Counter>,
+    pub active_proxies: Gauge,
+    pub pending_proxies: Gauge,
     /// Every `istio_tcp_*` label set in use, so that those of workloads that left can be
     /// removed (`expire_workloads`): the series stay bounded by the workloads that exist.
     series: Mutex<std::collections::HashSet<ConnLabels>>,
@@ -124,8 +168,19 @@ impl Metrics {
             xds_responses: Family::default(),
             xds_resources: Family::default(),
             ca_requests: Family::default(),
+            build: Family::default(),
+            dns_requests: Family::default(),
+            xds_terminations: Family::default(),
+            active_proxies: Gauge::default(),
+            pending_proxies: Gauge::default(),
             series: Mutex::new(std::collections::HashSet::new()),
         };
+        m.build
+            .get_or_create(&BuildLabels {
+                component: "ztunnel".into(),
+                tag: concat!("meshpath-", env!("CARGO_PKG_VERSION")).into(),
+            })
+            .set(1);
         r.register("istio_tcp_connections_opened", "TCP connections opened", m.opened.clone());
         r.register("istio_tcp_connections_closed", "TCP connections closed", m.closed.clone());
         r.register("istio_tcp_connections_failed", "TCP connections failed", m.failed.clone());
@@ -197,10 +252,52 @@ impl Metrics {
             "Certificate requests to the CA, by result",
             m.ca_requests.clone(),
         );
+        r.register("istio_build", "The proxy's build (component and tag)", m.build.clone());
+        r.register(
+            "istio_dns_requests",
+            "DNS requests, by query type and protocol",
+            m.dns_requests.clone(),
+        );
+        r.register(
+            "istio_xds_connection_terminations",
+            "xDS streams to istiod that ended, by reason",
+            m.xds_terminations.clone(),
+        );
+        r.register(
+            "workload_manager_active_proxy_count",
+            "Pods served (ztunnel's name for meshpath_pods)",
+            m.active_proxies.clone(),
+        );
+        r.register(
+            "workload_manager_pending_proxy_count",
+            "Pods handed over whose listeners are being opened",
+            m.pending_proxies.clone(),
+        );
         if let Ok(mut reg) = m.registry.lock() {
             *reg = r;
         }
         m
+    }
+
+    /// Counts one DNS request of `query_type` (any case) over UDP or TCP.
+    pub fn dns_request(&self, query_type: &str, tcp: bool) {
+        let lower = query_type.to_ascii_lowercase();
+        let request_query_type =
+            if DNS_QUERY_TYPES.contains(&lower.as_str()) { lower } else { "other".into() };
+        let request_protocol = if tcp { "tcp" } else { "udp" }.into();
+        self.dns_requests.get_or_create(&DnsLabels { request_query_type, request_protocol }).inc();
+    }
+
+    /// Counts an xDS stream's end.
+    pub fn xds_terminated(&self, why: XdsTermination) {
+        let reason = format!("{why:?}");
+        self.xds_terminations.get_or_create(&TerminationLabels { reason }).inc();
+    }
+
+    /// The number of pods served, under both names.
+    pub fn set_pods(&self, n: i64) {
+        self.pods.set(n);
+        self.active_proxies.set(n);
     }
 
     /// The Prometheus text exposition.

@@ -3,7 +3,9 @@
 //! used that it does not define) whose every query reads series and labels that meshpath
 //! really exports: read from a real node (the agent, the proxy, two pods through the CNI chain
 //! and one connection between them over HBONE), not from a list kept beside the code. The
-//! checker is shown to refuse a dashboard with a misspelt series, label or label value.
+//! checker is shown to refuse a dashboard with a misspelt series, label or label value. Istio's
+//! own ztunnel dashboard, whose queries are read with the same checker, finds every series it
+//! reads from the node proxy.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -23,6 +25,10 @@ const WORKLOADS: &str = "workloads:\n\
 /// Labels Prometheus adds when it scrapes (not in the exposition).
 const SCRAPE_LABELS: [&str; 2] = ["instance", "job"];
 
+/// The series a query may read: Istio's, meshpath's own, and the two ztunnel exports without
+/// Istio's prefix.
+const SERIES_PREFIXES: [&str; 3] = ["istio_", "meshpath_", "workload_manager_"];
+
 /// Grafana's own variables a query may use.
 const GRAFANA_VARIABLES: [&str; 3] = ["__rate_interval", "__interval", "__range"];
 
@@ -38,6 +44,8 @@ fn dashboard_text() -> String {
 struct Exposition {
     series: BTreeMap<String, BTreeMap<String, BTreeSet<String>>>,
     families: BTreeMap<String, String>,
+    /// Each series' samples summed.
+    sums: BTreeMap<String, f64>,
 }
 
 impl Exposition {
@@ -57,6 +65,8 @@ impl Exposition {
                 Some((name, rest)) => (name, rest.rsplit_once('}').map_or("", |(l, _)| l)),
                 None => (line.split_whitespace().next().unwrap_or_default(), ""),
             };
+            let value = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+            *self.sums.entry(name.to_owned()).or_default() += value.unwrap_or(0.0);
             let entry = self.series.entry(name.to_owned()).or_default();
             for pair in split_outside_quotes(labels, ',') {
                 if let Some((k, v)) = pair.split_once('=') {
@@ -139,7 +149,7 @@ fn read_expr(expr: &str) -> Reads {
                 let end = closing(i, b')').unwrap_or(b.len());
                 r.by.extend(expr[i + 1..end].split(',').map(|l| l.trim().to_owned()));
                 i = end + 1;
-            } else if word.starts_with("istio_") || word.starts_with("meshpath_") {
+            } else if SERIES_PREFIXES.iter().any(|p| word.starts_with(p)) {
                 let mut matchers = Vec::new();
                 if b.get(i) == Some(&b'{') {
                     let end = closing(i, b'}').unwrap_or(b.len());
@@ -252,7 +262,7 @@ fn expr_problems(expr: &str, exported: &Exposition, variables: &BTreeSet<String>
     let mut out = Vec::new();
     let r = read_expr(expr);
     if r.metrics.is_empty() {
-        out.push("reads no istio_* or meshpath_* series".into());
+        out.push("reads no series of meshpath's".into());
     }
     for v in &r.variables {
         if !variables.contains(v) && !GRAFANA_VARIABLES.contains(&v.as_str()) {
@@ -332,6 +342,7 @@ fn every_query_of_the_dashboard_reads_series_and_labels_a_real_node_exports() {
     for seen in ["istio_tcp_connections_opened_total", "meshpath_datapath_decisions_total"] {
         assert!(exported.series.contains_key(seen), "the node exported no {seen} samples");
     }
+    assert_eq!(exported.sums["meshpath_datapath_pods"], 2.0, "the agent enrolled web and db");
     let text = dashboard_text();
     let found = problems(&text, &exported);
     assert!(found.is_empty(), "deploy/dashboards/meshpath.json:\n{}", found.join("\n"));
@@ -348,4 +359,43 @@ fn every_query_of_the_dashboard_reads_series_and_labels_a_real_node_exports() {
         let broken = problems(&text.replacen(from, to, 1), &exported);
         assert!(broken.iter().any(|p| p.contains(says)), "{to}: not refused: {broken:#?}");
     }
+}
+
+/// The queries Istio's ztunnel dashboard ("Istio Ztunnel Dashboard") makes of the node proxy,
+/// as istio/istio declares them (manifests/addons/dashboards/ztunnel.libsonnet and
+/// lib/queries.libsonnet at 0098d99: `names.component` is `ztunnel`). `pod` comes from the
+/// scrape's Kubernetes labels, not from the proxy. Its CPU and memory panels read the kubelet's
+/// cAdvisor series (`container_*`, container `istio-proxy`), which no proxy exports.
+const ZTUNNEL_DASHBOARD: [&str; 9] = [
+    r#"sum by (tag) (istio_build{component="ztunnel"})"#,
+    "sum by (pod) (rate(istio_tcp_connections_opened_total[$__rate_interval]))",
+    "sum by (pod) (rate(istio_tcp_connections_closed_total[$__rate_interval]))",
+    "sum by (pod) (rate(istio_tcp_sent_bytes_total[$__rate_interval]))",
+    "sum by (pod) (rate(istio_tcp_received_bytes_total[$__rate_interval]))",
+    "sum by (pod) (rate(istio_dns_requests_total[$__rate_interval]))",
+    "sum by (pod) (rate(istio_xds_connection_terminations_total[$__rate_interval]))",
+    "sum by (pod) (workload_manager_active_proxy_count)",
+    "sum by (pod) (workload_manager_pending_proxy_count)",
+];
+
+#[test]
+fn istios_ztunnel_dashboard_finds_every_series_it_reads_from_the_node_proxy() {
+    let exported = exported_by_a_node();
+    let variables = BTreeSet::new();
+    let mut found = Vec::new();
+    for expr in ZTUNNEL_DASHBOARD {
+        // `pod` is the scrape's label here, as `instance` is.
+        let expr = expr.replace("by (pod)", "by (instance)");
+        found.extend(
+            expr_problems(&expr, &exported, &variables)
+                .into_iter()
+                .map(|p| format!("{p} (in `{expr}`)")),
+        );
+    }
+    assert!(found.is_empty(), "Istio's ztunnel dashboard:\n{}", found.join("\n"));
+    let build = &exported.series["istio_build"];
+    assert_eq!(build["component"], BTreeSet::from(["ztunnel".to_owned()]));
+    assert!(build["tag"].iter().all(|t| t.starts_with("meshpath-")), "{build:?}");
+    assert_eq!(exported.sums["workload_manager_active_proxy_count"], 2.0, "web and db served");
+    assert_eq!(exported.sums["workload_manager_pending_proxy_count"], 0.0);
 }

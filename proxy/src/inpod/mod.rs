@@ -31,6 +31,19 @@ pub fn add(
     workload: Workload,
     held: PodListeners,
 ) -> anyhow::Result<Arc<Pod>> {
+    proxy.metrics.pending_proxies.inc();
+    let added = add_pod(proxy, uid, netns, workload, held);
+    proxy.metrics.pending_proxies.dec();
+    added
+}
+
+fn add_pod(
+    proxy: &Arc<Proxy>,
+    uid: &str,
+    netns: Netns,
+    workload: Workload,
+    held: PodListeners,
+) -> anyhow::Result<Arc<Pod>> {
     let pod = Arc::new(Pod::new(proxy, uid, netns, workload, held)?);
     if let Some(old) = proxy.take_pod(uid) {
         old.stop();

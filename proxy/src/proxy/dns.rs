@@ -129,6 +129,8 @@ async fn answer(pod: &Pod, query: &[u8], tcp: bool) -> anyhow::Result<Option<Vec
             return Ok(None);
         }
     };
+    let query_type = msg.queries().first().map(|q| q.query_type().to_string());
+    pod.proxy.metrics.dns_request(query_type.as_deref().unwrap_or("other"), tcp);
     if let Some(reply) = from_store(&pod.proxy.store(), &msg) {
         return Ok(Some(reply.to_vec()?));
     }

@@ -158,14 +158,14 @@ impl Proxy {
     pub(crate) fn insert_pod(&self, pod: Arc<Pod>) -> Option<Arc<Pod>> {
         let mut pods = self.pods.lock().ok()?;
         let old = pods.insert(pod.uid.clone(), pod);
-        self.metrics.pods.set(pods.len() as i64);
+        self.metrics.set_pods(pods.len() as i64);
         old
     }
 
     pub(crate) fn take_pod(&self, uid: &str) -> Option<Arc<Pod>> {
         let mut pods = self.pods.lock().ok()?;
         let old = pods.remove(uid);
-        self.metrics.pods.set(pods.len() as i64);
+        self.metrics.set_pods(pods.len() as i64);
         old
     }
 

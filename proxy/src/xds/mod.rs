@@ -41,7 +41,7 @@ use tracing::{info, warn};
 
 use crate::{
     istiod::{Channel, ChannelConfig},
-    metrics::XdsLabels,
+    metrics::{XdsLabels, XdsTermination},
     proxy::Proxy,
     state::{authorization::Policy, store::WorkloadStore, Synced},
 };
@@ -266,9 +266,20 @@ pub fn spawn(proxy: Arc<Proxy>, cfg: XdsConfig, synced: Arc<Synced>) {
         let mut backoff = BACKOFF_FIRST;
         loop {
             let started = std::time::Instant::now();
-            match session(&proxy, &cfg, &node, &mut held, &synced).await {
-                Ok(()) => info!("xDS stream ended; reconnecting"),
+            let ended = session(&proxy, &cfg, &node, &mut held, &synced).await;
+            // Whether the stream had opened (`session` sets the gauge once it has).
+            let opened = proxy.metrics.xds_connected.get() == 1;
+            match ended {
+                Ok(()) => {
+                    proxy.metrics.xds_terminated(XdsTermination::Complete);
+                    info!("xDS stream ended; reconnecting")
+                }
                 Err(e) => {
+                    proxy.metrics.xds_terminated(if opened {
+                        XdsTermination::Error
+                    } else {
+                        XdsTermination::ConnectionError
+                    });
                     warn!(error = %format!("{e:#}"), "xDS stream failed; keeping the state held and reconnecting")
                 }
             }

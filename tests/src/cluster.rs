@@ -68,7 +68,9 @@ pub fn in_node(program: &str) -> Command {
     c
 }
 
-fn output(mut cmd: Command, input: Option<&str>) -> Result<String> {
+/// Runs `cmd`, `input` on its standard input: its standard output, or an error with what it
+/// said if it failed.
+pub fn output(mut cmd: Command, input: Option<&str>) -> Result<String> {
     let what = format!("{cmd:?}");
     cmd.stdin(if input.is_some() { Stdio::piped() } else { Stdio::null() })
         .stdout(Stdio::piped())

@@ -103,6 +103,7 @@ impl Drop for ChildGuard {
 
 pub mod cluster;
 pub mod cni_node;
+pub mod istioctl;
 pub mod istiod;
 pub mod kube_api;
 pub mod two_nodes;

@@ -207,12 +207,18 @@ fn kubelet_probes_reach_a_meshed_pod_and_a_closed_probe_port_leaves_it_unready()
 /// A long paced transfer from the client to the server's sink, once the server has accepted
 /// it (a disruption after this is one it is under way across).
 fn long_transfer_under_way(pair: &MeshedPair) -> std::process::Child {
+    transfer_under_way(pair, LONG_BYTES, LONG_SECONDS)
+}
+
+/// A paced transfer of `bytes` over `seconds` from the client to the server's sink, once the
+/// server has accepted it.
+fn transfer_under_way(pair: &MeshedPair, bytes: &str, seconds: &str) -> std::process::Child {
     let target = format!("{}:9000", pair.server.ip);
     let accepted = sink_count(pair.server.ip).expect("sink count");
     let long = exec_spawn(
         &pair.ns.name,
         &pair.client.name,
-        &["send", &target, "--bytes", LONG_BYTES, "--seconds", LONG_SECONDS],
+        &["send", &target, "--bytes", bytes, "--seconds", seconds],
     )
     .expect("the long transfer");
     wait_for("the long transfer to start", Duration::from_secs(30), || {
@@ -951,10 +957,11 @@ fn probe_failures(pod: &str) -> (u64, u64, String) {
     (count("Readiness probe failed"), count("Liveness probe failed"), events.to_string())
 }
 
-/// Readiness failures to see before judging: 6 of its 5 s periods, 30 s unready, in which the
-/// liveness probe (initial delay 10 s, period 10 s) has run at least twice. One failure of it
-/// would show as an Event: six in a row restart the container.
-const READINESS_FAILURES: u64 = 6;
+/// Readiness failures to see before judging: 4 of its 5 s periods, 20 s unready from the
+/// container's start, in which the liveness probe (initial delay 10 s, period 10 s) has run at
+/// least once. A liveness probe tied to readiness would fail there, and one failure shows as an
+/// Event (six in a row restart the container).
+const READINESS_FAILURES: u64 = 4;
 
 /// `pod` probed unready by the kubelet [`READINESS_FAILURES`] times while its liveness probe
 /// never failed and its container was never restarted (the proxy carries on as it is).
@@ -992,7 +999,7 @@ fn proxy_says(what: &str, f: impl Fn(&str) -> bool) -> String {
 }
 
 /// A new proxy pod, started with istiod as `before` leaves it, unready for the reason its
-/// readiness answer names (`says`): the kubelet probes it unready for 30 s and never restarts
+/// readiness answer names (`says`): the kubelet probes it unready for 20 s and never restarts
 /// it (one liveness failure would show). `lift` then puts istiod right, and the same process
 /// turns ready on its own and carries the pods' traffic over mutual TLS.
 /// `started` runs once the new pod runs, given how many certificates istiod had signed before.
@@ -1197,4 +1204,141 @@ fn after_a_node_reboot_every_ambient_pod_is_captured_before_its_app_sends_a_byte
     let listed = enrolled.to_string();
     assert!(listed.contains(&format!("{}/{}", meshed.name, m2.name)), "not enrolled: {listed}");
     assert!(!listed.contains(&plain.name), "the plain pod was enrolled: {listed}");
+}
+
+/// meshpath's own proxy DaemonSet back in place of `ztunnel`, whatever the istioctl test did.
+struct ProxyRestored;
+
+impl Drop for ProxyRestored {
+    fn drop(&mut self) {
+        if let Err(e) = delete_proxy_daemonset(ISTIOCTL_DS).and_then(|()| install()) {
+            eprintln!("putting meshpath-proxy back: {e:#}");
+        }
+    }
+}
+
+/// Deletes the proxy's DaemonSet `name`, then its pod with a grace of 1 s (no drain: the test
+/// does not measure one, and the agent holds the pods' listeners meanwhile).
+fn delete_proxy_daemonset(name: &str) -> anyhow::Result<()> {
+    let orphan = ["--cascade=orphan", "--ignore-not-found"];
+    kubectl(&[&["delete", "daemonset", "-n", SYSTEM_NS, name][..], &orphan].concat())?;
+    let selector = format!("app.kubernetes.io/name={PROXY_DS}");
+    kubectl(&[
+        "delete",
+        "pods",
+        "-n",
+        SYSTEM_NS,
+        "-l",
+        &selector,
+        "--grace-period=1",
+        "--wait=true",
+    ])?;
+    Ok(())
+}
+
+/// The DaemonSet name `istioctl ztunnel-config` looks up (deploy/istioctl gives it to the proxy).
+const ISTIOCTL_DS: &str = "ztunnel";
+
+/// `istioctl ztunnel-config` finds meshpath's proxy as it finds Istio's ztunnel once the install
+/// has deploy/istioctl (istio/istio istioctl/pkg/ztunnelconfig, carried over as facts): the
+/// DaemonSet `ztunnel` in the namespace it is given (`--istio-namespace meshpath-system`), its
+/// pod on the node by the DaemonSet's own selector (`--node`), the pod's `app` label `ztunnel`,
+/// then GET /config_dump on the pod's port 15000 through a port-forward. The dump, decoded as
+/// istioctl declares it, lists the node's two meshed pods, the connection open between them at
+/// both ends, and their certificates from istiod's CA, available.
+#[test]
+fn istioctl_finds_the_proxy_as_ztunnel_and_reads_its_config_dump_through_a_port_forward() {
+    set_up();
+    let _restored = ProxyRestored;
+    let pair = meshed_pair();
+    delete_proxy_daemonset(PROXY_DS).expect("deleting meshpath-proxy");
+    let overlay = repo_root().join("tests/cluster-istioctl");
+    kubectl(&["apply", "-k", &overlay.display().to_string()]).expect("applying deploy/istioctl");
+    wait_for("the ztunnel DaemonSet Ready", Duration::from_secs(180), || {
+        Ok(daemonset_ready(ISTIOCTL_DS)?.then_some(()))
+    })
+    .expect("ztunnel Ready");
+
+    // As istioctl --node: the DaemonSet's selector, the pod on the node, its `app` label.
+    let ds = get_json(&["daemonset", "-n", SYSTEM_NS, ISTIOCTL_DS]).expect("the DaemonSet");
+    let selector: Vec<String> = ds["spec"]["selector"]["matchLabels"]
+        .as_object()
+        .expect("matchLabels")
+        .iter()
+        .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or_default()))
+        .collect();
+    let on_node = format!("spec.nodeName={NODE_NAME}");
+    let pods = get_json(&[
+        "pods",
+        "-n",
+        SYSTEM_NS,
+        "-l",
+        &selector.join(","),
+        "--field-selector",
+        &on_node,
+    ])
+    .expect("the DaemonSet's pods");
+    let pod = &pods["items"][0];
+    let name = pod["metadata"]["name"].as_str().expect("a pod on the node").to_owned();
+    assert_eq!(pod["metadata"]["labels"]["app"], "ztunnel", "istioctl's check of the pod");
+    assert!(name.starts_with("ztunnel"), "{name}");
+
+    // Open while the dump is read (8 s), not one of the restart tests' long transfers.
+    let long = transfer_under_way(&pair, "1000000", "8");
+    let mut forward = in_node("kubectl");
+    forward
+        .arg("--kubeconfig")
+        .arg(Path::new(DIR).join("admin.kubeconfig"))
+        .args(["port-forward", "-n", SYSTEM_NS, &format!("pod/{name}"), ":15000"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut forward = forward.spawn().expect("kubectl port-forward");
+    let mut line = String::new();
+    let mut stdout = std::io::BufReader::new(forward.stdout.take().expect("its stdout"));
+    std::io::BufRead::read_line(&mut stdout, &mut line).expect("kubectl port-forward's first line");
+    // It says a line per connection: read on, or it dies of a closed pipe.
+    std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
+    // "Forwarding from 127.0.0.1:PORT -> 15000"
+    let port = line
+        .split_whitespace()
+        .nth(2)
+        .and_then(|a| a.rsplit_once(':'))
+        .and_then(|(_, p)| p.parse::<u16>().ok())
+        .unwrap_or_else(|| panic!("no local port in {line:?}"));
+    let mut curl = in_node("curl");
+    curl.args(["-sf", "--max-time", "10", &format!("http://127.0.0.1:{port}/config_dump")]);
+    let body = output(curl, None);
+    let _ = forward.kill();
+    let _ = forward.wait();
+    let body = body.expect("GET /config_dump through the port-forward");
+    let dump: meshpath_tests::istioctl::Dump = serde_json::from_str(&body)
+        .unwrap_or_else(|e| panic!("not what istioctl reads: {e}\n{body}"));
+
+    let workloads = meshpath_tests::istioctl::workload_rows(&dump);
+    for p in [&pair.client, &pair.server] {
+        let row = workloads.iter().find(|r| r[1] == p.name);
+        assert!(
+            row.is_some_and(|r| r[0] == pair.ns.name && r[2] == p.ip.to_string()),
+            "{} in the workloads table: {workloads:?}",
+            p.name
+        );
+    }
+    let connections = meshpath_tests::istioctl::connection_rows(&dump);
+    println!("istioctl ztunnel-config connections would print:\n{connections:?}");
+    for direction in ["Outbound", "Inbound"] {
+        assert!(
+            connections.iter().any(|r| r[1] == direction && r[5] == "HBONE"),
+            "no {direction} HBONE connection: {connections:?}"
+        );
+    }
+    let certificates = meshpath_tests::istioctl::certificate_rows(&dump);
+    for sa in ["client", "server"] {
+        let id = format!("spiffe://cluster.local/ns/{}/sa/{sa}", pair.ns.name);
+        assert!(
+            certificates.iter().any(|r| r[0] == id && r[1] == "Leaf" && r[2] == "Available"),
+            "no available certificate for {id}: {certificates:?}"
+        );
+    }
+    let out = long.wait_with_output().expect("the transfer's end");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }

@@ -347,6 +347,15 @@ fn test(
             None
         }
     };
+    // The cluster comes up (images built from these binaries, the control plane and the
+    // node's daemons started: mostly waiting) while this machine's tests run, so that its own
+    // tests start as soon as the fuzz targets are done: they are the longest stage. It has its
+    // own network namespace, cgroups and pin root; the tests here touch none of them.
+    let cluster_up = with_cluster.then(|| {
+        let (root, bin_dir, previous) =
+            (cargo::workspace_root(), bin_dir.clone(), previous.clone());
+        std::thread::spawn(move || cluster::up(&root, &bin_dir, previous.as_deref()))
+    });
     if host {
         let t = cargo::test(path, &bin_dir, filter)?;
         lines.push(format!(
@@ -386,13 +395,6 @@ fn test(
             Ok(outs)
         }))
     };
-    // The cluster comes up (images built, the control plane and the node's daemons started:
-    // mostly waiting) while the fuzz targets run.
-    let cluster_up = with_cluster.then(|| {
-        let (root, bin_dir, previous) =
-            (cargo::workspace_root(), bin_dir.clone(), previous.clone());
-        std::thread::spawn(move || cluster::up(&root, &bin_dir, previous.as_deref()))
-    });
     if fuzzing {
         let secs = fuzz::IN_TESTS_SECS;
         match fuzz_built.and_then(|()| fuzz::run(&[], secs)) {

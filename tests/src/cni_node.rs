@@ -611,6 +611,24 @@ impl CniNode {
             .collect()
     }
 
+    /// The proxy's workload store learns the address of the HBONE workload with service
+    /// account `service_account` in `workloads` (as a control plane would tell it): outbound
+    /// connections to it then go over HBONE. Waits for the proxy's reload.
+    pub fn publish_address(&self, workloads: &str, service_account: &str, ip: IpAddr) {
+        let entry = format!("serviceAccount: {service_account}, protocol: HBONE}}");
+        assert!(workloads.contains(&entry), "no {entry} in the workloads");
+        let known = workloads.replace(
+            &entry,
+            &format!("serviceAccount: {service_account}, protocol: HBONE, workloadIps: [{ip}]}}"),
+        );
+        std::fs::write(self.dir.join("workloads.yaml"), known).expect("workloads");
+        let proxy = self.proxy.as_ref().expect("proxy");
+        assert!(
+            proxy.wait_for_text("workload store reloaded", std::time::Duration::from_secs(10)),
+            "the proxy did not reload its workloads"
+        );
+    }
+
     /// The proxy's admin view: uids of the pods it serves.
     pub fn proxy_pods(&self) -> Result<Vec<String>> {
         let dump = self.proxy_config_dump()?;

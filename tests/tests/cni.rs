@@ -17,13 +17,7 @@ const WORKLOADS: &str = "workloads:\n\
 
 /// The store learns db's address (as a control plane would); waits for the proxy's reload.
 fn publish_db_address(node: &CniNode, db: &CniPod) {
-    let known = WORKLOADS.replace(
-        "serviceAccount: db, protocol: HBONE}",
-        &format!("serviceAccount: db, protocol: HBONE, workloadIps: [{}]}}", db.ip),
-    );
-    std::fs::write(node.dir.join("workloads.yaml"), known).expect("workloads");
-    let proxy = node.proxy.as_ref().expect("proxy");
-    assert!(proxy.wait_for_text("workload store reloaded", Duration::from_secs(10)));
+    node.publish_address(WORKLOADS, "db", db.ip);
 }
 
 fn echo_once(pod: &CniPod, dst: SocketAddr, msg: &[u8]) -> std::io::Result<Vec<u8>> {

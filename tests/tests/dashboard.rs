@@ -309,13 +309,7 @@ fn exported_by_a_node() -> Exposition {
     let node = CniNode::start(WORKLOADS).expect("node");
     let db = node.add_pod("db").expect("ADD db");
     node.echo_server(&db, 8080).expect("echo");
-    let known = WORKLOADS.replace(
-        "serviceAccount: db, protocol: HBONE}",
-        &format!("serviceAccount: db, protocol: HBONE, workloadIps: [{}]}}", db.ip),
-    );
-    std::fs::write(node.dir.join("workloads.yaml"), known).expect("workloads");
-    let proxy = node.proxy.as_ref().expect("proxy");
-    assert!(proxy.wait_for_text("workload store reloaded", Duration::from_secs(10)));
+    node.publish_address(WORKLOADS, "db", db.ip);
     let web = node.add_pod("web").expect("ADD web");
     let mut c = web.connect(SocketAddr::new(db.ip, 8080)).expect("connect");
     c.write_all(b"hello").expect("write");

@@ -170,6 +170,57 @@ fn a_connect_loop_across_sigterm_and_a_new_proxy_is_never_refused() {
     assert!(failures.is_empty(), "{} of {n} failed: {failures:?}", failures.len());
 }
 
+/// Runs `args` in `pod`'s netns; panics with its output if it fails.
+fn in_pod(pod: &CniPod, args: &[&str]) -> String {
+    let net = format!("--net={}", pod.netns.path().display());
+    let out = std::process::Command::new(meshpath_tests::cni_node::nsenter())
+        .arg(&net)
+        .args(args)
+        .output()
+        .expect("nsenter");
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn a_connection_the_proxy_took_just_before_sigterm_still_reaches_a_pod_of_the_same_node() {
+    let (mut node, p0, p1) = node_with(&[]);
+    node.publish_address(WORKLOADS, "sa1", p1.ip);
+    let dst = SocketAddr::new(p1.ip, 8080);
+    // p1 sends nothing for now (a FIFO of length 0 drops every frame it sends, its SYN-ACKs
+    // too), so the proxy, once it has taken p0's connection, is still connecting to p1's HBONE
+    // port (a SYN sent from p0's netns) when SIGTERM comes.
+    in_pod(&p1, &["tc", "qdisc", "add", "dev", "eth0", "root", "pfifo", "limit", "0"]);
+    let mut c = p0.connect(dst).expect("connect (the proxy's listener takes it)");
+    c.write_all(b"draining.").expect("send");
+    let connecting = meshpath_tests::wait_until(Duration::from_secs(10), || {
+        let ss = in_pod(&p0, &["ss", "-Htn", "state", "syn-sent"]);
+        ss.contains(&format!("{}:15008", p1.ip))
+    });
+    assert!(connecting, "the proxy never tried p1's HBONE port");
+    let proxy = node.proxy.as_ref().expect("proxy");
+    proxy.signal(libc::SIGTERM).expect("SIGTERM");
+    assert!(proxy.wait_for_text("draining", Duration::from_secs(10)), "not draining");
+    // p1 answers again: TCP sends the SYN again, and the draining proxy (which no longer takes
+    // new connections from its pods) must still serve its own connection's HBONE stream. It
+    // would otherwise wait in p1's HBONE backlog for the next proxy, which starts only once
+    // this one has exited: the connect timeout would pass and the app's connection be reset.
+    in_pod(&p1, &["tc", "qdisc", "del", "dev", "eth0", "root"]);
+    c.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+    let mut back = [0u8; 9];
+    let answered = c.read_exact(&mut back);
+    assert!(
+        answered.is_ok(),
+        "{answered:?}\n{}",
+        node.proxy.as_ref().expect("proxy").lines().join("\n")
+    );
+    assert_eq!(&back, b"draining.");
+    drop(c);
+    assert!(node.proxy.as_mut().expect("proxy").wait_exit(Duration::from_secs(30)), "no exit");
+    node.start_proxy().expect("a new proxy");
+    round_trip(&p0, dst, Duration::from_secs(10)).expect("after");
+}
+
 #[test]
 fn after_an_agent_restart_the_proxy_gives_the_listeners_back_to_hold() {
     let (mut node, p0, p1) = node_with(&[]);

@@ -52,10 +52,10 @@ pub fn start(pod: Arc<Pod>) -> anyhow::Result<()> {
         let tcp = pod.sockets.listen(addr).with_context(|| format!("DNS on tcp {addr}"))?;
         pod.proxy.drain.serve(
             tcp,
-            pod.scope(crate::metrics::Direction::Outbound),
+            pod.scope(crate::metrics::Direction::Outbound, false),
             pod.clone(),
             "DNS over TCP",
-            |conn, _peer, pod: Arc<Pod>| async move { serve_tcp(conn, &pod).await },
+            |conn, _peer, pod: Arc<Pod>, _| async move { serve_tcp(conn, &pod).await },
         );
     }
     Ok(())

@@ -1,6 +1,16 @@
 //! Graceful shutdown: on SIGTERM (or Ctrl-C, or the admin's /quitquitquit) the proxy stops
 //! accepting — its listeners close, so the datapath refuses new captured connections (fail
-//! closed) — and lets the connections it carries finish, up to a deadline.
+//! closed), or they wait in the backlog of the listeners the node agent holds for the next
+//! proxy — and lets the connections it carries finish, up to a deadline.
+//!
+//! In two steps. First the capture listeners close (outbound 15001, inbound plaintext 15006,
+//! DNS 15053) and the proxy turns unready; the HBONE listeners (15008) keep accepting until
+//! every outbound connection this proxy accepted has its CONNECT stream open (or has failed).
+//! Only then do the HBONE listeners close and the HBONE connections get GOAWAY. A connection
+//! the proxy accepted an instant before the signal, to a pod of this same node, would
+//! otherwise find that pod's HBONE side gone away: its pooled connection refuses new streams
+//! and a new one waits in a backlog that only the next proxy (which starts when this one has
+//! exited) serves.
 
 use std::{
     future::Future,
@@ -27,7 +37,12 @@ pub const FAILED_CONNECTIONS_LOGGED_PER_SECOND: u32 = 20;
 /// carries at once, node-wide.
 #[derive(Debug, Clone)]
 pub struct Drain {
+    /// The first step: the capture listeners close, the proxy is unready.
     stop: CancellationToken,
+    /// The second step: the HBONE listeners close and HBONE connections are told to go away.
+    stop_hbone: CancellationToken,
+    /// Outbound connections that have no stream yet (their `HboneHold`s).
+    opening: TaskTracker,
     tasks: TaskTracker,
     global: Arc<Semaphore>,
     /// The log's budget for failed connections.
@@ -54,7 +69,7 @@ pub struct Permits {
 /// What one listener's connections belong to: stopped with `stop` (the listener) and `kill`
 /// (its connections), counted against `limit` (the pod's cap) and the node-wide one; a
 /// connection over either cap is closed at once and counted as a `direction` error,
-/// `connection_limit`.
+/// `connection_limit`. With `holds_hbone`, each connection gets an `HboneHold`.
 #[derive(Debug, Clone)]
 pub struct Scope {
     pub stop: CancellationToken,
@@ -62,6 +77,20 @@ pub struct Scope {
     pub limit: Arc<Semaphore>,
     pub metrics: Arc<crate::metrics::Metrics>,
     pub direction: crate::metrics::Direction,
+    pub holds_hbone: bool,
+}
+
+/// Held by an outbound connection from its accept until its CONNECT stream is open (or it
+/// failed, or took another way): while any is held, a draining proxy keeps its HBONE
+/// listeners and connections (see the module's doc). Empty for other listeners' connections.
+#[derive(Debug, Default)]
+pub struct HboneHold(Option<tokio_util::task::task_tracker::TaskTrackerToken>);
+
+impl HboneHold {
+    /// The connection needs the HBONE side no longer.
+    pub fn release(&mut self) {
+        self.0 = None;
+    }
 }
 
 impl Drain {
@@ -69,6 +98,8 @@ impl Drain {
     pub fn new(max_connections: usize) -> Self {
         Self {
             stop: CancellationToken::new(),
+            stop_hbone: CancellationToken::new(),
+            opening: TaskTracker::new(),
             tasks: TaskTracker::new(),
             global: Arc::new(Semaphore::new(max_connections.min(Semaphore::MAX_PERMITS))),
             failed_logged: Arc::new(Mutex::new(PerSecond::new(
@@ -91,9 +122,16 @@ impl Drain {
         Some(Permits { _node: node, _pod: pod })
     }
 
-    /// A token cancelled at shutdown (and cancellable on its own: a pod's listeners).
+    /// A token cancelled when shutdown begins (and cancellable on its own: a pod's capture
+    /// listeners).
     pub fn child_token(&self) -> CancellationToken {
         self.stop.child_token()
+    }
+
+    /// A token cancelled at shutdown's second step (and cancellable on its own: a pod's HBONE
+    /// listener).
+    pub fn hbone_child_token(&self) -> CancellationToken {
+        self.stop_hbone.child_token()
     }
 
     /// Whether shutdown has begun.
@@ -104,6 +142,11 @@ impl Drain {
     /// Resolves when shutdown begins.
     pub async fn stopping(&self) {
         self.stop.cancelled().await;
+    }
+
+    /// Resolves at shutdown's second step: HBONE connections are to go away.
+    pub async fn hbone_stopping(&self) {
+        self.stop_hbone.cancelled().await;
     }
 
     /// Begins shutdown without waiting.
@@ -123,11 +166,11 @@ impl Drain {
         handle: F,
     ) where
         C: Clone + Send + 'static,
-        F: Fn(TcpStream, std::net::SocketAddr, C) -> Fut + Send + 'static,
+        F: Fn(TcpStream, std::net::SocketAddr, C, HboneHold) -> Fut + Send + 'static,
         Fut: Future<Output = anyhow::Result<()>> + Send + 'static,
     {
         let drain = self.clone();
-        let Scope { stop, kill, limit, metrics, direction } = scope;
+        let Scope { stop, kill, limit, metrics, direction, holds_hbone } = scope;
         self.spawn(async move {
             if let Some(first_push) = drain.first_push.get().cloned() {
                 if !first_push.all() {
@@ -151,7 +194,10 @@ impl Drain {
                                 drop(conn);
                                 continue;
                             };
-                            let fut = handle(conn, peer, ctx.clone());
+                            // Taken here, not in the connection's task: shutdown must not find
+                            // none held while an accepted connection's task has yet to run.
+                            let hold = HboneHold(holds_hbone.then(|| drain.opening.token()));
+                            let fut = handle(conn, peer, ctx.clone(), hold);
                             let kill = kill.clone();
                             let failed_logged = drain.failed_logged.clone();
                             drain.spawn(async move {
@@ -180,12 +226,18 @@ impl Drain {
         self.tasks.spawn(task);
     }
 
-    /// Stops accepting and waits up to `deadline` for open connections. Returns how many were
-    /// still open at the deadline.
+    /// Stops accepting, in the two steps of the module's doc, and waits up to `deadline` for
+    /// open connections. Returns how many were still open at the deadline.
     pub async fn shutdown(&self, deadline: Duration) -> usize {
+        let until = tokio::time::Instant::now() + deadline;
         self.stop.cancel();
         self.tasks.close();
-        if tokio::time::timeout(deadline, self.tasks.wait()).await.is_err() {
+        self.opening.close();
+        // Bounded by the outbound connect timeouts (each hold is released when its stream is
+        // open or has failed), and by the deadline.
+        let _ = tokio::time::timeout_at(until, self.opening.wait()).await;
+        self.stop_hbone.cancel();
+        if tokio::time::timeout_at(until, self.tasks.wait()).await.is_err() {
             return self.tasks.len();
         }
         0
@@ -214,5 +266,39 @@ fn log_failed(
         (true, 0) => tracing::warn!(%peer, error, "{what} connection failed"),
         (true, n) => tracing::warn!(%peer, error, left_out = n, "{what} connection failed"),
         (false, _) => tracing::debug!(%peer, error, "{what} connection failed"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn hbone_stops_only_once_every_outbound_connection_has_its_stream() {
+        let drain = Drain::new(10);
+        let mut hold = HboneHold(Some(drain.opening.token()));
+        let shutdown = tokio::spawn({
+            let drain = drain.clone();
+            async move { drain.shutdown(Duration::from_secs(60)).await }
+        });
+        drain.stopping().await;
+        assert!(drain.is_stopping());
+        // The hold is never released here: HBONE must not stop, whatever the wait.
+        let early = tokio::time::timeout(Duration::from_millis(100), drain.hbone_stopping()).await;
+        assert!(early.is_err(), "HBONE stopped while a connection was opening its stream");
+        hold.release();
+        tokio::time::timeout(Duration::from_secs(10), drain.hbone_stopping())
+            .await
+            .expect("HBONE stopped once the stream was open");
+        assert_eq!(shutdown.await.expect("shutdown"), 0);
+    }
+
+    #[tokio::test]
+    async fn a_hold_never_released_keeps_hbone_up_to_the_deadline_only() {
+        let drain = Drain::new(10);
+        let _hold = HboneHold(Some(drain.opening.token()));
+        let left = drain.shutdown(Duration::from_millis(200)).await;
+        assert_eq!(left, 0, "no task was running");
+        assert!(drain.stop_hbone.is_cancelled());
     }
 }

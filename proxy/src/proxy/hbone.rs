@@ -54,6 +54,20 @@ impl HboneError {
         matches!(self, Self::Connect(_, e) | Self::Tls(_, e) if e.kind() == io::ErrorKind::TimedOut)
     }
 
+    /// Whether the peer never processed the stream, so that it may be sent again on another
+    /// connection (RFC 9113 §8.7): the connection was going away when it was sent (a GOAWAY,
+    /// with no error, whose last stream is below it: h2 fails exactly those streams, and every
+    /// new one, with the GOAWAY), or the peer refused it (`REFUSED_STREAM`).
+    pub fn is_unprocessed(&self) -> bool {
+        match self {
+            Self::H2(_, e) => {
+                (e.is_go_away() && e.is_remote() && e.reason() == Some(h2::Reason::NO_ERROR))
+                    || (e.is_reset() && e.reason() == Some(h2::Reason::REFUSED_STREAM))
+            }
+            _ => false,
+        }
+    }
+
     /// A short label for metrics.
     pub fn reason(&self) -> &'static str {
         match self {
@@ -234,4 +248,88 @@ pub async fn connect(
 ) -> Result<(SendStream<Bytes>, RecvStream), HboneError> {
     let conn = handshake(tcp, gateway, tls).await?;
     open_stream(conn, gateway, dst, headers).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A real HTTP/2 client connection to an in-memory server that runs `serve` on its side.
+    async fn connection_to<F, Fut>(serve: F) -> Connection
+    where
+        F: FnOnce(h2::server::Connection<tokio::io::DuplexStream, Bytes>) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
+        let (client, server) = tokio::io::duplex(64 * 1024);
+        tokio::spawn(async move {
+            if let Ok(conn) = h2::server::handshake(server).await {
+                serve(conn).await;
+            }
+        });
+        let (send, conn) = h2::client::handshake(client).await.expect("h2 handshake");
+        tokio::spawn(conn);
+        send
+    }
+
+    fn addrs() -> (SocketAddr, SocketAddr) {
+        ("10.0.0.2:15008".parse().expect("addr"), "10.0.0.2:8080".parse().expect("addr"))
+    }
+
+    #[tokio::test]
+    async fn a_stream_sent_to_a_peer_going_away_is_unprocessed() {
+        // The peer answers every stream it takes, but is going away from the start: the
+        // streams opened once its GOAWAY has arrived fail as never processed.
+        let conn = connection_to(|mut conn| async move {
+            conn.graceful_shutdown();
+            while let Some(Ok((_req, mut respond))) = conn.accept().await {
+                let _ = respond.send_response(http::Response::new(()), false);
+            }
+        })
+        .await;
+        let (gateway, dst) = addrs();
+        let mut answered = 0;
+        let failed = loop {
+            match open_stream(conn.clone(), gateway, dst, &StreamHeaders::default()).await {
+                Ok(_) => answered += 1,
+                Err(e) => break e,
+            }
+            assert!(answered < 1000, "the GOAWAY never arrived");
+        };
+        assert!(failed.is_unprocessed(), "{failed:?}");
+    }
+
+    #[tokio::test]
+    async fn a_stream_the_peer_took_and_then_closed_its_connection_on_is_not_unprocessed() {
+        // The peer took the stream (it may have connected to the app): not sent again.
+        let conn = connection_to(|mut conn| async move {
+            let taken = conn.accept().await;
+            drop(taken);
+            drop(conn);
+        })
+        .await;
+        let (gateway, dst) = addrs();
+        let failed =
+            open_stream(conn, gateway, dst, &StreamHeaders::default()).await.expect_err("answered");
+        assert!(!failed.is_unprocessed(), "{failed:?}");
+    }
+
+    #[tokio::test]
+    async fn a_stream_the_peer_refused_is_unprocessed_and_one_it_cancelled_is_not() {
+        let conn = connection_to(|mut conn| async move {
+            let mut reasons = [h2::Reason::REFUSED_STREAM, h2::Reason::CANCEL].into_iter();
+            while let Some(Ok((_req, mut respond))) = conn.accept().await {
+                match reasons.next() {
+                    Some(reason) => respond.send_reset(reason),
+                    None => return,
+                }
+            }
+        })
+        .await;
+        let (gateway, dst) = addrs();
+        let headers = StreamHeaders::default();
+        let refused = open_stream(conn.clone(), gateway, dst, &headers).await.expect_err("refused");
+        assert!(refused.is_unprocessed(), "{refused:?}");
+        let cancelled = open_stream(conn, gateway, dst, &headers).await.expect_err("cancelled");
+        assert!(!cancelled.is_unprocessed(), "{cancelled:?}");
+    }
 }

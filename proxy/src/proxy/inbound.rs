@@ -39,18 +39,12 @@ use crate::{
 pub fn start(pod: Arc<Pod>) -> anyhow::Result<()> {
     let listener = pod.sockets.listen(SocketAddr::from(([0u16; 8], ports::HBONE)))?;
     let proxy = pod.proxy.clone();
-    proxy.drain.serve(
-        listener,
-        pod.scope(crate::metrics::Direction::Inbound),
-        pod,
-        "HBONE",
-        |tcp, peer, pod| async move {
-            // The dual-stack listener reports an IPv4 peer in its IPv6 form.
-            let peer = SocketAddr::new(canonical(peer.ip()), peer.port());
-            let span = info_span!("inbound", pod = %pod.uid, %peer);
-            serve_connection(tcp, peer, &pod).instrument(span).await
-        },
-    );
+    proxy.drain.serve(listener, pod.hbone_scope(), pod, "HBONE", |tcp, peer, pod, _| async move {
+        // The dual-stack listener reports an IPv4 peer in its IPv6 form.
+        let peer = SocketAddr::new(canonical(peer.ip()), peer.port());
+        let span = info_span!("inbound", pod = %pod.uid, %peer);
+        serve_connection(tcp, peer, &pod).instrument(span).await
+    });
     Ok(())
 }
 
@@ -131,7 +125,7 @@ async fn serve_connection(tcp: TcpStream, peer: SocketAddr, pod: &Arc<Pod>) -> a
     // told with GOAWAY to open no new stream here; the streams it has finish. A peer that stops
     // answering PINGs is gone: its connection is closed.
     let mut first = true;
-    let stopping = proxy.drain.stopping();
+    let stopping = proxy.drain.hbone_stopping();
     tokio::pin!(stopping);
     let dead = hbone::stopped_answering(conn.ping_pong(), proxy.settings.keepalive);
     tokio::pin!(dead);

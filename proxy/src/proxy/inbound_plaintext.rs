@@ -23,10 +23,10 @@ pub fn start(pod: Arc<Pod>) -> anyhow::Result<()> {
     let proxy = pod.proxy.clone();
     proxy.drain.serve(
         listener,
-        pod.scope(crate::metrics::Direction::Inbound),
+        pod.scope(crate::metrics::Direction::Inbound, false),
         pod,
         "inbound plaintext",
-        |conn, peer, pod: Arc<Pod>| async move {
+        |conn, peer, pod: Arc<Pod>, _| async move {
             // The dual-stack listener reports an IPv4 peer in its IPv6 form.
             let peer = SocketAddr::new(crate::state::canonical(peer.ip()), peer.port());
             let span = info_span!("inbound_plaintext", pod = %pod.uid, %peer);

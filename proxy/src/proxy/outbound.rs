@@ -13,15 +13,18 @@ use std::{
 };
 
 use anyhow::Context as _;
+use bytes::Bytes;
 use datapath_common::consts::{ports, sockopt};
+use h2::{RecvStream, SendStream};
 use tokio::net::TcpStream;
 use tracing::{info_span, Instrument as _};
 
 use crate::{
     metrics::{ConnGuard, ConnInfo, Direction, Meter},
+    proxy::drain::HboneHold,
     proxy::hbone::{self, StreamHeaders},
     proxy::pod::Pod,
-    proxy::pool::PoolKey,
+    proxy::pool::{PoolKey, StreamPermit},
     proxy::resolve::{resolve, Target},
     state::workloads::Workload,
 };
@@ -33,12 +36,12 @@ pub fn start(pod: Arc<Pod>) -> io::Result<()> {
         pod.sockets.listen(SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), ports::OUTBOUND))?;
     pod.proxy.drain.serve(
         listener,
-        pod.scope(crate::metrics::Direction::Outbound),
+        pod.scope(crate::metrics::Direction::Outbound, true),
         pod.clone(),
         "outbound",
-        |conn, peer, pod: Arc<Pod>| async move {
+        |conn, peer, pod: Arc<Pod>, hold| async move {
             let span = info_span!("outbound", pod = %pod.uid, %peer);
-            handle(conn, peer, &pod).instrument(span).await
+            handle(conn, peer, &pod, hold).instrument(span).await
         },
     );
     Ok(())
@@ -48,7 +51,14 @@ pub fn start(pod: Arc<Pod>) -> io::Result<()> {
 /// own ports (`ports::PROXY_PORTS`), on every path.
 pub const SELF_CALL: &str = "self_call";
 
-async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<()> {
+/// `hold` keeps a draining proxy's HBONE side up until this connection has its stream
+/// (`drain`): released as soon as the connection needs HBONE no longer.
+async fn handle(
+    conn: TcpStream,
+    peer: SocketAddr,
+    pod: &Pod,
+    mut hold: HboneHold,
+) -> anyhow::Result<()> {
     let proxy = &pod.proxy;
     let orig = original_dst(&conn)?;
     // The app's address, as under REDIRECT: the datapath steered it to the pod's own address,
@@ -92,8 +102,9 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
     });
     let meters = (&guard.from_client, &guard.to_client);
     let result = if hbone {
-        via_hbone(conn, peer, pod, &target, meters).await
+        via_hbone(conn, peer, pod, &target, meters, hold).await
     } else {
+        hold.release();
         passthrough(conn, pod, target.addr, meters).await
     };
     match result {
@@ -112,6 +123,7 @@ async fn via_hbone(
     pod: &Pod,
     target: &Target,
     meters: (&Meter, &Meter),
+    mut hold: HboneHold,
 ) -> anyhow::Result<()> {
     let proxy = &pod.proxy;
     let dst = target.workload.as_ref().context("HBONE needs a destination workload")?;
@@ -122,13 +134,53 @@ async fn via_hbone(
         src_workload: pod.uid.clone(),
         gateway,
     };
+    let headers = StreamHeaders::for_source(peer, pod.current_workload(&proxy.store()));
+    // A stream the peer never processed (it was going away, or refused it) is opened again on
+    // another connection: RFC 9113 §8.7 lets a client retry such a request. A peer proxy that
+    // drains sends GOAWAY; a stream opened on the pooled connection in the instant before it
+    // arrived is refused, and a new connection reaches the peer's next proxy.
+    let mut attempt = 1;
+    let (send, recv, permit) = loop {
+        let result = open(pod, &key, dst, gateway, target.addr, &headers).await;
+        match result {
+            Ok(opened) => break opened,
+            Err(e) if e.is_unprocessed() && attempt < OPEN_ATTEMPTS => {
+                tracing::debug!(error = %e, attempt, "CONNECT not processed by the peer; again on another connection");
+                attempt += 1;
+            }
+            Err(e) => {
+                proxy.metrics.error(Direction::Outbound, e.reason());
+                return Err(e.into());
+            }
+        }
+    };
+    hold.release();
+    let _permit = permit;
+    crate::proxy::copy::splice(conn, send, recv, meters, proxy.settings.idle_timeout).await?;
+    Ok(())
+}
+
+/// How many times a CONNECT the peer did not process is sent, on as many connections.
+const OPEN_ATTEMPTS: u32 = 3;
+
+/// A CONNECT stream to `dst` through `gateway`, on a pooled HBONE connection or a new one; a
+/// connection that failed to answer it is evicted from the pool.
+async fn open(
+    pod: &Pod,
+    key: &PoolKey,
+    dst: &Workload,
+    gateway: SocketAddr,
+    addr: SocketAddr,
+    headers: &StreamHeaders,
+) -> Result<(SendStream<Bytes>, RecvStream, StreamPermit), hbone::HboneError> {
+    let proxy = &pod.proxy;
     let timeout = proxy.settings.connect_timeout;
     // Boxed, as is the CONNECT below: the connect phase's state (TLS and HTTP/2 handshakes) is
     // freed once done instead of sizing the task that then carries the connection for its
     // whole life (an idle connection costs what its task holds). A stream waiting for its turn
     // to open a connection (every pooled one full) waits as long as the stream before it may
     // take to open one: a TCP connect and a handshake, each up to the connect timeout.
-    let opened = Box::pin(proxy.pool.get(&key, 2 * timeout, || async {
+    let (h2conn, permit) = Box::pin(proxy.pool.get(key, 2 * timeout, || async {
         let connect = async { pod.sockets.socket(gateway)?.connect(gateway).await };
         let tcp = tokio::time::timeout(timeout, connect)
             .await
@@ -143,40 +195,27 @@ async fn via_hbone(
             .await
             .map_err(|_| hbone::HboneError::Tls(gateway, io::ErrorKind::TimedOut.into()))?
     }))
-    .await;
-    let (h2conn, permit) = match opened {
-        Ok(c) => c,
+    .await?;
+    let stream =
+        Box::pin(tokio::time::timeout(timeout, hbone::open_stream(h2conn, gateway, addr, headers)))
+            .await
+            .unwrap_or_else(|_| {
+                Err(hbone::HboneError::Connect(
+                    gateway,
+                    io::Error::new(io::ErrorKind::TimedOut, "no answer to CONNECT"),
+                ))
+            });
+    match stream {
+        Ok((send, recv)) => Ok((send, recv, permit)),
         Err(e) => {
-            proxy.metrics.error(Direction::Outbound, e.reason());
-            return Err(e.into());
-        }
-    };
-    let headers = StreamHeaders::for_source(peer, pod.current_workload(&proxy.store()));
-    let stream = Box::pin(tokio::time::timeout(
-        proxy.settings.connect_timeout,
-        hbone::open_stream(h2conn, gateway, target.addr, &headers),
-    ))
-    .await
-    .unwrap_or_else(|_| {
-        Err(hbone::HboneError::Connect(
-            gateway,
-            io::Error::new(io::ErrorKind::TimedOut, "no answer to CONNECT"),
-        ))
-    });
-    let (send, recv) = match stream {
-        Ok(s) => s,
-        Err(e) => {
-            if e.is_timeout() {
-                // A connection whose peer does not answer a CONNECT takes no more streams.
+            if e.is_timeout() || e.is_unprocessed() {
+                // A connection whose peer does not answer a CONNECT, or is going away, takes
+                // no more streams.
                 permit.evict();
             }
-            proxy.metrics.error(Direction::Outbound, e.reason());
-            return Err(e.into());
+            Err(e)
         }
-    };
-    let _permit = permit;
-    crate::proxy::copy::splice(conn, send, recv, meters, proxy.settings.idle_timeout).await?;
-    Ok(())
+    }
 }
 
 async fn passthrough(

@@ -53,8 +53,12 @@ pub struct Pod {
     pub workload: Workload,
     tls: RwLock<PodTls>,
     pub proxy: Arc<Proxy>,
-    /// Cancelled to close the pod's listeners (removal or proxy shutdown).
+    /// Cancelled to close the pod's capture listeners, 15001, 15006 and 15053 (removal, or
+    /// the first step of the proxy's shutdown).
     pub listening: CancellationToken,
+    /// Cancelled to close the pod's HBONE listener, 15008, and send its HBONE connections
+    /// GOAWAY (removal, or the second step of the proxy's shutdown: `drain`).
+    pub listening_hbone: CancellationToken,
     /// Cancelled to end the pod's connections (removal only: shutdown lets them drain).
     pub gone: CancellationToken,
     /// Its open connections, for the admin dump.
@@ -183,15 +187,23 @@ impl Pod {
         self.transparent
     }
 
-    /// What a listener of this pod serves under: its stop and removal, its connection cap.
-    pub fn scope(&self, direction: Direction) -> Scope {
+    /// What a capture listener of this pod serves under: its stop and removal, its connection
+    /// cap; `holds_hbone` for the outbound listener, whose connections may need HBONE.
+    pub fn scope(&self, direction: Direction, holds_hbone: bool) -> Scope {
         Scope {
             stop: self.listening.clone(),
             kill: self.gone.clone(),
             limit: self.conns.of(direction).clone(),
             metrics: self.proxy.metrics.clone(),
             direction,
+            holds_hbone,
         }
+    }
+
+    /// What the pod's HBONE listener serves under: as an inbound capture listener, but stopped
+    /// at the second step of the proxy's shutdown.
+    pub fn hbone_scope(&self) -> Scope {
+        Scope { stop: self.listening_hbone.clone(), ..self.scope(Direction::Inbound, false) }
     }
 
     /// A slot for one more inbound connection of this pod (an inbound HBONE stream), under its
@@ -277,6 +289,7 @@ impl Pod {
             tls: RwLock::new(tls),
             proxy: proxy.clone(),
             listening: proxy.drain.child_token(),
+            listening_hbone: proxy.drain.hbone_child_token(),
             gone: CancellationToken::new(),
             open: Default::default(),
             transparent,
@@ -290,6 +303,7 @@ impl Pod {
     /// Closes its listeners and ends its connections.
     pub fn stop(&self) {
         self.listening.cancel();
+        self.listening_hbone.cancel();
         self.sockets.held.release();
         self.gone.cancel();
         self.proxy.pool.forget_workload(&self.uid);

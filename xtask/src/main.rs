@@ -301,6 +301,13 @@ fn ensure(needs: bootstrap::Needs) -> Result<Option<std::path::PathBuf>> {
     Ok(path)
 }
 
+/// What runs beside the cluster's tests: the VMs' outcomes (each with how long it took), then
+/// the fuzz targets' line (an `Err` if they failed), if they ran.
+struct Background {
+    vms: Result<Vec<(vm::Outcome, String)>>,
+    fuzz: Option<std::result::Result<String, String>>,
+}
+
 /// The time since `since`, as "Xm Ys", and `since` moved to now for the next stage.
 fn took(since: &mut std::time::Instant) -> String {
     let secs = since.elapsed().as_secs();
@@ -308,9 +315,9 @@ fn took(since: &mut std::time::Instant) -> String {
     format!("{}m {:02}s", secs / 60, secs % 60)
 }
 
-/// Checks and tests on this machine's kernel (`host`), the fuzz targets' build, their runs
-/// (the cluster coming up beside them), then the cluster's tests; beside the runs and the
-/// cluster's tests, the capture tests in a VM per kernel series. Ends with one total line per
+/// Checks and tests on this machine's kernel (`host`, the cluster coming up beside them), then
+/// the cluster's tests; beside those, the capture tests in a VM per kernel series, then the
+/// fuzz targets' build and runs. Ends with one total line per
 /// stage and one overall.
 fn test(
     path: Option<&std::path::Path>,
@@ -371,45 +378,39 @@ fn test(
             bad.push("this machine's kernel".to_owned());
         }
     }
-    // The fuzz targets' build first, alone: it compiles on both cores.
+    // Beside the cluster's tests (the longest stage, which starts now): the kernels' VMs, then
+    // the fuzz targets (their build compiles on both cores; the VMs' TCG and the fuzzer take
+    // one each). The cluster's tests mostly wait on the kubelet and on paced transfers, and
+    // none sees another's namespaces, cgroups or pins (the guest has its own). The guest's
+    // lines are told apart by their `[6.1]`-style prefix.
     let fuzzing = host && filter.is_none();
-    let fuzz_built = if fuzzing { fuzz::build() } else { Ok(()) };
-    // The kernels' VMs run once the fuzz targets are built, while they run and the cluster's
-    // tests do: the fuzzer is one process (one core, the VM's TCG the other), the cluster's
-    // tests mostly wait on kubelet and paced transfers, and none sees another's namespaces,
-    // cgroups or pins (the guest has its own). Their lines are told apart by the `[6.1]`-style
-    // prefix the guest's output carries.
-    let vms = if series.is_empty() {
-        None
-    } else {
-        let bins = cargo::test_binaries(path)?;
+    let bins = if series.is_empty() { Vec::new() } else { cargo::test_binaries(path)? };
+    let background = {
         let series: Vec<String> = series.iter().map(|s| (*s).to_owned()).collect();
         let bin_dir = bin_dir.clone();
-        Some(std::thread::spawn(move || -> Result<Vec<(vm::Outcome, String)>> {
+        std::thread::spawn(move || -> Background {
             let mut stage = std::time::Instant::now();
-            let mut outs = Vec::new();
-            for s in &series {
-                let out = vm::run_matrix_entry(s, &bin_dir, &bins)?;
-                outs.push((out, took(&mut stage)));
-            }
-            Ok(outs)
-        }))
+            let vms = series
+                .iter()
+                .map(|s| Ok((vm::run_matrix_entry(s, &bin_dir, &bins)?, took(&mut stage))))
+                .collect::<Result<Vec<_>>>();
+            let fuzz = fuzzing.then(|| {
+                let secs = fuzz::IN_TESTS_SECS;
+                match fuzz::build().and_then(|()| fuzz::run(&[], secs)) {
+                    Ok(()) => Ok(format!(
+                        "fuzz targets: {} run {secs} s each, no crash ({})",
+                        fuzz::TARGETS.len(),
+                        took(&mut stage)
+                    )),
+                    Err(e) => {
+                        println!("fuzz: {e:#}");
+                        Err(format!("fuzz targets: failed: {e:#} ({})", took(&mut stage)))
+                    }
+                }
+            });
+            Background { vms, fuzz }
+        })
     };
-    if fuzzing {
-        let secs = fuzz::IN_TESTS_SECS;
-        match fuzz_built.and_then(|()| fuzz::run(&[], secs)) {
-            Ok(()) => lines.push(format!(
-                "fuzz targets: {} run {secs} s each, no crash ({})",
-                fuzz::TARGETS.len(),
-                took(&mut stage)
-            )),
-            Err(e) => {
-                println!("fuzz: {e:#}");
-                lines.push(format!("fuzz targets: failed: {e:#} ({})", took(&mut stage)));
-                bad.push("the fuzz targets".to_owned());
-            }
-        }
-    }
     if let Some(cluster_up) = cluster_up {
         // The image is built from this build's binaries; the cluster is taken down whatever
         // the tests did.
@@ -444,37 +445,44 @@ fn test(
             bad.push("the cluster".to_owned());
         }
     }
-    if let Some(vms) = vms {
-        let outs = match vms.join() {
-            Ok(Ok(outs)) => outs,
-            Ok(Err(e)) => {
-                println!("vm: {e:#}");
-                failures.push(format!("the VMs: {e:#}"));
-                bad.push("the VMs".to_owned());
-                Vec::new()
-            }
-            Err(_) => bail!("the VM runs' thread panicked"),
-        };
-        for (out, took) in outs {
-            lines.push(format!(
-                "tests on Linux {} (QEMU{}): {} passed, {} failed{} ({took})",
-                out.release,
-                if with_cluster { ", beside the fuzz targets and the cluster" } else { "" },
-                out.tests.passed,
-                out.tests.failed,
-                if out.failed_suites.is_empty() {
-                    String::new()
-                } else {
-                    format!("; failing: {}", out.failed_suites.join(", "))
-                },
-            ));
-            total.passed += out.tests.passed;
-            total.failed += out.tests.failed;
-            failures.extend(out.tests.failure_lines(&format!("Linux {}: ", out.release)));
-            if out.tests.failed > 0 || !out.failed_suites.is_empty() {
-                bad.push(format!("Linux {}", out.release));
-            }
+    let Background { vms, fuzz } =
+        background.join().map_err(|_| anyhow::anyhow!("the VM and fuzz runs' thread panicked"))?;
+    let outs = match vms {
+        Ok(outs) => outs,
+        Err(e) => {
+            println!("vm: {e:#}");
+            failures.push(format!("the VMs: {e:#}"));
+            bad.push("the VMs".to_owned());
+            Vec::new()
         }
+    };
+    for (out, took) in outs {
+        lines.push(format!(
+            "tests on Linux {} (QEMU{}): {} passed, {} failed{} ({took})",
+            out.release,
+            if with_cluster { ", beside the cluster" } else { "" },
+            out.tests.passed,
+            out.tests.failed,
+            if out.failed_suites.is_empty() {
+                String::new()
+            } else {
+                format!("; failing: {}", out.failed_suites.join(", "))
+            },
+        ));
+        total.passed += out.tests.passed;
+        total.failed += out.tests.failed;
+        failures.extend(out.tests.failure_lines(&format!("Linux {}: ", out.release)));
+        if out.tests.failed > 0 || !out.failed_suites.is_empty() {
+            bad.push(format!("Linux {}", out.release));
+        }
+    }
+    match fuzz {
+        Some(Ok(line)) => lines.push(line),
+        Some(Err(line)) => {
+            lines.push(line);
+            bad.push("the fuzz targets".to_owned());
+        }
+        None => {}
     }
     for l in &lines {
         println!("{l}");

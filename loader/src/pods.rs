@@ -20,7 +20,7 @@ use datapath_common::{
     CIDR_FIXED_BITS,
 };
 use ipnet::IpNet;
-use meshpath_podnet::reply_routing;
+use meshpath_podnet::{reply_routing, rtnetlink::ClsactHook};
 use tracing::{info, warn};
 
 use crate::{
@@ -208,9 +208,12 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
     if opts.counters {
         netns.run(|| attach_tc(dp, cookie, &dir, &pod, &opts.iface))??;
     }
+    // The guard on every interface of the pod (a second one, Multus', is a way out too), its
+    // main one first, which the pod's record names.
     let ifindex = netns.run(|| attach_guard(dp, &pod, &opts.iface))??;
-    // A netlink filter is not undone with the pod's pins: take it off if what follows fails.
-    let mut guard = GuardFilter { netns, iface: &opts.iface, armed: true };
+    // A netlink filter is not undone with the pod's pins: take them off if what follows fails.
+    let mut guard = GuardFilter { netns, armed: true };
+    netns.run(|| guard_other_interfaces(dp, &pod, ifindex))??;
 
     // Last: the PODS entry is what turns capture on for the pod.
     let mut info = PodInfo::new(ifindex, netns.inode(), &pod);
@@ -478,17 +481,93 @@ fn detach_guard(iface: &str) {
     detach_filter(iface, TcAttachType::Egress, programs::TC_POD_GUARD);
 }
 
-/// Takes the guard off again when an enrolment fails after attaching it.
+/// Every interface of the calling thread's netns but loopback (ifindex 1 in every netns),
+/// by name and index.
+pub fn interfaces() -> Result<Vec<(String, u32)>> {
+    let all = nix::net::if_::if_nameindex()
+        .map_err(|e| Error::io("listing the pod's interfaces", e.into()))?;
+    Ok(all
+        .iter()
+        .filter(|i| i.index() != LOOPBACK_IFINDEX)
+        .map(|i| (i.name().to_string_lossy().into_owned(), i.index()))
+        .collect())
+}
+
+/// `lo`'s index, in every network namespace.
+const LOOPBACK_IFINDEX: u32 = 1;
+
+/// Attaches the guard to every interface of the calling thread's netns (the pod's) but
+/// loopback and `main` (attached already); an interface that goes meanwhile is skipped.
+/// Returns how many it attached.
+fn guard_other_interfaces(dp: &Datapath, pod: &str, main: u32) -> Result<usize> {
+    let mut attached = 0;
+    for (name, index) in interfaces()? {
+        if index == main {
+            continue;
+        }
+        match attach_guard(dp, pod, &name) {
+            Ok(_) => attached += 1,
+            Err(Error::NoSuchInterface { .. }) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(attached)
+}
+
+/// Puts the guard on each interface of the pod in `netns` that lacks it: one that appeared
+/// after the pod was enrolled (a secondary network's, which Multus adds after the pod's main
+/// network's chain, or one added by hand). Those that have it are left as they are (no moment
+/// without it). Nothing to do if the pod is not enrolled. Returns the interfaces guarded.
+pub fn guard_unguarded_interfaces(dp: &Datapath, netns: &Netns) -> Result<Vec<String>> {
+    let cookie = netns.cookie();
+    if !is_enrolled(dp, cookie)? {
+        return Ok(Vec::new());
+    }
+    let pod = format!("with netns cookie {cookie}");
+    let name = crate::datapath::upgrade::prog_name(&dp.guard_program()?);
+    netns.run(|| {
+        let mut rt = meshpath_podnet::rtnetlink::Socket::open()
+            .map_err(|e| Error::io(format!("pod {pod}: opening rtnetlink"), e))?;
+        let mut guarded = Vec::new();
+        for (iface, index) in interfaces()? {
+            let filters = match rt.bpf_filters(index, ClsactHook::Egress) {
+                Ok(f) => f,
+                // Gone meanwhile.
+                Err(e) if e.raw_os_error() == Some(libc::ENODEV) => continue,
+                Err(e) => {
+                    return Err(Error::io(format!("pod {pod}: listing the filters of {iface}"), e))
+                }
+            };
+            if filters.iter().any(|f| f.name == name) {
+                continue;
+            }
+            match attach_guard(dp, &pod, &iface) {
+                Ok(_) => guarded.push(iface),
+                Err(Error::NoSuchInterface { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(guarded)
+    })?
+}
+
+/// Takes the guard off every interface of the calling thread's netns.
+fn detach_guards() {
+    for (name, _) in interfaces().unwrap_or_default() {
+        detach_guard(&name);
+    }
+}
+
+/// Takes the guards off again when an enrolment fails after attaching them.
 struct GuardFilter<'a> {
     netns: &'a Netns,
-    iface: &'a str,
     armed: bool,
 }
 
 impl Drop for GuardFilter<'_> {
     fn drop(&mut self) {
         if self.armed {
-            let _ = self.netns.run(|| detach_guard(self.iface));
+            let _ = self.netns.run(detach_guards);
         }
     }
 }
@@ -509,23 +588,21 @@ pub fn detach_tc_filters(iface: &str) {
 }
 
 /// Unenrols the pod whose netns is `netns`: as `unenrol`, and first takes the netlink filters
-/// off its interface (they are not links, so only something inside the netns can): the guard
-/// always, and on kernels without TCX the counters. Without this they would stay attached (the
-/// guard still dropping the pod's raw TCP, the counters counting nothing) until the netns goes.
+/// off its interfaces (they are not links, so only something inside the netns can): the guard
+/// from every interface, and on kernels without TCX the counters from the main one. Without
+/// this they would stay attached (the guard still dropping the pod's raw TCP, the counters
+/// counting nothing) until the netns goes.
 pub fn unenrol_netns(dp: &Datapath, netns: &Netns) -> Result<()> {
     let cookie = netns.cookie();
     if let Ok(info) = dp.pods()?.get(&cookie, 0) {
-        if info.ifindex != 0 {
-            netns.run(|| {
+        netns.run(|| {
+            detach_guards();
+            if info.ifindex != 0 && !tcx_supported() {
                 if let Ok(name) = nix::net::if_::if_indextoname(info.ifindex) {
-                    let name = name.to_string_lossy();
-                    detach_guard(&name);
-                    if !tcx_supported() {
-                        detach_tc_filters(&name);
-                    }
+                    detach_tc_filters(&name.to_string_lossy());
                 }
-            })?;
-        }
+            }
+        })?;
     }
     unenrol(dp, cookie)
 }

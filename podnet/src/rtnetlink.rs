@@ -1,7 +1,8 @@
 //! Just enough of rtnetlink for the reply routing: add and delete one fwmark rule and one
 //! `local` route, and list the rules; and for the node, one host address on `lo` (the kubelet
 //! probe source); and the eBPF filters on a pod interface's clsact hooks, listed and deleted
-//! one by one (replacing the datapath's in place). The requests `ip rule`, `ip route`, `ip addr`
+//! one by one (replacing the datapath's in place); and the links of a pod's netns as they
+//! appear (a pod's interfaces added after it joined the mesh get the guard). The requests `ip rule`, `ip route`, `ip addr`
 //! and `tc filter` would send, sent from this process: no `ip` process per pod (two spawns were
 //! most of a pod's enrolment time), and no iproute2 in the image.
 //!
@@ -444,6 +445,46 @@ fn parse_rule(family: Family, payload: &[u8]) -> Option<FwmarkRule> {
         }
     }
     has_mark.then_some(rule)
+}
+
+/// A socket that hears of the links of the calling thread's netns as they appear and change
+/// (`RTMGRP_LINK`), non-blocking, for an event loop: read it with [`announces_a_link`].
+pub fn link_events() -> io::Result<OwnedFd> {
+    // SAFETY: plain socket(2); the descriptor is owned at once.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_NETLINK,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+            libc::NETLINK_ROUTE,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor nobody else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: a zeroed sockaddr_nl is valid; family and groups set below.
+    let mut addr: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+    addr.nl_family = libc::AF_NETLINK as libc::sa_family_t;
+    addr.nl_groups = libc::RTMGRP_LINK as u32;
+    // SAFETY: the address is a sockaddr_nl of the size given.
+    let rc = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&addr as *const libc::sockaddr_nl).cast(),
+            std::mem::size_of::<libc::sockaddr_nl>() as libc::socklen_t,
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// Whether the datagram `buf`, read from a [`link_events`] socket, announces a link (new, or
+/// changed: the kernel sends `RTM_NEWLINK` for both).
+pub fn announces_a_link(buf: &[u8]) -> bool {
+    Messages::new(buf).any(|m| matches!(m, Ok((kind, _, _)) if kind == libc::RTM_NEWLINK))
 }
 
 /// The netlink messages in one datagram: (type, sequence number, payload), or an error for a

@@ -23,9 +23,15 @@ pub struct Mesh {
 
 impl Mesh {
     pub fn new(opts: EnrolOptions) -> Self {
+        Self::prepared(opts, |_| {})
+    }
+
+    /// As `new`, with `prepare` run on the pods before pod a is enrolled.
+    pub fn prepared(opts: EnrolOptions, prepare: impl FnOnce(&PodPair)) -> Self {
         require_root();
         let (root, pods, cgroup) =
             (PinRoot::new(), PodPair::new().expect("pods"), CgroupGuard::new().expect("cgroup"));
+        prepare(&pods);
         let dp = root.datapath().expect("datapath");
         dp.register_proxy_cgroup(cgroup.path()).expect("register proxy cgroup");
         pods::enrol(&dp, &pods.a.open().expect("netns a"), &opts).expect("enrol a");

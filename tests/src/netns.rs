@@ -334,6 +334,41 @@ impl PodPair {
         }
         Ok(Self { a, b, a_ip, b_ip, a_ip6, b_ip6 })
     }
+
+    /// Another network between the two pods, as Multus adds one: a veth pair named `iface` in
+    /// each, pod a at `a_ip`/24 and pod b at `b_ip`/24.
+    pub fn add_network(&self, iface: &str, a_ip: Ipv4Addr, b_ip: Ipv4Addr) -> Result<()> {
+        veth_between((&self.a, iface), (&self.b, iface))?;
+        for (ns, ip) in [(&self.a, a_ip), (&self.b, b_ip)] {
+            ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", iface])?;
+        }
+        Ok(())
+    }
+}
+
+/// A veth pair from interface `a.1` in netns `a.0` to `b.1` in `b.0`, both up (no address).
+pub fn veth_between(a: (&NetnsGuard, &str), b: (&NetnsGuard, &str)) -> Result<()> {
+    let (va, vb) = (unique("va"), unique("vb"));
+    let args = [
+        "link",
+        "add",
+        &va,
+        "netns",
+        a.0.name(),
+        "type",
+        "veth",
+        "peer",
+        "name",
+        &vb,
+        "netns",
+        b.0.name(),
+    ];
+    sh("ip", &args)?;
+    for ((ns, iface), dev) in [(a, &va), (b, &vb)] {
+        ns.ip(&["link", "set", dev, "name", iface])?;
+        ns.ip(&["link", "set", iface, "up"])?;
+    }
+    Ok(())
 }
 
 /// The socket call [`in_cgroup`] makes.

@@ -493,3 +493,44 @@ fn a_late_del_of_a_pods_old_sandbox_leaves_its_new_sandbox_in_the_mesh() {
     let hbone = node.proxy_metric("istio_tcp_connections_opened_total", &labels).expect("metrics");
     assert_eq!(hbone, 1.0, "the new sandbox's connection left the mesh");
 }
+
+/// The eBPF filters on egress of `iface` in `pod`'s netns, as `tc filter show` lists them.
+fn egress_filters(pod: &CniPod, iface: &str) -> String {
+    let out = pod.netns.open().expect("netns").run(|| {
+        std::process::Command::new("tc").args(["filter", "show", "dev", iface, "egress"]).output()
+    });
+    String::from_utf8_lossy(&out.expect("enter netns").expect("tc").stdout).into_owned()
+}
+
+/// Whether the datapath's guard (`raw_tcp_guard.rs`) is on `iface` of `pod` within 10 s.
+fn guarded_soon(pod: &CniPod, iface: &str) -> bool {
+    let guard = datapath_common::consts::programs::TC_POD_GUARD;
+    meshpath_tests::wait_until(Duration::from_secs(10), || {
+        egress_filters(pod, iface).contains(guard)
+    })
+}
+
+#[test]
+fn an_interface_a_meshed_pod_gets_after_joining_is_guarded() {
+    // As Multus adds a secondary network's interface after the main network's chain (where
+    // meshpath-cni runs), or as one is added by hand later.
+    let node = CniNode::start(WORKLOADS).expect("node");
+    let web = node.add_pod("web").expect("ADD web");
+    assert!(guarded_soon(&web, "eth0"), "{}", egress_filters(&web, "eth0"));
+    let other = meshpath_tests::NetnsGuard::new("mpn").expect("another netns");
+    meshpath_tests::veth_between((&web.netns, "net1"), (&other, "eth0")).expect("net1");
+    assert!(guarded_soon(&web, "net1"), "net1 unguarded: {}", egress_filters(&web, "net1"));
+}
+
+#[test]
+fn an_interface_a_meshed_pod_got_while_no_agent_ran_is_guarded_when_it_is_back() {
+    let mut node = CniNode::start(WORKLOADS).expect("node");
+    let web = node.add_pod("web").expect("ADD web");
+    let agent = node.agent.as_mut().expect("agent");
+    agent.signal(libc::SIGKILL).expect("kill -9 the agent");
+    assert!(agent.wait_exit(Duration::from_secs(10)), "the agent did not exit");
+    let other = meshpath_tests::NetnsGuard::new("mpn").expect("another netns");
+    meshpath_tests::veth_between((&web.netns, "net1"), (&other, "eth0")).expect("net1");
+    node.start_agent().expect("the agent back");
+    assert!(guarded_soon(&web, "net1"), "net1 unguarded: {}", egress_filters(&web, "net1"));
+}

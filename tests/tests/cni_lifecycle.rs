@@ -25,13 +25,7 @@ fn workloads(n: usize) -> String {
 /// Meshed pods p0 → p1 (p1 known to the store with its address), an echo server in p1.
 fn two_pods(node: &CniNode) -> (CniPod, CniPod) {
     let p1 = node.add_pod("p1").expect("ADD p1");
-    let known = workloads(2).replace(
-        "serviceAccount: sa1, protocol: HBONE}",
-        &format!("serviceAccount: sa1, protocol: HBONE, workloadIps: [{}]}}", p1.ip),
-    );
-    std::fs::write(node.dir.join("workloads.yaml"), known).expect("workloads");
-    let proxy = node.proxy.as_ref().expect("proxy");
-    assert!(proxy.wait_for_text("workload store reloaded", Duration::from_secs(10)));
+    node.publish_address(&workloads(2), "sa1", p1.ip);
     node.echo_server(&p1, 8080).expect("echo");
     let p0 = node.add_pod("p0").expect("ADD p0");
     (p0, p1)

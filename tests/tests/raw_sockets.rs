@@ -465,9 +465,113 @@ fn a_reset_from_the_pods_kernel_still_leaves_it() {
     assert_eq!(dropped(&mesh), 0);
 }
 
+/// A second network between the pods, as Multus adds one: `net1` in each, pod a and pod b at
+/// these addresses.
+const NET1: &str = "net1";
+const NET1_A: Ipv4Addr = Ipv4Addr::new(10, 198, 0, 1);
+const NET1_B: Ipv4Addr = Ipv4Addr::new(10, 198, 0, 2);
+
+/// A hand-built SYN out of `net1` of `from` (on a packet socket: the kernel adds the Ethernet
+/// header) to `dst` in the other pod, whose `net1` has MAC `to_mac`; a drop is fine.
+fn syn_out_of_net1(from: &NetnsGuard, src: SocketAddr, dst: SocketAddr, to_mac: [u8; 6]) {
+    let (IpAddr::V4(s), IpAddr::V4(d)) = (src.ip(), dst.ip()) else { panic!("IPv4 only") };
+    let packet = ipv4(s, d, &tcp_syn(src, dst));
+    let sent = from
+        .open()
+        .expect("netns")
+        .run(|| send_on(c"net1", libc::SOCK_DGRAM, &packet, ETH_P_IP, Some(to_mac)));
+    match sent.expect("enter netns") {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {}
+        Err(e) => panic!("sending the SYN out of net1: {e}"),
+    }
+}
+
+/// The attempt of `a_packet_socket_syn_…` over the pods' second network, which pod a had
+/// when it was enrolled (`before_enrolment`) or got after it and the guard put on it then.
+fn net1_attempt(port: u16, before_enrolment: bool) -> Attempt {
+    let add = |pods: &meshpath_tests::PodPair| {
+        pods.add_network(NET1, NET1_A, NET1_B).expect("a second network");
+    };
+    let opts = meshpath_loader::pods::EnrolOptions {
+        capture_outbound: true,
+        ..meshpath_loader::pods::EnrolOptions::default()
+    };
+    let mesh = if before_enrolment {
+        Mesh::prepared(opts, add)
+    } else {
+        let mesh = Mesh::new(opts);
+        add(&mesh.pods);
+        let netns = mesh.pods.a.open().expect("netns a");
+        let guarded = meshpath_loader::pods::guard_unguarded_interfaces(&mesh.datapath(), &netns)
+            .expect("guarding the new interface");
+        assert_eq!(guarded, [NET1], "eth0 has its guard since enrolment; net1 is new");
+        mesh
+    };
+    let dst = SocketAddr::from((NET1_B, port));
+    let _listener = Some(mesh.pods.b.listen(dst).expect("listener in b"));
+    let raw = raw_tcp(&mesh.pods.a, false);
+    let segs_before = tcp_in_segs(&mesh.pods.b);
+    let src = SocketAddr::from((NET1_A, SRC_PORT));
+    Attempt { mesh, dst, src, raw, segs_before, _listener }
+}
+
+#[test]
+fn a_packet_socket_syn_from_outside_the_mesh_over_a_second_network_is_answered() {
+    // The control for the two tests below: pod b (not enrolled) sends the same SYN out of its
+    // net1 to a listener in pod a, and gets its SYN-ACK.
+    let mesh = Mesh::prepared(meshpath_loader::pods::EnrolOptions::default(), |pods| {
+        pods.add_network(NET1, NET1_A, NET1_B).expect("a second network")
+    });
+    let dst = SocketAddr::from((NET1_A, 8880));
+    let _listener = mesh.pods.a.listen(dst).expect("listener in a");
+    let raw = raw_tcp(&mesh.pods.b, false);
+    let src = SocketAddr::from((NET1_B, SRC_PORT));
+    syn_out_of_net1(&mesh.pods.b, src, dst, mac_of(&mesh.pods.a, NET1));
+    assert!(syn_ack_from(&raw, dst, Duration::from_secs(2)), "no SYN-ACK from {dst}");
+}
+
+#[test]
+fn a_packet_socket_syn_out_of_a_second_interface_never_reaches_the_peer() {
+    let t = net1_attempt(8881, true);
+    syn_out_of_net1(&t.mesh.pods.a, t.src, t.dst, mac_of(&t.mesh.pods.b, NET1));
+    t.assert_never_reached();
+}
+
+#[test]
+fn a_packet_socket_syn_out_of_an_interface_added_after_enrolment_never_reaches_the_peer() {
+    let t = net1_attempt(8882, false);
+    syn_out_of_net1(&t.mesh.pods.a, t.src, t.dst, mac_of(&t.mesh.pods.b, NET1));
+    t.assert_never_reached();
+}
+
+#[test]
+fn unenrolment_takes_the_guard_off_every_interface() {
+    let t = net1_attempt(8883, true);
+    let netns = t.mesh.pods.a.open().expect("netns a");
+    meshpath_loader::pods::unenrol_netns(&t.mesh.datapath(), &netns).expect("unenrol");
+    let left = |iface: &str| {
+        let out = t.mesh.pods.a.open().expect("netns").run(|| {
+            std::process::Command::new("tc")
+                .args(["filter", "show", "dev", iface, "egress"])
+                .output()
+        });
+        String::from_utf8_lossy(&out.expect("enter netns").expect("tc").stdout).into_owned()
+    };
+    for iface in ["eth0", NET1] {
+        let filters = left(iface);
+        assert!(!filters.contains("bpf"), "a filter is left on {iface}: {filters}");
+    }
+}
+
 /// eth0's MAC address in `ns`.
 fn mac_of_eth0(ns: &NetnsGuard) -> [u8; 6] {
-    let out = ns.ip(&["-o", "link", "show", "eth0"]).expect("ip link");
+    mac_of(ns, "eth0")
+}
+
+/// The MAC address of `iface` in `ns`.
+fn mac_of(ns: &NetnsGuard, iface: &str) -> [u8; 6] {
+    let out = ns.ip(&["-o", "link", "show", iface]).expect("ip link");
     let text = String::from_utf8_lossy(&out.stdout);
     let hex = text
         .split_whitespace()
@@ -496,6 +600,18 @@ fn send_on_packet_socket(packet: &[u8], mac: [u8; 6]) -> io::Result<()> {
 /// One `sendto` on an `AF_PACKET` socket of type `ty` and `protocol` out of eth0, to `mac`
 /// when the kernel is to build the Ethernet header.
 fn send_on_eth0(ty: i32, bytes: &[u8], protocol: u16, mac: Option<[u8; 6]>) -> io::Result<()> {
+    send_on(c"eth0", ty, bytes, protocol, mac)
+}
+
+/// One `sendto` on an `AF_PACKET` socket of type `ty` and `protocol` out of `iface`, to `mac`
+/// when the kernel is to build the Ethernet header.
+fn send_on(
+    iface: &std::ffi::CStr,
+    ty: i32,
+    bytes: &[u8],
+    protocol: u16,
+    mac: Option<[u8; 6]>,
+) -> io::Result<()> {
     // SAFETY: plain socket calls on a descriptor this function owns (closed on return), with
     // a sockaddr_ll fully initialised here.
     unsafe {
@@ -507,7 +623,7 @@ fn send_on_eth0(ty: i32, bytes: &[u8], protocol: u16, mac: Option<[u8; 6]>) -> i
         let mut addr: libc::sockaddr_ll = std::mem::zeroed();
         addr.sll_family = libc::AF_PACKET as u16;
         addr.sll_protocol = protocol.to_be();
-        addr.sll_ifindex = libc::if_nametoindex(c"eth0".as_ptr()) as i32;
+        addr.sll_ifindex = libc::if_nametoindex(iface.as_ptr()) as i32;
         if let Some(mac) = mac {
             addr.sll_halen = 6;
             addr.sll_addr[..6].copy_from_slice(&mac);

@@ -61,7 +61,16 @@ pub async fn join(agent: &Arc<Agent>, member: &Member, sandbox: Sandbox) -> anyh
         records::delete(state, &record.uid)?;
         return Err(e.context("enrolling the pod in the datapath"));
     }
-    let pod = LivePod { record, netns: Arc::new(netns) };
+    let netns = Arc::new(netns);
+    let interfaces = match super::interfaces::watch(agent, &record.uid, &netns) {
+        Ok(w) => w,
+        Err(e) => {
+            agent.with_datapath(|dp| Ok(pods::unenrol_netns(dp, &netns)?))?;
+            records::delete(state, &record.uid)?;
+            return Err(e.context("watching the pod's interfaces"));
+        }
+    };
+    let pod = LivePod { record, netns, interfaces: Some(interfaces) };
     if let Err(e) = agent.zds.add(&pod).await {
         agent.with_datapath(|dp| Ok(pods::unenrol_netns(dp, &pod.netns)?))?;
         records::delete(state, &pod.record.uid)?;

@@ -26,6 +26,7 @@ pub mod directory;
 pub mod ebpf_log;
 pub mod health;
 pub mod held_listeners;
+pub mod interfaces;
 pub mod membership;
 pub mod mesh_sync;
 pub mod records;
@@ -103,6 +104,9 @@ pub fn enter_host_cgroup_ns() -> anyhow::Result<bool> {
 pub struct LivePod {
     pub record: records::PodRecord,
     pub netns: Arc<Netns>,
+    /// The watch that guards its interfaces added later; stops when the pod is dropped. None
+    /// only for a pod found at start-up whose watch could not start (logged).
+    pub interfaces: Option<interfaces::Watch>,
 }
 
 /// The agent's state.

@@ -107,11 +107,17 @@ pub fn restore(agent: &Arc<Agent>) -> anyhow::Result<usize> {
         };
         match netns {
             Some(ns) if ns.cookie() == r.cookie => {
+                // Its interfaces may have changed while no agent ran: the watch's first look
+                // guards any new one.
+                let netns = Arc::new(ns);
+                let interfaces = super::interfaces::watch(agent, &r.uid, &netns)
+                    .inspect_err(|e| warn!(pod = %r.uid, error = %format!("{e:#}"), "its interfaces added from now on will not be guarded: the watch did not start"))
+                    .ok();
                 agent
                     .pods
                     .lock()
                     .map_err(|_| anyhow::anyhow!("pods lock"))?
-                    .insert(r.uid.clone(), LivePod { record: r, netns: Arc::new(ns) });
+                    .insert(r.uid.clone(), LivePod { record: r, netns, interfaces });
                 restored += 1;
             }
             _ => {

@@ -478,14 +478,21 @@ fn switch_pods(
             debug!(pod = %name, cookie, "netns gone: left to reconcile");
             continue;
         };
+        // The guard, on each interface that has it (every one the pod had when enrolled, and
+        // each added since that the agent saw).
+        report.filters_replaced += netns.run(|| -> Result<usize> {
+            let mut replaced = 0;
+            for (iface, index) in crate::pods::interfaces()? {
+                replaced +=
+                    replace_filters(&mut guard, TcAttachType::Egress, index, &iface, &name)?;
+            }
+            Ok(replaced)
+        })??;
         let Ok(iface) = netns.run(|| nix::net::if_::if_indextoname(info.ifindex))? else {
             debug!(pod = %name, cookie, "interface gone: left to reconcile");
             continue;
         };
         let iface = iface.to_string_lossy().into_owned();
-        report.filters_replaced += netns.run(|| {
-            replace_filters(&mut guard, TcAttachType::Egress, info.ifindex, &iface, &name)
-        })??;
         // Below Linux 6.6 the counters are netlink filters too, with no pins to tell they are
         // there: the filters themselves say it.
         if !tcx {
@@ -569,7 +576,7 @@ fn replace_filters(
 }
 
 /// The name aya gives a program's netlink filters: its kernel name.
-fn prog_name(prog: &SchedClassifier) -> String {
+pub(crate) fn prog_name(prog: &SchedClassifier) -> String {
     prog.info().ok().and_then(|i| i.name_as_str().map(str::to_owned)).unwrap_or_default()
 }
 

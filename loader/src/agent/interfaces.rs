@@ -3,9 +3,10 @@
 //! hand at any time) get the guard (`raw_tcp_guard.rs`) as they appear: each pod's netns is
 //! watched for new links (an rtnetlink socket of its own, bound to `RTMGRP_LINK`) for as long
 //! as the pod is in the mesh, and every announcement puts the guard on the interfaces without
-//! it. The watch subscribes before its first look, so no interface falls between the two; one
-//! starts for every pod the agent serves (a new one, or one found at start-up, whose
-//! interfaces may have changed while no agent ran).
+//! it. The subscription comes first, then the look that guards what is there (a new pod's
+//! enrolment, or the first look at a pod found at start-up, whose interfaces may have changed
+//! while no agent ran): no interface falls between the two, and a new pod's join (the CNI
+//! ADD) does no look of its own.
 //!
 //! One socket and one task per meshed pod; announcements read in one go are one look. A frame
 //! sent in the instant between a link's creation and its guard is not judged: Multus adds its
@@ -30,15 +31,35 @@ impl Drop for Watch {
     }
 }
 
-/// Starts watching the netns of pod `uid` and guards the interfaces it has now that lack the
-/// guard.
-pub fn watch(agent: &Arc<Agent>, uid: &str, netns: &Arc<Netns>) -> anyhow::Result<Watch> {
+/// The announcements of a pod's links, subscribed to: those made from now on wait in it until
+/// a [`watch`] reads them.
+#[derive(Debug)]
+pub struct Events(AsyncFd<OwnedFd>);
+
+/// Subscribes to the announcements of the links of `netns`.
+pub fn subscribe(netns: &Netns) -> anyhow::Result<Events> {
     let events = netns.run(meshpath_podnet::rtnetlink::link_events)??;
     // SAFETY: `events` is an OwnedFd the AsyncFd owns: its descriptor stays open, and the
     // same, until the AsyncFd is dropped.
     let events = unsafe { AsyncFd::register_with_interest(events, tokio::io::Interest::READABLE) }
         .map_err(|e| e.into_parts().1)?;
-    guard(agent, uid, netns)?;
+    Ok(Events(events))
+}
+
+/// Watches the netns of pod `uid` through `events`, subscribed before the pod's interfaces
+/// were last guarded (its enrolment, which guards every interface it has: nothing to look at
+/// now), or not (`look_now`: a pod found at start-up, whose interfaces may have changed while
+/// no agent ran, gets one look first).
+pub fn watch(
+    agent: &Arc<Agent>,
+    uid: &str,
+    netns: &Arc<Netns>,
+    Events(events): Events,
+    look_now: bool,
+) -> anyhow::Result<Watch> {
+    if look_now {
+        guard(agent, uid, netns)?;
+    }
     let (agent, uid, netns) = (agent.clone(), uid.to_owned(), netns.clone());
     let span = tracing::info_span!("interfaces", pod = %uid);
     let task = tokio::spawn(

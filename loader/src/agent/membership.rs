@@ -57,12 +57,21 @@ pub async fn join(agent: &Arc<Agent>, member: &Member, sandbox: Sandbox) -> anyh
         exclude_inbound_cidrs: o.exclude_inbound_cidrs.clone(),
         ..EnrolOptions::default()
     };
+    // Before enrolment, which guards every interface the pod has: one added from now on is
+    // announced to the watch.
+    let events = match super::interfaces::subscribe(&netns) {
+        Ok(e) => e,
+        Err(e) => {
+            records::delete(state, &record.uid)?;
+            return Err(e.context("subscribing to the pod's link announcements"));
+        }
+    };
     if let Err(e) = agent.with_datapath(|dp| Ok(pods::enrol(dp, &netns, &opts)?)) {
         records::delete(state, &record.uid)?;
         return Err(e.context("enrolling the pod in the datapath"));
     }
     let netns = Arc::new(netns);
-    let interfaces = match super::interfaces::watch(agent, &record.uid, &netns) {
+    let interfaces = match super::interfaces::watch(agent, &record.uid, &netns, events, false) {
         Ok(w) => w,
         Err(e) => {
             agent.with_datapath(|dp| Ok(pods::unenrol_netns(dp, &netns)?))?;

@@ -110,7 +110,8 @@ pub fn restore(agent: &Arc<Agent>) -> anyhow::Result<usize> {
                 // Its interfaces may have changed while no agent ran: the watch's first look
                 // guards any new one.
                 let netns = Arc::new(ns);
-                let interfaces = super::interfaces::watch(agent, &r.uid, &netns)
+                let interfaces = super::interfaces::subscribe(&netns)
+                    .and_then(|events| super::interfaces::watch(agent, &r.uid, &netns, events, true))
                     .inspect_err(|e| warn!(pod = %r.uid, error = %format!("{e:#}"), "its interfaces added from now on will not be guarded: the watch did not start"))
                     .ok();
                 agent

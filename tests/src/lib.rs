@@ -120,7 +120,7 @@ mod traffic;
 
 pub use cgroups::{CgroupGuard, MemoryCgroup};
 pub use mesh::Mesh;
-pub use netns::{veth_between, NetnsGuard, PodPair};
+pub use netns::{egress_filters, veth_between, NetnsGuard, PodPair};
 pub use node_proxy::{sum_metric, NodeProxy};
 pub use oracle::{answer_dns, original_dst, LocalAddr};
 pub use pins::{loader, previous_loader, PinRoot};

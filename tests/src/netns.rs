@@ -304,33 +304,14 @@ impl PodPair {
     pub fn new() -> Result<Self> {
         let a = NetnsGuard::new("mpa")?;
         let b = NetnsGuard::new("mpb")?;
-        let (va, vb) = (unique("va"), unique("vb"));
-        sh(
-            "ip",
-            &[
-                "link",
-                "add",
-                &va,
-                "netns",
-                a.name(),
-                "type",
-                "veth",
-                "peer",
-                "name",
-                &vb,
-                "netns",
-                b.name(),
-            ],
-        )?;
+        veth_between((&a, "eth0"), (&b, "eth0"))?;
         let (a_ip, b_ip) = (Ipv4Addr::new(10, 199, 0, 1), Ipv4Addr::new(10, 199, 0, 2));
         let a_ip6: Ipv6Addr = "fd00:199::1".parse()?;
         let b_ip6: Ipv6Addr = "fd00:199::2".parse()?;
-        for (ns, dev, ip, ip6) in [(&a, &va, a_ip, a_ip6), (&b, &vb, b_ip, b_ip6)] {
-            ns.ip(&["link", "set", dev, "name", "eth0"])?;
+        for (ns, ip, ip6) in [(&a, a_ip, a_ip6), (&b, b_ip, b_ip6)] {
             ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
             // nodad: usable at once, no duplicate address detection wait.
             ns.ip(&["addr", "add", &format!("{ip6}/64"), "dev", "eth0", "nodad"])?;
-            ns.ip(&["link", "set", "eth0", "up"])?;
         }
         Ok(Self { a, b, a_ip, b_ip, a_ip6, b_ip6 })
     }
@@ -344,6 +325,14 @@ impl PodPair {
         }
         Ok(())
     }
+}
+
+/// The eBPF filters on egress of `iface` in `ns`, as `tc filter show` lists them.
+pub fn egress_filters(ns: &NetnsGuard, iface: &str) -> Result<String> {
+    let out = ns
+        .open()?
+        .run(|| Command::new("tc").args(["filter", "show", "dev", iface, "egress"]).output())??;
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// A veth pair from interface `a.1` in netns `a.0` to `b.1` in `b.0`, both up (no address).

@@ -496,10 +496,7 @@ fn a_late_del_of_a_pods_old_sandbox_leaves_its_new_sandbox_in_the_mesh() {
 
 /// The eBPF filters on egress of `iface` in `pod`'s netns, as `tc filter show` lists them.
 fn egress_filters(pod: &CniPod, iface: &str) -> String {
-    let out = pod.netns.open().expect("netns").run(|| {
-        std::process::Command::new("tc").args(["filter", "show", "dev", iface, "egress"]).output()
-    });
-    String::from_utf8_lossy(&out.expect("enter netns").expect("tc").stdout).into_owned()
+    meshpath_tests::egress_filters(&pod.netns, iface).expect("tc filter show")
 }
 
 /// Whether the datapath's guard (`raw_tcp_guard.rs`) is on `iface` of `pod` within 10 s.

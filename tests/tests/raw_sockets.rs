@@ -550,16 +550,8 @@ fn unenrolment_takes_the_guard_off_every_interface() {
     let t = net1_attempt(8883, true);
     let netns = t.mesh.pods.a.open().expect("netns a");
     meshpath_loader::pods::unenrol_netns(&t.mesh.datapath(), &netns).expect("unenrol");
-    let left = |iface: &str| {
-        let out = t.mesh.pods.a.open().expect("netns").run(|| {
-            std::process::Command::new("tc")
-                .args(["filter", "show", "dev", iface, "egress"])
-                .output()
-        });
-        String::from_utf8_lossy(&out.expect("enter netns").expect("tc").stdout).into_owned()
-    };
     for iface in ["eth0", NET1] {
-        let filters = left(iface);
+        let filters = meshpath_tests::egress_filters(&t.mesh.pods.a, iface).expect("tc");
         assert!(!filters.contains("bpf"), "a filter is left on {iface}: {filters}");
     }
 }

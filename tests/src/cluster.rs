@@ -139,6 +139,104 @@ pub fn istiod() -> &'static crate::istiod::Istiod {
     })
 }
 
+/// Waits for both DaemonSets Ready; if they never are, the error says what the node and
+/// meshpath's pods said (a node condition such as DiskPressure, a container's waiting reason,
+/// the namespace's last events), so that a failure in CI can be read from its log alone.
+/// An image missing from the node is missing for good (the cluster has no registry): a
+/// container waiting for one fails the wait at once rather than after its 180 s, which, with
+/// every test installing first, would add up to more than CI's time.
+fn both_daemonsets_ready() -> Result<()> {
+    wait_for("both DaemonSets Ready", Duration::from_secs(180), || {
+        if let Some(missing) = waiting_for_an_image()? {
+            return Ok(Some(Err(anyhow::anyhow!("{missing}"))));
+        }
+        Ok((daemonset_ready(AGENT_DS)? && daemonset_ready(PROXY_DS)?).then_some(Ok(())))
+    })
+    .and_then(|r| r)
+    .map_err(|e| anyhow::anyhow!("{e:#}\n{}", why_not_ready()))
+}
+
+/// A container of meshpath's pods that waits for an image the node does not have.
+fn waiting_for_an_image() -> Result<Option<String>> {
+    let pods = get_json(&["pods", "-n", SYSTEM_NS])?;
+    for pod in pods["items"].as_array().into_iter().flatten() {
+        let statuses = ["initContainerStatuses", "containerStatuses"];
+        for c in statuses.iter().flat_map(|k| pod["status"][k].as_array().into_iter().flatten()) {
+            let reason = c["state"]["waiting"]["reason"].as_str().unwrap_or("");
+            if matches!(reason, "ErrImageNeverPull" | "ErrImagePull" | "ImagePullBackOff") {
+                return Ok(Some(format!(
+                    "{} of pod {} waits for an image the node does not have ({reason})",
+                    c["name"].as_str().unwrap_or("?"),
+                    pod["metadata"]["name"].as_str().unwrap_or("?")
+                )));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// What the node and the pods of meshpath's namespace say of themselves, one line each.
+pub fn why_not_ready() -> String {
+    let mut lines = Vec::new();
+    if let Ok(nodes) = get_json(&["nodes"]) {
+        for node in nodes["items"].as_array().into_iter().flatten() {
+            for c in node["status"]["conditions"].as_array().into_iter().flatten() {
+                // Ready is the one condition that should be True; the others, False.
+                let healthy = (c["type"] == "Ready") == (c["status"] == "True");
+                if !healthy {
+                    lines.push(format!(
+                        "node condition {}={}: {}",
+                        c["type"].as_str().unwrap_or("?"),
+                        c["status"].as_str().unwrap_or("?"),
+                        c["message"].as_str().unwrap_or("")
+                    ));
+                }
+            }
+        }
+    }
+    if let Ok(pods) = get_json(&["pods", "-n", SYSTEM_NS]) {
+        for pod in pods["items"].as_array().into_iter().flatten() {
+            let mut line = format!(
+                "pod {} {}",
+                pod["metadata"]["name"].as_str().unwrap_or("?"),
+                pod["status"]["phase"].as_str().unwrap_or("?")
+            );
+            if let Some(reason) = pod["status"]["reason"].as_str() {
+                line +=
+                    &format!(" ({reason}: {})", pod["status"]["message"].as_str().unwrap_or(""));
+            }
+            for c in pod["status"]["containerStatuses"].as_array().into_iter().flatten() {
+                let state = &c["state"];
+                let why = state["waiting"]["reason"]
+                    .as_str()
+                    .or(state["terminated"]["reason"].as_str())
+                    .unwrap_or(if c["ready"] == true { "ready" } else { "running, unready" });
+                line += &format!(
+                    "; {} {why}, {} restarts",
+                    c["name"].as_str().unwrap_or("?"),
+                    c["restartCount"]
+                );
+            }
+            lines.push(line);
+        }
+    }
+    if let Ok(events) = kubectl(&[
+        "get",
+        "events",
+        "-n",
+        SYSTEM_NS,
+        "--sort-by=.lastTimestamp",
+        "-o",
+        "custom-columns=REASON:.reason,OBJECT:.involvedObject.name,MESSAGE:.message",
+        "--no-headers",
+    ]) {
+        let events: Vec<&str> = events.lines().collect();
+        let from = events.len().saturating_sub(10);
+        lines.extend(events[from..].iter().map(|e| format!("event {e}")));
+    }
+    lines.join("\n")
+}
+
 /// Whether a DaemonSet has its pod on the node, up to date and Ready.
 pub fn daemonset_ready(name: &str) -> Result<bool> {
     let ds = get_json(&["daemonset", "-n", SYSTEM_NS, name])?;
@@ -159,9 +257,7 @@ pub fn install() -> Result<()> {
     namespace_and_root()?;
     let overlay = repo_root().join("tests/cluster");
     kubectl(&["apply", "-k", &overlay.display().to_string()])?;
-    wait_for("both DaemonSets Ready", Duration::from_secs(180), || {
-        Ok((daemonset_ready(AGENT_DS)? && daemonset_ready(PROXY_DS)?).then_some(()))
-    })
+    both_daemonsets_ready()
 }
 
 /// The previous release's image (its git tag, built and imported by `cargo xtask test`).
@@ -184,9 +280,7 @@ pub fn install_previous_release() -> Result<()> {
     let yaml = kubectl(&["kustomize", &overlay.display().to_string()])?
         .replace("localhost/meshpath:cluster", MESHPATH_PREVIOUS);
     kubectl_in(&["apply", "-f", "-"], &yaml)?;
-    wait_for("both DaemonSets Ready", Duration::from_secs(180), || {
-        Ok((daemonset_ready(AGENT_DS)? && daemonset_ready(PROXY_DS)?).then_some(()))
-    })
+    both_daemonsets_ready()
 }
 
 /// meshpath's namespace, and istiod's root in the istio-ca-root-cert ConfigMap (istiod writes

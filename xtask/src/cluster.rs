@@ -658,7 +658,9 @@ state = "{RUN}/containerd"
 fn kubelet_config() -> String {
     // Anonymous access with AlwaysAllow on the kubelet's port: it listens only inside the
     // node's namespace. syncFrequency 10 s: a ConfigMap edit reaches a pod's volume within
-    // seconds (the proxy's workloads file).
+    // seconds (the proxy's workloads file). No eviction for disk: the node's disk is the
+    // machine's, shared with builds that fill it (CI's once had under 1 % free, and the
+    // kubelet's DiskPressure then admitted no pod); a 0% threshold turns a signal off.
     format!(
         r#"apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
@@ -681,9 +683,10 @@ imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 evictionHard:
   memory.available: 100Mi
-  nodefs.available: 1%
-  nodefs.inodesFree: 1%
-  imagefs.available: 1%
+  nodefs.available: "0%"
+  nodefs.inodesFree: "0%"
+  imagefs.available: "0%"
+  imagefs.inodesFree: "0%"
 "#
     )
 }

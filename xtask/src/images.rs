@@ -93,6 +93,19 @@ fn buildah_has(image: &str) -> bool {
         .is_ok_and(|o| o.status.success() && !o.stdout.is_empty())
 }
 
+/// Drops `tags` from buildah's storage once their archives are written, with the untagged
+/// images a build leaves (its stages, the tags' previous images) and the working containers
+/// of a build that failed: vfs keeps a full copy of every layer, and without this the
+/// storage grew by the size of every image at every `cluster up`, some 20 GB on one machine.
+fn forget(tags: &[String]) {
+    let quiet = |c: &mut Command| {
+        let _ = c.stdout(Stdio::null()).stderr(Stdio::null()).status();
+    };
+    quiet(buildah().arg("rmi").arg("-f").args(tags));
+    quiet(buildah().args(["rm", "--all"]));
+    quiet(buildah().args(["rmi", "--prune"]));
+}
+
 /// An image built from `context` with `containerfile`, written as an OCI archive.
 fn build(containerfile: &Path, context: &Path, tag: &str, args: &[&str], out: &Path) -> Result<()> {
     run(buildah()
@@ -217,6 +230,7 @@ pub fn meshpath(root: &Path, bin_dir: &Path, tags: &[&str]) -> Result<PathBuf> {
             images_dir().join(format!("meshpath-{t}.tar")).display()
         )))?;
     }
+    forget(&tags.iter().map(|t| format!("{MESHPATH}:{t}")).collect::<Vec<_>>());
     let _ = fs::remove_dir_all(&ctx);
     Ok(out)
 }
@@ -241,6 +255,7 @@ pub fn testapp(bin_dir: &Path) -> Result<PathBuf> {
     )?;
     let out = images_dir().join("testapp.tar");
     build(&ctx.join("Containerfile"), &ctx, TESTAPP, &[], &out)?;
+    forget(&[TESTAPP.to_string()]);
     let _ = fs::remove_dir_all(&ctx);
     Ok(out)
 }

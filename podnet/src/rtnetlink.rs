@@ -2,7 +2,8 @@
 //! `local` route, and list the rules; and for the node, one host address on `lo` (the kubelet
 //! probe source); and the eBPF filters on a pod interface's clsact hooks, listed and deleted
 //! one by one (replacing the datapath's in place); and the links of a pod's netns as they
-//! appear (a pod's interfaces added after it joined the mesh get the guard). The requests `ip rule`, `ip route`, `ip addr`
+//! appear (a pod's interfaces added after it joined the mesh get the guard); and one link, and
+//! the id a netns knows another by (finding the node's end of a pod's link). The requests `ip rule`, `ip route`, `ip addr`
 //! and `tc filter` would send, sent from this process: no `ip` process per pod (two spawns were
 //! most of a pod's enrolment time), and no iproute2 in the image.
 //!
@@ -13,7 +14,7 @@
 use std::{
     io,
     net::IpAddr,
-    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    os::fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd},
 };
 
 /// `struct nlmsghdr`: length, type, flags, sequence number, port id.
@@ -44,6 +45,20 @@ const TCA_KIND: u16 = 1;
 const TCA_OPTIONS: u16 = 2;
 const TCA_BPF_NAME: u16 = 7;
 const TCA_BPF_ID: u16 = 11;
+// linux/rtnetlink.h links and netns ids, linux/if_link.h and linux/net_namespace.h attributes.
+const RTM_NEWLINK: u16 = 16;
+const RTM_GETLINK: u16 = 18;
+const RTM_NEWNSID: u16 = 88;
+const RTM_GETNSID: u16 = 90;
+/// `struct ifinfomsg`: family, padding, type, index, flags, change.
+const IFINFO_LEN: usize = 16;
+/// `struct rtgenmsg`, padded to 4 bytes.
+const RTGEN_LEN: usize = 4;
+const IFLA_IFNAME: u16 = 3;
+const IFLA_LINK: u16 = 5;
+const IFLA_LINK_NETNSID: u16 = 37;
+const NETNSA_NSID: u16 = 1;
+const NETNSA_FD: u16 = 3;
 // linux/netlink.h message types, as the u16 of the header.
 const NLMSG_ERROR: u16 = libc::NLMSG_ERROR as u16;
 const NLMSG_DONE: u16 = libc::NLMSG_DONE as u16;
@@ -93,6 +108,18 @@ pub struct BpfFilter {
     pub name: String,
     /// The id of the program it runs.
     pub program_id: u32,
+}
+
+/// One link of the socket's netns and what it says of its other end (a veth's peer).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Link {
+    pub name: String,
+    /// The other end's interface index (`IFLA_LINK`), in the netns [`Link::link_netnsid`]
+    /// names, or in this one if it names none.
+    pub link: Option<u32>,
+    /// The id, in this netns, of the netns the other end is in (`IFLA_LINK_NETNSID`), when
+    /// that is another netns.
+    pub link_netnsid: Option<u32>,
 }
 
 /// `fwmark MARK/MASK lookup TABLE`, optionally with a preference.
@@ -198,6 +225,56 @@ impl Socket {
     pub fn bpf_filters(&mut self, ifindex: u32, hook: ClsactHook) -> io::Result<Vec<BpfFilter>> {
         let body = tcmsg(ifindex, 0, hook.parent(), 0);
         self.dump(RTM_GETTFILTER, &body, RTM_NEWTFILTER, Some(libc::EINVAL), parse_bpf_filter)
+    }
+
+    /// The link with index `ifindex` (`ip link show dev`), `None` if there is none.
+    pub fn link(&mut self, ifindex: u32) -> io::Result<Option<Link>> {
+        let mut body = vec![0u8; IFINFO_LEN];
+        body[4..8].copy_from_slice(&ifindex.to_ne_bytes());
+        match self.get(RTM_GETLINK, &body, RTM_NEWLINK, parse_link) {
+            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => Ok(None),
+            other => other,
+        }
+    }
+
+    /// The id this netns knows the netns of `netns` by (`ip netns list-id`), `None` if it has
+    /// given it none.
+    pub fn nsid_of(&mut self, netns: BorrowedFd<'_>) -> io::Result<Option<u32>> {
+        let mut body = vec![0u8; RTGEN_LEN];
+        push_u32_attr(&mut body, NETNSA_FD, netns.as_raw_fd() as u32);
+        let nsid = self.get(RTM_GETNSID, &body, RTM_NEWNSID, |payload| {
+            Attrs(payload.get(RTGEN_LEN..)?)
+                .find(|(kind, _)| *kind == NETNSA_NSID)
+                .and_then(|(_, v)| v.get(..4).map(|b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]])))
+        })?;
+        // -1: NETNSA_NSID_NOT_ASSIGNED.
+        Ok(nsid.and_then(|id| u32::try_from(id).ok()))
+    }
+
+    /// A request answered by one `answer` message, parsed by `parse` (`None` if it refuses it).
+    fn get<T>(
+        &mut self,
+        request: u16,
+        body: &[u8],
+        answer: u16,
+        parse: impl Fn(&[u8]) -> Option<T>,
+    ) -> io::Result<Option<T>> {
+        let seq = self.send(request, 0, body)?;
+        let mut buf = vec![0u8; 32 * 1024];
+        loop {
+            let n = self.recv(&mut buf)?;
+            for msg in Messages::new(&buf[..n]) {
+                let (kind, msg_seq, payload) = msg?;
+                if msg_seq != seq {
+                    continue;
+                }
+                match kind {
+                    NLMSG_ERROR => error_code(payload)?,
+                    k if k == answer => return Ok(parse(payload)),
+                    _ => {}
+                }
+            }
+        }
     }
 
     /// A dump request: every `answer` message parsed by `parse` (those it refuses left out);
@@ -424,6 +501,26 @@ fn parse_bpf_filter(payload: &[u8]) -> Option<BpfFilter> {
         name: name.unwrap_or_default(),
         program_id: program_id?,
     })
+}
+
+/// A link as the kernel describes it (`struct ifinfomsg` and its attributes).
+fn parse_link(payload: &[u8]) -> Option<Link> {
+    let attrs = payload.get(IFINFO_LEN..)?;
+    let mut link = Link { name: String::new(), link: None, link_netnsid: None };
+    for (kind, value) in Attrs(attrs) {
+        let word = value.get(..4).map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
+        match kind {
+            IFLA_IFNAME => {
+                let text = value.split(|&b| b == 0).next().unwrap_or_default();
+                link.name = String::from_utf8_lossy(text).into_owned();
+            }
+            IFLA_LINK => link.link = word,
+            // A negative id: the other netns has none here.
+            IFLA_LINK_NETNSID => link.link_netnsid = word.filter(|&id| (id as i32) >= 0),
+            _ => {}
+        }
+    }
+    Some(link)
 }
 
 /// A rule listed by the kernel, if it is an fwmark rule.

@@ -146,6 +146,11 @@ pub mod programs {
     /// Loaded once per node; attached as a netlink filter, which is found again by this name
     /// (under the kernel's 16-byte program name limit).
     pub const TC_POD_GUARD: &str = "tc_pod_guard";
+    /// TC program on the node's end of each of an enrolled pod's links, ingress: drops TCP the
+    /// pod sent from no socket of its own, whatever the pod did to its side (a packet socket
+    /// with `PACKET_QDISC_BYPASS`, its own filters deleted). Loaded once per node; attached as
+    /// a netlink filter, found again by this name.
+    pub const TC_NODE_GUARD: &str = "tc_node_guard";
     /// cgroup/connect4: redirects a captured pod's IPv4 TCP connect() to the outbound listener.
     pub const CONNECT4: &str = "mp_connect4";
     /// cgroup/connect6: the same for IPv6 (and v4-mapped) sockets.
@@ -196,8 +201,15 @@ pub mod programs {
         SENDMSG6,
     ];
     /// The programs that are not cgroup programs: sk_lookup, sk_msg, TC.
-    pub const NOT_CGROUP: [&str; 6] =
-        [SK_LOOKUP, SK_LOOKUP_PASS, SK_MSG, TC_POD_GUARD, TC_POD_INGRESS, TC_POD_EGRESS];
+    pub const NOT_CGROUP: [&str; 7] = [
+        SK_LOOKUP,
+        SK_LOOKUP_PASS,
+        SK_MSG,
+        TC_POD_GUARD,
+        TC_NODE_GUARD,
+        TC_POD_INGRESS,
+        TC_POD_EGRESS,
+    ];
     /// Every program in the eBPF object: [`CGROUP`], then [`NOT_CGROUP`].
     pub const ALL: [&str; CGROUP.len() + NOT_CGROUP.len()] = {
         let mut all = [""; CGROUP.len() + NOT_CGROUP.len()];
@@ -278,6 +290,10 @@ pub mod map_names {
     /// Each pod's entries in `PROXY_TRANSPARENT` (as [`PENDING_CONNECTIONS`] for
     /// `ORIG_DST_BY_CONN`): its share is [`super::MAX_PENDING_CONNECTIONS_PER_POD`].
     pub const PENDING_TRANSPARENT: &str = "PENDING_TRANSPARENT";
+    /// The node's ends of enrolled pods' links, by interface index in the node's netns:
+    /// [`crate::HostEnd`]. Written by the agent when it guards such an end, removed when it
+    /// takes the guard off; read by the node-side guard.
+    pub const HOST_ENDS: &str = "HOST_ENDS";
     /// Which datapath the pins hold: one `u64`, the loader's hash of the eBPF object it
     /// embeds, written once every program runs from that object. Read by no program. Absent
     /// (meshpath 0.1.0) or another value: the agent upgrades the datapath in place.
@@ -306,6 +322,9 @@ pub mod pins {
 
 /// Capacity of the per-pod maps: how many pods one node can enrol.
 pub const MAX_PODS: u32 = 4096;
+/// Capacity of `HOST_ENDS`: four links per pod at the most pods a node can enrol (a pod has
+/// one link per network: Multus gives it a few).
+pub const MAX_HOST_ENDS: u32 = MAX_PODS * 4;
 /// Capacity of each of the node's exclusion maps (`EXCLUDED_PORTS`, `EXCLUDED_CIDRS`), which
 /// all pods share.
 pub const EXCLUSION_MAP_ENTRIES: u32 = MAX_PODS * 8;

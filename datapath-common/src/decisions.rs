@@ -108,6 +108,11 @@ pub mod reason {
     /// A TCP segment that no TCP socket sent (a raw or packet socket's) and that could open a
     /// connection or carry data: dropped, so it cannot reach a peer past the proxy.
     pub const EGRESS_DROP_NOT_TCP_SOCKET: u32 = 100;
+    // TC ingress on the node's end of an enrolled pod's link.
+    /// A TCP segment from the pod that no socket of the pod's netns could have sent (none has
+    /// its connection, or only a listener, for anything but a SYN-ACK): dropped, whatever the
+    /// pod did to get it past its own side.
+    pub const NODE_DROP_NOT_POD_SOCKET: u32 = 101;
 }
 
 /// (code, hook, decision, reason) for every reason code: labels for people and metrics.
@@ -144,6 +149,7 @@ pub const REASONS: &[(u32, &str, &str, &str)] = &[
     (reason::BIND_REFUSED_PROXY_PORT, "bind", "refused", "proxy port"),
     (reason::TRANSPARENT_NOT_PROXY, "sock_ops", "refused", "transparent connect outside the proxy"),
     (reason::EGRESS_DROP_NOT_TCP_SOCKET, "tc egress", "dropped", "tcp not from a tcp socket"),
+    (reason::NODE_DROP_NOT_POD_SOCKET, "tc node ingress", "dropped", "tcp from no pod socket"),
 ];
 
 /// The labels of a reason code (`None` for a code this build does not know).
@@ -164,6 +170,7 @@ pub fn is_drop(code: u32) -> bool {
             | reason::BIND_REFUSED_PROXY_PORT
             | reason::TRANSPARENT_NOT_PROXY
             | reason::EGRESS_DROP_NOT_TCP_SOCKET
+            | reason::NODE_DROP_NOT_POD_SOCKET
     )
 }
 

@@ -294,6 +294,20 @@ pub struct PodAddrs {
     pub v4: u32,
 }
 
+/// The node's end of one of an enrolled pod's links (a veth whose peer is in the pod), by its
+/// interface index in the node's netns: which pod it leads to, and the id by which the node's
+/// netns knows the pod's (`RTM_GETNSID`), for the node-side guard's socket lookup there.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostEnd {
+    /// The pod's netns cookie.
+    pub netns: NetnsCookie,
+    /// The pod's netns id in the node's netns.
+    pub nsid: u32,
+    /// Zero.
+    pub _pad: u32,
+}
+
 /// The proxy's inbound listener (15006, or HBONE's 15008) of one pod, port and address family,
 /// as `sock_ops` files it when the listener starts listening. A dual-stack `[::]` listener is filed as [`AF_INET6`]
 /// and also serves IPv4 lookups when no [`AF_INET`] listener is filed.
@@ -322,6 +336,7 @@ mod user {
     unsafe impl aya::Pod for super::TransparentKey {}
     unsafe impl aya::Pod for super::PodAddrs {}
     unsafe impl aya::Pod for super::ListenerKey {}
+    unsafe impl aya::Pod for super::HostEnd {}
     unsafe impl aya::Pod for crate::decisions::DecisionKey {}
     // SAFETY: both types are #[repr(C)], made only of integers and byte arrays, with no padding
     // (u32+u32+u64+[u8;64] and 4×u64), so every bit pattern is valid.
@@ -357,5 +372,6 @@ mod tests {
         assert_eq!(core::mem::size_of::<CidrKey>(), 28);
         assert_eq!(core::mem::size_of::<PodAddrs>(), 20);
         assert_eq!(core::mem::size_of::<ListenerKey>(), 16);
+        assert_eq!(core::mem::size_of::<HostEnd>(), 16);
     }
 }

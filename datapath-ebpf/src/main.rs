@@ -4,8 +4,9 @@
 //! - `maps`: every map, pinned by name.
 //! - `decisions`: every decision counted per pod and reason, streamed while a monitor watches.
 //! - `pod_traffic`: TC (TCX) counters on the pod's interface (one instance per pod).
-//! - `raw_tcp_guard`: TC on the pod's interface, egress (one instance for the node): TCP that
-//!   no TCP socket sent (raw and packet sockets) is dropped.
+//! - `raw_tcp_guard`: TC on the pod's interfaces, egress, and on the node's ends of its links,
+//!   ingress (one instance each for the node): TCP that no TCP socket of the pod sent (raw and
+//!   packet sockets) is dropped.
 //! - `outbound`: cgroup connect4/6, getpeername4/6 and sock_ops: capture of outbound TCP to the
 //!   proxy's outbound listener, without netfilter (node-wide, filtered by netns cookie).
 //! - `accelerate`: sockops + sk_msg shortcut for the local app↔proxy hop (off unless turned on).

@@ -13,12 +13,12 @@ use aya_ebpf::{
 };
 use datapath_common::{
     consts::{
-        ports, EXCLUSION_MAP_ENTRIES, MAX_PODS, MAX_TRACKED_CONNECTIONS,
+        ports, EXCLUSION_MAP_ENTRIES, MAX_HOST_ENDS, MAX_PODS, MAX_TRACKED_CONNECTIONS,
         MAX_TRANSPARENT_CONNECTIONS, ORIG_DST_BY_CONN_ENTRIES,
     },
     decisions::{DecisionKey, MAX_DECISION_KEYS, MONITOR_RING_BYTES},
-    CidrKey, ConnKey, ListenerKey, NetnsCookie, OrigDst, PodAddrs, PodCounters, PodInfo, PodIpKey,
-    PortKey, SockKey, TransparentKey,
+    CidrKey, ConnKey, HostEnd, ListenerKey, NetnsCookie, OrigDst, PodAddrs, PodCounters, PodInfo,
+    PodIpKey, PortKey, SockKey, TransparentKey,
 };
 
 /// Per pod, per CPU counters, created at enrolment and removed at unenrolment.
@@ -33,6 +33,11 @@ pub static DECISIONS: PerCpuHashMap<DecisionKey, u64> = PerCpuHashMap::pinned(MA
 /// One event per decision while a monitor watches (`node_flags::MONITOR`).
 #[map]
 pub static MONITOR_EVENTS: RingBuf = RingBuf::pinned(MONITOR_RING_BYTES, 0);
+
+/// The node's ends of enrolled pods' links, by interface index (`raw_tcp_guard.rs`, the
+/// node-side guard).
+#[map]
+pub static HOST_ENDS: HashMap<u32, HostEnd> = HashMap::pinned(MAX_HOST_ENDS, 0);
 
 /// The enrolled pods and what to do for each (`PodInfo::flags`).
 #[map]

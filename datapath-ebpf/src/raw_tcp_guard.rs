@@ -26,11 +26,24 @@
 //! TCX link, whose attach and detach each wait for an RCU grace period (10 to 20 ms here), on
 //! the CNI ADD and DEL path. Being one instance, it has no pod cookie: drops are counted node-wide
 //! (`bpf_get_netns_cookie` takes an skb in TC only from Linux 6.15 on).
+//!
+//! The node side, `tc_node_guard`: TC ingress on the node's end of each of the pod's links (a
+//! veth's peer in the node's netns), where every frame the pod sends arrives however it was
+//! sent: a packet socket's with `PACKET_QDISC_BYPASS`, and any frame of a pod with
+//! CAP_NET_ADMIN that deleted its own side's filters. The frame has no socket there (crossing
+//! the veth orphans it), so the question is asked of the pod's netns instead: is there a TCP
+//! socket of the pod with this segment's connection (`bpf_skc_lookup_tcp` in the pod's netns,
+//! by the id the node's netns knows it by: `HOST_ENDS`)? A connecting, established, closing,
+//! request or TIME_WAIT socket: the segment passes. Only a listener (the lookup falls back to
+//! one): only a SYN-ACK passes, the one a listener sends with SYN cookies; any other segment
+//! from a listener's port opens or probes nothing a real socket of the pod would. None: the
+//! segment is dropped and counted for the pod (`NODE_DROP_NOT_POD_SOCKET`). A raw socket that
+//! copies a live connection's 4-tuple gets through, into a connection the pod already has.
 
 use aya_ebpf::{
     bindings::{
-        bpf_sock, bpf_sock_tuple, BPF_F_CURRENT_NETNS, BPF_TCP_NEW_SYN_RECV, BPF_TCP_SYN_RECV,
-        BPF_TCP_TIME_WAIT, TC_ACT_SHOT, TC_ACT_UNSPEC,
+        bpf_sock, bpf_sock_tuple, BPF_F_CURRENT_NETNS, BPF_TCP_LISTEN, BPF_TCP_NEW_SYN_RECV,
+        BPF_TCP_SYN_RECV, BPF_TCP_TIME_WAIT, TC_ACT_SHOT, TC_ACT_UNSPEC,
     },
     helpers::{bpf_sk_fullsock, bpf_sk_release, bpf_skc_lookup_tcp},
     macros::classifier,
@@ -40,7 +53,10 @@ use aya_ebpf::{
 use core::ptr::{addr_of, read_volatile};
 use datapath_common::decisions::{reason, NODE_WIDE};
 
-use crate::decisions::{mapped, record, Tuple};
+use crate::{
+    decisions::{mapped, record, Tuple},
+    maps::HOST_ENDS,
+};
 
 /// cls_bpf (direct action) verdict "no opinion": the next filter runs, and after the last one
 /// the packet goes on.
@@ -60,6 +76,7 @@ const IPPROTO_TCP: u8 = 6;
 const SOCK_STREAM: u32 = 1;
 const TCP_SYN: u8 = 0x02;
 const TCP_RST: u8 = 0x04;
+const TCP_ACK: u8 = 0x10;
 /// IPv6 extension headers walked before giving up (each one a helper call).
 const MAX_EXTENSION_HEADERS: usize = 4;
 
@@ -70,11 +87,21 @@ enum Segment {
     /// A reset that opens nothing and carries nothing.
     Reset,
     /// A segment with neither SYN, RST nor data (a bare ACK, a FIN, no flags): the kernel's
-    /// answer for one of its mini sockets, or a probe. `v4`: the tuple's addresses are
-    /// v4-mapped; `l3`: where the IP header starts.
-    Bare { t: Tuple, v4: bool, l3: usize },
-    /// Anything else TCP: a SYN, data, a fragment, headers this program cannot walk.
-    Other(Tuple),
+    /// answer for one of its mini sockets, or a probe.
+    Bare(Readable),
+    /// A SYN (`syn_ack`: with ACK) or data.
+    Opening { r: Readable, syn_ack: bool },
+    /// TCP this program cannot read whole: a fragment, headers it cannot walk.
+    Unreadable(Tuple),
+}
+
+/// A TCP segment whose connection can be looked up: `t` has its ports (and destination), `v4`
+/// says the addresses are v4-mapped, `l3` is where the IP header starts.
+#[derive(Clone, Copy)]
+struct Readable {
+    t: Tuple,
+    v4: bool,
+    l3: usize,
 }
 
 /// The verdict for one packet leaving an enrolled pod.
@@ -85,26 +112,68 @@ pub fn tc_pod_guard(ctx: TcContext) -> i32 {
     }
     let t = match segment(&ctx) {
         Segment::NotTcp | Segment::Reset => return PASS,
-        Segment::Bare { t, v4, l3 } if answers_a_mini_socket(&ctx, &t, v4, l3) => return PASS,
-        Segment::Bare { t, .. } | Segment::Other(t) => t,
+        Segment::Bare(r) => match socket_state(&ctx, &r, BPF_F_CURRENT_NETNS as u64) {
+            Some(state) if is_mini_socket(state) => return PASS,
+            _ => r.t,
+        },
+        Segment::Opening { r, .. } => r.t,
+        Segment::Unreadable(t) => t,
     };
     record(&ctx, NODE_WIDE, reason::EGRESS_DROP_NOT_TCP_SOCKET, || t);
     DROP
 }
 
-/// Whether the connection of a bare segment leaving the pod (`t`: its ports) is one of the
-/// pod's TIME_WAIT or request sockets, for which the kernel's control socket sends ACKs. Looked
-/// up as the segment's answer would be received, in the pod's netns. The addresses are read
+/// The verdict for one frame arriving from an enrolled pod at the node's end of its link.
+#[classifier]
+pub fn tc_node_guard(ctx: TcContext) -> i32 {
+    let (r, syn_ack) = match segment(&ctx) {
+        Segment::NotTcp | Segment::Reset => return PASS,
+        Segment::Bare(r) => (r, false),
+        Segment::Opening { r, syn_ack } => (r, syn_ack),
+        Segment::Unreadable(t) => {
+            record(&ctx, NODE_WIDE, reason::NODE_DROP_NOT_POD_SOCKET, || t);
+            return DROP;
+        }
+    };
+    // SAFETY: a field of the kernel's __sk_buff for this run.
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    // SAFETY: a plain value the map owns, copied out at once.
+    let Some(&end) = (unsafe { HOST_ENDS.get(&ifindex) }) else {
+        // Attached only after its entry is written, and taken off before it is removed: a
+        // filter on an end with no entry is a left-over, which still fails closed.
+        record(&ctx, NODE_WIDE, reason::NODE_DROP_NOT_POD_SOCKET, || r.t);
+        return DROP;
+    };
+    match socket_state(&ctx, &r, u64::from(end.nsid)) {
+        Some(BPF_TCP_LISTEN) if !syn_ack => {}
+        Some(_) => return PASS,
+        None => {}
+    }
+    record(&ctx, end.netns, reason::NODE_DROP_NOT_POD_SOCKET, || r.t);
+    DROP
+}
+
+/// The kernel's TIME_WAIT and request sockets, for which its control socket sends ACKs.
+#[inline(always)]
+fn is_mini_socket(state: u32) -> bool {
+    state == BPF_TCP_TIME_WAIT || state == BPF_TCP_NEW_SYN_RECV || state == BPF_TCP_SYN_RECV
+}
+
+/// The state of the TCP socket of `netns` (a netns id in the netns of the packet's device, or
+/// `BPF_F_CURRENT_NETNS`) that has the connection of a segment sent from there: looked up as
+/// the segment's answer would be received, so an established, connecting, TIME_WAIT or request
+/// socket, or failing those a listener on the segment's source port. The addresses are read
 /// here, at their fixed offsets, not while the headers are walked: carried through every path
 /// of that walk they cost Linux 6.1's verifier over its million instructions.
 #[inline(always)]
-fn answers_a_mini_socket(ctx: &TcContext, t: &Tuple, v4: bool, l3: usize) -> bool {
+fn socket_state(ctx: &TcContext, r: &Readable, netns: u64) -> Option<u32> {
+    let (t, v4, l3) = (&r.t, r.v4, r.l3);
     // SAFETY: an all-zero tuple is valid plain data; the union's member written is the one
     // whose size is passed.
     let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
     let size = if v4 {
         let Ok([src, dst]) = ctx.load::<[u32; 2]>(l3 + 12) else {
-            return false;
+            return None;
         };
         tuple.__bindgen_anon_1.ipv4.saddr = dst;
         tuple.__bindgen_anon_1.ipv4.daddr = src;
@@ -114,7 +183,7 @@ fn answers_a_mini_socket(ctx: &TcContext, t: &Tuple, v4: bool, l3: usize) -> boo
         core::mem::size_of_val(unsafe { &tuple.__bindgen_anon_1.ipv4 })
     } else {
         let Ok([src, dst]) = ctx.load::<[[u32; 4]; 2]>(l3 + 8) else {
-            return false;
+            return None;
         };
         tuple.__bindgen_anon_1.ipv6.saddr = dst;
         tuple.__bindgen_anon_1.ipv6.daddr = src;
@@ -126,19 +195,13 @@ fn answers_a_mini_socket(ctx: &TcContext, t: &Tuple, v4: bool, l3: usize) -> boo
     // SAFETY: the helper gets this program's context and a tuple of the size given; a socket it
     // returns holds a reference, released below on every path (the verifier checks that).
     unsafe {
-        let sk = bpf_skc_lookup_tcp(
-            ctx.as_ptr(),
-            &mut tuple,
-            size as u32,
-            BPF_F_CURRENT_NETNS as u64,
-            0,
-        );
+        let sk = bpf_skc_lookup_tcp(ctx.as_ptr(), &mut tuple, size as u32, netns, 0);
         if sk.is_null() {
-            return false;
+            return None;
         }
         let state = read_volatile(addr_of!((*sk).state));
         bpf_sk_release(sk.cast());
-        state == BPF_TCP_TIME_WAIT || state == BPF_TCP_NEW_SYN_RECV || state == BPF_TCP_SYN_RECV
+        Some(state)
     }
 }
 
@@ -169,7 +232,7 @@ fn sent_by_tcp_socket(ctx: &TcContext) -> bool {
 }
 
 /// Reads the headers (through bpf_skb_load_bytes, so any offset is checked at run time).
-/// Unreadable headers of a TCP packet count as [`Segment::Other`].
+/// Unreadable headers of a TCP packet count as [`Segment::Unreadable`].
 ///
 /// The network protocol is the frame's own ethertype, read from its bytes past any VLAN tags,
 /// as the receiver reads it: not `skb->protocol`, which a packet socket sets from its
@@ -178,7 +241,7 @@ fn sent_by_tcp_socket(ctx: &TcContext) -> bool {
 #[inline(always)]
 fn segment(ctx: &TcContext) -> Segment {
     let Ok(mut proto) = ctx.load::<u16>(ETH_HLEN - 2) else {
-        return Segment::Other(Tuple::default());
+        return Segment::Unreadable(Tuple::default());
     };
     let mut l3 = ETH_HLEN;
     for _ in 0..MAX_VLAN_TAGS {
@@ -189,7 +252,7 @@ fn segment(ctx: &TcContext) -> Segment {
         // The tag: 2 bytes of priority and VLAN id, then the ethertype of what follows.
         proto = match ctx.load::<u16>(l3 + 2) {
             Ok(next) => next,
-            Err(_) => return Segment::Other(Tuple::default()),
+            Err(_) => return Segment::Unreadable(Tuple::default()),
         };
         l3 += 4;
     }
@@ -197,7 +260,7 @@ fn segment(ctx: &TcContext) -> Segment {
         ETH_P_IP => v4(ctx, l3),
         ETH_P_IPV6 => v6(ctx, l3),
         // More tags than this walks: what they hide is unknown.
-        ETH_P_8021Q | ETH_P_8021AD => Segment::Other(Tuple::default()),
+        ETH_P_8021Q | ETH_P_8021AD => Segment::Unreadable(Tuple::default()),
         _ => Segment::NotTcp,
     }
 }
@@ -208,18 +271,18 @@ fn v4(ctx: &TcContext, l3: usize) -> Segment {
     match ctx.load::<u8>(ip + 9) {
         Ok(IPPROTO_TCP) => {}
         Ok(_) => return Segment::NotTcp,
-        Err(_) => return Segment::Other(Tuple::default()),
+        Err(_) => return Segment::Unreadable(Tuple::default()),
     }
     let dst = ctx.load::<u32>(ip + 16).unwrap_or(0);
     let mut t = Tuple { dst: mapped(dst), ..Tuple::default() };
     let (Ok(ver_ihl), Ok(total), Ok(frag)) =
         (ctx.load::<u8>(ip), ctx.load::<u16>(ip + 2), ctx.load::<u16>(ip + 6))
     else {
-        return Segment::Other(t);
+        return Segment::Unreadable(t);
     };
     // A fragment: the flags may be in a later one (or this is one), which this cannot see.
     if u16::from_be(frag) & 0x3fff != 0 {
-        return Segment::Other(t);
+        return Segment::Unreadable(t);
     }
     let ihl = usize::from(ver_ihl & 0x0f) * 4;
     tcp(ctx, ip + ihl, usize::from(u16::from_be(total)).saturating_sub(ihl), &mut t, l3, true)
@@ -229,7 +292,7 @@ fn v4(ctx: &TcContext, l3: usize) -> Segment {
 fn v6(ctx: &TcContext, l3: usize) -> Segment {
     let ip = l3;
     let (Ok(payload), Ok(mut next)) = (ctx.load::<u16>(ip + 4), ctx.load::<u8>(ip + 6)) else {
-        return Segment::Other(Tuple::default());
+        return Segment::Unreadable(Tuple::default());
     };
     let mut t = Tuple::default();
     for (i, w) in t.dst.iter_mut().enumerate() {
@@ -244,24 +307,24 @@ fn v6(ctx: &TcContext, l3: usize) -> Segment {
             // Hop-by-hop, routing, destination options: (length + 1) * 8 bytes.
             0 | 43 | 60 => match ctx.load::<u8>(off + 1) {
                 Ok(l) => (usize::from(l) + 1) * 8,
-                Err(_) => return Segment::Other(t),
+                Err(_) => return Segment::Unreadable(t),
             },
             // Fragment: 8 bytes; TCP behind it is a fragment of a segment.
             44 => match ctx.load::<u8>(off) {
-                Ok(IPPROTO_TCP) => return Segment::Other(t),
+                Ok(IPPROTO_TCP) => return Segment::Unreadable(t),
                 Ok(_) => return Segment::NotTcp,
-                Err(_) => return Segment::Other(t),
+                Err(_) => return Segment::Unreadable(t),
             },
             // Authentication header: (length + 2) * 4 bytes.
             51 => match ctx.load::<u8>(off + 1) {
                 Ok(l) => (usize::from(l) + 2) * 4,
-                Err(_) => return Segment::Other(t),
+                Err(_) => return Segment::Unreadable(t),
             },
             _ => return Segment::NotTcp,
         };
         next = match ctx.load::<u8>(off) {
             Ok(n) => n,
-            Err(_) => return Segment::Other(t),
+            Err(_) => return Segment::Unreadable(t),
         };
         off += len;
         left = left.saturating_sub(len);
@@ -269,7 +332,7 @@ fn v6(ctx: &TcContext, l3: usize) -> Segment {
     if next == IPPROTO_TCP {
         tcp(ctx, off, left, &mut t, l3, false)
     } else {
-        Segment::Other(t)
+        Segment::Unreadable(t)
     }
 }
 
@@ -280,16 +343,17 @@ fn tcp(ctx: &TcContext, off: usize, len: usize, t: &mut Tuple, l3: usize, v4: bo
     let (Ok(ports), Ok(doff), Ok(flags)) =
         (ctx.load::<[u16; 2]>(off), ctx.load::<u8>(off + 12), ctx.load::<u8>(off + 13))
     else {
-        return Segment::Other(*t);
+        return Segment::Unreadable(*t);
     };
     t.src_port = u16::from_be(ports[0]);
     t.dst_port = u16::from_be(ports[1]);
     let header = usize::from(doff >> 4) * 4;
+    let r = Readable { t: *t, v4, l3 };
     if flags & TCP_SYN != 0 || len > header {
-        Segment::Other(*t)
+        Segment::Opening { r, syn_ack: flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK }
     } else if flags & TCP_RST != 0 {
         Segment::Reset
     } else {
-        Segment::Bare { t: *t, v4, l3 }
+        Segment::Bare(r)
     }
 }

@@ -5,6 +5,7 @@
 use std::{
     fs, io,
     net::IpAddr,
+    os::fd::AsFd as _,
     path::{Path, PathBuf},
 };
 
@@ -16,8 +17,8 @@ use aya::{
 use datapath_common::{
     cidr_action,
     consts::{programs, MAX_EXCLUSIONS_PER_POD},
-    direction, pod_flags, CidrKey, NetnsCookie, PodAddrs, PodCounters, PodInfo, PodIpKey, PortKey,
-    CIDR_FIXED_BITS,
+    direction, pod_flags, CidrKey, HostEnd, NetnsCookie, PodAddrs, PodCounters, PodInfo, PodIpKey,
+    PortKey, CIDR_FIXED_BITS,
 };
 use ipnet::IpNet;
 use meshpath_podnet::{reply_routing, rtnetlink::ClsactHook};
@@ -214,6 +215,9 @@ pub fn enrol(dp: &Datapath, netns: &Netns, opts: &EnrolOptions) -> Result<NetnsC
     // A netlink filter is not undone with the pod's pins: take them off if what follows fails.
     let mut guard = GuardFilter { netns, armed: true };
     netns.run(|| guard_other_interfaces(dp, &pod, ifindex))??;
+    // And the node's end of each of its links (taken off again by `undo` if what follows
+    // fails): what the pod does to its own side cannot get past that one.
+    guard_host_ends(dp, netns, &pod)?;
 
     // Last: the PODS entry is what turns capture on for the pod.
     let mut info = PodInfo::new(ifindex, netns.inode(), &pod);
@@ -525,7 +529,7 @@ pub fn guard_unguarded_interfaces(dp: &Datapath, netns: &Netns) -> Result<Vec<St
     }
     let pod = format!("with netns cookie {cookie}");
     let name = crate::datapath::upgrade::prog_name(&dp.guard_program()?);
-    netns.run(|| {
+    let mut guarded = netns.run(|| {
         let mut rt = meshpath_podnet::rtnetlink::Socket::open()
             .map_err(|e| Error::io(format!("pod {pod}: opening rtnetlink"), e))?;
         let mut guarded = Vec::new();
@@ -548,7 +552,115 @@ pub fn guard_unguarded_interfaces(dp: &Datapath, netns: &Netns) -> Result<Vec<St
             }
         }
         Ok(guarded)
-    })?
+    })??;
+    guarded.extend(guard_host_ends(dp, netns, &pod)?);
+    Ok(guarded)
+}
+
+/// The node's end of each of the pod's links: for each interface of the pod in `netns` that is
+/// one end of a veth whose other end is in the calling thread's netns (the node's, where the
+/// agent runs), that end's name and index here, and the id this netns knows the pod's by. A
+/// pod interface without such a peer (a macvlan, or a link to another netns) has none.
+pub fn host_ends(netns: &Netns) -> Result<Vec<(String, u32, u32)>> {
+    let pod = netns.path().display().to_string();
+    let rtnetlink = |e| Error::io(format!("pod {pod}: asking rtnetlink for its links"), e);
+    // In the pod: each interface's peer index, if the peer is in another netns.
+    let peers = netns.run(|| -> Result<Vec<(u32, u32)>> {
+        let mut rt = meshpath_podnet::rtnetlink::Socket::open().map_err(rtnetlink)?;
+        let mut peers = Vec::new();
+        for (_, index) in interfaces()? {
+            if let Some(meshpath_podnet::rtnetlink::Link {
+                link: Some(peer),
+                link_netnsid: Some(_),
+                ..
+            }) = rt.link(index).map_err(rtnetlink)?
+            {
+                peers.push((index, peer));
+            }
+        }
+        Ok(peers)
+    })??;
+    if peers.is_empty() {
+        return Ok(Vec::new());
+    }
+    // Here: the link at each peer index, if it is the other end of that very interface, in
+    // the pod's netns (interface indexes repeat from netns to netns: every pod's eth0 may be 2).
+    let mut rt = meshpath_podnet::rtnetlink::Socket::open().map_err(rtnetlink)?;
+    let mut ends = Vec::new();
+    for (pod_index, peer) in peers {
+        let Some(link) = rt.link(peer).map_err(rtnetlink)? else { continue };
+        let (Some(back), Some(nsid)) = (link.link, link.link_netnsid) else { continue };
+        // Asked after the link: listing it gave the pod's netns an id here if it had none.
+        if back == pod_index && rt.nsid_of(netns.file().as_fd()).map_err(rtnetlink)? == Some(nsid) {
+            ends.push((link.name, peer, nsid));
+        }
+    }
+    Ok(ends)
+}
+
+/// Puts the node-side guard (`tc_node_guard`) on the node's end of each of the pod's links
+/// that lacks it, its `HOST_ENDS` entry written first (the guard drops all TCP from an end it
+/// has no entry for). Returns the ends guarded.
+fn guard_host_ends(dp: &Datapath, netns: &Netns, pod: &str) -> Result<Vec<String>> {
+    let ends = host_ends(netns)?;
+    if ends.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut prog = dp.node_guard_program()?;
+    let name = crate::datapath::upgrade::prog_name(&prog);
+    let mut map = dp.host_ends()?;
+    let mut rt = meshpath_podnet::rtnetlink::Socket::open()
+        .map_err(|e| Error::io(format!("pod {pod}: opening rtnetlink"), e))?;
+    let mut guarded = Vec::new();
+    for (iface, index, nsid) in ends {
+        let end = HostEnd { netns: netns.cookie(), nsid, _pad: 0 };
+        map.insert(index, end, 0)
+            .map_err(|e| Error::bpf(format!("pod {pod}: recording the node's end {iface}"), e))?;
+        let filters = rt.bpf_filters(index, ClsactHook::Ingress).map_err(|e| {
+            Error::io(format!("pod {pod}: listing the filters of the node's end {iface}"), e)
+        })?;
+        if filters.iter().any(|f| f.name == name) {
+            continue;
+        }
+        if let Err(e) = aya::programs::tc::qdisc_add_clsact(&iface) {
+            tracing::debug!(%pod, %iface, error = %e, "adding the clsact qdisc");
+        }
+        let what = || format!("pod {pod}: attaching {} to {iface}", programs::TC_NODE_GUARD);
+        let id = prog
+            .attach_with_options(
+                &iface,
+                TcAttachType::Ingress,
+                aya::programs::tc::TcAttachOptions::Netlink(Default::default()),
+            )
+            .map_err(|e| Error::bpf(what(), e))?;
+        // Not a bpf link, as the pod side's: it stays until taken off or the link goes.
+        std::mem::forget(prog.take_link(id).map_err(|e| Error::bpf(what(), e))?);
+        guarded.push(iface);
+    }
+    Ok(guarded)
+}
+
+/// Takes the node-side guard off the node's ends of the pod's links (in the calling thread's
+/// netns, the node's) and forgets them. An end already gone (its pod deleted) is only
+/// forgotten.
+fn unguard_host_ends(dp: &Datapath, cookie: NetnsCookie) -> Result<Vec<Result<(), MapError>>> {
+    let mut map = dp.host_ends()?;
+    let ends: Vec<u32> =
+        map.iter().flatten().filter(|(_, end)| end.netns == cookie).map(|(i, _)| i).collect();
+    Ok(ends
+        .into_iter()
+        .map(|index| {
+            // Off before the entry goes: without its entry the guard would drop all TCP.
+            if let Ok(iface) = nix::net::if_::if_indextoname(index) {
+                detach_filter(
+                    &iface.to_string_lossy(),
+                    TcAttachType::Ingress,
+                    programs::TC_NODE_GUARD,
+                );
+            }
+            map.remove(&index)
+        })
+        .collect())
 }
 
 /// Takes the guard off every interface of the calling thread's netns.
@@ -687,6 +799,7 @@ fn remove_all(dp: &Datapath, cookie: NetnsCookie) -> Result<()> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => failed.push(format!("unpinning {}: {e}", dir.display())),
     }
+    map_step(&mut failed, "HOST_ENDS", unguard_host_ends(dp, cookie));
 
     if !noted(pod_flags::NO_EXCLUDED_PORTS) {
         map_step(

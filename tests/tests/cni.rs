@@ -531,3 +531,53 @@ fn an_interface_a_meshed_pod_got_while_no_agent_ran_is_guarded_when_it_is_back()
     node.start_agent().expect("the agent back");
     assert!(guarded_soon(&web, "net1"), "net1 unguarded: {}", egress_filters(&web, "net1"));
 }
+
+/// The node's end of `pod`'s eth0 (in the node's netns) and the node-side guard's filters on
+/// it, as `tc filter show` lists them.
+fn host_end_filters(node: &CniNode, pod: &CniPod) -> (String, String) {
+    let node_ns = node.node.open().expect("node netns");
+    let pod_ns = pod.netns.open().expect("pod netns");
+    let ends = node_ns
+        .run(|| meshpath_loader::pods::host_ends(&pod_ns))
+        .expect("enter the node's netns")
+        .expect("host ends");
+    let [(end, _, _)] = ends.as_slice() else { panic!("not one end: {ends:?}") };
+    let out = node_ns
+        .run(|| {
+            std::process::Command::new("tc")
+                .args(["filter", "show", "dev", end, "ingress"])
+                .output()
+        })
+        .expect("enter the node's netns")
+        .expect("tc");
+    (end.clone(), String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[test]
+fn the_node_end_of_a_meshed_pods_link_is_guarded_and_guarded_again_by_a_new_agent() {
+    // The bridge plugin's veth: the agent (in the node's netns) finds its node end and guards
+    // it. One a node lost (the previous release had none) a new agent puts back at start-up.
+    let guard = datapath_common::consts::programs::TC_NODE_GUARD;
+    let mut node = CniNode::start(WORKLOADS).expect("node");
+    let web = node.add_pod("web").expect("ADD web");
+    let (end, filters) = host_end_filters(&node, &web);
+    assert!(filters.contains(guard), "{end} unguarded: {filters}");
+    let agent = node.agent.as_mut().expect("agent");
+    agent.signal(libc::SIGKILL).expect("kill -9 the agent");
+    assert!(agent.wait_exit(Duration::from_secs(10)), "the agent did not exit");
+    let out = node
+        .node
+        .open()
+        .expect("node netns")
+        .run(|| {
+            std::process::Command::new("tc").args(["qdisc", "del", "dev", &end, "clsact"]).output()
+        })
+        .expect("enter netns")
+        .expect("tc");
+    assert!(out.status.success(), "tc qdisc del: {}", String::from_utf8_lossy(&out.stderr));
+    node.start_agent().expect("the agent back");
+    let back = meshpath_tests::wait_until(Duration::from_secs(10), || {
+        host_end_filters(&node, &web).1.contains(guard)
+    });
+    assert!(back, "{end} unguarded after the agent's restart: {}", host_end_filters(&node, &web).1);
+}

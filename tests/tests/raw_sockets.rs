@@ -556,6 +556,220 @@ fn unenrolment_takes_the_guard_off_every_interface() {
     }
 }
 
+/// A meshed pod with a link to a node, as a CNI gives one: the pod's `eth0` and the node's
+/// end of it (`host0`), in a netns of its own that stands for the node's, with a real listener
+/// there. The pod is enrolled from the node's netns, as the agent enrols it from the node's:
+/// that is where the node-side guard finds the end. Field order is drop order.
+struct NodeSide {
+    pod: NetnsGuard,
+    node: NetnsGuard,
+    root: meshpath_tests::PinRoot,
+    /// The listener on the node that must see nothing.
+    _listener: std::net::TcpListener,
+    listening_at: SocketAddr,
+    cookie: u64,
+}
+
+const NODE_SIDE_POD: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 2);
+const NODE_SIDE_NODE: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 1);
+/// The node's end of the pod's link.
+const HOST_END: &str = "host0";
+
+impl NodeSide {
+    /// `from_node`: enrolled from the node's netns (the node-side guard on `host0`), or from the
+    /// test's own, which has no end of the pod's link (the pod's own guard only).
+    fn new(port: u16, opts: meshpath_loader::pods::EnrolOptions, from_node: bool) -> Self {
+        meshpath_tests::require_root();
+        let root = meshpath_tests::PinRoot::new();
+        let pod = NetnsGuard::new("mpp").expect("pod netns");
+        let node = NetnsGuard::new("mpn").expect("node netns");
+        meshpath_tests::veth_between((&pod, "eth0"), (&node, HOST_END)).expect("veth");
+        pod.ip(&["addr", "add", &format!("{NODE_SIDE_POD}/24"), "dev", "eth0"]).expect("addr");
+        node.ip(&["addr", "add", &format!("{NODE_SIDE_NODE}/24"), "dev", HOST_END]).expect("addr");
+        let listening_at = SocketAddr::from((NODE_SIDE_NODE, port));
+        let _listener = node.listen(listening_at).expect("listener on the node");
+        let dp = root.datapath().expect("datapath");
+        let netns = pod.open().expect("pod netns");
+        let enrol = || meshpath_loader::pods::enrol(&dp, &netns, &opts);
+        let cookie = if from_node {
+            node.open().expect("node netns").run(enrol).expect("enter the node's netns")
+        } else {
+            enrol()
+        }
+        .expect("enrol");
+        Self { pod, node, root, _listener, listening_at, cookie }
+    }
+
+    fn capturing(port: u16, from_node: bool) -> Self {
+        let opts = meshpath_loader::pods::EnrolOptions {
+            capture_outbound: true,
+            ..meshpath_loader::pods::EnrolOptions::default()
+        };
+        Self::new(port, opts, from_node)
+    }
+
+    /// A hand-built SYN from the pod to the node's listener, as a whole frame on a packet
+    /// socket out of the pod's eth0 (`qdisc_bypass`: past the pod's side altogether). A drop
+    /// on the pod's side is fine.
+    fn send_syn(&self, qdisc_bypass: bool) {
+        let src = SocketAddr::from((NODE_SIDE_POD, SRC_PORT));
+        let frame = syn_frame(
+            mac_of(&self.node, HOST_END),
+            mac_of_eth0(&self.pod),
+            src,
+            self.listening_at,
+            &[],
+        );
+        let sent = self
+            .pod
+            .open()
+            .expect("pod netns")
+            .run(|| send_with(c"eth0", libc::SOCK_RAW, &frame, ETH_P_IP, None, qdisc_bypass));
+        match sent.expect("enter netns") {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {}
+            Err(e) => panic!("sending the frame: {e}"),
+        }
+    }
+
+    /// How many of the pod's TCP segments the node-side guard dropped (counted for the pod).
+    fn dropped_at_the_node(&self) -> u64 {
+        let dp = self.root.datapath().expect("datapath");
+        decisions::of(&dp, self.cookie)
+            .expect("decisions")
+            .iter()
+            .find(|d| d.hook == "tc node ingress" && d.decision == "dropped")
+            .map_or(0, |d| d.count)
+    }
+
+    /// The node-side guard's filters on the node's end, as `tc filter show` lists them.
+    fn host_end_filters(&self) -> String {
+        let out = self
+            .node
+            .open()
+            .expect("node netns")
+            .run(|| {
+                std::process::Command::new("tc")
+                    .args(["filter", "show", "dev", HOST_END, "ingress"])
+                    .output()
+            })
+            .expect("enter netns")
+            .expect("tc");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+#[test]
+fn a_packet_socket_syn_with_qdisc_bypass_gets_past_the_pods_own_guard() {
+    // The control for the node-side tests: with no guard on the node's end (the pod enrolled
+    // from a netns that has none of its link), PACKET_QDISC_BYPASS skips the pod's own guard
+    // and the node's listener answers.
+    let t = NodeSide::capturing(8890, false);
+    let raw = raw_tcp(&t.pod, false);
+    t.send_syn(true);
+    assert!(syn_ack_from(&raw, t.listening_at, Duration::from_secs(2)), "no SYN-ACK");
+}
+
+#[test]
+fn a_packet_socket_syn_with_qdisc_bypass_never_reaches_the_node() {
+    let t = NodeSide::capturing(8891, true);
+    let raw = raw_tcp(&t.pod, false);
+    let segs_before = tcp_in_segs(&t.node);
+    t.send_syn(true);
+    assert!(!syn_ack_from(&raw, t.listening_at, Duration::from_secs(1)), "answered");
+    assert_eq!(tcp_in_segs(&t.node), segs_before, "the node received TCP");
+    assert_eq!(t.dropped_at_the_node(), 1, "the drop is counted for the pod");
+}
+
+#[test]
+fn a_pod_that_took_its_own_guard_off_still_sends_no_syn_past_the_node() {
+    // CAP_NET_ADMIN in the pod: it deletes its clsact qdisc, and the guard with it.
+    let t = NodeSide::capturing(8892, true);
+    let out = t
+        .pod
+        .open()
+        .expect("pod netns")
+        .run(|| {
+            std::process::Command::new("tc")
+                .args(["qdisc", "del", "dev", "eth0", "clsact"])
+                .output()
+        })
+        .expect("enter netns")
+        .expect("tc");
+    assert!(out.status.success(), "tc qdisc del: {}", String::from_utf8_lossy(&out.stderr));
+    let raw = raw_tcp(&t.pod, false);
+    let segs_before = tcp_in_segs(&t.node);
+    let src = SocketAddr::from((NODE_SIDE_POD, SRC_PORT));
+    raw.send_to(&tcp_syn(src, t.listening_at), &t.listening_at.into()).expect("send");
+    assert!(!syn_ack_from(&raw, t.listening_at, Duration::from_secs(1)), "answered");
+    assert_eq!(tcp_in_segs(&t.node), segs_before, "the node received TCP");
+    assert_eq!(t.dropped_at_the_node(), 1, "the drop is counted for the pod");
+}
+
+#[test]
+fn the_node_side_guard_passes_every_segment_of_the_pods_own_connections() {
+    // An excluded port each way, so the pod's kernel sockets talk to the node directly: the
+    // connect, the accept (a SYN-ACK from a request socket), data, the close and TIME_WAIT.
+    use std::io::{Read as _, Write as _};
+    let opts = meshpath_loader::pods::EnrolOptions {
+        capture_outbound: true,
+        capture_inbound: true,
+        exclude_outbound_ports: vec![8893],
+        exclude_inbound_ports: vec![8894],
+        ..meshpath_loader::pods::EnrolOptions::default()
+    };
+    let t = NodeSide::new(8893, opts, true);
+    let out = t
+        .pod
+        .open()
+        .expect("pod netns")
+        .run(|| TcpStream::connect_timeout(&t.listening_at, Duration::from_secs(2)))
+        .expect("enter netns");
+    let mut out = out.expect("the pod connects to the node");
+    let (mut accepted, _) = t._listener.accept().expect("accept");
+    out.write_all(&[7u8; 100_000]).expect("write");
+    out.shutdown(std::net::Shutdown::Write).expect("shutdown");
+    let mut got = Vec::new();
+    accepted.read_to_end(&mut got).expect("read");
+    assert_eq!(got, vec![7u8; 100_000], "the node got every byte");
+    drop((out, accepted));
+
+    let in_pod = SocketAddr::from((NODE_SIDE_POD, 8894));
+    let listener = t.pod.listen(in_pod).expect("listener in the pod");
+    let conn = t
+        .node
+        .open()
+        .expect("node netns")
+        .run(|| TcpStream::connect_timeout(&in_pod, Duration::from_secs(2)))
+        .expect("enter netns");
+    let mut conn = conn.expect("the node connects to the pod");
+    let (mut served, _) = listener.accept().expect("accept");
+    served.write_all(b"from the pod").expect("write");
+    drop(served);
+    let mut reply = String::new();
+    conn.read_to_string(&mut reply).expect("read");
+    assert_eq!(reply, "from the pod");
+    assert_eq!(t.dropped_at_the_node(), 0, "nothing of the pod's own was dropped");
+}
+
+#[test]
+fn unenrolment_takes_the_node_side_guard_off_and_forgets_the_end() {
+    let t = NodeSide::capturing(8895, true);
+    assert!(t.host_end_filters().contains("tc_node_guard"), "no guard on the node's end");
+    let dp = t.root.datapath().expect("datapath");
+    let netns = t.pod.open().expect("pod netns");
+    t.node
+        .open()
+        .expect("node netns")
+        .run(|| meshpath_loader::pods::unenrol_netns(&dp, &netns))
+        .expect("enter netns")
+        .expect("unenrol");
+    let filters = t.host_end_filters();
+    assert!(!filters.contains("bpf"), "a filter is left on the node's end: {filters}");
+    let left: Vec<_> = dp.host_ends().expect("HOST_ENDS").keys().flatten().collect();
+    assert!(left.is_empty(), "HOST_ENDS keeps {left:?}");
+}
+
 /// eth0's MAC address in `ns`.
 fn mac_of_eth0(ns: &NetnsGuard) -> [u8; 6] {
     mac_of(ns, "eth0")
@@ -604,6 +818,19 @@ fn send_on(
     protocol: u16,
     mac: Option<[u8; 6]>,
 ) -> io::Result<()> {
+    send_with(iface, ty, bytes, protocol, mac, false)
+}
+
+/// As [`send_on`], the socket set to `PACKET_QDISC_BYPASS` when `qdisc_bypass`: its frames go
+/// straight to the interface's driver, past every qdisc and TC program of the sender's side.
+fn send_with(
+    iface: &std::ffi::CStr,
+    ty: i32,
+    bytes: &[u8],
+    protocol: u16,
+    mac: Option<[u8; 6]>,
+    qdisc_bypass: bool,
+) -> io::Result<()> {
     // SAFETY: plain socket calls on a descriptor this function owns (closed on return), with
     // a sockaddr_ll fully initialised here.
     unsafe {
@@ -612,6 +839,19 @@ fn send_on(
             return Err(io::Error::last_os_error());
         }
         let fd = std::os::fd::OwnedFd::from_raw_fd(fd);
+        if qdisc_bypass {
+            let on: libc::c_int = 1;
+            let rc = libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_PACKET,
+                libc::PACKET_QDISC_BYPASS,
+                std::ptr::addr_of!(on).cast(),
+                std::mem::size_of::<libc::c_int>() as u32,
+            );
+            if rc < 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
         let mut addr: libc::sockaddr_ll = std::mem::zeroed();
         addr.sll_family = libc::AF_PACKET as u16;
         addr.sll_protocol = protocol.to_be();

@@ -21,8 +21,8 @@ use aya::{
 use datapath_common::{
     consts::{globals, map_names, pins, probe, programs},
     decisions::DecisionKey,
-    node_flags, CidrKey, ListenerKey, NetnsCookie, PodAddrs, PodCounters, PodInfo, PodIpKey,
-    PortKey,
+    node_flags, CidrKey, HostEnd, ListenerKey, NetnsCookie, PodAddrs, PodCounters, PodInfo,
+    PodIpKey, PortKey,
 };
 use nix::fcntl::{Flock, FlockArg};
 use tracing::{debug, info};
@@ -45,8 +45,13 @@ const PINNED_BY_PATH: [&str; 4] = [
 ];
 
 /// The programs loaded and pinned once per node under `programs/`, which pods link to.
-const SHARED_PROGRAMS: [&str; 4] =
-    [programs::SK_LOOKUP, programs::SK_LOOKUP_PASS, programs::SK_MSG, programs::TC_POD_GUARD];
+const SHARED_PROGRAMS: [&str; 5] = [
+    programs::SK_LOOKUP,
+    programs::SK_LOOKUP_PASS,
+    programs::SK_MSG,
+    programs::TC_POD_GUARD,
+    programs::TC_NODE_GUARD,
+];
 
 /// Where verifier logs are written when the kernel rejects a program.
 const VERIFIER_LOG_DIR: &str = "/run/meshpath";
@@ -347,6 +352,20 @@ impl Datapath {
             self.root.join(pins::PROGRAMS_DIR).join(programs::TC_POD_GUARD),
         )
         .map_err(|e| Error::bpf("opening the TC guard", e))
+    }
+
+    /// The TC guard on the node's end of every enrolled pod's link (`raw_tcp_guard.rs`,
+    /// `tc_node_guard`), from its pin.
+    pub fn node_guard_program(&self) -> Result<aya::programs::SchedClassifier> {
+        aya::programs::SchedClassifier::from_pin(
+            self.root.join(pins::PROGRAMS_DIR).join(programs::TC_NODE_GUARD),
+        )
+        .map_err(|e| Error::bpf("opening the node-side TC guard", e))
+    }
+
+    /// The node's ends of enrolled pods' links, by interface index in the node's netns.
+    pub fn host_ends(&self) -> Result<HashMap<MapData, u32, HostEnd>> {
+        self.hash_map(map_names::HOST_ENDS)
     }
 
     /// A shared program, opened from its pin.

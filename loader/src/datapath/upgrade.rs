@@ -45,7 +45,7 @@ use aya::{
 };
 use datapath_common::{
     consts::{map_names, pins, programs},
-    pod_flags, NetnsCookie, PodInfo,
+    pod_flags, HostEnd, NetnsCookie, PodInfo,
 };
 use meshpath_podnet::rtnetlink::{self, ClsactHook};
 use tracing::{debug, info, warn};
@@ -517,6 +517,20 @@ fn switch_pods(
             }
         }
         report.pods += 1;
+    }
+    // The node-side guard, on the node's end of each pod's link (in this thread's netns, the
+    // node's, where the agent runs).
+    let mut node_guard = dp.node_guard_program()?;
+    let ends: Vec<(u32, HostEnd)> = dp.host_ends()?.iter().flatten().collect();
+    for (index, end) in ends {
+        let Ok(iface) = nix::net::if_::if_indextoname(index) else {
+            debug!(cookie = end.netns, index, "the node's end of a pod's link is gone");
+            continue;
+        };
+        let iface = iface.to_string_lossy().into_owned();
+        let pod = format!("with netns cookie {}", end.netns);
+        report.filters_replaced +=
+            replace_filters(&mut node_guard, TcAttachType::Ingress, index, &iface, &pod)?;
     }
     Ok(())
 }

@@ -3,9 +3,10 @@
 //! over a stretch of one-client connections, per connection, by program.
 //!
 //! Every meshpath program is counted, whichever socket it ran for: the app's connection to the
-//! proxy, the proxy's to the server, the server's end; the TC guard for every packet the pod
-//! sends. The bench is the only thing loading meshpath programs while it runs (programs are
-//! told apart by their names, `datapath_common::consts::programs::ALL`).
+//! proxy, the proxy's to the server, the server's end; the TC guards (the pod's side and the
+//! node's) for every packet the pod sends. The bench is the only thing loading meshpath
+//! programs while it runs (programs are told apart by their names,
+//! `datapath_common::consts::programs::ALL`).
 
 use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
 

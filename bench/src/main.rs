@@ -334,7 +334,11 @@ fn setup(name: &str, pods: &PodPair) -> Result<Setup> {
             {
                 let dp = root.datapath()?;
                 dp.register_proxy_cgroup(cgroup.path())?;
-                pods::enrol(&dp, &pods.a.open()?, &capture_opts(false))?;
+                // Enrolled from pod b's netns, which holds the other end of a's link as a node's
+                // netns holds its pods': the node-side guard (`tc_node_guard`) goes on b's eth0
+                // ingress and runs for every packet a sends, as on a node's end of a pod's veth.
+                let a = pods.a.open()?;
+                pods.b.open()?.run(|| pods::enrol(&dp, &a, &capture_opts(false)))??;
                 dp.set_acceleration(name == "ebpf_sockmap")?;
                 meshpath_loader::decisions::set_counting(&dp, name != "ebpf_no_decision_counters")?;
             }

@@ -41,6 +41,9 @@ pub mod link_pins {
     pub const TC_EGRESS: &str = "tc_egress";
     /// The sk_lookup link on the pod's netns.
     pub const SK_LOOKUP: &str = "sk_lookup";
+    /// The node-side guard's TCX link on the node's end of one of the pod's links, when it is
+    /// one (see `guard_host_ends`): this, then the end's interface index in the node's netns.
+    pub const NODE_GUARD_PREFIX: &str = "node_guard_";
 }
 
 /// How to enrol a pod.
@@ -601,6 +604,11 @@ pub fn host_ends(netns: &Netns) -> Result<Vec<(String, u32, u32)>> {
 /// Puts the node-side guard (`tc_node_guard`) on the node's end of each of the pod's links
 /// that lacks it, its `HOST_ENDS` entry written first (the guard drops all TCP from an end it
 /// has no entry for). Returns the ends guarded.
+///
+/// As a netlink filter, like the pod's side (no RCU grace period on the CNI ADD path), unless
+/// the end already runs TCX programs (a CNI's own, Cilium's from 6.6 on): those decide before
+/// any netlink filter runs, and one that passes a frame would pre-empt the guard. There the
+/// guard goes in as a TCX link at the head, pinned in the pod's directory, in front of them.
 fn guard_host_ends(dp: &Datapath, netns: &Netns, pod: &str) -> Result<Vec<String>> {
     let ends = host_ends(netns)?;
     if ends.is_empty() {
@@ -616,16 +624,42 @@ fn guard_host_ends(dp: &Datapath, netns: &Netns, pod: &str) -> Result<Vec<String
         let end = HostEnd { netns: netns.cookie(), nsid, _pad: 0 };
         map.insert(index, end, 0)
             .map_err(|e| Error::bpf(format!("pod {pod}: recording the node's end {iface}"), e))?;
+        let pin =
+            dp.pod_dir(netns.cookie()).join(format!("{}{index}", link_pins::NODE_GUARD_PREFIX));
+        if pin.exists() {
+            continue;
+        }
         let filters = rt.bpf_filters(index, ClsactHook::Ingress).map_err(|e| {
             Error::io(format!("pod {pod}: listing the filters of the node's end {iface}"), e)
         })?;
         if filters.iter().any(|f| f.name == name) {
             continue;
         }
+        let what = || format!("pod {pod}: attaching {} to {iface}", programs::TC_NODE_GUARD);
+        let tcx_there = tcx_supported()
+            && SchedClassifier::query_tcx(&iface, TcAttachType::Ingress)
+                .is_ok_and(|(_, programs)| !programs.is_empty());
+        if tcx_there {
+            let id = prog
+                .attach_with_options(
+                    &iface,
+                    TcAttachType::Ingress,
+                    aya::programs::tc::TcAttachOptions::TcxOrder(aya::programs::LinkOrder::first()),
+                )
+                .map_err(|e| Error::bpf(what(), e))?;
+            let link: FdLink = prog
+                .take_link(id)
+                .map_err(|e| Error::bpf(what(), e))?
+                .try_into()
+                .map_err(|e| Error::bpf(what(), e))?;
+            link.pin(&pin)
+                .map_err(|e| Error::bpf(format!("pod {pod}: pinning {}", pin.display()), e))?;
+            guarded.push(iface);
+            continue;
+        }
         if let Err(e) = aya::programs::tc::qdisc_add_clsact(&iface) {
             tracing::debug!(%pod, %iface, error = %e, "adding the clsact qdisc");
         }
-        let what = || format!("pod {pod}: attaching {} to {iface}", programs::TC_NODE_GUARD);
         let id = prog
             .attach_with_options(
                 &iface,
@@ -642,7 +676,7 @@ fn guard_host_ends(dp: &Datapath, netns: &Netns, pod: &str) -> Result<Vec<String
 
 /// Takes the node-side guard off the node's ends of the pod's links (in the calling thread's
 /// netns, the node's) and forgets them. An end already gone (its pod deleted) is only
-/// forgotten.
+/// forgotten. A TCX link went with the pod's directory, just before.
 fn unguard_host_ends(dp: &Datapath, cookie: NetnsCookie) -> Result<Vec<Result<(), MapError>>> {
     let mut map = dp.host_ends()?;
     let ends: Vec<u32> =

@@ -561,6 +561,8 @@ fn unenrolment_takes_the_guard_off_every_interface() {
 /// there. The pod is enrolled from the node's netns, as the agent enrols it from the node's:
 /// that is where the node-side guard finds the end. Field order is drop order.
 struct NodeSide {
+    /// What the test put on the node's end before the pod was enrolled (a CNI's program).
+    _before: Option<std::os::fd::OwnedFd>,
     pod: NetnsGuard,
     node: NetnsGuard,
     root: meshpath_tests::PinRoot,
@@ -579,6 +581,27 @@ impl NodeSide {
     /// `from_node`: enrolled from the node's netns (the node-side guard on `host0`), or from the
     /// test's own, which has no end of the pod's link (the pod's own guard only).
     fn new(port: u16, opts: meshpath_loader::pods::EnrolOptions, from_node: bool) -> Self {
+        Self::build(port, opts, from_node, |_| None)
+    }
+
+    /// Enrolled from the node, once `before` has run on the node's netns.
+    fn with_before_enrolment(
+        port: u16,
+        before: impl FnOnce(&NetnsGuard) -> std::os::fd::OwnedFd,
+    ) -> Self {
+        let opts = meshpath_loader::pods::EnrolOptions {
+            capture_outbound: true,
+            ..meshpath_loader::pods::EnrolOptions::default()
+        };
+        Self::build(port, opts, true, |node| Some(before(node)))
+    }
+
+    fn build(
+        port: u16,
+        opts: meshpath_loader::pods::EnrolOptions,
+        from_node: bool,
+        before: impl FnOnce(&NetnsGuard) -> Option<std::os::fd::OwnedFd>,
+    ) -> Self {
         meshpath_tests::require_root();
         let root = meshpath_tests::PinRoot::new();
         let pod = NetnsGuard::new("mpp").expect("pod netns");
@@ -588,6 +611,7 @@ impl NodeSide {
         node.ip(&["addr", "add", &format!("{NODE_SIDE_NODE}/24"), "dev", HOST_END]).expect("addr");
         let listening_at = SocketAddr::from((NODE_SIDE_NODE, port));
         let _listener = node.listen(listening_at).expect("listener on the node");
+        let _before = before(&node);
         let dp = root.datapath().expect("datapath");
         let netns = pod.open().expect("pod netns");
         let enrol = || meshpath_loader::pods::enrol(&dp, &netns, &opts);
@@ -597,7 +621,7 @@ impl NodeSide {
             enrol()
         }
         .expect("enrol");
-        Self { pod, node, root, _listener, listening_at, cookie }
+        Self { _before, pod, node, root, _listener, listening_at, cookie }
     }
 
     fn capturing(port: u16, from_node: bool) -> Self {
@@ -706,6 +730,59 @@ fn a_pod_that_took_its_own_guard_off_still_sends_no_syn_past_the_node() {
     assert_eq!(t.dropped_at_the_node(), 1, "the drop is counted for the pod");
 }
 
+/// A third party's TCX program on ingress of `iface` in `ns` that passes every frame
+/// (`TCX_PASS`: no program or filter after it runs), as a CNI's own program on the node's end
+/// of a pod's veth decides (Cilium's, from Linux 6.6 on). Two instructions loaded and linked
+/// with the bpf syscall; the link lasts as long as the descriptor.
+fn tcx_pass_everything(ns: &NetnsGuard, iface: &str) -> std::os::fd::OwnedFd {
+    // The link's interface index is taken in the caller's netns.
+    ns.open().expect("netns").run(|| tcx_pass_everything_here(iface)).expect("enter netns")
+}
+
+fn tcx_pass_everything_here(iface: &str) -> std::os::fd::OwnedFd {
+    let ifindex = nix::net::if_::if_nametoindex(iface).expect("ifindex");
+    // mov64 r0, 0 (TCX_PASS); exit.
+    let insns: [u64; 2] = [0xb7, 0x95];
+    let license = c"GPL";
+    // SAFETY: bpf(2) with attributes laid out as linux/bpf.h's union bpf_attr (the rest zero),
+    // pointing at buffers that outlive the calls; each descriptor is owned at once.
+    unsafe {
+        let mut load = [0u8; 128];
+        load[0..4].copy_from_slice(&3u32.to_ne_bytes()); // BPF_PROG_TYPE_SCHED_CLS
+        load[4..8].copy_from_slice(&2u32.to_ne_bytes());
+        load[8..16].copy_from_slice(&(insns.as_ptr() as u64).to_ne_bytes());
+        load[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
+        let prog = libc::syscall(libc::SYS_bpf, 5, load.as_ptr(), load.len()); // BPF_PROG_LOAD
+        assert!(prog >= 0, "loading the pass-everything program: {}", io::Error::last_os_error());
+        let prog = std::os::fd::OwnedFd::from_raw_fd(prog as i32);
+        let mut create = [0u8; 128];
+        create[0..4].copy_from_slice(&(prog.as_raw_fd() as u32).to_ne_bytes());
+        create[4..8].copy_from_slice(&ifindex.to_ne_bytes());
+        create[8..12].copy_from_slice(&46u32.to_ne_bytes()); // BPF_TCX_INGRESS
+        let link = libc::syscall(libc::SYS_bpf, 28, create.as_ptr(), create.len()); // LINK_CREATE
+        assert!(link >= 0, "linking it to {iface}: {}", io::Error::last_os_error());
+        std::os::fd::OwnedFd::from_raw_fd(link as i32)
+    }
+}
+
+#[test]
+fn a_cnis_tcx_program_on_the_node_end_does_not_pre_empt_the_node_side_guard() {
+    // TCX programs run before every netlink filter, and one that passes a frame ends the hook:
+    // on an end where the CNI has one (attached at its ADD, before meshpath-cni's), the guard
+    // goes in front of it as a TCX link.
+    if !meshpath_loader::pods::tcx_supported() {
+        eprintln!("this kernel has no TCX (before 6.6): no CNI can attach such a program");
+        return;
+    }
+    let t = NodeSide::with_before_enrolment(8896, |node| tcx_pass_everything(node, HOST_END));
+    let raw = raw_tcp(&t.pod, false);
+    let segs_before = tcp_in_segs(&t.node);
+    t.send_syn(true);
+    assert!(!syn_ack_from(&raw, t.listening_at, Duration::from_secs(1)), "answered");
+    assert_eq!(tcp_in_segs(&t.node), segs_before, "the node received TCP");
+    assert_eq!(t.dropped_at_the_node(), 1, "the drop is counted for the pod");
+}
+
 #[test]
 fn the_node_side_guard_passes_every_segment_of_the_pods_own_connections() {
     // An excluded port each way, so the pod's kernel sockets talk to the node directly: the
@@ -750,6 +827,81 @@ fn the_node_side_guard_passes_every_segment_of_the_pods_own_connections() {
     conn.read_to_string(&mut reply).expect("read");
     assert_eq!(reply, "from the pod");
     assert_eq!(t.dropped_at_the_node(), 0, "nothing of the pod's own was dropped");
+}
+
+/// The program ids of what guards the node's end: its netlink filters (`tc filter show`'s
+/// `id N`) and its TCX links pinned in the pod's directory.
+fn node_guard_programs(t: &NodeSide) -> Vec<u32> {
+    let filters = t.host_end_filters();
+    let words: Vec<&str> = filters.split_whitespace().collect();
+    let mut ids: Vec<u32> =
+        words.windows(2).filter(|w| w[0] == "id").filter_map(|w| w[1].parse().ok()).collect();
+    let dir = t.root.path().join("pods").join(t.cookie.to_string());
+    for entry in std::fs::read_dir(dir).expect("the pod's directory").flatten() {
+        if entry.file_name().to_string_lossy().starts_with("node_guard_") {
+            let link = aya::programs::links::FdLink::from(
+                aya::programs::links::PinnedLink::from_pin(entry.path()).expect("pinned link"),
+            );
+            ids.push(link.info().expect("link info").program_id());
+        }
+    }
+    ids
+}
+
+/// An upgrade in place, by the loader in the node's netns (where the agent runs): the pins'
+/// version cleared, as if another meshpath had pinned them, then `reconcile`.
+fn upgrade_from_the_node(t: &NodeSide) {
+    let pin = t.root.path().join("maps/DATAPATH_VERSION");
+    let mut version = aya::maps::Array::<aya::maps::MapData, u64>::try_from(aya::maps::Map::Array(
+        aya::maps::MapData::from_pin(pin).expect("version map"),
+    ))
+    .expect("an array");
+    version.set(0, 0, 0).expect("clearing the version");
+    // nsenter, not `ip netns exec`, which also gives the loader a mount namespace of its own
+    // (another /sys, without the pins or cgroup v2).
+    let out = std::process::Command::new(meshpath_tests::cni_node::nsenter())
+        .arg(format!("--net={}", t.node.path().display()))
+        .arg(meshpath_tests::loader_bin())
+        .arg("--pin-root")
+        .arg(t.root.path())
+        .arg("reconcile")
+        .env("RUST_LOG", "info")
+        .output()
+        .expect("the loader");
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && log.contains("datapath upgraded in place"), "{log}");
+}
+
+#[test]
+fn an_upgrade_replaces_the_node_side_guard_and_it_still_drops() {
+    let t = NodeSide::capturing(8897, true);
+    let before = node_guard_programs(&t);
+    assert_eq!(before.len(), 1, "one guard on the node's end: {before:?}");
+    upgrade_from_the_node(&t);
+    let after = node_guard_programs(&t);
+    assert_eq!(after.len(), 1, "one guard on the node's end after the upgrade: {after:?}");
+    assert_ne!(before, after, "the node-side guard was not replaced");
+    let raw = raw_tcp(&t.pod, false);
+    t.send_syn(true);
+    assert!(!syn_ack_from(&raw, t.listening_at, Duration::from_secs(1)), "answered");
+}
+
+#[test]
+fn an_upgrade_replaces_the_node_side_guards_tcx_link_in_front_of_a_cnis_program() {
+    if !meshpath_loader::pods::tcx_supported() {
+        eprintln!("this kernel has no TCX (before 6.6): the guard is a filter there");
+        return;
+    }
+    let t = NodeSide::with_before_enrolment(8898, |node| tcx_pass_everything(node, HOST_END));
+    let before = node_guard_programs(&t);
+    assert_eq!(before.len(), 1, "one guard on the node's end: {before:?}");
+    upgrade_from_the_node(&t);
+    let after = node_guard_programs(&t);
+    assert_eq!(after.len(), 1, "one guard on the node's end after the upgrade: {after:?}");
+    assert_ne!(before, after, "the node-side guard's TCX link still runs the old program");
+    let raw = raw_tcp(&t.pod, false);
+    t.send_syn(true);
+    assert!(!syn_ack_from(&raw, t.listening_at, Duration::from_secs(1)), "answered");
 }
 
 #[test]

@@ -461,6 +461,13 @@ fn switch_pods(
             };
             report.links_updated += update_pod_link(&sk_lookup, program_fd(ebpf, program)?, &name)?;
         }
+        // The node-side guard's TCX links (on ends that run a CNI's TCX programs).
+        for entry in fs::read_dir(&dir).into_iter().flatten().flatten() {
+            if entry.file_name().to_string_lossy().starts_with(link_pins::NODE_GUARD_PREFIX) {
+                let fd = program_fd(ebpf, programs::TC_NODE_GUARD)?;
+                report.links_updated += update_pod_link(&entry.path(), fd, &name)?;
+            }
+        }
         let counters = dir.join(link_pins::TC_INGRESS).exists();
         let mut pod_object = None;
         if counters && tcx {

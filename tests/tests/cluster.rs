@@ -1342,3 +1342,25 @@ fn istioctl_finds_the_proxy_as_ztunnel_and_reads_its_config_dump_through_a_port_
     let out = long.wait_with_output().expect("the transfer's end");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+#[test]
+fn a_meshed_pods_hand_built_syn_that_skips_its_own_side_never_reaches_another_pod() {
+    // A packet socket with PACKET_QDISC_BYPASS (CAP_NET_RAW, which containerd grants) skips the
+    // pod's own guard; the agent's guard on the node's end of the pod's veth (the bridge
+    // plugin's) drops the SYN there. The control: the same SYN from an unmeshed pod to the
+    // same listener is answered.
+    set_up();
+    let pair = meshed_pair();
+    let plain = TestNamespace::new("plain", false).expect("namespace");
+    for app in ["legacy", "outsider"] {
+        deploy_app(&plain.name, app, 8080).expect("deployment");
+    }
+    let legacy = ready_pod(&plain.name, "legacy").expect("legacy");
+    let outsider = ready_pod(&plain.name, "outsider").expect("outsider");
+    let listener = format!("{}:9000", legacy.ip);
+    let syn = ["raw-syn", listener.as_str(), "--qdisc-bypass"];
+    let control = exec(&plain.name, &outsider.name, &syn).expect("raw-syn from outside the mesh");
+    assert_eq!(control.trim(), "answered", "the control's SYN was not answered: {control}");
+    let meshed = exec(&pair.ns.name, &pair.client.name, &syn).expect("raw-syn from the mesh");
+    assert_eq!(meshed.trim(), "unanswered", "a meshed pod's hand-built SYN got through");
+}

@@ -21,6 +21,12 @@
 //!   `opened=N answered=N refused=N reset=N other=N slowest_ms=N slowest_connect_ms=N` and
 //!   `failed_at_ms=T,…` (when each failed connection was opened, the first 100) and the first
 //!   errors; exits 1 unless every connection was answered.
+//! - `raw-syn ADDR [--qdisc-bypass]`: what an app with CAP_NET_RAW (containerd's default) can
+//!   do past the socket hooks: a hand-built TCP SYN to ADDR (IPv4, a listener on the same
+//!   network, as pods of one node are on the bridge), sent as a whole Ethernet frame on a
+//!   packet socket out of eth0 (with `--qdisc-bypass`, `PACKET_QDISC_BYPASS`: past every qdisc
+//!   and TC program of the pod's side). Prints `answered` if a SYN-ACK comes back within 2 s,
+//!   `unanswered` if not.
 
 use std::{
     env,
@@ -62,7 +68,8 @@ fn main() -> ExitCode {
         Some("send") => send(&args[1..]),
         Some("get") => get(&args[1..]),
         Some("loop") => connect_loop(&args[1..]),
-        Some(other) => Err(format!("unknown command {other}; serve, send, get or loop")),
+        Some("raw-syn") => raw_syn(&args[1..]),
+        Some(other) => Err(format!("unknown command {other}; serve, send, get, loop or raw-syn")),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -365,6 +372,193 @@ fn connect_loop(args: &[String]) -> Result<(), String> {
     }
     if answered != opened {
         return Err(format!("{} of {opened} connections were not answered", opened - answered));
+    }
+    Ok(())
+}
+
+/// The source port of `raw-syn`'s SYN (no socket of the pod has it).
+const RAW_SYN_PORT: u16 = 40404;
+
+/// `raw-syn ADDR [--qdisc-bypass]`.
+fn raw_syn(args: &[String]) -> Result<(), String> {
+    let dst: std::net::SocketAddrV4 = args
+        .first()
+        .ok_or("raw-syn needs ADDR")?
+        .parse()
+        .map_err(|e| format!("raw-syn ADDR: {e}"))?;
+    let bypass = args.iter().any(|a| a == "--qdisc-bypass");
+    // The pod's own address toward ADDR (a UDP connect sends nothing), and ADDR's MAC: a
+    // datagram to its discard port makes the kernel resolve it (UDP is not captured).
+    let udp = std::net::UdpSocket::bind("0.0.0.0:0").map_err(|e| format!("udp: {e}"))?;
+    udp.connect((*dst.ip(), 9)).map_err(|e| format!("udp connect: {e}"))?;
+    let std::net::SocketAddr::V4(src) = udp.local_addr().map_err(|e| format!("{e}"))? else {
+        return Err("no IPv4 address toward ADDR".into());
+    };
+    let _ = udp.send(b"arp");
+    let to_mac = mac_in_arp_table(*dst.ip(), Duration::from_secs(2))?;
+    let from_mac = parse_mac(
+        std::fs::read_to_string("/sys/class/net/eth0/address")
+            .map_err(|e| format!("eth0's address: {e}"))?
+            .trim(),
+    )?;
+    // SAFETY: plain socket calls on descriptors owned here (closed on return), with structs
+    // fully initialised here.
+    unsafe {
+        let raw = libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_TCP);
+        if raw < 0 {
+            return Err(format!("raw socket: {}", std::io::Error::last_os_error()));
+        }
+        let raw = <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw);
+        let timeout = libc::timeval { tv_sec: 0, tv_usec: 100_000 };
+        libc::setsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&raw),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            std::ptr::addr_of!(timeout).cast(),
+            std::mem::size_of::<libc::timeval>() as u32,
+        );
+        let frame = syn_frame(to_mac, from_mac, src.ip().octets(), dst.ip().octets(), dst.port());
+        send_frame(&frame, bypass)?;
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let mut buf = [0u8; 2048];
+        while Instant::now() < deadline {
+            let n = libc::recv(
+                std::os::fd::AsRawFd::as_raw_fd(&raw),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                0,
+            );
+            if n <= 0 {
+                continue;
+            }
+            let pkt = &buf[..n as usize];
+            let tcp = &pkt[usize::from(pkt[0] & 0x0f) * 4..];
+            if pkt[12..16] == dst.ip().octets()
+                && tcp.len() >= 14
+                && u16::from_be_bytes([tcp[0], tcp[1]]) == dst.port()
+                && u16::from_be_bytes([tcp[2], tcp[3]]) == RAW_SYN_PORT
+                && tcp[13] & 0x12 == 0x12
+            {
+                println!("answered");
+                return Ok(());
+            }
+        }
+    }
+    println!("unanswered");
+    Ok(())
+}
+
+/// ADDR's MAC from the kernel's neighbour table, once it has one.
+fn mac_in_arp_table(ip: std::net::Ipv4Addr, wait: Duration) -> Result<[u8; 6], String> {
+    let deadline = Instant::now() + wait;
+    loop {
+        let table = std::fs::read_to_string("/proc/net/arp").map_err(|e| format!("arp: {e}"))?;
+        let mac = table.lines().skip(1).find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.first() == Some(&ip.to_string().as_str()) && f.get(3) != Some(&"00:00:00:00:00:00"))
+                .then(|| f.get(3).copied())
+                .flatten()
+        });
+        if let Some(mac) = mac {
+            return parse_mac(mac);
+        }
+        if Instant::now() > deadline {
+            return Err(format!("no MAC for {ip} in /proc/net/arp"));
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn parse_mac(text: &str) -> Result<[u8; 6], String> {
+    let mut mac = [0u8; 6];
+    let mut parts = text.split(':');
+    for m in &mut mac {
+        let part = parts.next().ok_or_else(|| format!("not a MAC: {text}"))?;
+        *m = u8::from_str_radix(part, 16).map_err(|_| format!("not a MAC: {text}"))?;
+    }
+    Ok(mac)
+}
+
+/// The one's-complement sum of 16-bit words, folded.
+fn checksum(chunks: &[&[u8]]) -> u16 {
+    let mut sum = 0u32;
+    for chunk in chunks {
+        for pair in chunk.chunks(2) {
+            sum += u32::from(u16::from_be_bytes([pair[0], *pair.get(1).unwrap_or(&0)]));
+        }
+    }
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// An Ethernet frame carrying an IPv4 TCP SYN from `src`:[`RAW_SYN_PORT`] to `dst`:`port`.
+fn syn_frame(to: [u8; 6], from: [u8; 6], src: [u8; 4], dst: [u8; 4], port: u16) -> Vec<u8> {
+    let mut tcp = vec![0u8; 20];
+    tcp[0..2].copy_from_slice(&RAW_SYN_PORT.to_be_bytes());
+    tcp[2..4].copy_from_slice(&port.to_be_bytes());
+    tcp[4..8].copy_from_slice(&0x1234_5678u32.to_be_bytes());
+    tcp[12] = 5 << 4;
+    tcp[13] = 0x02;
+    tcp[14..16].copy_from_slice(&64240u16.to_be_bytes());
+    let pseudo = [&src[..], &dst[..], &[0, 6], &20u16.to_be_bytes()[..]].concat();
+    let sum = checksum(&[&pseudo, &tcp]);
+    tcp[16..18].copy_from_slice(&sum.to_be_bytes());
+    let mut ip = vec![0u8; 20];
+    ip[0] = 0x45;
+    ip[2..4].copy_from_slice(&40u16.to_be_bytes());
+    ip[8] = 64;
+    ip[9] = 6;
+    ip[12..16].copy_from_slice(&src);
+    ip[16..20].copy_from_slice(&dst);
+    let sum = checksum(&[&ip]);
+    ip[10..12].copy_from_slice(&sum.to_be_bytes());
+    [&to[..], &from[..], &0x0800u16.to_be_bytes()[..], &ip, &tcp].concat()
+}
+
+/// Sends `frame` out of eth0 on a `SOCK_RAW` packet socket; a drop on the pod's side
+/// (ENOBUFS) is not an error: whether the SYN got anywhere is for the answer to tell.
+fn send_frame(frame: &[u8], qdisc_bypass: bool) -> Result<(), String> {
+    // SAFETY: as in `raw_syn`.
+    unsafe {
+        let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, i32::from(0x0800u16.to_be()));
+        if fd < 0 {
+            return Err(format!("packet socket: {}", std::io::Error::last_os_error()));
+        }
+        let fd = <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd);
+        let raw_fd = std::os::fd::AsRawFd::as_raw_fd(&fd);
+        if qdisc_bypass {
+            let on: libc::c_int = 1;
+            if libc::setsockopt(
+                raw_fd,
+                libc::SOL_PACKET,
+                libc::PACKET_QDISC_BYPASS,
+                std::ptr::addr_of!(on).cast(),
+                std::mem::size_of::<libc::c_int>() as u32,
+            ) < 0
+            {
+                return Err(format!("PACKET_QDISC_BYPASS: {}", std::io::Error::last_os_error()));
+            }
+        }
+        let mut addr: libc::sockaddr_ll = std::mem::zeroed();
+        addr.sll_family = libc::AF_PACKET as u16;
+        addr.sll_protocol = 0x0800u16.to_be();
+        addr.sll_ifindex = libc::if_nametoindex(c"eth0".as_ptr()) as i32;
+        let n = libc::sendto(
+            raw_fd,
+            frame.as_ptr().cast(),
+            frame.len(),
+            0,
+            std::ptr::addr_of!(addr).cast(),
+            std::mem::size_of::<libc::sockaddr_ll>() as u32,
+        );
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::ENOBUFS) {
+                return Err(format!("sending the frame: {e}"));
+            }
+        }
     }
     Ok(())
 }

@@ -41,8 +41,10 @@ impl TestProxy {
     /// `agent: …`).
     pub fn spawn_as(label: &'static str, cmd: Command, cgroup: &CgroupGuard) -> Result<Self> {
         let (proxy, ready) = Self::launch(label, cmd, cgroup)?;
+        // A bound on start-up, not a timing: an agent loading the datapath under QEMU's TCG
+        // on a busy machine once took past 10 s (CI's 6.1 guest, cni.rs).
         ready
-            .recv_timeout(std::time::Duration::from_secs(10))
+            .recv_timeout(std::time::Duration::from_secs(30))
             .with_context(|| format!("the {label} did not become ready"))?;
         Ok(proxy)
     }

@@ -1,7 +1,8 @@
 //! ZDS as the proxy receives it from the node agent: a sequence of messages (each: a byte for
 //! how many descriptors came with it, a length byte, then protobuf), decoded and fed to the
 //! proxy's session state machine against a model of the pods served. Invariants: an add needs
-//! one descriptor (more only with held listeners); a keep only for a pod served; a snapshot removes exactly the served pods not
+//! one descriptor (more only with held listeners); a keep only for a pod served; a
+//! handed-over connection only with its two descriptors, for a pod named in the session; a snapshot removes exactly the served pods not
 //! named since the session began, so afterwards every pod served was named.
 #![no_main]
 
@@ -33,6 +34,11 @@ fuzz_target!(|data: &[u8]| {
                 served.insert(uid);
             }
             Ok(Step::Keep) => {}
+            Ok(Step::Take(held)) => {
+                // A handed-over connection: its two sockets, for a pod of this session.
+                assert_eq!(fds, 2);
+                assert!(session.named().contains(&held.uid));
+            }
             Ok(Step::Remove(uid)) => {
                 served.remove(&uid);
             }

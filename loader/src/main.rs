@@ -181,6 +181,11 @@ struct AgentArgs {
     /// this passes with no proxy back. 0: not held (connections are refused while no proxy runs).
     #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(0..=3600))]
     hold_listeners_seconds: u64,
+    /// Seconds the open connections a draining proxy (meshpath-proxy, on SIGTERM) handed over
+    /// are held for the next proxy, which carries them on: a proxy upgrade keeps them. Past
+    /// this with no proxy back, they close. 0: none is taken (the proxy drains them as before).
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(0..=3600))]
+    hold_connections_seconds: u64,
 }
 
 /// `enrol`'s arguments: the pod and its capture configuration.
@@ -337,6 +342,7 @@ fn run(cli: Cli) -> Result<()> {
                 health_addr: a.health_addr,
                 ack_timeout: std::time::Duration::from_secs(a.ack_timeout_seconds),
                 hold_listeners: std::time::Duration::from_secs(a.hold_listeners_seconds),
+                hold_connections: std::time::Duration::from_secs(a.hold_connections_seconds),
                 probe_source: a.probe_source,
                 ebpf_log: a.ebpf_log.parse().map_err(anyhow::Error::msg)?,
             };

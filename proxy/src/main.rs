@@ -476,8 +476,10 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
                 r = tokio::signal::ctrl_c() => r?,
                 () = proxy.drain.stopping() => {}
             }
+            let handing_over = proxy.handover.begin();
             tracing::info!(
                 deadline_s = cli.drain_seconds,
+                handing_over,
                 "draining: no new connections, waiting for open ones"
             );
             let left = proxy.drain.shutdown(Duration::from_secs(cli.drain_seconds)).await;

@@ -5,13 +5,15 @@
 //!   listens, the proxy connects and sends `ZdsHello { version: V1 }` first;
 //! - agent → proxy: `WorkloadRequest` (add with the pod's netns as one SCM_RIGHTS fd, keep, del,
 //!   snapshot sent); proxy → agent: one `WorkloadResponse { ack }` per request;
-//! - meshpath's one extension, negotiated in the hello: the pods' listening sockets held by the
-//!   agent across proxy restarts (`listeners`);
+//! - meshpath's two extensions, negotiated in the hello and the add: the pods' listening sockets
+//!   held by the agent across proxy restarts (`listeners`), and the open plain connections a
+//!   draining proxy hands to the next one through the agent (`connections`);
 //! - on every (re)connect the agent sends its full set and then `SnapshotSent`.
 //!
 //! The messages (`proto`) are derived with prost from `zds.proto` by hand, field numbers as
 //! Istio's; `transport` moves one message (and at most a few fds) per datagram.
 
+pub mod connections;
 pub mod listeners;
 pub mod proto;
 pub mod transport;

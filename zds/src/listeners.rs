@@ -1,4 +1,4 @@
-//! Held listeners, meshpath's one extension of ZDS: the pod's listening sockets outlive the
+//! Held listeners, meshpath's first extension of ZDS: the pod's listening sockets outlive the
 //! proxy that opened them.
 //!
 //! A proxy that says so in its hello (`ZdsHello::meshpath_held_listeners`) is asked, with each

@@ -16,6 +16,15 @@ pub struct ZdsHello {
     /// to the agent and takes them back. Istio's agent ignores the field; ztunnel never sets it.
     #[prost(bool, tag = "1000")]
     pub meshpath_held_listeners: bool,
+    /// meshpath's extension (`crate::connections`): this proxy takes the open connections a
+    /// previous one handed over (`TakeConnection`).
+    #[prost(bool, tag = "1001")]
+    pub meshpath_takes_connections: bool,
+    /// meshpath's extension (`crate::connections`): this connection is not a proxy's session
+    /// but a draining proxy handing its open connections over (`HeldConnection`s, each acked).
+    /// Sent only to an agent that said `hold_connections`.
+    #[prost(bool, tag = "1002")]
+    pub meshpath_hand_over: bool,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -39,6 +48,49 @@ pub struct AddWorkload {
     /// binding new ones), and the ack is to carry a duplicate of each listener the pod has.
     #[prost(bool, tag = "1000")]
     pub hold_listeners: bool,
+    /// meshpath's extension, sent only to a proxy that said `meshpath_takes_connections`: on
+    /// SIGTERM the proxy may hand this pod's open connections to the agent, which gives them to
+    /// the next proxy (`crate::connections`).
+    #[prost(bool, tag = "1001")]
+    pub hold_connections: bool,
+}
+
+/// Which side of the proxy a handed-over connection came in on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, prost::Enumeration)]
+#[repr(i32)]
+pub enum ConnectionDirection {
+    Unspecified = 0,
+    /// The pod's app opened it (captured on 15001), to a destination outside the mesh.
+    Outbound = 1,
+    /// A client outside the mesh opened it to the pod (captured on 15006).
+    Inbound = 2,
+}
+
+/// meshpath's extension: one open plain-TCP connection a draining proxy hands over, with two
+/// descriptors: the socket the proxy accepted, then the one it opened. Both are sockets of the
+/// pod's netns. The proxy has stopped reading both and written out all it had read: every byte
+/// not yet carried is in the kernel's buffers of these sockets.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct HeldConnection {
+    /// The pod it belongs to.
+    #[prost(string, tag = "1")]
+    pub uid: String,
+    #[prost(enumeration = "ConnectionDirection", tag = "2")]
+    pub direction: i32,
+    /// The client's address (the app's, or the outside client's).
+    #[prost(string, tag = "3")]
+    pub src: String,
+    /// The destination the client asked for.
+    #[prost(string, tag = "4")]
+    pub dst: String,
+    /// Bytes carried so far, client to destination and back (for telemetry).
+    #[prost(uint64, tag = "5")]
+    pub sent: u64,
+    #[prost(uint64, tag = "6")]
+    pub received: u64,
+    /// Milliseconds since the Unix epoch at which the first proxy accepted it.
+    #[prost(uint64, tag = "7")]
+    pub opened_unix_ms: u64,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -64,7 +116,7 @@ pub struct Ack {
 
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct WorkloadRequest {
-    #[prost(oneof = "workload_request::Payload", tags = "1, 5, 2, 3")]
+    #[prost(oneof = "workload_request::Payload", tags = "1, 5, 2, 3, 1000")]
     pub payload: Option<workload_request::Payload>,
 }
 
@@ -79,6 +131,10 @@ pub mod workload_request {
         Del(super::DelWorkload),
         #[prost(message, tag = "3")]
         SnapshotSent(super::SnapshotSent),
+        /// meshpath's extension: serve this connection a previous proxy handed over (its two
+        /// descriptors attached), for a pod added earlier in the session.
+        #[prost(message, tag = "1000")]
+        TakeConnection(super::HeldConnection),
     }
 }
 
@@ -137,7 +193,11 @@ mod tests {
     #[test]
     fn the_held_listeners_extension_is_invisible_to_istio_and_read_back_by_meshpath() {
         // Field 1000, varint: key (1000 << 3) = 8000 = 0xc0 0x3e. Istio's decoder skips it.
-        let hello = ZdsHello { version: Version::V1 as i32, meshpath_held_listeners: true };
+        let hello = ZdsHello {
+            version: Version::V1 as i32,
+            meshpath_held_listeners: true,
+            ..Default::default()
+        };
         let bytes = hello.encode_to_vec();
         assert_eq!(bytes, vec![0x08, 0x01, 0xc0, 0x3e, 0x01]);
         assert_eq!(ZdsHello::decode(bytes.as_slice()).expect("decode"), hello);
@@ -159,6 +219,7 @@ mod tests {
                     service_account: "web".into(),
                 }),
                 hold_listeners: true,
+                hold_connections: true,
             })),
         };
         let back = WorkloadRequest::decode(add.encode_to_vec().as_slice()).expect("decode");

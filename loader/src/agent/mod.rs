@@ -25,6 +25,7 @@ pub mod cni_server;
 pub mod directory;
 pub mod ebpf_log;
 pub mod health;
+pub mod held_connections;
 pub mod held_listeners;
 pub mod interfaces;
 pub mod membership;
@@ -71,6 +72,8 @@ pub struct AgentConfig {
     pub ack_timeout: Duration,
     /// How long a pod's listeners are held open with no proxy serving it (zero: not held).
     pub hold_listeners: Duration,
+    /// How long connections a draining proxy handed over are held for the next (zero: none).
+    pub hold_connections: Duration,
     /// Make node processes probing pods (kubelet) leave from Istio's probe source addresses,
     /// this process's netns being the node's.
     pub probe_source: bool,
@@ -196,7 +199,7 @@ const DATAPATH_RETRY: Duration = Duration::from_secs(15);
 pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
     let directory = directory::Directory::start(&cfg.directory).await?;
     let agent = Arc::new(Agent {
-        zds: zds_server::ZdsHub::new(cfg.ack_timeout, cfg.hold_listeners),
+        zds: zds_server::ZdsHub::new(cfg.ack_timeout, cfg.hold_listeners, cfg.hold_connections),
         directory,
         cfg,
         dp_lock: Mutex::new(()),

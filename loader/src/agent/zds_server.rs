@@ -4,7 +4,9 @@
 //! connection replaces the old one (a restarted proxy). With no proxy connected, adding a pod
 //! fails: the CNI ADD fails and the runtime retries, rather than a pod starting with nobody to
 //! serve it. A proxy that offers it gives the agent its pods' listeners to hold across its
-//! restarts (`held_listeners`); a proxy that does not (Istio's ztunnel) gets plain ZDS.
+//! restarts (`held_listeners`), and on SIGTERM its open plain connections, on a second
+//! connection of its own, for the next proxy (`held_connections`); a proxy that does not
+//! (Istio's ztunnel) gets plain ZDS.
 
 use std::{
     os::fd::{AsFd as _, BorrowedFd, OwnedFd},
@@ -15,15 +17,15 @@ use std::{
 
 use meshpath_zds::{
     proto::{
-        workload_request::Payload, AddWorkload, DelWorkload, SnapshotSent, Version, WorkloadInfo,
-        WorkloadRequest, WorkloadResponse, ZdsHello,
+        workload_request::Payload, AddWorkload, DelWorkload, HeldConnection, SnapshotSent, Version,
+        WorkloadInfo, WorkloadRequest, WorkloadResponse, ZdsHello,
     },
     Listener, SeqPacket,
 };
 use tokio::sync::Mutex;
 use tracing::{info, warn};
 
-use super::{held_listeners::HeldListeners, Agent, LivePod};
+use super::{held_connections::HeldConnections, held_listeners::HeldListeners, Agent, LivePod};
 
 /// How often the agent looks whether the proxy closed its end, and for held listeners past
 /// their hold.
@@ -60,6 +62,8 @@ struct Session {
     conn: SeqPacket,
     /// It takes and gives back the pods' listeners (its hello said so, and the agent holds them).
     holds: bool,
+    /// It takes the connections a previous proxy handed over, and may hand its own over.
+    takes_connections: bool,
 }
 
 /// The proxy connection, if any.
@@ -69,17 +73,24 @@ pub struct ZdsHub {
     ack_timeout: Duration,
     /// The pods' listeners, kept open while no proxy runs.
     pub held: HeldListeners,
+    /// The open connections a draining proxy handed over, for the next one.
+    pub connections: HeldConnections,
     /// The cgroup registered for the connected proxy (`--proxy-cgroup-from-zds-peer`): a
     /// restarted proxy's replaces it, so restarts do not fill `PROXY_CGROUPS`.
     peer_cgroup: std::sync::Mutex<Option<u64>>,
 }
 
 impl ZdsHub {
-    pub fn new(ack_timeout: Duration, hold_listeners: Duration) -> Self {
+    pub fn new(
+        ack_timeout: Duration,
+        hold_listeners: Duration,
+        hold_connections: Duration,
+    ) -> Self {
         Self {
             conn: Mutex::new(None),
             ack_timeout,
             held: HeldListeners::new(hold_listeners),
+            connections: HeldConnections::new(hold_connections),
             peer_cgroup: std::sync::Mutex::new(None),
         }
     }
@@ -163,11 +174,14 @@ impl ZdsHub {
         let held = if session.holds { self.held.for_add(&record.uid) } else { Vec::new() };
         let mut fds: Vec<BorrowedFd<'_>> = vec![netns.file().as_fd()];
         fds.extend(held.iter().map(|f| f.as_fd()));
-        let req = add_request(record, session.holds);
+        let req = add_request(record, session.holds, session.takes_connections);
         match self.exchange(&session.conn, &req, &fds).await {
             Ok(given) => {
                 if session.holds {
                     self.held.taken(&record.uid, record.cookie, given);
+                }
+                if session.takes_connections {
+                    self.give_connections(session, &record.uid).await?;
                 }
                 Ok(())
             }
@@ -178,9 +192,38 @@ impl ZdsHub {
         }
     }
 
-    /// Tells the proxy to stop serving a pod; the listeners held for it are closed.
+    /// The connections held for `uid`, to the proxy that now serves it, one `TakeConnection`
+    /// each. One it refuses closes; if the session breaks, the rest wait for the next proxy.
+    async fn give_connections(&self, session: &Session, uid: &str) -> Result<(), RequestError> {
+        let mut held = self.connections.take(uid).into_iter();
+        let mut given = 0usize;
+        while let Some(h) = held.next() {
+            let req = WorkloadRequest { payload: Some(Payload::TakeConnection(h.what.clone())) };
+            let fds = [h.fds[0].as_fd(), h.fds[1].as_fd()];
+            match self.exchange(&session.conn, &req, &fds).await {
+                Ok(_) => given += 1,
+                Err(RequestError::Refused(why)) => {
+                    warn!(pod = %uid, src = %h.what.src, dst = %h.what.dst, why, "the proxy did not take a handed-over connection: closed");
+                }
+                Err(e) => {
+                    let mut rest = vec![h];
+                    rest.extend(held);
+                    self.connections.put_back(uid, rest);
+                    return Err(e);
+                }
+            }
+        }
+        if given > 0 {
+            info!(pod = %uid, connections = given, "handed-over connections given to the proxy");
+        }
+        Ok(())
+    }
+
+    /// Tells the proxy to stop serving a pod; the listeners and connections held for it are
+    /// closed.
     pub async fn del(&self, uid: &str) -> Result<(), RequestError> {
         self.held.forget(uid);
+        self.connections.forget(uid);
         let req = WorkloadRequest { payload: Some(Payload::Del(DelWorkload { uid: uid.into() })) };
         self.request(req).await
     }
@@ -199,11 +242,16 @@ impl ZdsHub {
                 }
             }
             self.held.expire(std::time::Instant::now());
+            self.connections.expire(std::time::Instant::now());
         }
     }
 }
 
-fn add_request(r: &super::records::PodRecord, hold_listeners: bool) -> WorkloadRequest {
+fn add_request(
+    r: &super::records::PodRecord,
+    hold_listeners: bool,
+    hold_connections: bool,
+) -> WorkloadRequest {
     WorkloadRequest {
         payload: Some(Payload::Add(AddWorkload {
             uid: r.uid.clone(),
@@ -213,6 +261,7 @@ fn add_request(r: &super::records::PodRecord, hold_listeners: bool) -> WorkloadR
                 service_account: r.service_account.clone(),
             }),
             hold_listeners,
+            hold_connections,
         })),
     }
 }
@@ -256,7 +305,15 @@ async fn welcome(agent: &Arc<Agent>, conn: SeqPacket) -> anyhow::Result<()> {
     if hello.version != Version::V1 as i32 {
         anyhow::bail!("the proxy speaks ZDS version {}, not V1", hello.version);
     }
+    if hello.meshpath_hand_over {
+        // Not a session: a draining proxy handing its connections over. Served on a task of
+        // its own, so the next proxy is accepted meanwhile.
+        let agent = agent.clone();
+        tokio::spawn(async move { receive_hand_over(&agent, conn).await });
+        return Ok(());
+    }
     let holds = hello.meshpath_held_listeners && hub.held.enabled();
+    let takes_connections = hello.meshpath_takes_connections && hub.connections.enabled();
     // The new proxy's cgroup is registered now; the previous proxy's stays registered until the
     // new one has acknowledged the snapshot: during a proxy upgrade the old one keeps serving,
     // and its own connections must not be captured meanwhile.
@@ -274,7 +331,11 @@ async fn welcome(agent: &Arc<Agent>, conn: SeqPacket) -> anyhow::Result<()> {
         // It binds its own listeners in each pod, which the held ones would keep it from.
         hub.held.release_all("the proxy that connected does not take held listeners");
     }
-    let session = Session { conn, holds };
+    if !takes_connections {
+        hub.connections
+            .release_all("the proxy that connected does not take handed-over connections");
+    }
+    let session = Session { conn, holds, takes_connections };
     let snapshot: Vec<(super::records::PodRecord, Arc<crate::netns::Netns>)> = agent
         .pods
         .lock()
@@ -305,6 +366,42 @@ async fn welcome(agent: &Arc<Agent>, conn: SeqPacket) -> anyhow::Result<()> {
     info!(pods = snapshot.len(), holds_listeners = holds, "snapshot sent to the node proxy");
     *guard = Some(session);
     Ok(())
+}
+
+/// A draining proxy's connections, each checked, held and acked, until it closes.
+async fn receive_hand_over(agent: &Agent, conn: SeqPacket) {
+    let hub = &agent.zds;
+    let mut held = 0usize;
+    loop {
+        let (what, fds) = match conn.recv_msg::<HeldConnection>().await {
+            Ok(m) => m,
+            Err(meshpath_zds::ZdsError::Closed) => break,
+            Err(e) => {
+                warn!(error = %e, "hand-over connection failed");
+                break;
+            }
+        };
+        let cookie = agent.pods.lock().ok().and_then(|pods| {
+            pods.values().find(|p| p.record.uid == what.uid).map(|p| p.record.cookie)
+        });
+        let (src, dst) = (what.src.clone(), what.dst.clone());
+        let result = match cookie {
+            None => Err(format!("pod {} is not one this agent serves", what.uid)),
+            Some(cookie) => hub.connections.hold(what, fds, cookie, std::time::Instant::now()),
+        };
+        match &result {
+            Ok(()) => held += 1,
+            Err(why) => warn!(
+                src,
+                dst, why, "a handed-over connection was not taken: the proxy carries it on"
+            ),
+        }
+        if let Err(e) = conn.send_msg(&WorkloadResponse::ack(result), &[]).await {
+            warn!(error = %e, "hand-over connection failed");
+            break;
+        }
+    }
+    info!(connections = held, "a draining proxy handed its connections over");
 }
 
 /// Each pod with its netns, then `SnapshotSent`. A pod the proxy refuses stays captured and

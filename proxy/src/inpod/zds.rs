@@ -35,6 +35,7 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 /// Talks to the agent at `path` until the proxy shuts down.
 pub fn spawn(proxy: Arc<Proxy>, path: PathBuf) {
+    proxy.handover.set_agent(path.clone());
     tokio::spawn(async move {
         let mut backoff = Duration::from_millis(50);
         loop {
@@ -60,7 +61,12 @@ pub fn spawn(proxy: Arc<Proxy>, path: PathBuf) {
 }
 
 async fn session(proxy: &Arc<Proxy>, conn: &SeqPacket) -> Result<(), ZdsError> {
-    let hello = ZdsHello { version: Version::V1 as i32, meshpath_held_listeners: true };
+    let hello = ZdsHello {
+        version: Version::V1 as i32,
+        meshpath_held_listeners: true,
+        meshpath_takes_connections: true,
+        ..Default::default()
+    };
     conn.send_msg(&hello, &[]).await?;
     let mut session = Session::default();
     loop {
@@ -108,7 +114,12 @@ pub enum Step {
         /// The agent holds the pod's listeners: they came after the netns, and the ack carries
         /// a duplicate of each.
         hold_listeners: bool,
+        /// The agent takes the pod's plain connections at shutdown (`proxy::handover`).
+        hold_connections: bool,
     },
+    /// Carry on a connection a previous proxy handed over (its two sockets are the request's
+    /// descriptors), for a pod named earlier in the session.
+    Take(meshpath_zds::proto::HeldConnection),
     /// Nothing to do: the pod is served and stays.
     Keep,
     Remove(String),
@@ -152,7 +163,23 @@ impl Session {
                     uid: add.uid,
                     info: add.workload_info,
                     hold_listeners: add.hold_listeners,
+                    hold_connections: add.hold_connections,
                 })
+            }
+            Some(Payload::TakeConnection(held)) => {
+                if fds != meshpath_zds::connections::FDS_PER_CONNECTION {
+                    return Err(format!(
+                        "TakeConnection for {} came with {fds} descriptors, not 2",
+                        held.uid
+                    ));
+                }
+                if !self.named.contains(&held.uid) {
+                    return Err(format!(
+                        "TakeConnection for {}: not added in this session",
+                        held.uid
+                    ));
+                }
+                Ok(Step::Take(held))
             }
             Some(Payload::Keep(keep)) => {
                 if !served.contains(&keep.uid) {
@@ -185,7 +212,8 @@ impl Session {
 /// pod's listeners, for an agent that holds them.
 fn apply(proxy: &Arc<Proxy>, step: Step, fds: Vec<OwnedFd>) -> Result<Vec<OwnedFd>, String> {
     match step {
-        Step::Add { uid, info, hold_listeners } => {
+        Step::Add { uid, info, hold_listeners, hold_connections } => {
+            proxy.handover.offered(hold_connections);
             let mut fds = fds.into_iter();
             let file = File::from(fds.next().ok_or("AddWorkload without its netns")?);
             let label = format!("zds:{uid}");
@@ -205,6 +233,10 @@ fn apply(proxy: &Arc<Proxy>, step: Step, fds: Vec<OwnedFd>) -> Result<Vec<OwnedF
             Ok(pod.sockets.held.for_agent())
         }
         Step::Keep => Ok(Vec::new()),
+        Step::Take(held) => {
+            crate::proxy::handover::take(proxy, held, fds)?;
+            Ok(Vec::new())
+        }
         Step::Remove(uid) => {
             super::remove(proxy, &uid);
             Ok(Vec::new())

@@ -12,12 +12,13 @@
 //! (both directions count: a long download with a silent upload is not idle).
 
 use std::{
-    future::poll_fn,
+    future::{poll_fn, Future as _},
     io,
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc,
     },
+    task::{ready, Context, Poll},
     time::{Duration, Instant},
 };
 
@@ -25,8 +26,12 @@ use bytes::{Bytes, BytesMut};
 use h2::{RecvStream, SendStream};
 use tokio::{
     io::{AsyncWrite, AsyncWriteExt as _},
-    net::{tcp::OwnedReadHalf, TcpStream},
+    net::{
+        tcp::{OwnedReadHalf, OwnedWriteHalf},
+        TcpStream,
+    },
 };
+use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Meter;
 
@@ -49,19 +54,26 @@ impl GrowingReader {
 
     /// The next bytes read; `None` at end of stream.
     async fn read(&mut self) -> io::Result<Option<BytesMut>> {
+        poll_fn(|cx| self.poll_read(cx)).await
+    }
+
+    /// As [`Self::read`], polled: written by hand, as the connection's task holds it for its
+    /// whole life (an `async` read and a `select!` around it cost an idle connection more).
+    fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<Option<BytesMut>>> {
         loop {
-            self.half.readable().await?;
+            ready!(self.half.as_ref().poll_read_ready(cx))?;
             let mut buf = BytesMut::with_capacity(self.next);
             match self.half.try_read_buf(&mut buf) {
-                Ok(0) => return Ok(None),
+                Ok(0) => return Poll::Ready(Ok(None)),
                 Ok(n) => {
                     if n == self.next {
                         self.next = (self.next * 2).min(MAX_READ);
                     }
-                    return Ok(Some(buf));
+                    return Poll::Ready(Ok(Some(buf)));
                 }
+                // Readiness was cleared: polled again, it waits.
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Err(e),
+                Err(e) => return Poll::Ready(Err(e)),
             }
         }
     }
@@ -154,32 +166,48 @@ async fn copy_from_h2(
     Ok(total)
 }
 
-/// Copies one plain socket into another; shuts the other's write side down at the end.
+/// Copies one plain socket into another, shutting the other's write side down at the end;
+/// or, once `stop` is cancelled, stops at the next read with everything read written out
+/// (`Ok(None)`: the bytes not yet read stay in the socket's buffer, for whoever takes it next).
 async fn copy_plain(
-    from: OwnedReadHalf,
-    mut to: impl AsyncWrite + Unpin,
+    from: &mut GrowingReader,
+    to: &mut OwnedWriteHalf,
     meter: &Meter,
     idle: &Idle,
-) -> io::Result<u64> {
-    let mut from = GrowingReader::new(from);
+    stop: &CancellationToken,
+) -> io::Result<Option<u64>> {
     let mut total = 0u64;
-    while let Some(buf) = from.read().await? {
+    // Made once: every connection's relay waits on the same token.
+    let stopped = stop.cancelled();
+    tokio::pin!(stopped);
+    loop {
+        // A stop is seen before more data. Not reading loses nothing: the bytes stay in the
+        // socket for whoever takes it next.
+        let next = poll_fn(|cx| {
+            if stopped.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Ok(None));
+            }
+            from.poll_read(cx).map_ok(Some)
+        })
+        .await?;
+        let Some(next) = next else { return Ok(None) };
+        let Some(buf) = next else { break };
         idle.touch();
         to.write_all(&buf).await?;
         total += buf.len() as u64;
         meter.add(buf.len() as u64);
     }
     to.shutdown().await?;
-    Ok(total)
+    Ok(Some(total))
 }
 
 /// Both directions, or an error once the connection has been idle for its timeout.
-async fn both_or_idle(
+async fn both_or_idle<T>(
     idle: &Idle,
-    both: impl std::future::Future<Output = (io::Result<u64>, io::Result<u64>)>,
-) -> io::Result<(u64, u64)> {
+    both: impl std::future::Future<Output = io::Result<T>>,
+) -> io::Result<T> {
     tokio::select! {
-        (x, y) = both => Ok((x?, y?)),
+        r = both => r,
         quiet = idle.expired() => Err(io::Error::new(
             io::ErrorKind::TimedOut,
             format!("idle for {}s: closed", quiet.as_secs()),
@@ -199,23 +227,52 @@ pub async fn splice(
     let idle = Idle::new(idle_timeout);
     let (r, w) = tcp.into_split();
     both_or_idle(&idle, async {
-        tokio::join!(copy_to_h2(r, send, out, &idle), copy_from_h2(recv, w, back, &idle))
+        let (x, y) =
+            tokio::join!(copy_to_h2(r, send, out, &idle), copy_from_h2(recv, w, back, &idle));
+        Ok((x?, y?))
     })
     .await
 }
 
-/// Plain TCP both ways (passthrough, inbound plaintext), counting like `splice`.
+/// How a plain relay ended.
+#[derive(Debug)]
+pub enum Relayed {
+    /// Both directions ended; the bytes each way.
+    Done(u64, u64),
+    /// Stopped for a hand-over: both sockets, nothing read from either left unwritten.
+    Stopped(TcpStream, TcpStream),
+}
+
+/// Plain TCP both ways (passthrough, inbound plaintext), counting like `splice`, until both
+/// directions end, or until `stop` is cancelled (a hand-over, `handover`): then each direction
+/// stops at its next read, after writing out what it had read, and the sockets come back.
 pub async fn relay(
     a: TcpStream,
     b: TcpStream,
     (a_to_b, b_to_a): (&Meter, &Meter),
     idle_timeout: Option<Duration>,
-) -> io::Result<(u64, u64)> {
+    stop: &CancellationToken,
+) -> io::Result<Relayed> {
     let idle = Idle::new(idle_timeout);
-    let (ar, aw) = a.into_split();
-    let (br, bw) = b.into_split();
-    both_or_idle(&idle, async {
-        tokio::join!(copy_plain(ar, bw, a_to_b, &idle), copy_plain(br, aw, b_to_a, &idle))
+    let (ar, mut aw) = a.into_split();
+    let (br, mut bw) = b.into_split();
+    let (mut ar, mut br) = (GrowingReader::new(ar), GrowingReader::new(br));
+    let (x, y) = both_or_idle(&idle, async {
+        let (x, y) = tokio::join!(
+            copy_plain(&mut ar, &mut bw, a_to_b, &idle, stop),
+            copy_plain(&mut br, &mut aw, b_to_a, &idle, stop)
+        );
+        Ok::<_, io::Error>((x?, y?))
     })
-    .await
+    .await?;
+    match (x, y) {
+        (Some(x), Some(y)) => Ok(Relayed::Done(x, y)),
+        // One direction may have ended before the stop: its socket is handed over half closed,
+        // and whoever takes it reads its end again.
+        _ => {
+            let a = ar.half.reunite(aw).map_err(|_| io::Error::other("halves of two sockets"))?;
+            let b = br.half.reunite(bw).map_err(|_| io::Error::other("halves of two sockets"))?;
+            Ok(Relayed::Stopped(a, b))
+        }
+    }
 }

@@ -13,7 +13,7 @@ use tracing::{info_span, warn, Instrument as _};
 use crate::{
     metrics::{ConnGuard, ConnInfo, Direction},
     proxy::pod::Pod,
-    proxy::{authorized::Authorized, outbound::original_dst},
+    proxy::{authorized::Authorized, handover, outbound::original_dst},
     state::authorization,
 };
 
@@ -98,8 +98,14 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
         }
     };
     let meters = (&guard.from_client, &guard.to_client);
+    let plain = handover::Plain {
+        direction: Direction::Inbound,
+        src: peer,
+        dst,
+        opened: std::time::SystemTime::now(),
+    };
     tokio::select! {
-        r = crate::proxy::copy::relay(conn, app, meters, proxy.settings.idle_timeout) => match r {
+        r = handover::relay(pod, &plain, conn, app, meters) => match r {
             Ok(_) => guard.finish(None),
             Err(e) => guard.finish(Some(&e.to_string())),
         },

@@ -5,12 +5,14 @@
 //! `netns`, its listeners held across restarts by the node agent: `held_listeners`), the HBONE protocol, the connection pool, the byte copy, accept loops with their
 //! caps and draining, the per-source cap on unauthenticated inbound, the large reads under TLS,
 //! the allowed connections a policy change re-checks, the open ones the admin dump lists
-//! (`open_connections`).
+//! (`open_connections`), and the plain connections handed to the next proxy at shutdown
+//! (`handover`).
 
 pub mod authorized;
 pub mod copy;
 pub mod dns;
 pub mod drain;
+pub mod handover;
 pub mod hbone;
 pub mod held_listeners;
 pub mod inbound;

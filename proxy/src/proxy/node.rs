@@ -23,6 +23,8 @@ pub struct Proxy {
     store: RwLock<Arc<WorkloadStore>>,
     pub certs: Certs,
     pub drain: Drain,
+    /// At shutdown, the plain connections go to the next proxy through the agent.
+    pub handover: super::handover::HandOver,
     pub pool: Pool,
     pub metrics: Arc<Metrics>,
     pub settings: Settings,
@@ -62,6 +64,7 @@ impl Proxy {
             store: RwLock::new(Arc::new(store)),
             certs,
             drain: Drain::new(settings.max_connections),
+            handover: Default::default(),
             pool: Pool::new(metrics.clone(), settings.pool_max_streams, settings.pool_spread),
             metrics,
             settings,

@@ -22,6 +22,7 @@ use tracing::{info_span, Instrument as _};
 use crate::{
     metrics::{ConnGuard, ConnInfo, Direction, Meter},
     proxy::drain::HboneHold,
+    proxy::handover,
     proxy::hbone::{self, StreamHeaders},
     proxy::pod::Pod,
     proxy::pool::{PoolKey, StreamPermit},
@@ -105,7 +106,7 @@ async fn handle(
         via_hbone(conn, peer, pod, &target, meters, hold).await
     } else {
         hold.release();
-        passthrough(conn, pod, target.addr, meters).await
+        passthrough(conn, peer, pod, target.addr, meters).await
     };
     match result {
         Ok(()) => guard.finish(None),
@@ -220,6 +221,7 @@ async fn open(
 
 async fn passthrough(
     conn: TcpStream,
+    peer: SocketAddr,
     pod: &Pod,
     dst: SocketAddr,
     meters: (&Meter, &Meter),
@@ -237,7 +239,13 @@ async fn passthrough(
             anyhow::bail!("connecting to {dst}: timed out");
         }
     };
-    crate::proxy::copy::relay(conn, upstream, meters, proxy.settings.idle_timeout).await?;
+    let plain = handover::Plain {
+        direction: Direction::Outbound,
+        src: peer,
+        dst,
+        opened: std::time::SystemTime::now(),
+    };
+    handover::relay(pod, &plain, conn, upstream, meters).await?;
     Ok(())
 }
 

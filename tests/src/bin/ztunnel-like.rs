@@ -129,6 +129,8 @@ async fn zds(path: PathBuf, node: Arc<Node>) -> Result<()> {
                 }
                 Ok(())
             }
+            // Never sent: like ztunnel, it did not say meshpath_takes_connections.
+            Some(Payload::TakeConnection(_)) => Err(anyhow::anyhow!("not asked for")),
             None => Err(anyhow::anyhow!("empty request")),
         };
         conn.send_msg(&WorkloadResponse::ack(result.map_err(|e| format!("{e:#}"))), &[]).await?;

@@ -1,0 +1,190 @@
+//! Open connections survive a proxy upgrade (`proxy/src/proxy/handover.rs`,
+//! `loader/src/agent/held_connections.rs`): on SIGTERM the proxy hands each open plain
+//! connection (passthrough to a destination outside the mesh, plaintext inbound from a client
+//! outside it) to the node agent, and the next proxy carries it on. The apps see one connection
+//! that paused: every byte arrives once, in order, and neither side sees an end or a reset.
+//! The control: with the agent's hold off, the same connection ends with the old proxy.
+
+use std::{
+    io::{ErrorKind, Read as _, Write as _},
+    net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream},
+    sync::atomic::{AtomicBool, AtomicU64, Ordering},
+    time::{Duration, Instant},
+};
+
+use meshpath_tests::cni_node::{CniNode, CniPod};
+
+const WORKLOADS: &str = "workloads:
+- {uid: uid-p0, name: p0, namespace: default, serviceAccount: sa0, protocol: HBONE}
+";
+
+/// A node with meshed pod p0, and an echo server outside the mesh in the node's netns (on the
+/// pods' gateway address, reached from p0 by passthrough). `agent_args` go to the agent.
+fn node_with(agent_args: &[&str]) -> (CniNode, CniPod, SocketAddr) {
+    let mut node = CniNode::bare(WORKLOADS).expect("node");
+    let args: Vec<String> = agent_args.iter().map(|a| a.to_string()).collect();
+    node.start_agent_with(&args).expect("agent");
+    node.start_proxy_with(&["--drain-seconds", "5"]).expect("proxy");
+    let p0 = node.add_pod("p0").expect("ADD p0");
+    let gateway = IpAddr::V4(Ipv4Addr::new(10, node.subnet, 0, 1));
+    let l = node.node.listen(SocketAddr::new(gateway, 0)).expect("listen in the node netns");
+    let server = l.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for c in l.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut c = c;
+                let mut r = c.try_clone()?;
+                std::io::copy(&mut r, &mut c)?;
+                c.shutdown(std::net::Shutdown::Write)
+            });
+        }
+    });
+    (node, p0, server)
+}
+
+/// SIGTERM to the proxy, its exit awaited, then a new proxy (ready once the agent's snapshot,
+/// with the connections it held, is in). Returns the old proxy's log.
+fn upgrade_proxy(node: &mut CniNode) -> String {
+    let old = node.proxy.as_mut().expect("proxy");
+    old.signal(libc::SIGTERM).expect("SIGTERM");
+    assert!(old.wait_exit(Duration::from_secs(30)), "the old proxy did not exit");
+    let log = old.lines().join("\n");
+    node.start_proxy_with(&["--drain-seconds", "5"]).expect("the new proxy");
+    log
+}
+
+/// One echo round trip of `msg` on `c`.
+fn round_trip(c: &mut TcpStream, msg: &[u8]) -> std::io::Result<()> {
+    c.write_all(msg)?;
+    let mut back = vec![0u8; msg.len()];
+    c.read_exact(&mut back)?;
+    if back != msg {
+        return Err(std::io::Error::other("the echo changed the bytes"));
+    }
+    Ok(())
+}
+
+/// The byte at `offset` of the test's stream (a pattern no shift or repeat reproduces).
+fn pattern(offset: u64) -> u8 {
+    (offset.wrapping_mul(2_654_435_761) >> 13) as u8
+}
+
+#[test]
+fn a_bulk_transfer_through_passthrough_carries_on_byte_exact_across_sigterm_and_a_new_proxy() {
+    const TOTAL: u64 = 256 << 20;
+    let (mut node, p0, server) = node_with(&[]);
+    let c = p0.connect(server).expect("connect");
+    c.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout");
+    let mut w = c.try_clone().expect("clone");
+    let mut r = c;
+    let echoed = AtomicU64::new(0);
+    let upgraded = AtomicBool::new(false);
+    let old_log = std::thread::scope(|s| {
+        let writer = s.spawn(|| -> std::io::Result<()> {
+            let mut off = 0u64;
+            let mut buf = vec![0u8; 64 * 1024];
+            while off < TOTAL {
+                // Past a quarter, slowly until the upgrade is done: it must land mid-transfer.
+                if off > TOTAL / 4 && !upgraded.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                let n = (buf.len() as u64).min(TOTAL - off) as usize;
+                for (i, b) in buf[..n].iter_mut().enumerate() {
+                    *b = pattern(off + i as u64);
+                }
+                w.write_all(&buf[..n])?;
+                off += n as u64;
+            }
+            w.shutdown(std::net::Shutdown::Write)
+        });
+        let reader = s.spawn(|| -> Result<u64, String> {
+            let mut off = 0u64;
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                let n = match r.read(&mut buf) {
+                    Ok(0) => return Ok(off),
+                    Ok(n) => n,
+                    Err(e) => return Err(format!("at byte {off}: {e}")),
+                };
+                for (i, b) in buf[..n].iter().enumerate() {
+                    if *b != pattern(off + i as u64) {
+                        return Err(format!("byte {} differs", off + i as u64));
+                    }
+                }
+                off += n as u64;
+                echoed.store(off, Ordering::Relaxed);
+            }
+        });
+        // The upgrade lands mid-transfer.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while echoed.load(Ordering::Relaxed) < TOTAL / 4 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let at = echoed.load(Ordering::Relaxed);
+        let log = upgrade_proxy(&mut node);
+        upgraded.store(true, Ordering::Relaxed);
+        writer.join().expect("writer").expect("the client's upload failed");
+        let got = reader.join().expect("reader");
+        assert_eq!(got, Ok(TOTAL), "upgrade at byte {at}; the old proxy's log:\n{log}");
+        log
+    });
+    assert!(old_log.contains("handed over to the node agent"), "{old_log}");
+    let new_log = node.proxy.as_ref().expect("proxy").lines().join("\n");
+    assert!(new_log.contains("connection taken over from the previous proxy"), "{new_log}");
+}
+
+#[test]
+fn an_idle_connection_sent_to_while_no_proxy_runs_is_answered_by_the_next_proxy() {
+    let (mut node, p0, server) = node_with(&[]);
+    let mut c = p0.connect(server).expect("connect");
+    round_trip(&mut c, b"before the upgrade").expect("before");
+    let old = node.proxy.as_mut().expect("proxy");
+    old.signal(libc::SIGTERM).expect("SIGTERM");
+    assert!(old.wait_exit(Duration::from_secs(30)), "the old proxy did not exit");
+    // No proxy runs: the bytes wait in the kernel's buffers, unanswered.
+    c.write_all(b"while no proxy runs").expect("send");
+    c.set_read_timeout(Some(Duration::from_secs(1))).expect("timeout");
+    let mut b = [0u8; 1];
+    match c.read(&mut b) {
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+        other => panic!("answered or ended with no proxy running: {other:?}"),
+    }
+    node.start_proxy_with(&["--drain-seconds", "5"]).expect("the new proxy");
+    c.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+    let mut back = [0u8; 19];
+    c.read_exact(&mut back).expect("the waiting bytes were not carried by the new proxy");
+    assert_eq!(&back, b"while no proxy runs");
+    round_trip(&mut c, b"after the upgrade").expect("after");
+}
+
+#[test]
+fn a_plaintext_connection_into_a_meshed_pod_carries_on_across_sigterm_and_a_new_proxy() {
+    let (mut node, p0, _) = node_with(&[]);
+    node.echo_server(&p0, 8080).expect("echo in p0");
+    // From the node's netns: a client outside the mesh, captured on p0's inbound plaintext.
+    let dst = SocketAddr::new(p0.ip, 8080);
+    let mut c = node
+        .node
+        .open()
+        .expect("node netns")
+        .run(|| TcpStream::connect_timeout(&dst, Duration::from_secs(5)))
+        .expect("enter")
+        .expect("connect");
+    c.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+    round_trip(&mut c, b"inbound, before").expect("before");
+    let log = upgrade_proxy(&mut node);
+    assert!(log.contains("handed over to the node agent"), "{log}");
+    round_trip(&mut c, b"inbound, after the upgrade").expect("after");
+}
+
+#[test]
+fn with_the_agents_hold_off_an_open_connection_ends_with_the_old_proxy() {
+    // The control: the same connection, but the agent takes none (the proxy drains as before).
+    let (mut node, p0, server) = node_with(&["--hold-connections-seconds", "0"]);
+    let mut c = p0.connect(server).expect("connect");
+    round_trip(&mut c, b"before the upgrade").expect("before");
+    let log = upgrade_proxy(&mut node);
+    assert!(!log.contains("handed over to the node agent"), "{log}");
+    let after = round_trip(&mut c, b"after the upgrade");
+    assert!(after.is_err(), "the connection outlived its proxy with no hand-over");
+}

@@ -1,0 +1,98 @@
+//! Held connections, meshpath's second extension of ZDS: a proxy upgrade keeps the open plain
+//! connections (to destinations outside the mesh, and from clients outside it).
+//!
+//! The app's side of such a connection is a TCP socket in the pod's netns, and so is the
+//! proxy's other side; a process can give both to another (SCM_RIGHTS) and the kernel keeps
+//! every byte not yet read in their buffers. On SIGTERM a proxy whose agent offered it
+//! (`AddWorkload::hold_connections`) stops reading each such connection, writes out what it had
+//! read, and hands the two sockets to the agent on a connection of its own to the ZDS socket
+//! (`ZdsHello::meshpath_hand_over`, then one `HeldConnection` per open connection, each acked).
+//! The agent, which outlives the proxy, holds them; the next proxy that says
+//! `meshpath_takes_connections` gets them after their pod's `AddWorkload`
+//! (`TakeConnection`) and carries on where the first stopped: nothing lost, nothing twice.
+//! Connections the agent holds for longer than its hold are closed. Istio's ztunnel neither
+//! offers nor takes: its connections end on SIGTERM as they do under istio-cni.
+//!
+//! Descriptors describe themselves: both sides check each one here, from the socket itself.
+
+use std::os::fd::{AsFd, BorrowedFd};
+
+use nix::sys::socket::{self, sockopt, SockType};
+
+/// Descriptors one held connection comes with: the accepted socket, then the opened one.
+pub const FDS_PER_CONNECTION: usize = 2;
+
+/// At most this many connections of one pod are held at once; more are not taken (they end).
+pub const MAX_PER_POD: usize = 1024;
+
+/// At most this many connections of the whole node are held at once.
+pub const MAX_PER_NODE: usize = 16 * 1024;
+
+/// Why a descriptor is not one side of a pod's open connection.
+#[derive(Debug, thiserror::Error)]
+pub enum NotAConnection {
+    #[error("not a socket, or unreadable: {0}")]
+    Socket(#[from] nix::Error),
+    #[error("a socket of another network namespace (cookie {found}, the pod's is {want})")]
+    OtherNetns { found: u64, want: u64 },
+    #[error("netns cookie unreadable: {0}")]
+    Cookie(String),
+    #[error("a socket of type {0:?}, not TCP")]
+    Type(SockType),
+    #[error("a listening socket")]
+    Listening,
+    #[error("a TCP socket with no peer: {0}")]
+    NotConnected(nix::Error),
+}
+
+/// Checks that `fd` is a connected TCP socket of the pod whose netns cookie is `pod_netns`.
+pub fn identify(fd: BorrowedFd<'_>, pod_netns: u64) -> Result<(), NotAConnection> {
+    let ty = socket::getsockopt(&fd, sockopt::SockType)?;
+    if ty != SockType::Stream {
+        return Err(NotAConnection::Type(ty));
+    }
+    let found = meshpath_podnet::netns::socket_cookie(fd.as_fd())
+        .map_err(|e| NotAConnection::Cookie(e.to_string()))?;
+    if found != pod_netns {
+        return Err(NotAConnection::OtherNetns { found, want: pod_netns });
+    }
+    if socket::getsockopt(&fd, sockopt::AcceptConn)? {
+        return Err(NotAConnection::Listening);
+    }
+    socket::getpeername::<socket::SockaddrStorage>(std::os::fd::AsRawFd::as_raw_fd(&fd))
+        .map_err(NotAConnection::NotConnected)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{TcpListener, TcpStream, UdpSocket};
+
+    use super::*;
+
+    fn here() -> u64 {
+        meshpath_podnet::netns::read_cookie().expect("netns cookie")
+    }
+
+    #[test]
+    fn both_ends_of_a_connection_of_the_pods_netns_are_taken() {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let c = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
+        let (s, _) = l.accept().expect("accept");
+        identify(c.as_fd(), here()).expect("the opened side");
+        identify(s.as_fd(), here()).expect("the accepted side");
+    }
+
+    #[test]
+    fn a_listener_another_netns_a_udp_socket_or_a_file_is_refused() {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        assert!(matches!(identify(l.as_fd(), here()), Err(NotAConnection::Listening)));
+        let c = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
+        let wrong = here().wrapping_add(1);
+        assert!(matches!(identify(c.as_fd(), wrong), Err(NotAConnection::OtherNetns { .. })));
+        let u = UdpSocket::bind("127.0.0.1:0").expect("udp");
+        assert!(matches!(identify(u.as_fd(), here()), Err(NotAConnection::Type(_))));
+        let file = std::fs::File::open("/proc/self/stat").expect("file");
+        assert!(matches!(identify(file.as_fd(), here()), Err(NotAConnection::Socket(_))));
+    }
+}

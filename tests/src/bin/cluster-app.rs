@@ -2,11 +2,12 @@
 //! a server with an HTTP port for kubelet's probes and a TCP sink, and the clients the tests run
 //! in pods with `kubectl exec`. Standard library only (and libc, for its listen backlog).
 //!
-//! - `serve [--http PORT] [--sink PORT] [--hello ADDR]`: HTTP (8080): `GET /healthz` → 200,
+//! - `serve [--http PORT] [--sink PORT] [--echo PORT] [--hello ADDR]`: HTTP (8080): `GET /healthz` → 200,
 //!   `GET /peer` → the client's address as this pod sees it, `GET /count` → how many
 //!   connections the sink has accepted; the sink (9000) reads a connection to its end and
 //!   answers `bytes=N hash=H` (FNV-1a 64 of what it read), so a sender can check every byte
-//!   arrived. With `--hello`, the first thing it does, before it listens: connect to ADDR
+//!   arrived; the echo port (9100) sends back what it reads, and ends its side at the client's
+//!   end. With `--hello`, the first thing it does, before it listens: connect to ADDR
 //!   (again every 200 ms for up to 120 s until it can) and send `hello from LOCAL_ADDR`, the
 //!   address its own socket has, so the listener can tell whether it was reached by this
 //!   socket or by a proxy's (another port).
@@ -21,6 +22,12 @@
 //!   `opened=N answered=N refused=N reset=N other=N slowest_ms=N slowest_connect_ms=N` and
 //!   `failed_at_ms=T,…` (when each failed connection was opened, the first 100) and the first
 //!   errors; exits 1 unless every connection was answered.
+//! - `hold ADDR --connections N --seconds S`: N long-lived connections to an echo port, one in
+//!   three each of bulk (a paced stream of the fixed pattern, its echo checked byte by byte),
+//!   request/response (64 bytes every 100 ms) and idle (a round trip at the start and at the
+//!   end), until its standard input ends (S seconds at most); then each ends its side and reads
+//!   the echo to its end. Prints `connections=N kept=K bytes=B longest_stall_ms=T` (the longest
+//!   wait for an answer on any connection) and each failure; exits 1 unless all were kept.
 //! - `raw-syn ADDR [--qdisc-bypass]`: what an app with CAP_NET_RAW (containerd's default) can
 //!   do past the socket hooks: a hand-built TCP SYN to ADDR (IPv4, a listener on the same
 //!   network, as pods of one node are on the bridge), sent as a whole Ethernet frame on a
@@ -69,7 +76,10 @@ fn main() -> ExitCode {
         Some("get") => get(&args[1..]),
         Some("loop") => connect_loop(&args[1..]),
         Some("raw-syn") => raw_syn(&args[1..]),
-        Some(other) => Err(format!("unknown command {other}; serve, send, get, loop or raw-syn")),
+        Some("hold") => hold(&args[1..]),
+        Some(other) => {
+            Err(format!("unknown command {other}; serve, send, get, loop, hold or raw-syn"))
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -127,6 +137,12 @@ fn serve(args: &[String]) -> Result<(), String> {
     }
     let http = listen(&flag(args, "--http").unwrap_or_else(|| "8080".into()))?;
     let sink = listen(&flag(args, "--sink").unwrap_or_else(|| "9000".into()))?;
+    let echo = listen(&flag(args, "--echo").unwrap_or_else(|| "9100".into()))?;
+    thread::spawn(move || {
+        for conn in echo.incoming().flatten() {
+            thread::spawn(move || echo_one(conn));
+        }
+    });
     let accepted = Arc::new(AtomicU64::new(0));
     let count = accepted.clone();
     thread::spawn(move || {
@@ -141,6 +157,14 @@ fn serve(args: &[String]) -> Result<(), String> {
         thread::spawn(move || http_one(conn, &accepted));
     }
     Ok(())
+}
+
+fn echo_one(conn: TcpStream) {
+    let Ok(mut r) = conn.try_clone() else { return };
+    let mut w = conn;
+    if std::io::copy(&mut r, &mut w).is_ok() {
+        let _ = w.shutdown(Shutdown::Write);
+    }
 }
 
 fn sink_one(mut conn: TcpStream) {
@@ -561,4 +585,160 @@ fn send_frame(frame: &[u8], qdisc_bypass: bool) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// What one `hold` connection does.
+#[derive(Clone, Copy, Debug)]
+enum Holding {
+    Bulk,
+    RequestResponse,
+    Idle,
+}
+
+/// How long a `hold` connection waits for any answer before it counts as failed.
+const HOLD_ANSWER_WITHIN: Duration = Duration::from_secs(120);
+
+/// `hold ADDR --connections N --seconds S` (see the module's doc).
+fn hold(args: &[String]) -> Result<(), String> {
+    let addr = args.first().ok_or("hold ADDR --connections N --seconds S")?.clone();
+    let n: usize = flag(args, "--connections").and_then(|v| v.parse().ok()).unwrap_or(60);
+    let seconds: u64 = flag(args, "--seconds").and_then(|v| v.parse().ok()).unwrap_or(300);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stall_ms = Arc::new(AtomicU64::new(0));
+    let bytes = Arc::new(AtomicU64::new(0));
+    let mut threads = Vec::new();
+    for i in 0..n {
+        let kind = [Holding::Bulk, Holding::RequestResponse, Holding::Idle][i % 3];
+        let conn = TcpStream::connect(&addr).map_err(|e| format!("connection {i}: {e}"))?;
+        let (stop, stall_ms, bytes) = (stop.clone(), stall_ms.clone(), bytes.clone());
+        threads.push(thread::spawn(move || {
+            hold_one(conn, kind, &stop, &stall_ms, &bytes)
+                .map_err(|e| format!("connection {i} ({kind:?}): {e}"))
+        }));
+    }
+    let stdin_closed = {
+        let stop = stop.clone();
+        thread::spawn(move || {
+            let mut sink = Vec::new();
+            let _ = std::io::stdin().read_to_end(&mut sink);
+            stop.store(true, Ordering::Relaxed);
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(100));
+    }
+    stop.store(true, Ordering::Relaxed);
+    drop(stdin_closed);
+    let mut failures = Vec::new();
+    for t in threads {
+        match t.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => failures.push(e),
+            Err(_) => failures.push("a connection's thread panicked".into()),
+        }
+    }
+    println!(
+        "connections={n} kept={} bytes={} longest_stall_ms={}",
+        n - failures.len(),
+        bytes.load(Ordering::Relaxed),
+        stall_ms.load(Ordering::Relaxed)
+    );
+    for f in failures.iter().take(20) {
+        println!("failed: {f}");
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("{} of {n} connections failed", failures.len()))
+    }
+}
+
+/// One `hold` connection, until `stop`; then its end, and the echo read to its end.
+fn hold_one(
+    conn: TcpStream,
+    kind: Holding,
+    stop: &std::sync::atomic::AtomicBool,
+    stall_ms: &AtomicU64,
+    bytes: &AtomicU64,
+) -> Result<(), String> {
+    conn.set_read_timeout(Some(HOLD_ANSWER_WITHIN)).map_err(|e| e.to_string())?;
+    let mut w = conn.try_clone().map_err(|e| e.to_string())?;
+    let mut r = conn;
+    let stalled = |since: Instant| {
+        stall_ms.fetch_max(since.elapsed().as_millis() as u64, Ordering::Relaxed);
+    };
+    let round_trip = |w: &mut TcpStream, r: &mut TcpStream, at: u64| -> Result<(), String> {
+        let msg: Vec<u8> = (0..64).map(|i| pattern(at + i)).collect();
+        let start = Instant::now();
+        w.write_all(&msg).map_err(|e| format!("send: {e}"))?;
+        let mut back = [0u8; 64];
+        r.read_exact(&mut back).map_err(|e| format!("answer: {e}"))?;
+        stalled(start);
+        if back[..] != msg[..] {
+            return Err("the echo differs".into());
+        }
+        bytes.fetch_add(64, Ordering::Relaxed);
+        Ok(())
+    };
+    match kind {
+        Holding::Idle => {
+            round_trip(&mut w, &mut r, 0)?;
+            while !stop.load(Ordering::Relaxed) {
+                thread::sleep(Duration::from_millis(100));
+            }
+            round_trip(&mut w, &mut r, 64)?;
+        }
+        Holding::RequestResponse => {
+            let mut at = 0;
+            while !stop.load(Ordering::Relaxed) {
+                round_trip(&mut w, &mut r, at)?;
+                at += 64;
+                thread::sleep(Duration::from_millis(100));
+            }
+        }
+        Holding::Bulk => {
+            // Paced: 64 KiB every 50 ms (1.25 MiB/s), the echo read on another thread.
+            let reader = thread::spawn(move || -> Result<u64, String> {
+                let mut buf = vec![0u8; 64 * 1024];
+                let mut off = 0u64;
+                loop {
+                    let k = r.read(&mut buf).map_err(|e| format!("echo at byte {off}: {e}"))?;
+                    if k == 0 {
+                        return Ok(off);
+                    }
+                    if let Some(i) = (0..k).find(|i| buf[*i] != pattern(off + *i as u64)) {
+                        return Err(format!("echo byte {} differs", off + i as u64));
+                    }
+                    off += k as u64;
+                }
+            });
+            let mut sent = 0u64;
+            let mut chunk = vec![0u8; 64 * 1024];
+            while !stop.load(Ordering::Relaxed) {
+                for (i, b) in chunk.iter_mut().enumerate() {
+                    *b = pattern(sent + i as u64);
+                }
+                let start = Instant::now();
+                w.write_all(&chunk).map_err(|e| format!("send at byte {sent}: {e}"))?;
+                stalled(start);
+                sent += chunk.len() as u64;
+                thread::sleep(Duration::from_millis(50));
+            }
+            w.shutdown(Shutdown::Write).map_err(|e| format!("end: {e}"))?;
+            let got = reader.join().map_err(|_| "the reader panicked".to_string())??;
+            if got != sent {
+                return Err(format!("sent {sent} bytes, {got} came back"));
+            }
+            bytes.fetch_add(sent, Ordering::Relaxed);
+            return Ok(());
+        }
+    }
+    w.shutdown(Shutdown::Write).map_err(|e| format!("end: {e}"))?;
+    let mut rest = [0u8; 1];
+    match r.read(&mut rest) {
+        Ok(0) => Ok(()),
+        Ok(_) => Err("bytes after the last answer".into()),
+        Err(e) => Err(format!("the end: {e}")),
+    }
 }

@@ -69,26 +69,24 @@ fn pattern(offset: u64) -> u8 {
     (offset.wrapping_mul(2_654_435_761) >> 13) as u8
 }
 
-#[test]
-fn a_bulk_transfer_through_passthrough_carries_on_byte_exact_across_sigterm_and_a_new_proxy() {
-    const TOTAL: u64 = 256 << 20;
-    let (mut node, p0, server) = node_with(&[]);
-    let c = p0.connect(server).expect("connect");
+/// A transfer of `total` bytes, echoed back and checked byte by byte, on `c`, with the proxy
+/// upgraded (`upgrade_proxy`) a quarter of the way through. Returns the old proxy's log.
+fn bulk_echo_across_an_upgrade(node: &mut CniNode, c: TcpStream, total: u64) -> String {
     c.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout");
     let mut w = c.try_clone().expect("clone");
     let mut r = c;
     let echoed = AtomicU64::new(0);
     let upgraded = AtomicBool::new(false);
-    let old_log = std::thread::scope(|s| {
+    std::thread::scope(|s| {
         let writer = s.spawn(|| -> std::io::Result<()> {
             let mut off = 0u64;
             let mut buf = vec![0u8; 64 * 1024];
-            while off < TOTAL {
+            while off < total {
                 // Past a quarter, slowly until the upgrade is done: it must land mid-transfer.
-                if off > TOTAL / 4 && !upgraded.load(Ordering::Relaxed) {
+                if off > total / 4 && !upgraded.load(Ordering::Relaxed) {
                     std::thread::sleep(Duration::from_millis(2));
                 }
-                let n = (buf.len() as u64).min(TOTAL - off) as usize;
+                let n = (buf.len() as u64).min(total - off) as usize;
                 for (i, b) in buf[..n].iter_mut().enumerate() {
                     *b = pattern(off + i as u64);
                 }
@@ -117,17 +115,24 @@ fn a_bulk_transfer_through_passthrough_carries_on_byte_exact_across_sigterm_and_
         });
         // The upgrade lands mid-transfer.
         let deadline = Instant::now() + Duration::from_secs(60);
-        while echoed.load(Ordering::Relaxed) < TOTAL / 4 && Instant::now() < deadline {
+        while echoed.load(Ordering::Relaxed) < total / 4 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
         }
         let at = echoed.load(Ordering::Relaxed);
-        let log = upgrade_proxy(&mut node);
+        let log = upgrade_proxy(node);
         upgraded.store(true, Ordering::Relaxed);
         writer.join().expect("writer").expect("the client's upload failed");
         let got = reader.join().expect("reader");
-        assert_eq!(got, Ok(TOTAL), "upgrade at byte {at}; the old proxy's log:\n{log}");
+        assert_eq!(got, Ok(total), "upgrade at byte {at}; the old proxy's log:\n{log}");
         log
-    });
+    })
+}
+
+#[test]
+fn a_bulk_transfer_through_passthrough_carries_on_byte_exact_across_sigterm_and_a_new_proxy() {
+    let (mut node, p0, server) = node_with(&[]);
+    let c = p0.connect(server).expect("connect");
+    let old_log = bulk_echo_across_an_upgrade(&mut node, c, 256 << 20);
     assert!(old_log.contains("handed over to the node agent"), "{old_log}");
     let new_log = node.proxy.as_ref().expect("proxy").lines().join("\n");
     assert!(new_log.contains("connection taken over from the previous proxy"), "{new_log}");
@@ -187,4 +192,90 @@ fn with_the_agents_hold_off_an_open_connection_ends_with_the_old_proxy() {
     assert!(!log.contains("handed over to the node agent"), "{log}");
     let after = round_trip(&mut c, b"after the upgrade");
     assert!(after.is_err(), "the connection outlived its proxy with no hand-over");
+}
+
+const MESHED: &str = "workloads:
+- {uid: uid-p0, name: p0, namespace: default, serviceAccount: sa0, protocol: HBONE}
+- {uid: uid-p1, name: p1, namespace: default, serviceAccount: sa1, protocol: HBONE}
+";
+
+/// A node with meshed pods p0 and p1 and an echo server in p1, which p0 reaches over HBONE
+/// through the node's proxy (both ends of the stream are that proxy's: the node-local path).
+/// `agent_args` go to the agent.
+fn meshed_pair(agent_args: &[&str]) -> (CniNode, CniPod, SocketAddr) {
+    let mut node = CniNode::bare(MESHED).expect("node");
+    let args: Vec<String> = agent_args.iter().map(|a| a.to_string()).collect();
+    node.start_agent_with(&args).expect("agent");
+    node.start_proxy_with(&["--drain-seconds", "5"]).expect("proxy");
+    let p1 = node.add_pod("p1").expect("ADD p1");
+    node.echo_server(&p1, 8080).expect("echo in p1");
+    node.publish_address(MESHED, "sa1", p1.ip);
+    let p0 = node.add_pod("p0").expect("ADD p0");
+    (node, p0, SocketAddr::new(p1.ip, 8080))
+}
+
+/// Connections p0 opened over HBONE, as the proxy's source reporter counts them.
+fn hbone_opened(node: &CniNode) -> f64 {
+    let labels = [
+        ("reporter", "source"),
+        ("source_workload", "p0"),
+        ("destination_workload", "p1"),
+        ("connection_security_policy", "mutual_tls"),
+    ];
+    node.proxy_metric("istio_tcp_connections_opened_total", &labels).expect("metrics")
+}
+
+#[test]
+fn a_bulk_transfer_over_hbone_between_two_pods_of_the_node_carries_on_byte_exact_across_sigterm_and_a_new_proxy(
+) {
+    let (mut node, p0, server) = meshed_pair(&[]);
+    let c = p0.connect(server).expect("connect");
+    let old_log = bulk_echo_across_an_upgrade(&mut node, c, 256 << 20);
+    // Both sides of the stream were this proxy's: each paused and went to the agent.
+    let handed = old_log.matches("paused HBONE stream handed over to the node agent").count();
+    assert_eq!(handed, 2, "{old_log}");
+    let new_log = node.proxy.as_ref().expect("proxy").lines().join("\n");
+    let taken = new_log.matches("paused HBONE stream taken over from the previous proxy").count();
+    assert_eq!(taken, 2, "{new_log}");
+}
+
+#[test]
+fn an_idle_hbone_connection_sent_to_while_no_proxy_runs_is_answered_by_the_next_proxy() {
+    let (mut node, p0, server) = meshed_pair(&[]);
+    let mut c = p0.connect(server).expect("connect");
+    round_trip(&mut c, b"before the upgrade").expect("before");
+    assert_eq!(hbone_opened(&node), 1.0, "not carried over HBONE");
+    let old = node.proxy.as_mut().expect("proxy");
+    old.signal(libc::SIGTERM).expect("SIGTERM");
+    assert!(old.wait_exit(Duration::from_secs(30)), "the old proxy did not exit");
+    c.write_all(b"while no proxy runs").expect("send");
+    c.set_read_timeout(Some(Duration::from_secs(1))).expect("timeout");
+    let mut b = [0u8; 1];
+    match c.read(&mut b) {
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+        other => panic!("answered or ended with no proxy running: {other:?}"),
+    }
+    node.start_proxy_with(&["--drain-seconds", "5"]).expect("the new proxy");
+    c.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+    let mut back = [0u8; 19];
+    c.read_exact(&mut back).expect("the waiting bytes were not carried by the new proxy");
+    assert_eq!(&back, b"while no proxy runs");
+    round_trip(&mut c, b"after the upgrade").expect("after");
+    // And the resumed stream pauses and resumes again at the next upgrade.
+    let log = upgrade_proxy(&mut node);
+    assert!(log.contains("paused HBONE stream handed over to the node agent"), "{log}");
+    round_trip(&mut c, b"after the second upgrade").expect("after the second");
+}
+
+#[test]
+fn with_the_agents_hold_off_an_hbone_stream_ends_with_the_old_proxy() {
+    // The control: the agent offers no hold, so the proxy pauses nothing and drains as before.
+    let (mut node, p0, server) = meshed_pair(&["--hold-connections-seconds", "0"]);
+    let mut c = p0.connect(server).expect("connect");
+    round_trip(&mut c, b"before the upgrade").expect("before");
+    assert_eq!(hbone_opened(&node), 1.0, "not carried over HBONE");
+    let log = upgrade_proxy(&mut node);
+    assert!(!log.contains("paused HBONE stream"), "{log}");
+    let after = round_trip(&mut c, b"after the upgrade");
+    assert!(after.is_err(), "the stream outlived its proxy with no hand-over");
 }

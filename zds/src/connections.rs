@@ -1,5 +1,7 @@
 //! Held connections, meshpath's second extension of ZDS: a proxy upgrade keeps the open plain
-//! connections (to destinations outside the mesh, and from clients outside it).
+//! connections (to destinations outside the mesh, and from clients outside it), and the open
+//! HBONE streams between two meshpath proxies, paused (`HeldConnection::stream`: the app's side
+//! only; the peer proxy holds the other and resumes the stream with the next proxy).
 //!
 //! The app's side of such a connection is a TCP socket in the pod's netns, and so is the
 //! proxy's other side; a process can give both to another (SCM_RIGHTS) and the kernel keeps
@@ -19,8 +21,20 @@ use std::os::fd::{AsFd, BorrowedFd};
 
 use nix::sys::socket::{self, sockopt, SockType};
 
-/// Descriptors one held connection comes with: the accepted socket, then the opened one.
+/// Descriptors one held plain connection comes with: the accepted socket, then the opened one.
 pub const FDS_PER_CONNECTION: usize = 2;
+
+/// Descriptors one held HBONE stream comes with: the app's side (the peer proxy holds the other).
+pub const FDS_PER_STREAM: usize = 1;
+
+/// How many descriptors `held` comes with.
+pub fn fds_of(held: &crate::proto::HeldConnection) -> usize {
+    if held.stream.is_some() {
+        FDS_PER_STREAM
+    } else {
+        FDS_PER_CONNECTION
+    }
+}
 
 /// At most this many connections of one pod are held at once; more are not taken (they end).
 pub const MAX_PER_POD: usize = 1024;

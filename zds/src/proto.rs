@@ -25,6 +25,10 @@ pub struct ZdsHello {
     /// Sent only to an agent that said `hold_connections`.
     #[prost(bool, tag = "1002")]
     pub meshpath_hand_over: bool,
+    /// meshpath's extension (`crate::connections`): this proxy also takes paused HBONE streams
+    /// (`HeldConnection::stream`, one descriptor each) and resumes them with their peer.
+    #[prost(bool, tag = "1003")]
+    pub meshpath_takes_streams: bool,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -53,6 +57,10 @@ pub struct AddWorkload {
     /// the next proxy (`crate::connections`).
     #[prost(bool, tag = "1001")]
     pub hold_connections: bool,
+    /// meshpath's extension, sent only to a proxy that said `meshpath_takes_streams`: the
+    /// agent also holds the pod's paused HBONE streams (`HeldConnection::stream`).
+    #[prost(bool, tag = "1002")]
+    pub hold_streams: bool,
 }
 
 /// Which side of the proxy a handed-over connection came in on.
@@ -91,6 +99,34 @@ pub struct HeldConnection {
     /// Milliseconds since the Unix epoch at which the first proxy accepted it.
     #[prost(uint64, tag = "7")]
     pub opened_unix_ms: u64,
+    /// Set for a paused HBONE stream between two meshpath proxies: then the one descriptor is
+    /// the app's side (the socket the proxy accepted, or opened to the app); the other side is
+    /// the peer proxy's, which resumes the stream with the next proxy.
+    #[prost(message, optional, tag = "8")]
+    pub stream: Option<HeldStream>,
+}
+
+/// What resumes a paused HBONE stream (`meshpath_proxy::proxy::resume`).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct HeldStream {
+    /// The stream's resume token, issued by the server side.
+    #[prost(bytes = "vec", tag = "1")]
+    pub token: Vec<u8>,
+    /// This side opened the stream (it dials the peer again); otherwise it waits for the peer.
+    #[prost(bool, tag = "2")]
+    pub client: bool,
+    /// Client side: the HBONE address to dial.
+    #[prost(string, tag = "3")]
+    pub gateway: String,
+    /// The identity at the other end (SPIFFE URI): the only one the stream resumes with.
+    #[prost(string, tag = "4")]
+    pub peer_identity: String,
+    /// Bytes carried since the stream opened, client to server and server to client: both ends
+    /// must agree on them to resume.
+    #[prost(uint64, tag = "5")]
+    pub to_server: u64,
+    #[prost(uint64, tag = "6")]
+    pub to_client: u64,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -220,6 +256,7 @@ mod tests {
                 }),
                 hold_listeners: true,
                 hold_connections: true,
+                hold_streams: true,
             })),
         };
         let back = WorkloadRequest::decode(add.encode_to_vec().as_slice()).expect("decode");

@@ -21,16 +21,17 @@ use std::{
 };
 
 use meshpath_zds::{
-    connections::{identify, FDS_PER_CONNECTION, MAX_PER_NODE, MAX_PER_POD},
+    connections::{fds_of, identify, MAX_PER_NODE, MAX_PER_POD},
     proto::HeldConnection,
 };
 use tracing::{info, warn};
 
-/// One connection held: what it is, its accepted and opened sockets, since when.
+/// One connection held: what it is, its sockets (a plain connection's accepted and opened
+/// ones; a paused stream's app side), since when.
 #[derive(Debug)]
 pub struct Held {
     pub what: HeldConnection,
-    pub fds: [OwnedFd; FDS_PER_CONNECTION],
+    pub fds: Vec<OwnedFd>,
     since: Instant,
 }
 
@@ -68,8 +69,10 @@ impl HeldConnections {
         if !self.enabled() {
             return Err("this agent holds no connections".into());
         }
-        let fds: [OwnedFd; FDS_PER_CONNECTION] =
-            fds.try_into().map_err(|v: Vec<OwnedFd>| format!("{} descriptors, not 2", v.len()))?;
+        let want = fds_of(&what);
+        if fds.len() != want {
+            return Err(format!("{} descriptors, not {want}", fds.len()));
+        }
         for fd in &fds {
             identify(fd.as_fd(), cookie).map_err(|e| e.to_string())?;
         }
@@ -89,6 +92,22 @@ impl HeldConnections {
     /// Every connection held for `uid`, for the proxy that now serves it.
     pub fn take(&self, uid: &str) -> Vec<Held> {
         self.pods().remove(uid).unwrap_or_default()
+    }
+
+    /// A proxy that takes plain connections but no streams is the proxy now: the paused
+    /// streams held close (their peers close their sides when the resume time is up).
+    pub fn release_streams(&self, why: &str) {
+        let mut pods = self.pods();
+        let mut n = 0;
+        for held in pods.values_mut() {
+            let before = held.len();
+            held.retain(|h| h.what.stream.is_none());
+            n += before - held.len();
+        }
+        pods.retain(|_, held| !held.is_empty());
+        if n > 0 {
+            warn!(streams = n, "held HBONE streams closed: {why}");
+        }
     }
 
     /// `held` were not given after all (the proxy's session broke): they wait for the next.
@@ -191,6 +210,26 @@ mod tests {
         assert_eq!(held.count(), 1);
         held.expire(t0 + Duration::from_secs(1));
         assert_eq!(held.count(), 0);
+    }
+
+    #[test]
+    fn a_paused_stream_comes_with_its_app_side_only_and_a_proxy_without_streams_closes_it() {
+        let held = HeldConnections::new(Duration::from_secs(30));
+        let stream = |uid: &str| HeldConnection {
+            stream: Some(meshpath_zds::proto::HeldStream::default()),
+            ..what(uid)
+        };
+        let (_l, fds) = pair();
+        assert!(held.hold(stream("p"), fds, here(), Instant::now()).is_err(), "two descriptors");
+        let (_l, mut fds) = pair();
+        fds.pop();
+        held.hold(stream("p"), fds, here(), Instant::now()).expect("the app's side");
+        let (_l, fds) = pair();
+        held.hold(what("p"), fds, here(), Instant::now()).expect("a plain one");
+        held.release_streams("test");
+        let left = held.take("p");
+        assert_eq!(left.len(), 1);
+        assert!(left[0].what.stream.is_none());
     }
 
     #[test]

@@ -64,6 +64,8 @@ struct Session {
     holds: bool,
     /// It takes the connections a previous proxy handed over, and may hand its own over.
     takes_connections: bool,
+    /// It resumes paused HBONE streams too, and may pause its own (`HeldConnection::stream`).
+    takes_streams: bool,
 }
 
 /// The proxy connection, if any.
@@ -174,7 +176,8 @@ impl ZdsHub {
         let held = if session.holds { self.held.for_add(&record.uid) } else { Vec::new() };
         let mut fds: Vec<BorrowedFd<'_>> = vec![netns.file().as_fd()];
         fds.extend(held.iter().map(|f| f.as_fd()));
-        let req = add_request(record, session.holds, session.takes_connections);
+        let req =
+            add_request(record, session.holds, session.takes_connections, session.takes_streams);
         match self.exchange(&session.conn, &req, &fds).await {
             Ok(given) => {
                 if session.holds {
@@ -199,7 +202,7 @@ impl ZdsHub {
         let mut given = 0usize;
         while let Some(h) = held.next() {
             let req = WorkloadRequest { payload: Some(Payload::TakeConnection(h.what.clone())) };
-            let fds = [h.fds[0].as_fd(), h.fds[1].as_fd()];
+            let fds: Vec<BorrowedFd<'_>> = h.fds.iter().map(|f| f.as_fd()).collect();
             match self.exchange(&session.conn, &req, &fds).await {
                 Ok(_) => given += 1,
                 Err(RequestError::Refused(why)) => {
@@ -251,6 +254,7 @@ fn add_request(
     r: &super::records::PodRecord,
     hold_listeners: bool,
     hold_connections: bool,
+    hold_streams: bool,
 ) -> WorkloadRequest {
     WorkloadRequest {
         payload: Some(Payload::Add(AddWorkload {
@@ -262,6 +266,7 @@ fn add_request(
             }),
             hold_listeners,
             hold_connections,
+            hold_streams,
         })),
     }
 }
@@ -314,6 +319,7 @@ async fn welcome(agent: &Arc<Agent>, conn: SeqPacket) -> anyhow::Result<()> {
     }
     let holds = hello.meshpath_held_listeners && hub.held.enabled();
     let takes_connections = hello.meshpath_takes_connections && hub.connections.enabled();
+    let takes_streams = takes_connections && hello.meshpath_takes_streams;
     // The new proxy's cgroup is registered now; the previous proxy's stays registered until the
     // new one has acknowledged the snapshot: during a proxy upgrade the old one keeps serving,
     // and its own connections must not be captured meanwhile.
@@ -334,8 +340,10 @@ async fn welcome(agent: &Arc<Agent>, conn: SeqPacket) -> anyhow::Result<()> {
     if !takes_connections {
         hub.connections
             .release_all("the proxy that connected does not take handed-over connections");
+    } else if !takes_streams {
+        hub.connections.release_streams("the proxy that connected does not resume HBONE streams");
     }
-    let session = Session { conn, holds, takes_connections };
+    let session = Session { conn, holds, takes_connections, takes_streams };
     let snapshot: Vec<(super::records::PodRecord, Arc<crate::netns::Netns>)> = agent
         .pods
         .lock()

@@ -65,6 +65,7 @@ async fn session(proxy: &Arc<Proxy>, conn: &SeqPacket) -> Result<(), ZdsError> {
         version: Version::V1 as i32,
         meshpath_held_listeners: true,
         meshpath_takes_connections: true,
+        meshpath_takes_streams: true,
         ..Default::default()
     };
     conn.send_msg(&hello, &[]).await?;
@@ -116,6 +117,8 @@ pub enum Step {
         hold_listeners: bool,
         /// The agent takes the pod's plain connections at shutdown (`proxy::handover`).
         hold_connections: bool,
+        /// And its paused HBONE streams (`proxy::resume`).
+        hold_streams: bool,
     },
     /// Carry on a connection a previous proxy handed over (its two sockets are the request's
     /// descriptors), for a pod named earlier in the session.
@@ -164,12 +167,14 @@ impl Session {
                     info: add.workload_info,
                     hold_listeners: add.hold_listeners,
                     hold_connections: add.hold_connections,
+                    hold_streams: add.hold_streams,
                 })
             }
             Some(Payload::TakeConnection(held)) => {
-                if fds != meshpath_zds::connections::FDS_PER_CONNECTION {
+                let want = meshpath_zds::connections::fds_of(&held);
+                if fds != want {
                     return Err(format!(
-                        "TakeConnection for {} came with {fds} descriptors, not 2",
+                        "TakeConnection for {} came with {fds} descriptors, not {want}",
                         held.uid
                     ));
                 }
@@ -212,8 +217,8 @@ impl Session {
 /// pod's listeners, for an agent that holds them.
 fn apply(proxy: &Arc<Proxy>, step: Step, fds: Vec<OwnedFd>) -> Result<Vec<OwnedFd>, String> {
     match step {
-        Step::Add { uid, info, hold_listeners, hold_connections } => {
-            proxy.handover.offered(hold_connections);
+        Step::Add { uid, info, hold_listeners, hold_connections, hold_streams } => {
+            proxy.handover.offered(hold_connections, hold_streams);
             let mut fds = fds.into_iter();
             let file = File::from(fds.next().ok_or("AddWorkload without its netns")?);
             let label = format!("zds:{uid}");

@@ -25,7 +25,7 @@ use std::{
 use bytes::{Bytes, BytesMut};
 use h2::{RecvStream, SendStream};
 use tokio::{
-    io::{AsyncWrite, AsyncWriteExt as _},
+    io::AsyncWriteExt as _,
     net::{
         tcp::{OwnedReadHalf, OwnedWriteHalf},
         TcpStream,
@@ -52,12 +52,7 @@ impl GrowingReader {
         Self { half, next: FIRST_READ }
     }
 
-    /// The next bytes read; `None` at end of stream.
-    async fn read(&mut self) -> io::Result<Option<BytesMut>> {
-        poll_fn(|cx| self.poll_read(cx)).await
-    }
-
-    /// As [`Self::read`], polled: written by hand, as the connection's task holds it for its
+    /// The next bytes read (`None` at end of stream), polled: written by hand, as the connection's task holds it for its
     /// whole life (an `async` read and a `select!` around it cost an idle connection more).
     fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<Option<BytesMut>>> {
         loop {
@@ -114,19 +109,52 @@ impl Idle {
     }
 }
 
+/// How one direction of an HBONE stream ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// The sender's app ended it (FIN): the receiver's app gets one.
+    Eof,
+    /// Paused (`hbone::PAUSED` trailers): the sender stopped reading its app with everything
+    /// read in the stream; the receiver's app gets no end, the stream resumes elsewhere.
+    Paused,
+}
+
 /// Copies a plain socket into an HTTP/2 stream, respecting flow control; ends the stream on EOF.
+/// With `pause`: once it is cancelled, stops at the next read and ends the stream with
+/// `hbone::PAUSED` trailers instead (the bytes not read stay in the socket).
 async fn copy_to_h2(
-    from: OwnedReadHalf,
-    mut to: SendStream<Bytes>,
+    from: &mut GrowingReader,
+    to: &mut SendStream<Bytes>,
     meter: &Meter,
     idle: &Idle,
-) -> io::Result<u64> {
-    let mut from = GrowingReader::new(from);
+    pause: Option<&CancellationToken>,
+) -> io::Result<(u64, Ended)> {
     let mut total = 0u64;
+    let paused = async {
+        match pause {
+            Some(p) => p.cancelled().await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(paused);
     loop {
-        let Some(buf) = from.read().await? else {
+        // A pause is seen before more data, as in `copy_plain`.
+        let next = poll_fn(|cx| {
+            if paused.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Ok(None));
+            }
+            from.poll_read(cx).map_ok(Some)
+        })
+        .await?;
+        let Some(next) = next else {
+            let mut trailers = http::HeaderMap::new();
+            trailers.insert(crate::proxy::hbone::PAUSED, http::HeaderValue::from(total));
+            to.send_trailers(trailers).map_err(io::Error::other)?;
+            return Ok((total, Ended::Paused));
+        };
+        let Some(buf) = next else {
             to.send_data(Bytes::new(), true).map_err(io::Error::other)?;
-            return Ok(total);
+            return Ok((total, Ended::Eof));
         };
         idle.touch();
         let n = buf.len() as u64;
@@ -146,13 +174,15 @@ async fn copy_to_h2(
 }
 
 /// Copies an HTTP/2 stream into a plain socket, releasing flow-control capacity as it goes;
-/// shuts the socket's write side down at the end.
+/// shuts the socket's write side down at the end. With `pause`: a stream the peer paused leaves
+/// the socket open and cancels `pause`, so that the other direction pauses too.
 async fn copy_from_h2(
     mut from: RecvStream,
-    mut to: impl AsyncWrite + Unpin,
+    to: &mut OwnedWriteHalf,
     meter: &Meter,
     idle: &Idle,
-) -> io::Result<u64> {
+    pause: Option<&CancellationToken>,
+) -> io::Result<(u64, Ended)> {
     let mut total = 0u64;
     while let Some(chunk) = from.data().await {
         let chunk = chunk.map_err(io::Error::other)?;
@@ -162,8 +192,15 @@ async fn copy_from_h2(
         to.write_all(&chunk).await?;
         meter.add(chunk.len() as u64);
     }
+    if let Some(pause) = pause {
+        let trailers = from.trailers().await.map_err(io::Error::other)?;
+        if trailers.is_some_and(|t| t.contains_key(crate::proxy::hbone::PAUSED)) {
+            pause.cancel();
+            return Ok((total, Ended::Paused));
+        }
+    }
     to.shutdown().await?;
-    Ok(total)
+    Ok((total, Ended::Eof))
 }
 
 /// Copies one plain socket into another, shutting the other's write side down at the end;
@@ -221,17 +258,54 @@ pub async fn splice(
     tcp: TcpStream,
     send: SendStream<Bytes>,
     recv: RecvStream,
-    (out, back): (&Meter, &Meter),
+    meters: (&Meter, &Meter),
     idle_timeout: Option<Duration>,
 ) -> io::Result<(u64, u64)> {
+    match splice_resumable(tcp, send, recv, meters, idle_timeout, None).await? {
+        Spliced::Done(x, y) => Ok((x, y)),
+        Spliced::Paused { .. } => Err(io::Error::other("paused without a pause")),
+    }
+}
+
+/// How a resumable stream's splice ended.
+#[derive(Debug)]
+pub enum Spliced {
+    /// Both directions ended; the bytes each way.
+    Done(u64, u64),
+    /// Paused (by `stop`, or by the peer): the app's socket, nothing read from it unsent and
+    /// nothing received unwritten; the bytes each way (tcp → stream, stream → tcp).
+    Paused { tcp: TcpStream, out: u64, back: u64 },
+}
+
+/// As [`splice`], for a stream both ends can pause (`resume`), with `stop` this side's reason
+/// to: once it is cancelled, or the peer paused, each direction still open pauses (stops at its
+/// next read, sends `hbone::PAUSED`); a direction that had ended stays ended. Without `stop`,
+/// [`splice`].
+pub async fn splice_resumable(
+    tcp: TcpStream,
+    mut send: SendStream<Bytes>,
+    recv: RecvStream,
+    (out, back): (&Meter, &Meter),
+    idle_timeout: Option<Duration>,
+    stop: Option<&CancellationToken>,
+) -> io::Result<Spliced> {
     let idle = Idle::new(idle_timeout);
-    let (r, w) = tcp.into_split();
-    both_or_idle(&idle, async {
-        let (x, y) =
-            tokio::join!(copy_to_h2(r, send, out, &idle), copy_from_h2(recv, w, back, &idle));
-        Ok((x?, y?))
+    let pause = stop.map(CancellationToken::child_token);
+    let (r, mut w) = tcp.into_split();
+    let mut r = GrowingReader::new(r);
+    let ((x, ex), (y, ey)) = both_or_idle(&idle, async {
+        let (x, y) = tokio::join!(
+            copy_to_h2(&mut r, &mut send, out, &idle, pause.as_ref()),
+            copy_from_h2(recv, &mut w, back, &idle, pause.as_ref())
+        );
+        Ok::<_, io::Error>((x?, y?))
     })
-    .await
+    .await?;
+    if ex == Ended::Paused || ey == Ended::Paused {
+        let tcp = r.half.reunite(w).map_err(|_| io::Error::other("halves of two sockets"))?;
+        return Ok(Spliced::Paused { tcp, out: x, back: y });
+    }
+    Ok(Spliced::Done(x, y))
 }
 
 /// How a plain relay ended.

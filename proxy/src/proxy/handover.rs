@@ -16,8 +16,10 @@
 //! the access log shows such a connection in two parts, one per proxy.
 //!
 //! Only what the agent offered is handed over (`AddWorkload::hold_connections`): an agent that
-//! does not know the extension never sees a hand-over connection. HBONE connections end with
-//! the drain as before: their TLS and HTTP/2 state lives in this process.
+//! does not know the extension never sees a hand-over connection. HBONE streams between two
+//! meshpath proxies are paused and handed over too, the app's side only (`resume`, where an
+//! agent offered `hold_streams`); streams with any other peer end with the drain as before:
+//! their TLS and HTTP/2 state lives in this process.
 
 use std::{
     io,
@@ -54,8 +56,12 @@ const ACK_WITHIN: Duration = Duration::from_secs(5);
 pub struct HandOver {
     /// Cancelled when the plain connections are to be handed over.
     now: CancellationToken,
+    /// Cancelled when the resumable HBONE streams are to be paused and handed over (`resume`).
+    pub streams: CancellationToken,
     /// The agent offered to hold connections (its last `AddWorkload` said so).
     offered: AtomicBool,
+    /// And paused streams.
+    offered_streams: AtomicBool,
     /// The agent's ZDS socket.
     agent: OnceLock<PathBuf>,
     /// The connection to the agent the hand-over goes on, made at the first one.
@@ -68,27 +74,31 @@ impl HandOver {
         let _ = self.agent.set(path);
     }
 
-    /// What the agent's last `AddWorkload` said of holding connections.
-    pub fn offered(&self, yes: bool) {
-        self.offered.store(yes, Ordering::Relaxed);
+    /// What the agent's last `AddWorkload` said of holding connections, and paused streams.
+    pub fn offered(&self, connections: bool, streams: bool) {
+        self.offered.store(connections, Ordering::Relaxed);
+        self.offered_streams.store(connections && streams, Ordering::Relaxed);
     }
 
-    /// Shutdown: the plain connections are handed over, if the agent offered to hold them.
-    /// Returns whether they are.
+    /// Shutdown: the plain connections are handed over, and the resumable streams paused and
+    /// handed over, if the agent offered to hold them. Returns whether the connections are.
     pub fn begin(&self) -> bool {
-        let yes = self.offered.load(Ordering::Relaxed) && self.agent.get().is_some();
+        let agent = self.agent.get().is_some();
+        if agent && self.offered_streams.load(Ordering::Relaxed) {
+            self.streams.cancel();
+        }
+        let yes = agent && self.offered.load(Ordering::Relaxed);
         if yes {
             self.now.cancel();
         }
         yes
     }
 
-    /// Sends `held` with its two sockets to the agent and waits for its ack.
-    async fn give(
+    /// Sends `held` with its sockets to the agent and waits for its ack.
+    pub async fn give(
         &self,
         held: &HeldConnection,
-        a: &TcpStream,
-        b: &TcpStream,
+        fds: &[std::os::fd::BorrowedFd<'_>],
     ) -> Result<(), String> {
         let path = self.agent.get().ok_or("no node agent")?;
         let mut guard = self.conn.lock().await;
@@ -104,7 +114,7 @@ impl HandOver {
         }
         let Some(conn) = guard.as_ref() else { return Err("no connection to the agent".into()) };
         let exchange = async {
-            conn.send_msg(held, &[a.as_fd(), b.as_fd()]).await?;
+            conn.send_msg(held, fds).await?;
             conn.recv_msg::<WorkloadResponse>().await
         };
         let answer = match tokio::time::timeout(ACK_WITHIN, exchange).await {
@@ -173,15 +183,12 @@ pub async fn relay(
         dst: plain.dst.to_string(),
         sent: meters.0.get(),
         received: meters.1.get(),
-        opened_unix_ms: plain
-            .opened
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or_default(),
+        opened_unix_ms: unix_ms(plain.opened),
+        stream: None,
     };
     // Boxed, as what follows: a relay's task is sized for its copy loops, not for the
     // hand-over that happens once (tests/tests/idle_connections.rs bounds an idle one).
-    match Box::pin(proxy.handover.give(&held, &a, &b)).await {
+    match Box::pin(proxy.handover.give(&held, &[a.as_fd(), b.as_fd()])).await {
         Ok(()) => {
             info!(sent = held.sent, received = held.received, "handed over to the node agent");
             Ok(Carried::HandedOver)
@@ -197,10 +204,25 @@ pub async fn relay(
     }
 }
 
-/// Takes a connection a previous proxy handed over: `fds` are its accepted and opened sockets.
-/// Checked here; carried on a task of the pod's.
+/// A handed-over socket as the runtime's (it was checked to be a connected TCP socket).
+pub fn tcp_of(fd: OwnedFd) -> Result<TcpStream, String> {
+    let s = std::net::TcpStream::from(fd);
+    s.set_nonblocking(true).map_err(|e| e.to_string())?;
+    TcpStream::from_std(s).map_err(|e| e.to_string())
+}
+
+/// Milliseconds since the Unix epoch, as `HeldConnection` carries times.
+pub fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or_default()
+}
+
+/// Takes a connection a previous proxy handed over: `fds` are its accepted and opened sockets
+/// (a paused stream: its app's side, `resume`). Checked here; carried on a task of the pod's.
 pub fn take(proxy: &Arc<Proxy>, held: HeldConnection, fds: Vec<OwnedFd>) -> Result<(), String> {
     let pod = proxy.pod(&held.uid).ok_or_else(|| format!("pod {} is not served", held.uid))?;
+    if held.stream.is_some() {
+        return crate::proxy::resume::take(&pod, held, fds);
+    }
     let [a, b]: [OwnedFd; connections::FDS_PER_CONNECTION] =
         fds.try_into().map_err(|v: Vec<OwnedFd>| format!("{} descriptors, not 2", v.len()))?;
     for fd in [&a, &b] {
@@ -218,12 +240,7 @@ pub fn take(proxy: &Arc<Proxy>, held: HeldConnection, fds: Vec<OwnedFd>) -> Resu
         dst: addr(&held.dst)?,
         opened: SystemTime::UNIX_EPOCH + Duration::from_millis(held.opened_unix_ms),
     };
-    let stream = |fd: OwnedFd| {
-        let s = std::net::TcpStream::from(fd);
-        s.set_nonblocking(true)?;
-        TcpStream::from_std(s)
-    };
-    let (a, b) = (stream(a).map_err(|e| e.to_string())?, stream(b).map_err(|e| e.to_string())?);
+    let (a, b) = (tcp_of(a)?, tcp_of(b)?);
     let permits = proxy
         .drain
         .admit(&pod.scope(direction, false).limit)

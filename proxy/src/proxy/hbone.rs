@@ -83,6 +83,18 @@ impl HboneError {
     }
 }
 
+/// meshpath's extension of HBONE (`resume`), in headers a peer that does not know them (Istio's
+/// ztunnel) ignores: a client that can pause and resume a stream says so on its CONNECT ...
+pub const RESUMABLE: &str = "meshpath-resumable";
+/// ... and a server that can answers 200 with the stream's resume token (32 hex digits).
+pub const STREAM_TOKEN: &str = "meshpath-stream";
+/// The trailers that end one direction of a resumable stream without ending the connection:
+/// the sender stopped reading its app, and everything it read is in the stream (the value: the
+/// bytes it sent on this stream).
+pub const PAUSED: &str = "meshpath-paused";
+/// A CONNECT that resumes a paused stream: `<token>; to-server=<n>; to-client=<n>`.
+pub const RESUME: &str = "meshpath-resume";
+
 /// The optional headers of a CONNECT request, as ztunnel sends them.
 #[derive(Debug, Clone, Default)]
 pub struct StreamHeaders {
@@ -92,6 +104,8 @@ pub struct StreamHeaders {
     pub baggage: Option<String>,
     /// W3C `traceparent`.
     pub traceparent: Option<String>,
+    /// meshpath's (`RESUMABLE`, `RESUME`).
+    pub extra: Vec<(&'static str, String)>,
 }
 
 impl StreamHeaders {
@@ -103,7 +117,12 @@ impl StreamHeaders {
             "k8s.cluster.name=Kubernetes,k8s.namespace.name={},k8s.pod.name={},service.name={},service.version=latest",
             w.namespace, w.name, service
         );
-        Self { forwarded_for: Some(src), baggage: Some(baggage), traceparent: Some(traceparent()) }
+        Self {
+            forwarded_for: Some(src),
+            baggage: Some(baggage),
+            traceparent: Some(traceparent()),
+            extra: Vec::new(),
+        }
     }
 }
 
@@ -214,6 +233,17 @@ pub async fn open_stream(
     dst: SocketAddr,
     headers: &StreamHeaders,
 ) -> Result<(SendStream<Bytes>, RecvStream), HboneError> {
+    let (send, recv, _) = open_stream_answered(conn, gateway, dst, headers).await?;
+    Ok((send, recv))
+}
+
+/// As [`open_stream`], with the headers of the peer's answer.
+pub async fn open_stream_answered(
+    conn: Connection,
+    gateway: SocketAddr,
+    dst: SocketAddr,
+    headers: &StreamHeaders,
+) -> Result<(SendStream<Bytes>, RecvStream, http::HeaderMap), HboneError> {
     let mut client = conn.ready().await.map_err(|e| HboneError::H2(gateway, e))?;
     let mut req = http::Request::builder().method(http::Method::CONNECT).uri(authority(dst));
     if let Some(src) = headers.forwarded_for {
@@ -225,6 +255,9 @@ pub async fn open_stream(
     if let Some(t) = &headers.traceparent {
         req = req.header("traceparent", t);
     }
+    for (name, value) in &headers.extra {
+        req = req.header(*name, value);
+    }
     let (resp, send) =
         client.send_request(req.body(())?, false).map_err(|e| HboneError::H2(gateway, e))?;
     let resp = resp.await.map_err(|e| HboneError::H2(gateway, e))?;
@@ -235,7 +268,8 @@ pub async fn open_stream(
             status: resp.status(),
         });
     }
-    Ok((send, resp.into_body()))
+    let (parts, body) = resp.into_parts();
+    Ok((send, body, parts.headers))
 }
 
 /// A new connection and one stream on it (no pooling).

@@ -31,7 +31,7 @@ use crate::{
     identity::Identity,
     metrics::{ConnGuard, ConnInfo, Direction},
     proxy::pod::Pod,
-    proxy::{authorized::Authorized, hbone, read_ahead::ReadAhead},
+    proxy::{authorized::Authorized, copy, hbone, read_ahead::ReadAhead, resume},
     state::{authorization, canonical},
 };
 
@@ -224,7 +224,7 @@ async fn serve_stream(
     dialed: SocketAddr,
     peer: SocketAddr,
     client: &Identity,
-    pod: &Pod,
+    pod: &Arc<Pod>,
 ) -> io::Result<()> {
     let proxy = &pod.proxy;
     let bad = |respond: &mut SendResponse<Bytes>, why: &str| {
@@ -257,6 +257,19 @@ async fn serve_stream(
     // from inside the pod), so policy and telemetry trust it; `forwarded: for=` only adds the
     // app's port, when it agrees.
     let src = forwarded_for(&req).filter(|f| canonical(f.ip()) == peer.ip()).unwrap_or(peer);
+    // A CONNECT that resumes a paused stream (`resume`) takes its app's socket, if it is the
+    // one that held the stream; then policy decides as for a new one.
+    let resumed = match req.headers().get(hbone::RESUME) {
+        None => None,
+        Some(value) => match resume::claim(pod, value, client, peer.ip(), target) {
+            Ok(claimed) => Some(claimed),
+            Err((status, why)) => {
+                proxy.metrics.error(Direction::Inbound, "resume_refused");
+                debug!(src = %client, %src, dst = %target, why, "HBONE resume refused: {status}");
+                return reply(&mut respond, status);
+            }
+        },
+    };
     let store = proxy.store();
     let src_workload = store.by_ip(src.ip()).cloned();
     let conn = authorization::Connection { src_identity: Some(client), src: src.ip(), dst: target };
@@ -289,7 +302,12 @@ async fn serve_stream(
     // Held until the stream ends: a policy change that denies it closes it.
     let allowed = Authorized::register(proxy, &pod.uid, Some(client), src.ip(), target);
     let limit = proxy.settings.connect_timeout;
-    let app = match crate::proxy::transparent::connect_app(pod, src.ip(), target, limit).await {
+    let opened = std::time::SystemTime::now();
+    let (app, base) = match resumed {
+        Some((app, side)) => (Ok(app), Some(side)),
+        None => (crate::proxy::transparent::connect_app(pod, src.ip(), target, limit).await, None),
+    };
+    let app = match app {
         Ok(s) => s,
         Err(e) => {
             let timeout = e.kind() == io::ErrorKind::TimedOut;
@@ -302,16 +320,38 @@ async fn serve_stream(
             return reply(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
         }
     };
-    let resp =
-        http::Response::builder().status(StatusCode::OK).body(()).map_err(io::Error::other)?;
+    // A client that can resume the stream gets its token (`resume`).
+    let token = resume::issue(req.headers());
+    let mut resp = http::Response::builder().status(StatusCode::OK);
+    if let Some(t) = &token {
+        resp = resp.header(hbone::STREAM_TOKEN, t.hex());
+    }
+    let resp = resp.body(()).map_err(io::Error::other)?;
     let send = respond.send_response(resp, false).map_err(io::Error::other)?;
     // The app's bytes go towards the client; the stream's come from it.
     let meters = (&guard.to_client, &guard.from_client);
-    let copy =
-        crate::proxy::copy::splice(app, send, req.into_body(), meters, proxy.settings.idle_timeout);
+    let stop = token.is_some().then_some(&proxy.handover.streams);
+    let idle = proxy.settings.idle_timeout;
+    let copy = copy::splice_resumable(app, send, req.into_body(), meters, idle, stop);
     tokio::select! {
         r = copy => match r {
-            Ok(_) => guard.finish(None),
+            Ok(copy::Spliced::Done(..)) => guard.finish(None),
+            Ok(copy::Spliced::Paused { tcp, out, back }) => {
+                guard.finish(None);
+                let (to_client, to_server) = match &base {
+                    Some(b) => (b.stream.to_client + out, b.stream.to_server + back),
+                    None => (out, back),
+                };
+                let Some(token) = token else { return Err(io::Error::other("paused without a token")) };
+                let side = resume::ServerSide {
+                    stream: resume::Resumable { token, to_server, to_client },
+                    client: client.clone(),
+                    src,
+                    target,
+                    opened: base.map_or(opened, |b| b.opened),
+                };
+                resume::park(pod, tcp, side);
+            }
             Err(e) => {
                 guard.finish(Some(&e.to_string()));
                 return Err(e);

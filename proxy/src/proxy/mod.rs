@@ -5,8 +5,8 @@
 //! `netns`, its listeners held across restarts by the node agent: `held_listeners`), the HBONE protocol, the connection pool, the byte copy, accept loops with their
 //! caps and draining, the per-source cap on unauthenticated inbound, the large reads under TLS,
 //! the allowed connections a policy change re-checks, the open ones the admin dump lists
-//! (`open_connections`), and the plain connections handed to the next proxy at shutdown
-//! (`handover`).
+//! (`open_connections`), the plain connections handed to the next proxy at shutdown
+//! (`handover`), and the HBONE streams paused and resumed across a proxy upgrade (`resume`).
 
 pub mod authorized;
 pub mod copy;
@@ -27,6 +27,7 @@ pub mod pod;
 pub mod pool;
 pub mod read_ahead;
 pub mod resolve;
+pub mod resume;
 pub mod settings;
 pub mod transparent;
 

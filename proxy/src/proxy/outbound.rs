@@ -21,12 +21,14 @@ use tracing::{info_span, Instrument as _};
 
 use crate::{
     metrics::{ConnGuard, ConnInfo, Direction, Meter},
+    proxy::copy,
     proxy::drain::HboneHold,
     proxy::handover,
     proxy::hbone::{self, StreamHeaders},
     proxy::pod::Pod,
     proxy::pool::{PoolKey, StreamPermit},
     proxy::resolve::{resolve, Target},
+    proxy::resume,
     state::workloads::Workload,
 };
 
@@ -127,6 +129,7 @@ async fn via_hbone(
     mut hold: HboneHold,
 ) -> anyhow::Result<()> {
     let proxy = &pod.proxy;
+    let opened = std::time::SystemTime::now();
     let dst = target.workload.as_ref().context("HBONE needs a destination workload")?;
     let gateway = target.hbone.context("HBONE needs an address to dial")?;
     let key = PoolKey {
@@ -135,13 +138,14 @@ async fn via_hbone(
         src_workload: pod.uid.clone(),
         gateway,
     };
-    let headers = StreamHeaders::for_source(peer, pod.current_workload(&proxy.store()));
+    let mut headers = StreamHeaders::for_source(peer, pod.current_workload(&proxy.store()));
+    headers.extra.push(resume::offer());
     // A stream the peer never processed (it was going away, or refused it) is opened again on
     // another connection: RFC 9113 §8.7 lets a client retry such a request. A peer proxy that
     // drains sends GOAWAY; a stream opened on the pooled connection in the instant before it
     // arrived is refused, and a new connection reaches the peer's next proxy.
     let mut attempt = 1;
-    let (send, recv, permit) = loop {
+    let (send, recv, token, permit) = loop {
         let result = open(pod, &key, dst, gateway, target.addr, &headers).await;
         match result {
             Ok(opened) => break opened,
@@ -156,9 +160,31 @@ async fn via_hbone(
         }
     };
     hold.release();
-    let _permit = permit;
-    crate::proxy::copy::splice(conn, send, recv, meters, proxy.settings.idle_timeout).await?;
-    Ok(())
+    let idle = proxy.settings.idle_timeout;
+    // A peer that can resume the stream (a meshpath proxy) answered with its token: the stream
+    // outlives an upgrade of either proxy (`resume`).
+    let Some(token) = token else {
+        let _permit = permit;
+        copy::splice(conn, send, recv, meters, idle).await?;
+        return Ok(());
+    };
+    let stop = Some(&proxy.handover.streams);
+    let (tcp, out, back) =
+        match copy::splice_resumable(conn, send, recv, meters, idle, stop).await? {
+            copy::Spliced::Done(..) => return Ok(()),
+            copy::Spliced::Paused { tcp, out, back } => (tcp, out, back),
+        };
+    // The stream is over: its pooled connection's slot is free for another.
+    drop(permit);
+    let side = resume::ClientSide {
+        stream: resume::Resumable { token, to_server: out, to_client: back },
+        gateway,
+        dst: target.addr,
+        dst_identity: dst.identity(),
+        src: peer,
+        opened,
+    };
+    Box::pin(resume::carry_client(pod, tcp, side, meters)).await
 }
 
 /// How many times a CONNECT the peer did not process is sent, on as many connections.
@@ -173,7 +199,8 @@ async fn open(
     gateway: SocketAddr,
     addr: SocketAddr,
     headers: &StreamHeaders,
-) -> Result<(SendStream<Bytes>, RecvStream, StreamPermit), hbone::HboneError> {
+) -> Result<(SendStream<Bytes>, RecvStream, Option<resume::Token>, StreamPermit), hbone::HboneError>
+{
     let proxy = &pod.proxy;
     let timeout = proxy.settings.connect_timeout;
     // Boxed, as is the CONNECT below: the connect phase's state (TLS and HTTP/2 handshakes) is
@@ -197,17 +224,19 @@ async fn open(
             .map_err(|_| hbone::HboneError::Tls(gateway, io::ErrorKind::TimedOut.into()))?
     }))
     .await?;
-    let stream =
-        Box::pin(tokio::time::timeout(timeout, hbone::open_stream(h2conn, gateway, addr, headers)))
-            .await
-            .unwrap_or_else(|_| {
-                Err(hbone::HboneError::Connect(
-                    gateway,
-                    io::Error::new(io::ErrorKind::TimedOut, "no answer to CONNECT"),
-                ))
-            });
+    let stream = Box::pin(tokio::time::timeout(
+        timeout,
+        hbone::open_stream_answered(h2conn, gateway, addr, headers),
+    ))
+    .await
+    .unwrap_or_else(|_| {
+        Err(hbone::HboneError::Connect(
+            gateway,
+            io::Error::new(io::ErrorKind::TimedOut, "no answer to CONNECT"),
+        ))
+    });
     match stream {
-        Ok((send, recv)) => Ok((send, recv, permit)),
+        Ok((send, recv, answer)) => Ok((send, recv, resume::token_of(&answer), permit)),
         Err(e) => {
             if e.is_timeout() || e.is_unprocessed() {
                 // A connection whose peer does not answer a CONNECT, or is going away, takes

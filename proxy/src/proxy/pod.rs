@@ -63,6 +63,8 @@ pub struct Pod {
     pub gone: CancellationToken,
     /// Its open connections, for the admin dump.
     pub open: super::open_connections::OpenConnections,
+    /// Its paused HBONE streams whose client side is to dial again (`resume`).
+    pub waiting: super::resume::Waiting,
     /// Whether connections to its apps keep the client's address (see `Pod::new`).
     transparent: bool,
     /// Its caps on connections carried at once, one per direction, so that connections opened
@@ -292,6 +294,7 @@ impl Pod {
             listening_hbone: proxy.drain.hbone_child_token(),
             gone: CancellationToken::new(),
             open: Default::default(),
+            waiting: Default::default(),
             transparent,
             conns: PodCaps::new(
                 proxy.settings.max_connections_per_pod,

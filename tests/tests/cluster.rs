@@ -591,7 +591,8 @@ fn end_hold(mut client: std::process::Child) -> (String, bool) {
 }
 
 #[test]
-fn open_plain_connections_both_ways_survive_a_rolling_update_and_a_deletion_of_the_proxy() {
+fn open_connections_plain_both_ways_and_hbone_survive_a_rolling_update_and_a_deletion_of_the_proxy()
+{
     set_up();
     let pair = meshed_pair();
     let plain = TestNamespace::new("plain", false).expect("namespace");
@@ -599,15 +600,21 @@ fn open_plain_connections_both_ways_survive_a_rolling_update_and_a_deletion_of_t
     let legacy = ready_pod(&plain.name, "legacy").expect("legacy");
     // Long-lived connections, a third each bulk, request/response and idle (cluster-app
     // `hold`): out of a meshed pod to one outside the mesh (passthrough), and into a meshed
-    // pod from one outside it (inbound plaintext). The proxy hands them to the agent on
-    // SIGTERM and the next one carries them on: none ends, every byte arrives once.
+    // pod from one outside it (inbound plaintext), and between the two meshed pods (HBONE,
+    // both ends in this node's proxy: each end pauses the stream and the next proxy resumes
+    // it). The proxy hands them to the agent on SIGTERM and the next one carries them on: none
+    // ends, every byte arrives once.
     let hold = |ns: &str, pod: &str, to: &str, n: &str| {
         exec_spawn_with_stdin(ns, pod, &["hold", to, "--connections", n, "--seconds", "400"])
             .expect("hold")
     };
     let out = hold(&pair.ns.name, &pair.client.name, &format!("{}:9100", legacy.ip), "60");
     let inbound = hold(&plain.name, &legacy.name, &format!("{}:9100", pair.server.ip), "30");
+    let mtls_before = mtls_opened_to("server");
+    let hbone = hold(&pair.ns.name, &pair.client.name, &format!("{}:9100", pair.server.ip), "30");
     std::thread::sleep(Duration::from_secs(5));
+    let over_mtls = mtls_opened_to("server") - mtls_before;
+    assert!(over_mtls >= 30.0, "the meshed pods' connections were not HBONE: {over_mtls}");
     let started = std::time::Instant::now();
     roll_the_proxy_to_a_new_image();
     let rolled = started.elapsed();
@@ -618,17 +625,20 @@ fn open_plain_connections_both_ways_survive_a_rolling_update_and_a_deletion_of_t
     std::thread::sleep(Duration::from_secs(5));
     let (out, out_ok) = end_hold(out);
     let (inbound, in_ok) = end_hold(inbound);
+    let (hbone, hbone_ok) = end_hold(hbone);
     println!(
-        "rolled in {:.1} s, deleted and back in {:.1} s; out: {}; in: {}",
+        "rolled in {:.1} s, deleted and back in {:.1} s; out: {}; in: {}; hbone: {}",
         rolled.as_secs_f64(),
         deleted.as_secs_f64(),
         out.trim(),
-        inbound.trim()
+        inbound.trim(),
+        hbone.trim()
     );
     // A connection ended, reset or short of a byte is not kept; with the agent's hold off
     // every one ends at the first restart (connection_handover.rs has that control).
     assert!(out_ok && out.contains("kept=60 "), "passthrough: {out}");
     assert!(in_ok && inbound.contains("kept=30 "), "inbound plaintext: {inbound}");
+    assert!(hbone_ok && hbone.contains("kept=30 "), "HBONE between meshed pods: {hbone}");
 }
 
 #[test]

@@ -1,9 +1,12 @@
 //! Open connections survive a proxy upgrade (`proxy/src/proxy/handover.rs`,
 //! `loader/src/agent/held_connections.rs`): on SIGTERM the proxy hands each open plain
 //! connection (passthrough to a destination outside the mesh, plaintext inbound from a client
-//! outside it) to the node agent, and the next proxy carries it on. The apps see one connection
-//! that paused: every byte arrives once, in order, and neither side sees an end or a reset.
-//! The control: with the agent's hold off, the same connection ends with the old proxy.
+//! outside it) to the node agent, and the next proxy carries it on; and each HBONE stream between
+//! two meshpath proxies (here both of the node's proxy: two meshed pods of the node) pauses, its
+//! two app sockets go to the agent, and the next proxy resumes it (`proxy/src/proxy/resume.rs`).
+//! The apps see one connection that paused: every byte arrives once, in order, and neither side
+//! sees an end or a reset. The control: with the agent's hold off, the same connection ends with
+//! the old proxy.
 
 use std::{
     io::{ErrorKind, Read as _, Write as _},
@@ -72,6 +75,12 @@ fn pattern(offset: u64) -> u8 {
 /// A transfer of `total` bytes, echoed back and checked byte by byte, on `c`, with the proxy
 /// upgraded (`upgrade_proxy`) a quarter of the way through. Returns the old proxy's log.
 fn bulk_echo_across_an_upgrade(node: &mut CniNode, c: TcpStream, total: u64) -> String {
+    bulk_echo_across(c, total, || upgrade_proxy(node))
+}
+
+/// A transfer of `total` bytes, echoed back and checked byte by byte, on `c`, with `upgrade`
+/// run a quarter of the way through; returns what it returned.
+fn bulk_echo_across<T>(c: TcpStream, total: u64, upgrade: impl FnOnce() -> T) -> T {
     c.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout");
     let mut w = c.try_clone().expect("clone");
     let mut r = c;
@@ -119,12 +128,12 @@ fn bulk_echo_across_an_upgrade(node: &mut CniNode, c: TcpStream, total: u64) -> 
             std::thread::sleep(Duration::from_millis(5));
         }
         let at = echoed.load(Ordering::Relaxed);
-        let log = upgrade_proxy(node);
+        let done = upgrade();
         upgraded.store(true, Ordering::Relaxed);
         writer.join().expect("writer").expect("the client's upload failed");
         let got = reader.join().expect("reader");
-        assert_eq!(got, Ok(total), "upgrade at byte {at}; the old proxy's log:\n{log}");
-        log
+        assert_eq!(got, Ok(total), "upgrade at byte {at}");
+        done
     })
 }
 
@@ -278,4 +287,87 @@ fn with_the_agents_hold_off_an_hbone_stream_ends_with_the_old_proxy() {
     assert!(!log.contains("paused HBONE stream"), "{log}");
     let after = round_trip(&mut c, b"after the upgrade");
     assert!(after.is_err(), "the stream outlived its proxy with no hand-over");
+}
+
+/// Two nodes, each with its agent and proxy (certificates from one CA), their pod subnets
+/// routed to each other over a link between the nodes' netns: meshed pod p0 on node 1, meshed
+/// pod p1 with an echo server on node 2. Returns the nodes, p0, and the echo server's address.
+fn two_nodes() -> (CniNode, CniNode, CniPod, SocketAddr) {
+    let mut n1 = CniNode::bare(MESHED).expect("node 1");
+    let mut n2 = CniNode::bare(MESHED).expect("node 2");
+    n2.subnet = n1.subnet + 1;
+    for f in ["ca.pem", "ca-key.pem"] {
+        std::fs::copy(n1.dir.join(f), n2.dir.join(f)).expect("one CA for both nodes");
+    }
+    n1.node
+        .ip(&[
+            "link",
+            "add",
+            "mpnodes",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "mpnodes",
+            "netns",
+            n2.node.name(),
+        ])
+        .expect("a link between the nodes");
+    for (n, me, other) in [(&n1, "10.200.0.1/30", &n2), (&n2, "10.200.0.2/30", &n1)] {
+        let via = if me.starts_with("10.200.0.1") { "10.200.0.2" } else { "10.200.0.1" };
+        n.node.ip(&["addr", "add", me, "dev", "mpnodes"]).expect("address");
+        n.node.ip(&["link", "set", "mpnodes", "up"]).expect("up");
+        let subnet = format!("10.{}.0.0/24", other.subnet);
+        n.node.ip(&["route", "add", &subnet, "via", via]).expect("route to the other node's pods");
+        let forward = std::process::Command::new("nsenter")
+            .arg(format!("--net={}", n.node.path().display()))
+            .args(["sysctl", "-qw", "net.ipv4.ip_forward=1"])
+            .status()
+            .expect("sysctl");
+        assert!(forward.success(), "forwarding on");
+    }
+    for n in [&mut n1, &mut n2] {
+        n.start_agent().expect("agent");
+        n.start_proxy_with(&["--drain-seconds", "5"]).expect("proxy");
+    }
+    // Each pod reaches the other node's pods through its own node (the bridge plugin routes
+    // only the pod's subnet).
+    let route = |pod: &CniPod, on: &CniNode, to: &CniNode| {
+        let (subnet, gateway) =
+            (format!("10.{}.0.0/24", to.subnet), format!("10.{}.0.1", on.subnet));
+        pod.netns.ip(&["route", "add", &subnet, "via", &gateway]).expect("pod route");
+    };
+    let p1 = n2.add_pod("p1").expect("ADD p1 on node 2");
+    route(&p1, &n2, &n1);
+    n2.echo_server(&p1, 8080).expect("echo in p1");
+    n1.publish_address(MESHED, "sa1", p1.ip);
+    let p0 = n1.add_pod("p0").expect("ADD p0 on node 1");
+    route(&p0, &n1, &n2);
+    (n1, n2, p0, SocketAddr::new(p1.ip, 8080))
+}
+
+#[test]
+fn an_hbone_stream_between_two_nodes_carries_on_byte_exact_across_an_upgrade_of_each_nodes_proxy_in_turn(
+) {
+    let (mut n1, mut n2, p0, server) = two_nodes();
+    let mut c = p0.connect(server).expect("connect");
+    round_trip(&mut c, b"across nodes").expect("before");
+    assert_eq!(hbone_opened(&n1), 1.0, "not carried over HBONE");
+    // Node 1's proxy holds the client side: it goes, node 2's pauses its side and waits, node
+    // 1's next proxy dials again. Then node 2's goes: node 1's pauses its side and dials again
+    // until node 2's next proxy has the stream.
+    let (log1, log2) = bulk_echo_across(c, 128 << 20, || {
+        let first = upgrade_proxy(&mut n1);
+        let second = upgrade_proxy(&mut n2);
+        (first, second)
+    });
+    for (log, which) in [(&log1, "node 1's"), (&log2, "node 2's")] {
+        let handed = log.matches("paused HBONE stream handed over to the node agent").count();
+        assert_eq!(handed, 1, "{which} old proxy:\n{log}");
+    }
+    for (n, which) in [(&n1, "node 1's"), (&n2, "node 2's")] {
+        let log = n.proxy.as_ref().expect("proxy").lines().join("\n");
+        let taken = log.matches("paused HBONE stream taken over from the previous proxy").count();
+        assert_eq!(taken, 1, "{which} new proxy:\n{log}");
+    }
 }

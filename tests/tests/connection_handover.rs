@@ -15,7 +15,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use meshpath_tests::cni_node::{CniNode, CniPod};
+use meshpath_tests::{
+    cni_node::{CniNode, CniPod},
+    ChildGuard,
+};
 
 const WORKLOADS: &str = "workloads:
 - {uid: uid-p0, name: p0, namespace: default, serviceAccount: sa0, protocol: HBONE}
@@ -291,8 +294,8 @@ fn with_the_agents_hold_off_an_hbone_stream_ends_with_the_old_proxy() {
 
 /// Two nodes, each with its agent and proxy (certificates from one CA), their pod subnets
 /// routed to each other over a link between the nodes' netns: meshed pod p0 on node 1, meshed
-/// pod p1 with an echo server on node 2. Returns the nodes, p0, and the echo server's address.
-fn two_nodes() -> (CniNode, CniNode, CniPod, SocketAddr) {
+/// pod p1 with an echo server on 8080 on node 2. Returns the nodes, p0 and p1.
+fn two_nodes() -> (CniNode, CniNode, CniPod, CniPod) {
     let mut n1 = CniNode::bare(MESHED).expect("node 1");
     let mut n2 = CniNode::bare(MESHED).expect("node 2");
     n2.subnet = n1.subnet + 1;
@@ -343,14 +346,14 @@ fn two_nodes() -> (CniNode, CniNode, CniPod, SocketAddr) {
     n1.publish_address(MESHED, "sa1", p1.ip);
     let p0 = n1.add_pod("p0").expect("ADD p0 on node 1");
     route(&p0, &n1, &n2);
-    (n1, n2, p0, SocketAddr::new(p1.ip, 8080))
+    (n1, n2, p0, p1)
 }
 
 #[test]
 fn an_hbone_stream_between_two_nodes_carries_on_byte_exact_across_an_upgrade_of_each_nodes_proxy_in_turn(
 ) {
-    let (mut n1, mut n2, p0, server) = two_nodes();
-    let mut c = p0.connect(server).expect("connect");
+    let (mut n1, mut n2, p0, p1) = two_nodes();
+    let mut c = p0.connect(SocketAddr::new(p1.ip, 8080)).expect("connect");
     round_trip(&mut c, b"across nodes").expect("before");
     assert_eq!(hbone_opened(&n1), 1.0, "not carried over HBONE");
     // Node 1's proxy holds the client side: it goes, node 2's pauses its side and waits, node
@@ -370,4 +373,59 @@ fn an_hbone_stream_between_two_nodes_carries_on_byte_exact_across_an_upgrade_of_
         let taken = log.matches("paused HBONE stream taken over from the previous proxy").count();
         assert_eq!(taken, 1, "{which} new proxy:\n{log}");
     }
+}
+
+/// `cluster-app ARGS…` in `pod`'s netns, its standard input held open (ending it ends `hold`
+/// and `loop --until-stdin-closes`) and its output kept; killed if the test fails first.
+fn app_in(pod: &CniPod, args: &[&str]) -> ChildGuard {
+    let child = std::process::Command::new("nsenter")
+        .arg(format!("--net={}", pod.netns.path().display()))
+        .arg(meshpath_tests::sibling_bin("cluster-app"))
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("cluster-app");
+    ChildGuard(child)
+}
+
+/// Ends an `app_in` client (its standard input closed) and returns what it printed and whether
+/// it exited 0.
+fn finish(mut app: ChildGuard) -> (String, bool) {
+    drop(app.0.stdin.take());
+    let mut out = String::new();
+    if let Some(mut stdout) = app.0.stdout.take() {
+        let _ = stdout.read_to_string(&mut out);
+    }
+    let ok = app.0.wait().map(|s| s.success()).unwrap_or(false);
+    (out, ok)
+}
+
+#[test]
+fn sixty_mixed_hbone_connections_between_two_nodes_are_kept_across_an_upgrade_of_each_nodes_proxy_while_new_ones_are_answered(
+) {
+    let (mut n1, mut n2, p0, p1) = two_nodes();
+    let p1_ip = p1.ip.to_string();
+    // Its echo (9100) and sink (9000); its HTTP port off 8080, where two_nodes' echo is.
+    let _server = app_in(&p1, &["serve", "--http", "8081"]);
+    // A third each bulk, request/response and idle (cluster-app's `hold`), and a new connection
+    // every 20 ms to the sink (`loop`), from node 1's pod to node 2's.
+    let hold =
+        app_in(&p0, &["hold", &format!("{p1_ip}:9100"), "--connections", "60", "--seconds", "120"]);
+    let new = app_in(
+        &p0,
+        &["loop", &format!("{p1_ip}:9000"), "--seconds", "120", "--until-stdin-closes"],
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(hbone_opened(&n1) >= 60.0, "the held connections are not HBONE");
+    upgrade_proxy(&mut n1);
+    std::thread::sleep(Duration::from_secs(2));
+    upgrade_proxy(&mut n2);
+    std::thread::sleep(Duration::from_secs(3));
+    let (new, new_ok) = finish(new);
+    let (hold, hold_ok) = finish(hold);
+    println!("held: {}; new: {}", hold.trim(), new.trim());
+    assert!(hold_ok && hold.contains("kept=60 "), "held connections: {hold}");
+    assert!(new_ok && new.contains("refused=0 reset=0"), "new connections: {new}");
 }

@@ -154,7 +154,11 @@ fn a_connect_loop_across_kill_9_and_a_restart_of_the_proxy_is_never_refused() {
         node.start_proxy().expect("proxy restarted");
     });
     println!("kill -9: {n} round trips, slowest {slowest:?}");
-    assert!(failures.is_empty(), "{} of {n} failed: {failures:?}", failures.len());
+    // None refused. The one round trip the killed proxy may have been carrying at that instant
+    // ends with it (a crash hands nothing over): seen in about one run in eight.
+    let refused = failures.iter().filter(|f| f.starts_with("ConnectionRefused")).count();
+    assert_eq!(refused, 0, "{failures:?}");
+    assert!(failures.len() <= 1, "{} of {n} failed: {failures:?}", failures.len());
 }
 
 #[test]
@@ -184,7 +188,9 @@ fn in_pod(pod: &CniPod, args: &[&str]) -> String {
 
 #[test]
 fn a_connection_the_proxy_took_just_before_sigterm_still_reaches_a_pod_of_the_same_node() {
-    let (mut node, p0, p1) = node_with(&[]);
+    // The draining proxy carries it to its end: with the agent's hold on, its stream, once
+    // open, would be paused and handed to the next proxy instead (connection_handover.rs).
+    let (mut node, p0, p1) = node_with(&["--hold-connections-seconds", "0"]);
     node.publish_address(WORKLOADS, "sa1", p1.ip);
     let dst = SocketAddr::new(p1.ip, 8080);
     // p1 sends nothing for now (a FIFO of length 0 drops every frame it sends, its SYN-ACKs

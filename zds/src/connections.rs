@@ -73,9 +73,34 @@ pub fn identify(fd: BorrowedFd<'_>, pod_netns: u64) -> Result<(), NotAConnection
     if socket::getsockopt(&fd, sockopt::AcceptConn)? {
         return Err(NotAConnection::Listening);
     }
-    socket::getpeername::<socket::SockaddrStorage>(std::os::fd::AsRawFd::as_raw_fd(&fd))
-        .map_err(NotAConnection::NotConnected)?;
-    Ok(())
+    match socket::getpeername::<socket::SockaddrStorage>(std::os::fd::AsRawFd::as_raw_fd(&fd)) {
+        Ok(_) => Ok(()),
+        Err(_) if closed_after_its_peer(fd) => Ok(()),
+        Err(e) => Err(NotAConnection::NotConnected(e)),
+    }
+}
+
+/// Whether `fd` is a TCP socket that had a peer and is closed now, with what the peer sent last
+/// perhaps unread: when the peer ends a connection whose other direction has ended already,
+/// the kernel moves it to TIME_WAIT and the socket itself to CLOSE, so it has no peer to name,
+/// yet what the peer sent before its end is still to be read (a server's answer to a client
+/// that half-closed). It is handed over like any other: the next proxy delivers the rest.
+fn closed_after_its_peer(fd: BorrowedFd<'_>) -> bool {
+    // SAFETY: tcp_info is plain old data; the kernel writes at most `len` bytes of it.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: `info` and `len` describe a writable buffer of `len` bytes; `fd` is open.
+    let rc = unsafe {
+        libc::getsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            std::ptr::addr_of_mut!(info).cast(),
+            &mut len,
+        )
+    };
+    // TCP_CLOSE is 7; a socket that never had a peer has received no segment.
+    rc == 0 && info.tcpi_state == 7 && info.tcpi_segs_in > 0
 }
 
 #[cfg(test)]
@@ -95,6 +120,36 @@ mod tests {
         let (s, _) = l.accept().expect("accept");
         identify(c.as_fd(), here()).expect("the opened side");
         identify(s.as_fd(), here()).expect("the accepted side");
+    }
+
+    #[test]
+    fn a_socket_whose_peer_closed_after_it_half_closed_is_taken_with_its_unread_answer() {
+        use std::io::{Read as _, Write as _};
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let c = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
+        let (mut s, _) = l.accept().expect("accept");
+        c.shutdown(std::net::Shutdown::Write).expect("half close");
+        s.write_all(b"the answer").expect("answer");
+        drop(s);
+        // The peer's FIN moves `c` to TIME_WAIT: the socket itself is CLOSE, with no peer.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert!(socket::getpeername::<socket::SockaddrStorage>(std::os::fd::AsRawFd::as_raw_fd(
+            &c
+        ))
+        .is_err());
+        identify(c.as_fd(), here()).expect("closed after its peer, its answer unread");
+        let mut got = String::new();
+        (&c).read_to_string(&mut got).expect("read");
+        assert_eq!(got, "the answer");
+        // A socket that never had a peer is still refused.
+        let fresh = nix::sys::socket::socket(
+            socket::AddressFamily::Inet,
+            SockType::Stream,
+            socket::SockFlag::empty(),
+            None,
+        )
+        .expect("socket");
+        assert!(matches!(identify(fresh.as_fd(), here()), Err(NotAConnection::NotConnected(_))));
     }
 
     #[test]

@@ -174,8 +174,9 @@ async fn copy_to_h2(
 }
 
 /// Copies an HTTP/2 stream into a plain socket, releasing flow-control capacity as it goes;
-/// shuts the socket's write side down at the end. With `pause`: a stream the peer paused leaves
-/// the socket open and cancels `pause`, so that the other direction pauses too.
+/// shuts the socket's write side down at the end, or on an error (the app sees the end: the
+/// other direction, reading the app, then ends too). With `pause`: a stream the peer paused
+/// leaves the socket open and cancels `pause`, so that the other direction pauses too.
 async fn copy_from_h2(
     mut from: RecvStream,
     to: &mut OwnedWriteHalf,
@@ -184,23 +185,44 @@ async fn copy_from_h2(
     pause: Option<&CancellationToken>,
 ) -> io::Result<(u64, Ended)> {
     let mut total = 0u64;
-    while let Some(chunk) = from.data().await {
-        let chunk = chunk.map_err(io::Error::other)?;
-        idle.touch();
-        let _ = from.flow_control().release_capacity(chunk.len());
-        total += chunk.len() as u64;
-        to.write_all(&chunk).await?;
-        meter.add(chunk.len() as u64);
-    }
-    if let Some(pause) = pause {
-        let trailers = from.trailers().await.map_err(io::Error::other)?;
-        if trailers.is_some_and(|t| t.contains_key(crate::proxy::hbone::PAUSED)) {
-            pause.cancel();
-            return Ok((total, Ended::Paused));
+    // Written without `?` so that an error shuts the write side too, with no nested future:
+    // every idle connection's task holds this one (tests/tests/idle_connections.rs).
+    let failed = loop {
+        match from.data().await {
+            None => break None,
+            Some(Err(e)) => break Some(io::Error::other(e)),
+            Some(Ok(chunk)) => {
+                idle.touch();
+                let _ = from.flow_control().release_capacity(chunk.len());
+                total += chunk.len() as u64;
+                if let Err(e) = to.write_all(&chunk).await {
+                    break Some(e);
+                }
+                meter.add(chunk.len() as u64);
+            }
+        }
+    };
+    let failed = match (failed, pause) {
+        (None, Some(pause)) => match from.trailers().await {
+            Ok(Some(t)) if t.contains_key(crate::proxy::hbone::PAUSED) => {
+                pause.cancel();
+                return Ok((total, Ended::Paused));
+            }
+            Ok(_) => None,
+            Err(e) => Some(io::Error::other(e)),
+        },
+        (failed, _) => failed,
+    };
+    match failed {
+        None => {
+            to.shutdown().await?;
+            Ok((total, Ended::Eof))
+        }
+        Some(e) => {
+            let _ = to.shutdown().await;
+            Err(e)
         }
     }
-    to.shutdown().await?;
-    Ok((total, Ended::Eof))
 }
 
 /// Copies one plain socket into another, shutting the other's write side down at the end;

@@ -169,6 +169,14 @@ async fn serve_connection(tcp: TcpStream, peer: SocketAddr, pod: &Arc<Pod>) -> a
         let Some(stream) = next else { break };
         let (req, mut respond) = match stream {
             Ok(s) => s,
+            // The peer closed its connection after this side sent GOAWAY, or with no stream
+            // open (a client side that dialed again to resume a stream closes it once the
+            // stream pauses again: `resume`): an end, not a failure. Its streams' tasks see
+            // their own ends.
+            Err(e) if e.is_io() && (going_away || streams.is_empty()) => {
+                debug!(error = %e, "the peer closed its HBONE connection");
+                break;
+            }
             Err(e) => {
                 proxy.metrics.error(Direction::Inbound, "http2_protocol");
                 return Err(anyhow::Error::new(e).context("HTTP/2"));
@@ -304,7 +312,7 @@ async fn serve_stream(
     let limit = proxy.settings.connect_timeout;
     let opened = std::time::SystemTime::now();
     let (app, base) = match resumed {
-        Some((app, side)) => (Ok(app), Some(side)),
+        Some((app, stream, opened)) => (Ok(app), Some((stream, opened))),
         None => (crate::proxy::transparent::connect_app(pod, src.ip(), target, limit).await, None),
     };
     let app = match app {
@@ -339,7 +347,7 @@ async fn serve_stream(
             Ok(copy::Spliced::Paused { tcp, out, back }) => {
                 guard.finish(None);
                 let (to_client, to_server) = match &base {
-                    Some(b) => (b.stream.to_client + out, b.stream.to_server + back),
+                    Some((b, _)) => (b.to_client + out, b.to_server + back),
                     None => (out, back),
                 };
                 let Some(token) = token else { return Err(io::Error::other("paused without a token")) };
@@ -348,7 +356,7 @@ async fn serve_stream(
                     client: client.clone(),
                     src,
                     target,
-                    opened: base.map_or(opened, |b| b.opened),
+                    opened: base.map_or(opened, |(_, at)| at),
                 };
                 resume::park(pod, tcp, side);
             }

@@ -264,14 +264,15 @@ pub fn park(pod: &Arc<Pod>, app: TcpStream, side: ServerSide) {
 }
 
 /// A CONNECT with `hbone::RESUME` (`value`) from `client` at `peer`, to `target`: the paused
-/// stream it names, or the status to refuse it with and why.
+/// stream it names (its app's socket, the bytes carried so far, when it opened), or the status
+/// to refuse it with and why.
 pub fn claim(
     pod: &Pod,
     value: &http::HeaderValue,
     client: &Identity,
     peer: IpAddr,
     target: SocketAddr,
-) -> Result<(TcpStream, ServerSide), (StatusCode, &'static str)> {
+) -> Result<(TcpStream, Resumable, SystemTime), (StatusCode, &'static str)> {
     let asked = value
         .to_str()
         .ok()
@@ -293,7 +294,8 @@ pub fn claim(
         // Bytes lost or doubled somewhere: an app must not see that; the stream ends.
         return Err((StatusCode::CONFLICT, "the two ends disagree on the bytes carried: closed"));
     }
-    Ok((p.app, p.side))
+    // What the caller needs of it: the rest is what it checked.
+    Ok((p.app, p.side.stream, p.side.opened))
 }
 
 /// Carries a paused client side on: dials the server side again (for up to [`RESUME_WITHIN`])

@@ -375,6 +375,16 @@ fn an_hbone_stream_between_two_nodes_carries_on_byte_exact_across_an_upgrade_of_
     }
 }
 
+/// The resident memory of process `pid`, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS")
+}
+
 /// `cluster-app ARGS…` in `pod`'s netns, its standard input held open (ending it ends `hold`
 /// and `loop --until-stdin-closes`) and its output kept; killed if the test fails first.
 fn app_in(pod: &CniPod, args: &[&str]) -> ChildGuard {
@@ -419,7 +429,24 @@ fn sixty_mixed_hbone_connections_between_two_nodes_are_kept_across_an_upgrade_of
     );
     std::thread::sleep(Duration::from_secs(3));
     assert!(hbone_opened(&n1) >= 60.0, "the held connections are not HBONE");
-    upgrade_proxy(&mut n1);
+    // Node 1's proxy goes: while no proxy runs, the agent holds each connection's app socket
+    // (what that costs it is measured here); then the next one takes them.
+    let agent_pid = n1.agent.as_ref().expect("agent").pid();
+    let rss_before = rss_kib(agent_pid);
+    let old = n1.proxy.as_mut().expect("proxy");
+    old.signal(libc::SIGTERM).expect("SIGTERM");
+    assert!(old.wait_exit(Duration::from_secs(30)), "the old proxy did not exit");
+    let metrics = n1.agent_metrics_text().expect("agent metrics");
+    let held = |kind: &str| {
+        meshpath_tests::sum_metric(&metrics, "meshpath_agent_held_connections", &[("kind", kind)])
+    };
+    let (plain, streams) = (held("plain"), held("stream"));
+    let rss_holding = rss_kib(agent_pid);
+    n1.start_proxy_with(&["--drain-seconds", "5"]).expect("the new proxy");
+    println!(
+        "node 1's agent held {streams} streams and {plain} plain connections: RSS {rss_before} KiB before, {rss_holding} KiB holding"
+    );
+    assert!(streams >= 60.0, "{streams} streams held");
     std::thread::sleep(Duration::from_secs(2));
     upgrade_proxy(&mut n2);
     std::thread::sleep(Duration::from_secs(3));

@@ -1,5 +1,6 @@
 //! `/healthz` (the agent is alive) and `/readyz` (reconciled and serving the CNI socket), for
-//! the DaemonSet's probes, and `/metrics` (the datapath's decision counts, for Prometheus).
+//! the DaemonSet's probes, and `/metrics` (the datapath's decision counts, and the connections
+//! held for the next proxy, for Prometheus).
 
 use std::{convert::Infallible, net::SocketAddr, sync::Arc};
 
@@ -14,7 +15,8 @@ use super::Agent;
 fn answer(agent: &Agent, req: &Request<Incoming>) -> Response<Full<Bytes>> {
     if req.uri().path() == "/metrics" {
         return match agent.with_datapath(|dp| Ok(crate::decisions::prometheus(dp)?)) {
-            Ok(text) => {
+            Ok(mut text) => {
+                text.push_str(&agent.zds.connections.prometheus());
                 let mut r = Response::new(Full::new(Bytes::from(text)));
                 r.headers_mut().insert(
                     hyper::header::CONTENT_TYPE,

@@ -151,6 +151,25 @@ impl HeldConnections {
     pub fn count(&self) -> usize {
         self.pods().values().map(Vec::len).sum()
     }
+
+    /// How many are held: plain connections, paused HBONE streams.
+    pub fn counts(&self) -> (usize, usize) {
+        let pods = self.pods();
+        let streams = pods.values().flatten().filter(|h| h.what.stream.is_some()).count();
+        let all: usize = pods.values().map(Vec::len).sum();
+        (all - streams, streams)
+    }
+
+    /// `/metrics` lines: how many are held, by kind (plain, stream).
+    pub fn prometheus(&self) -> String {
+        let (plain, streams) = self.counts();
+        format!(
+            "# HELP meshpath_agent_held_connections Open connections a stopped proxy handed over, held for the next: plain ones (both sockets) and paused HBONE streams (the app's socket).\n\
+             # TYPE meshpath_agent_held_connections gauge\n\
+             meshpath_agent_held_connections{{kind=\"plain\"}} {plain}\n\
+             meshpath_agent_held_connections{{kind=\"stream\"}} {streams}\n"
+        )
+    }
 }
 
 #[cfg(test)]
@@ -226,6 +245,8 @@ mod tests {
         held.hold(stream("p"), fds, here(), Instant::now()).expect("the app's side");
         let (_l, fds) = pair();
         held.hold(what("p"), fds, here(), Instant::now()).expect("a plain one");
+        assert_eq!(held.counts(), (1, 1));
+        assert!(held.prometheus().contains("meshpath_agent_held_connections{kind=\"stream\"} 1\n"));
         held.release_streams("test");
         let left = held.take("p");
         assert_eq!(left.len(), 1);

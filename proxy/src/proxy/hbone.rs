@@ -256,6 +256,10 @@ pub async fn open_stream_answered(
         req = req.header("traceparent", t);
     }
     for (name, value) in &headers.extra {
+        let mut value = http::HeaderValue::from_str(value).map_err(http::Error::from)?;
+        // A resume token is a secret: never in HPACK's tables (a compression side channel),
+        // and a table of unique tokens would cost each pooled connection its full 4 KiB.
+        value.set_sensitive(*name == RESUME);
         req = req.header(*name, value);
     }
     let (resp, send) =

@@ -332,7 +332,10 @@ async fn serve_stream(
     let token = resume::issue(req.headers());
     let mut resp = http::Response::builder().status(StatusCode::OK);
     if let Some(t) = &token {
-        resp = resp.header(hbone::STREAM_TOKEN, t.hex());
+        // A secret, unique per stream: never in HPACK's tables (see `hbone::open_stream`).
+        let mut value = http::HeaderValue::from_str(&t.hex()).map_err(io::Error::other)?;
+        value.set_sensitive(true);
+        resp = resp.header(hbone::STREAM_TOKEN, value);
     }
     let resp = resp.body(()).map_err(io::Error::other)?;
     let send = respond.send_response(resp, false).map_err(io::Error::other)?;

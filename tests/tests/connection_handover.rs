@@ -70,6 +70,28 @@ fn round_trip(c: &mut TcpStream, msg: &[u8]) -> std::io::Result<()> {
     Ok(())
 }
 
+/// SIGTERM to the proxy and its exit awaited; bytes sent on `c` while no proxy runs wait
+/// unanswered; the next proxy answers them, and the connection goes on.
+fn sent_to_while_no_proxy_runs(node: &mut CniNode, c: &mut TcpStream) {
+    let old = node.proxy.as_mut().expect("proxy");
+    old.signal(libc::SIGTERM).expect("SIGTERM");
+    assert!(old.wait_exit(Duration::from_secs(30)), "the old proxy did not exit");
+    // No proxy runs: the bytes wait in the kernel's buffers, unanswered.
+    c.write_all(b"while no proxy runs").expect("send");
+    c.set_read_timeout(Some(Duration::from_secs(1))).expect("timeout");
+    let mut b = [0u8; 1];
+    match c.read(&mut b) {
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+        other => panic!("answered or ended with no proxy running: {other:?}"),
+    }
+    node.start_proxy_with(&["--drain-seconds", "5"]).expect("the new proxy");
+    c.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+    let mut back = [0u8; 19];
+    c.read_exact(&mut back).expect("the waiting bytes were not carried by the new proxy");
+    assert_eq!(&back, b"while no proxy runs");
+    round_trip(c, b"after the upgrade").expect("after");
+}
+
 /// The byte at `offset` of the test's stream (a pattern no shift or repeat reproduces).
 fn pattern(offset: u64) -> u8 {
     (offset.wrapping_mul(2_654_435_761) >> 13) as u8
@@ -155,23 +177,7 @@ fn an_idle_connection_sent_to_while_no_proxy_runs_is_answered_by_the_next_proxy(
     let (mut node, p0, server) = node_with(&[]);
     let mut c = p0.connect(server).expect("connect");
     round_trip(&mut c, b"before the upgrade").expect("before");
-    let old = node.proxy.as_mut().expect("proxy");
-    old.signal(libc::SIGTERM).expect("SIGTERM");
-    assert!(old.wait_exit(Duration::from_secs(30)), "the old proxy did not exit");
-    // No proxy runs: the bytes wait in the kernel's buffers, unanswered.
-    c.write_all(b"while no proxy runs").expect("send");
-    c.set_read_timeout(Some(Duration::from_secs(1))).expect("timeout");
-    let mut b = [0u8; 1];
-    match c.read(&mut b) {
-        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-        other => panic!("answered or ended with no proxy running: {other:?}"),
-    }
-    node.start_proxy_with(&["--drain-seconds", "5"]).expect("the new proxy");
-    c.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
-    let mut back = [0u8; 19];
-    c.read_exact(&mut back).expect("the waiting bytes were not carried by the new proxy");
-    assert_eq!(&back, b"while no proxy runs");
-    round_trip(&mut c, b"after the upgrade").expect("after");
+    sent_to_while_no_proxy_runs(&mut node, &mut c);
 }
 
 #[test]
@@ -257,22 +263,7 @@ fn an_idle_hbone_connection_sent_to_while_no_proxy_runs_is_answered_by_the_next_
     let mut c = p0.connect(server).expect("connect");
     round_trip(&mut c, b"before the upgrade").expect("before");
     assert_eq!(hbone_opened(&node), 1.0, "not carried over HBONE");
-    let old = node.proxy.as_mut().expect("proxy");
-    old.signal(libc::SIGTERM).expect("SIGTERM");
-    assert!(old.wait_exit(Duration::from_secs(30)), "the old proxy did not exit");
-    c.write_all(b"while no proxy runs").expect("send");
-    c.set_read_timeout(Some(Duration::from_secs(1))).expect("timeout");
-    let mut b = [0u8; 1];
-    match c.read(&mut b) {
-        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-        other => panic!("answered or ended with no proxy running: {other:?}"),
-    }
-    node.start_proxy_with(&["--drain-seconds", "5"]).expect("the new proxy");
-    c.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
-    let mut back = [0u8; 19];
-    c.read_exact(&mut back).expect("the waiting bytes were not carried by the new proxy");
-    assert_eq!(&back, b"while no proxy runs");
-    round_trip(&mut c, b"after the upgrade").expect("after");
+    sent_to_while_no_proxy_runs(&mut node, &mut c);
     // And the resumed stream pauses and resumes again at the next upgrade.
     let log = upgrade_proxy(&mut node);
     assert!(log.contains("paused HBONE stream handed over to the node agent"), "{log}");

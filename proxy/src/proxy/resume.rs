@@ -425,41 +425,47 @@ async fn dial(pod: &Pod, side: &ClientSide) -> Result<Opened, Attempt> {
     Ok((send, recv, token))
 }
 
-fn held_stream(stream: &Resumable, client: bool, gateway: String, peer: &Identity) -> HeldStream {
-    HeldStream {
-        token: stream.token.0.to_vec(),
-        client,
-        gateway,
-        peer_identity: peer.to_string(),
-        to_server: stream.to_server,
-        to_client: stream.to_client,
+/// A paused side as the agent holds it: `client` sides dial `gateway` again; `peer` is the only
+/// identity it resumes with.
+#[allow(clippy::too_many_arguments)]
+fn held(
+    uid: &str,
+    direction: ConnectionDirection,
+    (src, dst): (SocketAddr, SocketAddr),
+    stream: &Resumable,
+    opened: SystemTime,
+    client: bool,
+    gateway: String,
+    peer: &Identity,
+) -> HeldConnection {
+    HeldConnection {
+        uid: uid.into(),
+        direction: direction as i32,
+        src: src.to_string(),
+        dst: dst.to_string(),
+        sent: stream.to_server,
+        received: stream.to_client,
+        opened_unix_ms: handover::unix_ms(opened),
+        stream: Some(HeldStream {
+            token: stream.token.0.to_vec(),
+            client,
+            gateway,
+            peer_identity: peer.to_string(),
+            to_server: stream.to_server,
+            to_client: stream.to_client,
+        }),
     }
 }
 
-fn held_client(uid: &str, side: &ClientSide) -> HeldConnection {
-    HeldConnection {
-        uid: uid.into(),
-        direction: ConnectionDirection::Outbound as i32,
-        src: side.src.to_string(),
-        dst: side.dst.to_string(),
-        sent: side.stream.to_server,
-        received: side.stream.to_client,
-        opened_unix_ms: handover::unix_ms(side.opened),
-        stream: Some(held_stream(&side.stream, true, side.gateway.to_string(), &side.dst_identity)),
-    }
+fn held_client(uid: &str, s: &ClientSide) -> HeldConnection {
+    let gateway = s.gateway.to_string();
+    let (ends, dir) = ((s.src, s.dst), ConnectionDirection::Outbound);
+    held(uid, dir, ends, &s.stream, s.opened, true, gateway, &s.dst_identity)
 }
 
-fn held_server(uid: &str, side: &ServerSide) -> HeldConnection {
-    HeldConnection {
-        uid: uid.into(),
-        direction: ConnectionDirection::Inbound as i32,
-        src: side.src.to_string(),
-        dst: side.target.to_string(),
-        sent: side.stream.to_server,
-        received: side.stream.to_client,
-        opened_unix_ms: handover::unix_ms(side.opened),
-        stream: Some(held_stream(&side.stream, false, String::new(), &side.client)),
-    }
+fn held_server(uid: &str, s: &ServerSide) -> HeldConnection {
+    let (ends, dir) = ((s.src, s.target), ConnectionDirection::Inbound);
+    held(uid, dir, ends, &s.stream, s.opened, false, String::new(), &s.client)
 }
 
 /// Takes a paused stream a previous proxy handed over (`fds`: its app's side): a client side is

@@ -177,6 +177,11 @@ struct Cli {
     /// (GOAWAY) and closed, freeing its slot under the connection caps; 0: never.
     #[arg(long, default_value_t = meshpath_proxy::proxy::settings::HBONE_IDLE_SECONDS)]
     hbone_idle_seconds: u64,
+    /// Seconds a paused HBONE stream (its peer's proxy being upgraded) waits to be resumed
+    /// before its app's connection is closed.
+    #[arg(long, default_value_t = meshpath_proxy::proxy::settings::RESUME_WITHIN_SECONDS,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    resume_within_seconds: u64,
     /// How often files are checked for changes, in milliseconds.
     #[arg(long, default_value_t = 1000)]
     refresh_ms: u64,
@@ -350,6 +355,7 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
             .then(|| Duration::from_secs(cli.idle_timeout_seconds)),
         hbone_idle: (cli.hbone_idle_seconds > 0)
             .then(|| Duration::from_secs(cli.hbone_idle_seconds)),
+        resume_within: Duration::from_secs(cli.resume_within_seconds),
         keepalive: meshpath_proxy::proxy::hbone::Keepalive {
             interval: Duration::from_millis(cli.hbone_keepalive_interval_ms.max(1)),
             timeout: Duration::from_millis(cli.hbone_keepalive_timeout_ms.max(1)),

@@ -366,6 +366,36 @@ fn an_hbone_stream_between_two_nodes_carries_on_byte_exact_across_an_upgrade_of_
     }
 }
 
+#[test]
+fn a_stream_whose_server_side_never_comes_back_ends_once_the_resume_window_has_passed() {
+    let (mut n1, mut n2, p0, p1) = two_nodes();
+    let window = ["--drain-seconds", "5", "--resume-within-seconds", "3"];
+    n1.start_proxy_with(&window).expect("node 1's proxy, with a short window");
+    let mut c = p0.connect(SocketAddr::new(p1.ip, 8080)).expect("connect");
+    round_trip(&mut c, b"across nodes").expect("before");
+    assert_eq!(hbone_opened(&n1), 1.0, "not carried over HBONE");
+    // Node 2's proxy goes and none follows: node 1's side pauses and dials again, in vain.
+    let old = n2.proxy.as_mut().expect("proxy");
+    old.signal(libc::SIGTERM).expect("SIGTERM");
+    assert!(old.wait_exit(Duration::from_secs(30)), "node 2's proxy did not exit");
+    // Within the window the app's connection is held, neither answered nor ended...
+    c.set_read_timeout(Some(Duration::from_secs(1))).expect("timeout");
+    let mut b = [0u8; 1];
+    match c.read(&mut b) {
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+        other => panic!("answered or ended within the window: {other:?}"),
+    }
+    // ...and once it has passed, ended: the client side stopped dialing and closed its socket.
+    c.set_read_timeout(Some(Duration::from_secs(15))).expect("timeout");
+    match c.read(&mut b) {
+        Ok(0) => {}
+        Err(e) if e.kind() == ErrorKind::ConnectionReset => {}
+        other => panic!("not ended 15 s after the window: {other:?}"),
+    }
+    let log = n1.proxy.as_ref().expect("proxy").lines().join("\n");
+    assert!(log.contains("not resumed within 3s"), "{log}");
+}
+
 /// The resident memory of process `pid`, in KiB.
 fn rss_kib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");

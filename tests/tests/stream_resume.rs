@@ -11,7 +11,7 @@ use meshpath_proxy::{
     identity::WorkloadCert,
     proxy::hbone::{self, HboneError, StreamHeaders},
 };
-use meshpath_tests::two_nodes::{sa, TwoNodes, MESHED};
+use meshpath_tests::two_nodes::{sa, Setup, TwoNodes, MESHED};
 
 fn cert(nodes: &TwoNodes, name: &str) -> WorkloadCert {
     nodes.ca.issue(&sa(name), Duration::from_secs(600)).expect("cert")
@@ -143,6 +143,33 @@ async fn a_resume_that_disagrees_on_the_bytes_carried_ends_the_stream() {
     // The app's connection is closed (the echo server sees its end), and the token is gone.
     let ended = tokio::task::spawn_blocking(move || server.join()).await.expect("join");
     assert!(ended.expect("server").is_ok(), "the app's connection did not end cleanly");
+    assert_eq!(status(connect(&nodes, &a, dst, vec![resume_header(&token, 5, 5)]).await), 404);
+}
+
+#[tokio::test]
+async fn a_paused_stream_not_resumed_within_the_window_is_closed_and_its_token_forgotten() {
+    let window = 3;
+    let nodes = TwoNodes::start(Setup {
+        args: vec!["--resume-within-seconds".into(), window.to_string()],
+        ..Setup::default()
+    });
+    let dst = nodes.b(false, 8095);
+    let server = nodes.echo_in_b(dst);
+    let a = cert(&nodes, "sa-a");
+    let token = open_and_pause(&nodes, &a, dst).await;
+    // Within the window the app's connection is held open for the stream's owner...
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!server.is_finished(), "the app's connection ended before the window passed");
+    // ...and once it has passed, closed: the echo server sees its end (not a reset).
+    let ended = tokio::time::timeout(
+        Duration::from_secs(window + 10),
+        tokio::task::spawn_blocking(move || server.join()),
+    )
+    .await
+    .expect("the app's connection still open 10 s after the window")
+    .expect("join");
+    assert!(ended.expect("server").is_ok(), "the app's connection did not end cleanly");
+    // Nothing is left to resume.
     assert_eq!(status(connect(&nodes, &a, dst, vec![resume_header(&token, 5, 5)]).await), 404);
 }
 

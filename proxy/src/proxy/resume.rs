@@ -17,7 +17,8 @@
 //! the paused stream by its token and carries on. The side going away hands its app's socket to
 //! the node agent (`handover`, `HeldConnection::stream`), which gives it to the next proxy: a
 //! client side dials from there, a server side waits there. A paused stream waits at most
-//! [`RESUME_WITHIN`]: the client side stops dialing, the server side closes its app's socket.
+//! `Settings::resume_within` (60 s by default, each from when it paused or from when the next
+//! proxy took it): the client side stops dialing, the server side closes its app's socket.
 //!
 //! Security: a paused stream resumes only with the identity that held it (its mTLS peer), from
 //! the same source address, to the same destination, with its token (128 random bits, sent only
@@ -56,11 +57,6 @@ use crate::{
         pod::Pod,
     },
 };
-
-/// How long a paused stream waits to be resumed: the client side dials again for this long,
-/// the server side holds its app's socket for this long (each from when it paused, or from
-/// when the next proxy took it).
-pub const RESUME_WITHIN: Duration = Duration::from_secs(60);
 
 /// At most this many paused streams wait in one pod at once; more are closed.
 pub const MAX_WAITING_PER_POD: usize = meshpath_zds::connections::MAX_PER_POD;
@@ -218,7 +214,7 @@ impl Waiting {
 }
 
 /// A server side paused: its app's socket waits in the pod for the client side to dial again,
-/// up to [`RESUME_WITHIN`]; if this proxy is going away meanwhile, it goes to the node agent.
+/// up to `Settings::resume_within`; if this proxy is going away meanwhile, it goes to the node agent.
 pub fn park(pod: &Arc<Pod>, app: TcpStream, side: ServerSide) {
     let token = side.stream.token;
     let claimed = CancellationToken::new();
@@ -233,12 +229,13 @@ pub fn park(pod: &Arc<Pod>, app: TcpStream, side: ServerSide) {
     }
     let pod = pod.clone();
     let proxy = pod.proxy.clone();
+    let within = proxy.settings.resume_within;
     // A drain task: a proxy going away hands it over before it exits.
     proxy.drain.spawn(
         async move {
             let why = tokio::select! {
                 () = claimed.cancelled() => return,
-                () = tokio::time::sleep(RESUME_WITHIN) => "its client side did not dial again in time",
+                () = tokio::time::sleep(within) => "its client side did not dial again in time",
                 () = pod.gone.cancelled() => "the pod left",
                 () = pod.proxy.drain.stopping() => {
                     if !pod.proxy.handover.streams.is_cancelled() {
@@ -298,7 +295,7 @@ pub fn claim(
     Ok((p.app, p.side.stream, p.side.opened))
 }
 
-/// Carries a paused client side on: dials the server side again (for up to [`RESUME_WITHIN`])
+/// Carries a paused client side on: dials the server side again (for up to `Settings::resume_within`)
 /// and splices the app's socket into the resumed stream, as often as it is paused; or, when
 /// this proxy is going away, hands it to the node agent. `meters` count as the connection's.
 pub async fn carry_client(
@@ -361,7 +358,8 @@ type Opened = (SendStream<Bytes>, RecvStream, Token);
 /// The resumed stream; `None` if this proxy started going away meanwhile (and `may_stop`).
 async fn reopen(pod: &Pod, side: &ClientSide, may_stop: bool) -> anyhow::Result<Option<Opened>> {
     let streams = &pod.proxy.handover.streams;
-    let deadline = Instant::now() + RESUME_WITHIN;
+    let within = pod.proxy.settings.resume_within;
+    let deadline = Instant::now() + within;
     let mut backoff = Duration::from_millis(20);
     loop {
         if may_stop && streams.is_cancelled() {
@@ -373,7 +371,7 @@ async fn reopen(pod: &Pod, side: &ClientSide, may_stop: bool) -> anyhow::Result<
             Err(Attempt::Again(why)) => why,
         };
         if Instant::now() + backoff >= deadline {
-            anyhow::bail!("not resumed within {RESUME_WITHIN:?}: {why}");
+            anyhow::bail!("not resumed within {within:?}: {why}");
         }
         debug!(why, "the paused stream's server side is not there yet; again");
         tokio::select! {

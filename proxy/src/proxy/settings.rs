@@ -19,6 +19,9 @@ pub const HBONE_IDLE_SECONDS: u64 = 600;
 /// (ours up to `POOL_SPREAD`, ztunnel one per key); a gateway or waypoint carrying many
 /// clients' traffic may open more in a burst, and each handshake takes milliseconds.
 pub const MAX_HANDSHAKES_PER_SOURCE: usize = 64;
+/// How long a paused HBONE stream waits to be resumed (`--resume-within-seconds`): the length
+/// of an upgrade of the peer's proxy, with room for a slow image pull of the next one.
+pub const RESUME_WITHIN_SECONDS: u64 = 60;
 
 /// Tunables, from the command line.
 #[derive(Debug, Clone)]
@@ -53,6 +56,9 @@ pub struct Settings {
     /// and closed, giving back its slot under the caps (`None`: never). Longer than a client's
     /// pool idle time (ours and ztunnel's: 5 minutes), so that normally the client closes first.
     pub hbone_idle: Option<Duration>,
+    /// How long a paused HBONE stream waits to be resumed (`proxy::resume`): its client side
+    /// dials again for this long, its server side holds the app's socket for this long.
+    pub resume_within: Duration,
     /// The mesh's trust domain (`TRUST_DOMAIN`), for a pod handed over ZDS that the store does
     /// not know yet (the store's workloads carry their own, from istiod).
     pub trust_domain: String,
@@ -74,6 +80,7 @@ impl Default for Settings {
             max_handshakes_per_source: MAX_HANDSHAKES_PER_SOURCE,
             idle_timeout: Some(Duration::from_secs(3600)),
             hbone_idle: Some(Duration::from_secs(HBONE_IDLE_SECONDS)),
+            resume_within: Duration::from_secs(RESUME_WITHIN_SECONDS),
             trust_domain: "cluster.local".into(),
         }
     }

@@ -348,6 +348,44 @@ impl CniNode {
         Ok(())
     }
 
+    /// Starts (or restarts) Istio's ztunnel (`bin`: a build of istio/ztunnel with its `testing`
+    /// feature, as ../shared/notes/hbone.md says) as the node's proxy, unchanged, in shared
+    /// (in-pod) mode on the agent's ZDS socket, in network namespace `netns` (its pod's, under
+    /// Kubernetes: two of them may run at once, each its own admin and readiness ports):
+    /// workloads from `local_xds` (ztunnel's local configuration file), certificates from its
+    /// fake CA, `drain` to finish connections on SIGTERM. For comparisons run by hand: CI has
+    /// no ztunnel build. Waits until it has acknowledged the agent's snapshot.
+    pub fn start_ztunnel(
+        &mut self,
+        bin: &Path,
+        netns: &Path,
+        local_xds: &Path,
+        drain: Duration,
+    ) -> Result<()> {
+        self.proxy = None;
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net={}", netns.display()))
+            .arg(bin)
+            .arg("proxy")
+            .env("PROXY_MODE", "shared")
+            .env("INPOD_UDS", self.zds_socket())
+            .env("XDS_ADDRESS", "")
+            .env("LOCAL_XDS_PATH", local_xds)
+            .env("FAKE_CA", "true")
+            .env("NODE_NAME", "meshpath-test-node")
+            .env("POD_NAME", "ztunnel-test")
+            .env("POD_NAMESPACE", "istio-system")
+            .env("CONNECTION_TERMINATION_DEADLINE", format!("{}s", drain.as_secs()))
+            .env("RUST_LOG", "info");
+        // It prints no `READY` line: its log says when it has the agent's snapshot.
+        let p = TestProxy::spawn_unready(cmd, &self.proxy_cgroup)?;
+        if !p.wait_for_text("received snapshot sent", Duration::from_secs(20)) {
+            bail!("ztunnel did not get the agent's snapshot:\n{}", p.lines().join("\n"));
+        }
+        self.proxy = Some(p);
+        Ok(())
+    }
+
     /// The proxy as a container runtime runs it: in a mount namespace of its own where
     /// `/proc/sys` is read-only.
     pub fn start_proxy_contained(&mut self) -> Result<()> {

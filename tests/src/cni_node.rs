@@ -727,3 +727,40 @@ impl NodeProxyView<'_> {
         Ok(serde_json::from_str(&body)?)
     }
 }
+
+/// Routes two nodes' pod subnets to each other over a link between the nodes' netns
+/// (10.200.0.1/30 on `a`, .2 on `b`), as a cluster's network does (their subnets must differ).
+pub fn link_nodes(a: &CniNode, b: &CniNode) -> Result<()> {
+    a.node.ip(&[
+        "link",
+        "add",
+        "mpnodes",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "mpnodes",
+        "netns",
+        b.node.name(),
+    ])?;
+    for (n, me, via, other) in
+        [(a, "10.200.0.1/30", "10.200.0.2", b), (b, "10.200.0.2/30", "10.200.0.1", a)]
+    {
+        n.node.ip(&["addr", "add", me, "dev", "mpnodes"])?;
+        n.node.ip(&["link", "set", "mpnodes", "up"])?;
+        n.node.ip(&["route", "add", &format!("10.{}.0.0/24", other.subnet), "via", via])?;
+        let forward = Command::new(nsenter())
+            .arg(format!("--net={}", n.node.path().display()))
+            .args(["sysctl", "-qw", "net.ipv4.ip_forward=1"])
+            .status()?;
+        anyhow::ensure!(forward.success(), "forwarding on in {}", n.node.name());
+    }
+    Ok(())
+}
+
+/// Routes `pod`, of node `on`, to node `to`'s pods through its own node (the bridge plugin
+/// routes only the pod's subnet).
+pub fn route_pod(pod: &CniPod, on: &CniNode, to: &CniNode) -> Result<()> {
+    let (subnet, gateway) = (format!("10.{}.0.0/24", to.subnet), format!("10.{}.0.1", on.subnet));
+    pod.netns.ip(&["route", "add", &subnet, "via", &gateway]).map(drop)
+}

@@ -16,7 +16,7 @@ use std::{
 };
 
 use meshpath_tests::{
-    cni_node::{CniNode, CniPod},
+    cni_node::{link_nodes, route_pod, CniNode, CniPod},
     ChildGuard,
 };
 
@@ -293,50 +293,17 @@ fn two_nodes() -> (CniNode, CniNode, CniPod, CniPod) {
     for f in ["ca.pem", "ca-key.pem"] {
         std::fs::copy(n1.dir.join(f), n2.dir.join(f)).expect("one CA for both nodes");
     }
-    n1.node
-        .ip(&[
-            "link",
-            "add",
-            "mpnodes",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "mpnodes",
-            "netns",
-            n2.node.name(),
-        ])
-        .expect("a link between the nodes");
-    for (n, me, other) in [(&n1, "10.200.0.1/30", &n2), (&n2, "10.200.0.2/30", &n1)] {
-        let via = if me.starts_with("10.200.0.1") { "10.200.0.2" } else { "10.200.0.1" };
-        n.node.ip(&["addr", "add", me, "dev", "mpnodes"]).expect("address");
-        n.node.ip(&["link", "set", "mpnodes", "up"]).expect("up");
-        let subnet = format!("10.{}.0.0/24", other.subnet);
-        n.node.ip(&["route", "add", &subnet, "via", via]).expect("route to the other node's pods");
-        let forward = std::process::Command::new("nsenter")
-            .arg(format!("--net={}", n.node.path().display()))
-            .args(["sysctl", "-qw", "net.ipv4.ip_forward=1"])
-            .status()
-            .expect("sysctl");
-        assert!(forward.success(), "forwarding on");
-    }
+    link_nodes(&n1, &n2).expect("the nodes' pod subnets routed to each other");
     for n in [&mut n1, &mut n2] {
         n.start_agent().expect("agent");
         n.start_proxy_with(&["--drain-seconds", "5"]).expect("proxy");
     }
-    // Each pod reaches the other node's pods through its own node (the bridge plugin routes
-    // only the pod's subnet).
-    let route = |pod: &CniPod, on: &CniNode, to: &CniNode| {
-        let (subnet, gateway) =
-            (format!("10.{}.0.0/24", to.subnet), format!("10.{}.0.1", on.subnet));
-        pod.netns.ip(&["route", "add", &subnet, "via", &gateway]).expect("pod route");
-    };
     let p1 = n2.add_pod("p1").expect("ADD p1 on node 2");
-    route(&p1, &n2, &n1);
+    route_pod(&p1, &n2, &n1).expect("p1's route to node 1");
     n2.echo_server(&p1, 8080).expect("echo in p1");
     n1.publish_address(MESHED, "sa1", p1.ip);
     let p0 = n1.add_pod("p0").expect("ADD p0 on node 1");
-    route(&p0, &n1, &n2);
+    route_pod(&p0, &n1, &n2).expect("p0's route to node 2");
     (n1, n2, p0, p1)
 }
 

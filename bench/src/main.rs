@@ -72,6 +72,15 @@ enum Cmd {
         /// in a large mesh.
         #[arg(long, default_value_t = 0)]
         store_policies: usize,
+        /// A build of Istio's ztunnel to run beside meshpath-proxy (scenario `ztunnel`: two
+        /// ztunnel processes in dedicated mode on the same capture; the table then has
+        /// `hbone / ztunnel`). How to build one: ../shared/notes/hbone.md.
+        #[arg(long, env = "MESHPATH_ZTUNNEL")]
+        ztunnel: Option<PathBuf>,
+        /// Only these scenarios (comma-separated; all by default), e.g. to profile one; a
+        /// partial run needs `--out` (it never replaces results/proxy.json).
+        #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(proxy::SCENARIOS))]
+        scenarios: Vec<String>,
     },
     /// How fast the proxy takes istiod's state and what holding it costs: 1,000, 10,000 and
     /// 50,000 workloads over xDS (from the istiod stand-in), a delta of one, the first
@@ -129,9 +138,18 @@ fn main() -> std::process::ExitCode {
         Cmd::Capture { out, secs, pods, rounds, scenarios } => {
             capture(&out, secs, pods, rounds, &scenarios)
         }
-        Cmd::Proxy { out, secs, rounds, proxy_args, store_workloads, store_policies } => {
+        Cmd::Proxy {
+            out,
+            secs,
+            rounds,
+            proxy_args,
+            store_workloads,
+            store_policies,
+            ztunnel,
+            scenarios,
+        } => {
             let store = proxy::Store { workloads: store_workloads, policies: store_policies };
-            proxy::run(&out, secs, rounds, &proxy_args, store)
+            proxy::run(&out, secs, rounds, &proxy_args, store, ztunnel.as_deref(), &scenarios)
         }
         Cmd::ControlPlane { out } => control_plane::run(&out),
         Cmd::Cni { pods } => cni_setup::measure(&cni_setup::sizes(pods)).map(|_| ()),

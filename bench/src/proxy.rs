@@ -13,6 +13,11 @@
 //! HBONE the resident memory node 1's proxy spends per open stream and per idle pooled HTTP/2
 //! connection.
 //!
+//! With `--ztunnel PATH` (a build of Istio's ztunnel: ../shared/notes/hbone.md), scenario
+//! `ztunnel` runs beside them: two ztunnel processes in dedicated mode, one in each pod's netns
+//! as a sidecar would be, on the same eBPF capture, over HBONE with mutual TLS (its fake CA),
+//! carrying the same traffic as `hbone`; the run then reports `hbone / ztunnel`.
+//!
 //! `--store-workloads N` lists N other workloads (and one service per ten of them) in the
 //! proxies' store before the two pods, as a large mesh would: what a connection costs when the
 //! proxy knows many workloads, not two.
@@ -184,6 +189,71 @@ fn start_hbone(
     Ok(hbone)
 }
 
+/// Two ztunnel processes (`bin`), one in each pod's netns in dedicated mode (its listeners in
+/// the pod, as a sidecar's), on the capture `start_hbone` sets up, in the proxies' cgroup;
+/// certificates from its fake CA, the two workloads from a local configuration file.
+fn start_ztunnel(pods: &PodPair, bin: &Path) -> Result<Hbone> {
+    let (root, cgroup) = (PinRoot::new(), CgroupGuard::new()?);
+    {
+        let dp = root.datapath()?;
+        dp.register_proxy_cgroup(cgroup.path())?;
+        let opts =
+            EnrolOptions { capture_outbound: true, counters: false, ..EnrolOptions::default() };
+        pods::enrol(&dp, &pods.a.open()?, &opts)?;
+        let b = EnrolOptions { counters: false, ..EnrolOptions::default() };
+        pods::enrol(&dp, &pods.b.open()?, &b)?;
+    }
+    let dir = std::env::temp_dir().join(unique("meshpath-bench-ztunnel-"));
+    std::fs::create_dir_all(&dir)?;
+    let mut hbone = Hbone { proxies: Vec::new(), _cgroup: cgroup, _root: root, dir };
+    let config = hbone.dir.join("ztunnel.yaml");
+    let workload = |name: &str, sa: &str, ip: std::net::Ipv4Addr| {
+        format!(
+            "- uid: {name}\n  name: {name}\n  namespace: default\n  serviceAccount: {sa}\n  trustDomain: cluster.local\n  workloadIps: [\"{ip}\"]\n  protocol: HBONE\n  services: {{}}\n"
+        )
+    };
+    let yaml = format!(
+        "workloads:\n{}{}",
+        workload("pod-a", "a", pods.a_ip),
+        workload("pod-b", "b", pods.b_ip)
+    );
+    std::fs::write(&config, yaml)?;
+    for (pod, sa, ns) in [("pod-a", "a", &pods.a), ("pod-b", "b", &pods.b)] {
+        let mut cmd = Command::new(meshpath_tests::cni_node::nsenter());
+        cmd.arg(format!("--net={}", ns.path().display())).arg(bin).arg("proxy");
+        cmd.env("PROXY_MODE", "dedicated")
+            .env("PROXY_WORKLOAD_INFO", format!("default/{pod}/{sa}"))
+            .env("XDS_ADDRESS", "")
+            .env("LOCAL_XDS_PATH", &config)
+            .env("FAKE_CA", "true")
+            .env("ENABLE_ORIG_SRC", "false")
+            .env("RUST_LOG", "error")
+            .stderr(Stdio::null());
+        // It prints no `READY` line: its readiness endpoint (15021, in the pod) says.
+        hbone.proxies.push(TestProxy::spawn_unready(cmd, &hbone._cgroup)?);
+        let netns = ns.open()?;
+        let ready = || -> bool {
+            let ask = || -> std::io::Result<bool> {
+                let mut c = TcpStream::connect(("127.0.0.1", 15021))?;
+                c.write_all(b"GET /healthz/ready HTTP/1.0\r\n\r\n")?;
+                let mut answer = String::new();
+                c.read_to_string(&mut answer)?;
+                Ok(answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.0 200"))
+            };
+            netns.run(ask).ok().and_then(Result::ok).unwrap_or(false)
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !ready() {
+            anyhow::ensure!(
+                std::time::Instant::now() < deadline,
+                "ztunnel in {pod} not ready in 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    Ok(hbone)
+}
+
 /// (user + system CPU seconds, resident KiB) of a process.
 fn usage(pid: u32) -> Result<(f64, f64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
@@ -217,7 +287,13 @@ fn iperf3(pods: &PodPair, secs: f64, streams: u32) -> Result<(f64, f64)> {
     ))
 }
 
-fn scenario(name: &str, secs: f64, proxy_args: &[String], store: Store) -> Result<Value> {
+fn scenario(
+    name: &str,
+    secs: f64,
+    proxy_args: &[String],
+    store: Store,
+    ztunnel: Option<&Path>,
+) -> Result<Value> {
     let pods = PodPair::new()?;
     let (a, b) = (pods.a.open()?, pods.b.open()?);
     let rr = SocketAddr::new(pods.b_ip.into(), RR_PORT);
@@ -229,6 +305,7 @@ fn scenario(name: &str, secs: f64, proxy_args: &[String], store: Store) -> Resul
         "hbone" | "hbone_sockmap" => {
             Some(start_hbone(&pods, proxy_args, &[], store, name == "hbone_sockmap")?)
         }
+        "ztunnel" => Some(start_ztunnel(&pods, ztunnel.context("no ztunnel build given")?)?),
         _ => None,
     };
     let forwarders = if name == "forwarders" { Some(start_forwarders(&pods)?) } else { None };
@@ -386,6 +463,12 @@ fn summarize(name: &str, rounds: &[Value]) -> Value {
     Value::Object(m)
 }
 
+/// The scenarios, in the order each round runs them (`ztunnel` only with a ztunnel build).
+pub const SCENARIOS: [&str; 5] = ["direct", "forwarders", "hbone", "hbone_sockmap", "ztunnel"];
+
+/// The results file of a whole run.
+const PROXY_RESULTS: &str = "results/proxy.json";
+
 /// Runs the proxy benchmark, writes `out`, prints a table.
 pub fn run(
     out: &Path,
@@ -393,9 +476,22 @@ pub fn run(
     rounds: usize,
     proxy_args: &[String],
     store: Store,
+    ztunnel: Option<&Path>,
+    only: &[String],
 ) -> Result<()> {
     meshpath_tests::require_root();
-    let names = ["direct", "forwarders", "hbone", "hbone_sockmap"];
+    if !only.is_empty() && out.ends_with(PROXY_RESULTS) {
+        anyhow::bail!("a partial run (--scenarios) does not replace {PROXY_RESULTS}: give --out");
+    }
+    if ztunnel.is_none() && only.iter().any(|o| o == "ztunnel") {
+        anyhow::bail!("scenario ztunnel needs a ztunnel build: --ztunnel PATH");
+    }
+    let names: Vec<&str> = SCENARIOS
+        .iter()
+        .copied()
+        .filter(|n| *n != "ztunnel" || ztunnel.is_some())
+        .filter(|n| only.is_empty() || only.iter().any(|o| o == n))
+        .collect();
     let steal = crate::Steal::start();
     let mut runs: Vec<Vec<Value>> = vec![Vec::new(); names.len()];
     for round in 0..rounds {
@@ -403,7 +499,7 @@ pub fn run(
         for (i, name) in names.iter().enumerate() {
             // A round whose set-up failed is recorded as failed for every metric, and the
             // rounds go on.
-            let round = scenario(name, secs, proxy_args, store).unwrap_or_else(|e| {
+            let round = scenario(name, secs, proxy_args, store, ztunnel).unwrap_or_else(|e| {
                 eprintln!("bench: {name}: round {} failed: {e:#}", round + 1);
                 json!({ "error": format!("{e:#}") })
             });
@@ -418,6 +514,7 @@ pub fn run(
         "machine": crate::machine(), "commit": crate::commit(), "date": crate::date(),
         "steal_pct": steal.pct(), "proxy_args": proxy_args, "store_workloads": store.workloads,
         "store_policies": store.policies, "scenarios": scenarios,
+        "ztunnel": ztunnel.map(ztunnel_version),
     });
     if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir)?;
@@ -427,16 +524,19 @@ pub fn run(
     let heads: Vec<&str> = KEYS.iter().map(|(_, head)| *head).collect();
     println!("| scenario | {} |", heads.join(" | "));
     println!("|---|{}", "---|".repeat(KEYS.len()));
-    for name in names {
+    for name in &names {
         let cells: Vec<String> =
             KEYS.iter().map(|(k, _)| crate::traffic_cell(&scenarios[name], k, 2)).collect();
         println!("| {name} | {} |", cells.join(" | "));
     }
     let (d, f, h) = (&scenarios["direct"], &scenarios["forwarders"], &scenarios["hbone"]);
-    let hs = &scenarios["hbone_sockmap"];
-    for (label, over, under) in
-        [("hbone / direct", h, d), ("hbone / forwarders", h, f), ("hbone_sockmap / hbone", hs, h)]
-    {
+    let (hs, z) = (&scenarios["hbone_sockmap"], &scenarios["ztunnel"]);
+    for (label, over, under) in [
+        ("hbone / direct", h, d),
+        ("hbone / forwarders", h, f),
+        ("hbone_sockmap / hbone", hs, h),
+        ("hbone / ztunnel", h, z),
+    ] {
         let ratio = |k: &str| Some(over[k].as_f64()? / under[k].as_f64()?);
         if let (Some(t), Some(t4), Some(c), Some(c100), Some(p50), Some(p50_100)) = (
             ratio("throughput_gbps"),
@@ -451,6 +551,9 @@ pub fn run(
         if let Some(cpu) = ratio("cpu_s_per_gb") {
             println!("{label}: proxies' CPU per GB {cpu:.2}");
         }
+        if let Some(p99) = ratio("rr_p99_us") {
+            println!("{label}: rr p99 {p99:.2}");
+        }
     }
     let added = |k: &str| Some(h[k].as_f64()? - d[k].as_f64()?);
     for (clients, p50, p99) in
@@ -463,8 +566,8 @@ pub fn run(
     // Little's law: with every CPU busy, N clients each waiting for one round trip see a mean
     // of N × (CPU per round trip) / CPUs; a p50 near it is CPU, not a queue in front of idle CPUs.
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-    for name in names {
-        let s = &scenarios[name];
+    for name in &names {
+        let s = &scenarios[*name];
         if let (Some(cpu), Some(busy), Some(p50)) =
             (s["rr_cpu_us_100"].as_f64(), s["rr_busy_100"].as_f64(), s["rr_p50_us_100"].as_f64())
         {
@@ -477,6 +580,15 @@ pub fn run(
     }
     eprintln!("bench: wrote {} and {}", out.display(), crate::charts::write_for(out)?.display());
     Ok(())
+}
+
+/// What `ztunnel version` says of the build (recorded in the results file).
+fn ztunnel_version(bin: &Path) -> String {
+    Command::new(bin)
+        .arg("version")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_else(|e| format!("{}: {e}", bin.display()))
 }
 
 #[cfg(test)]

@@ -120,6 +120,34 @@ impl CniPod {
         c.set_read_timeout(Some(Duration::from_secs(10)))?;
         Ok(c)
     }
+
+    /// `cluster-app ARGS…` as the pod's app (in its netns), its standard input held open
+    /// (ending it ends `hold` and `loop --until-stdin-closes`) and its output kept; killed if
+    /// the test ends first. [`end_app`] ends it and returns what it printed.
+    pub fn cluster_app(&self, args: &[&str]) -> std::io::Result<crate::ChildGuard> {
+        let child = Command::new(nsenter())
+            .arg(format!("--net={}", self.netns.path().display()))
+            .arg(sibling_bin("cluster-app"))
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()?;
+        Ok(crate::ChildGuard(child))
+    }
+}
+
+/// Ends a [`CniPod::cluster_app`] client (its standard input closed): what it printed, and
+/// whether it exited 0.
+pub fn end_app(mut app: crate::ChildGuard) -> (String, bool) {
+    use std::io::Read as _;
+    drop(app.0.stdin.take());
+    let mut out = String::new();
+    if let Some(mut stdout) = app.0.stdout.take() {
+        let _ = stdout.read_to_string(&mut out);
+    }
+    let ok = app.0.wait().map(|s| s.success()).unwrap_or(false);
+    (out, ok)
 }
 
 /// Which node proxy a node runs. The datapath serves both the same way (istio-cni's contract),

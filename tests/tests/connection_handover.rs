@@ -15,10 +15,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use meshpath_tests::{
-    cni_node::{link_nodes, route_pod, CniNode, CniPod},
-    ChildGuard,
-};
+use meshpath_tests::cni_node::{end_app, link_nodes, route_pod, CniNode, CniPod};
 
 const WORKLOADS: &str = "workloads:
 - {uid: uid-p0, name: p0, namespace: default, serviceAccount: sa0, protocol: HBONE}
@@ -373,48 +370,27 @@ fn rss_kib(pid: u32) -> u64 {
         .expect("VmRSS")
 }
 
-/// `cluster-app ARGS…` in `pod`'s netns, its standard input held open (ending it ends `hold`
-/// and `loop --until-stdin-closes`) and its output kept; killed if the test fails first.
-fn app_in(pod: &CniPod, args: &[&str]) -> ChildGuard {
-    let child = std::process::Command::new("nsenter")
-        .arg(format!("--net={}", pod.netns.path().display()))
-        .arg(meshpath_tests::sibling_bin("cluster-app"))
-        .args(args)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("cluster-app");
-    ChildGuard(child)
-}
-
-/// Ends an `app_in` client (its standard input closed) and returns what it printed and whether
-/// it exited 0.
-fn finish(mut app: ChildGuard) -> (String, bool) {
-    drop(app.0.stdin.take());
-    let mut out = String::new();
-    if let Some(mut stdout) = app.0.stdout.take() {
-        let _ = stdout.read_to_string(&mut out);
-    }
-    let ok = app.0.wait().map(|s| s.success()).unwrap_or(false);
-    (out, ok)
-}
-
 #[test]
 fn sixty_mixed_hbone_connections_between_two_nodes_are_kept_across_an_upgrade_of_each_nodes_proxy_while_new_ones_are_answered(
 ) {
     let (mut n1, mut n2, p0, p1) = two_nodes();
     let p1_ip = p1.ip.to_string();
     // Its echo (9100) and sink (9000); its HTTP port off 8080, where two_nodes' echo is.
-    let _server = app_in(&p1, &["serve", "--http", "8081"]);
+    let _server = p1.cluster_app(&["serve", "--http", "8081"]).expect("cluster-app serve");
     // A third each bulk, request/response and idle (cluster-app's `hold`), and a new connection
     // every 20 ms to the sink (`loop`), from node 1's pod to node 2's.
-    let hold =
-        app_in(&p0, &["hold", &format!("{p1_ip}:9100"), "--connections", "60", "--seconds", "120"]);
-    let new = app_in(
-        &p0,
-        &["loop", &format!("{p1_ip}:9000"), "--seconds", "120", "--until-stdin-closes"],
-    );
+    let hold = p0
+        .cluster_app(&["hold", &format!("{p1_ip}:9100"), "--connections", "60", "--seconds", "120"])
+        .expect("cluster-app hold");
+    let new = p0
+        .cluster_app(&[
+            "loop",
+            &format!("{p1_ip}:9000"),
+            "--seconds",
+            "120",
+            "--until-stdin-closes",
+        ])
+        .expect("cluster-app loop");
     std::thread::sleep(Duration::from_secs(3));
     assert!(hbone_opened(&n1) >= 60.0, "the held connections are not HBONE");
     // Node 1's proxy goes: while no proxy runs, the agent holds each connection's app socket
@@ -438,8 +414,8 @@ fn sixty_mixed_hbone_connections_between_two_nodes_are_kept_across_an_upgrade_of
     std::thread::sleep(Duration::from_secs(2));
     upgrade_proxy(&mut n2);
     std::thread::sleep(Duration::from_secs(3));
-    let (new, new_ok) = finish(new);
-    let (hold, hold_ok) = finish(hold);
+    let (new, new_ok) = end_app(new);
+    let (hold, hold_ok) = end_app(hold);
     println!("held: {}; new: {}", hold.trim(), new.trim());
     assert!(hold_ok && hold.contains("kept=60 "), "held connections: {hold}");
     assert!(new_ok && new.contains("refused=0 reset=0"), "new connections: {new}");

@@ -7,10 +7,10 @@
 //! signs with: meshpath-proxy's local CA uses the same where the two meet).
 //! The figures: results/upgrade-vs-ztunnel.txt.
 
-use std::{io::Read as _, net::IpAddr, path::PathBuf, time::Duration};
+use std::{net::IpAddr, path::PathBuf, time::Duration};
 
 use meshpath_tests::{
-    cni_node::{link_nodes, route_pod, CniNode, CniPod},
+    cni_node::{end_app, link_nodes, route_pod, CniNode, CniPod},
     ChildGuard, NetnsGuard,
 };
 
@@ -62,29 +62,14 @@ fn start(node: &mut CniNode, kind: Proxy, pods: (IpAddr, IpAddr), netns: &mut Ve
     }
 }
 
-/// `cluster-app ARGS…` in `pod`'s netns, its standard input held open and its output kept.
+/// `cluster-app ARGS…` as `pod`'s app.
 fn app_in(pod: &CniPod, args: &[&str]) -> ChildGuard {
-    let child = std::process::Command::new("nsenter")
-        .arg(format!("--net={}", pod.netns.path().display()))
-        .arg(meshpath_tests::sibling_bin("cluster-app"))
-        .args(args)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("cluster-app");
-    ChildGuard(child)
+    pod.cluster_app(args).expect("cluster-app")
 }
 
 /// Ends an `app_in` client and returns what it printed.
-fn finish(mut app: ChildGuard) -> String {
-    drop(app.0.stdin.take());
-    let mut out = String::new();
-    if let Some(mut stdout) = app.0.stdout.take() {
-        let _ = stdout.read_to_string(&mut out);
-    }
-    let _ = app.0.wait();
-    out.trim().to_owned()
+fn finish(app: ChildGuard) -> String {
+    end_app(app).0.trim().to_owned()
 }
 
 /// How the node's proxy is replaced.

@@ -349,15 +349,19 @@ fn a_stream_whose_server_side_never_comes_back_ends_once_the_resume_window_has_p
         Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
         other => panic!("answered or ended within the window: {other:?}"),
     }
-    // ...and once it has passed, ended: the client side stopped dialing and closed its socket.
-    c.set_read_timeout(Some(Duration::from_secs(15))).expect("timeout");
+    // ...and once it has passed, ended: the client side stopped dialing and closed its socket,
+    // a dial under way included (node 2's agent holds its listener: a dial there connects and
+    // then waits for a TLS answer that never comes, for 10 s if nothing bounds it).
+    c.set_read_timeout(Some(Duration::from_secs(6))).expect("timeout");
     match c.read(&mut b) {
         Ok(0) => {}
         Err(e) if e.kind() == ErrorKind::ConnectionReset => {}
-        other => panic!("not ended 15 s after the window: {other:?}"),
+        other => panic!("not ended 4 s after the window: {other:?}"),
     }
-    let log = n1.proxy.as_ref().expect("proxy").lines().join("\n");
-    assert!(log.contains("not resumed within 3s"), "{log}");
+    // Logged as the connection ends, just after its socket is closed.
+    let proxy = n1.proxy.as_ref().expect("proxy");
+    let said = proxy.wait_for_text("not resumed within 3s", Duration::from_secs(5));
+    assert!(said, "{}", proxy.lines().join("\n"));
 }
 
 /// The resident memory of process `pid`, in KiB.

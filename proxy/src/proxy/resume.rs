@@ -365,7 +365,14 @@ async fn reopen(pod: &Pod, side: &ClientSide, may_stop: bool) -> anyhow::Result<
         if may_stop && streams.is_cancelled() {
             return Ok(None);
         }
-        let why = match dial(pod, side).await {
+        // A dial is bounded by what is left of the window: a server side that takes the
+        // connection but never answers (its node's agent holding its listener while no proxy
+        // runs there) would otherwise hold the stream for the handshake's own timeout past it.
+        let left = deadline.saturating_duration_since(Instant::now());
+        let attempt = tokio::time::timeout(left, dial(pod, side))
+            .await
+            .unwrap_or_else(|_| Err(Attempt::Again("a dial outlasted the window".into())));
+        let why = match attempt {
             Ok(opened) => return Ok(Some(opened)),
             Err(Attempt::Never(why)) => anyhow::bail!("not resumed: {why}"),
             Err(Attempt::Again(why)) => why,

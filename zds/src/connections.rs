@@ -15,6 +15,11 @@
 //! Connections the agent holds for longer than its hold are closed. Istio's ztunnel neither
 //! offers nor takes: its connections end on SIGTERM as they do under istio-cni.
 //!
+//! A node-local connection (`HeldConnection::peer_uid`: the proxy carries it between two of
+//! its pods, with no HBONE between them) is held too, where the proxy said it takes them
+//! (`ZdsHello::meshpath_takes_node_local`): its accepted socket is of the source pod's netns,
+//! its opened one of the destination pod's.
+//!
 //! Descriptors describe themselves: both sides check each one here, from the socket itself.
 
 use std::os::fd::{AsFd, BorrowedFd};
@@ -41,6 +46,30 @@ pub const MAX_PER_POD: usize = 1024;
 
 /// At most this many connections of the whole node are held at once.
 pub const MAX_PER_NODE: usize = 16 * 1024;
+
+/// Checks each of `held`'s descriptors (`identify`): all of the pod whose netns cookie is
+/// `pod`, but a node-local connection's opened socket, which is of its peer pod's (`peer`,
+/// `None` if that pod is unknown, which refuses it).
+pub fn identify_held(
+    held: &crate::proto::HeldConnection,
+    fds: &[BorrowedFd<'_>],
+    pod: u64,
+    peer: Option<u64>,
+) -> Result<(), String> {
+    let want = fds_of(held);
+    if fds.len() != want {
+        return Err(format!("{} descriptors, not {want}", fds.len()));
+    }
+    for (i, fd) in fds.iter().enumerate() {
+        let netns = if i == 1 && !held.peer_uid.is_empty() {
+            peer.ok_or_else(|| format!("its peer pod {} is not known", held.peer_uid))?
+        } else {
+            pod
+        };
+        identify(fd.as_fd(), netns).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
 
 /// Why a descriptor is not one side of a pod's open connection.
 #[derive(Debug, thiserror::Error)]

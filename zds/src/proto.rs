@@ -29,6 +29,10 @@ pub struct ZdsHello {
     /// (`HeldConnection::stream`, one descriptor each) and resumes them with their peer.
     #[prost(bool, tag = "1003")]
     pub meshpath_takes_streams: bool,
+    /// meshpath's extension (`crate::connections`): this proxy also takes node-local
+    /// connections (`HeldConnection::peer_uid`: one socket in each of two pods' netns).
+    #[prost(bool, tag = "1004")]
+    pub meshpath_takes_node_local: bool,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -61,6 +65,11 @@ pub struct AddWorkload {
     /// agent also holds the pod's paused HBONE streams (`HeldConnection::stream`).
     #[prost(bool, tag = "1002")]
     pub hold_streams: bool,
+    /// meshpath's extension, sent only to a proxy that said `meshpath_takes_node_local`: the
+    /// agent also holds the connections the proxy carries between two of its pods
+    /// (`HeldConnection::peer_uid`).
+    #[prost(bool, tag = "1003")]
+    pub hold_node_local: bool,
 }
 
 /// Which side of the proxy a handed-over connection came in on.
@@ -104,6 +113,11 @@ pub struct HeldConnection {
     /// the peer proxy's, which resumes the stream with the next proxy.
     #[prost(message, optional, tag = "8")]
     pub stream: Option<HeldStream>,
+    /// Set for a node-local connection (between two pods of the node, carried by the proxy
+    /// with no HBONE between them): the pod whose netns the second descriptor (the opened
+    /// socket, to the destination's app) is of. The first is of `uid`'s, the source pod's.
+    #[prost(string, tag = "9")]
+    pub peer_uid: String,
 }
 
 /// What resumes a paused HBONE stream (`meshpath_proxy::proxy::resume`).
@@ -257,6 +271,7 @@ mod tests {
                 hold_listeners: true,
                 hold_connections: true,
                 hold_streams: true,
+                hold_node_local: true,
             })),
         };
         let back = WorkloadRequest::decode(add.encode_to_vec().as_slice()).expect("decode");

@@ -21,7 +21,7 @@ use std::{
 };
 
 use meshpath_zds::{
-    connections::{fds_of, identify, MAX_PER_NODE, MAX_PER_POD},
+    connections::{identify_held, MAX_PER_NODE, MAX_PER_POD},
     proto::HeldConnection,
 };
 use tracing::{info, warn};
@@ -64,18 +64,15 @@ impl HeldConnections {
         what: HeldConnection,
         fds: Vec<OwnedFd>,
         cookie: u64,
+        peer_cookie: Option<u64>,
         now: Instant,
     ) -> Result<(), String> {
         if !self.enabled() {
             return Err("this agent holds no connections".into());
         }
-        let want = fds_of(&what);
-        if fds.len() != want {
-            return Err(format!("{} descriptors, not {want}", fds.len()));
-        }
-        for fd in &fds {
-            identify(fd.as_fd(), cookie).map_err(|e| e.to_string())?;
-        }
+        let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+        identify_held(&what, &borrowed, cookie, peer_cookie)?;
+        drop(borrowed);
         let mut pods = self.pods();
         let total: usize = pods.values().map(Vec::len).sum();
         if total >= MAX_PER_NODE {
@@ -107,6 +104,21 @@ impl HeldConnections {
         pods.retain(|_, held| !held.is_empty());
         if n > 0 {
             warn!(streams = n, "held HBONE streams closed: {why}");
+        }
+    }
+
+    /// A proxy that takes no node-local connections is the proxy now: those held close.
+    pub fn release_node_local(&self, why: &str) {
+        let mut pods = self.pods();
+        let mut n = 0;
+        for held in pods.values_mut() {
+            let before = held.len();
+            held.retain(|h| h.what.peer_uid.is_empty());
+            n += before - held.len();
+        }
+        pods.retain(|_, held| !held.is_empty());
+        if n > 0 {
+            warn!(connections = n, "held node-local connections closed: {why}");
         }
     }
 
@@ -198,7 +210,7 @@ mod tests {
     fn a_connection_is_held_until_taken_and_then_is_gone() {
         let held = HeldConnections::new(Duration::from_secs(30));
         let (_l, fds) = pair();
-        held.hold(what("p"), fds, here(), Instant::now()).expect("held");
+        held.hold(what("p"), fds, here(), None, Instant::now()).expect("held");
         assert_eq!(held.count(), 1);
         assert_eq!(held.take("p").len(), 1);
         assert!(held.take("p").is_empty());
@@ -208,14 +220,14 @@ mod tests {
     fn a_descriptor_of_another_netns_or_a_listener_is_refused() {
         let held = HeldConnections::new(Duration::from_secs(30));
         let (_l, fds) = pair();
-        let err = held.hold(what("p"), fds, here().wrapping_add(1), Instant::now());
+        let err = held.hold(what("p"), fds, here().wrapping_add(1), None, Instant::now());
         assert!(err.expect_err("held").contains("another network namespace"));
         let (l, mut fds) = pair();
         fds[1] = OwnedFd::from(l);
-        assert!(held.hold(what("p"), fds, here(), Instant::now()).is_err());
+        assert!(held.hold(what("p"), fds, here(), None, Instant::now()).is_err());
         let (_l, mut fds) = pair();
         fds.pop();
-        assert!(held.hold(what("p"), fds, here(), Instant::now()).is_err());
+        assert!(held.hold(what("p"), fds, here(), None, Instant::now()).is_err());
         assert_eq!(held.count(), 0);
     }
 
@@ -224,7 +236,7 @@ mod tests {
         let held = HeldConnections::new(Duration::from_secs(1));
         let (_l, fds) = pair();
         let t0 = Instant::now();
-        held.hold(what("p"), fds, here(), t0).expect("held");
+        held.hold(what("p"), fds, here(), None, t0).expect("held");
         held.expire(t0 + Duration::from_millis(900));
         assert_eq!(held.count(), 1);
         held.expire(t0 + Duration::from_secs(1));
@@ -239,12 +251,15 @@ mod tests {
             ..what(uid)
         };
         let (_l, fds) = pair();
-        assert!(held.hold(stream("p"), fds, here(), Instant::now()).is_err(), "two descriptors");
+        assert!(
+            held.hold(stream("p"), fds, here(), None, Instant::now()).is_err(),
+            "two descriptors"
+        );
         let (_l, mut fds) = pair();
         fds.pop();
-        held.hold(stream("p"), fds, here(), Instant::now()).expect("the app's side");
+        held.hold(stream("p"), fds, here(), None, Instant::now()).expect("the app's side");
         let (_l, fds) = pair();
-        held.hold(what("p"), fds, here(), Instant::now()).expect("a plain one");
+        held.hold(what("p"), fds, here(), None, Instant::now()).expect("a plain one");
         assert_eq!(held.counts(), (1, 1));
         assert!(held.prometheus().contains("meshpath_agent_held_connections{kind=\"stream\"} 1\n"));
         held.release_streams("test");
@@ -254,9 +269,31 @@ mod tests {
     }
 
     #[test]
+    fn a_node_local_connections_opened_side_must_be_of_its_peer_pod_and_a_proxy_without_them_closes_it(
+    ) {
+        let held = HeldConnections::new(Duration::from_secs(30));
+        let node_local = || HeldConnection { peer_uid: "q".into(), ..what("p") };
+        let (_l, fds) = pair();
+        let err = held.hold(node_local(), fds, here(), None, Instant::now());
+        assert!(err.expect_err("held").contains("peer pod q is not known"));
+        let (_l, fds) = pair();
+        let err =
+            held.hold(node_local(), fds, here(), Some(here().wrapping_add(1)), Instant::now());
+        assert!(err.expect_err("held").contains("another network namespace"));
+        let (_l, fds) = pair();
+        held.hold(node_local(), fds, here(), Some(here()), Instant::now()).expect("held");
+        let (_l, fds) = pair();
+        held.hold(what("p"), fds, here(), None, Instant::now()).expect("a plain one");
+        held.release_node_local("test");
+        let left = held.take("p");
+        assert_eq!(left.len(), 1);
+        assert!(left[0].what.peer_uid.is_empty());
+    }
+
+    #[test]
     fn with_no_hold_nothing_is_held() {
         let held = HeldConnections::new(Duration::ZERO);
         let (_l, fds) = pair();
-        assert!(held.hold(what("p"), fds, here(), Instant::now()).is_err());
+        assert!(held.hold(what("p"), fds, here(), None, Instant::now()).is_err());
     }
 }

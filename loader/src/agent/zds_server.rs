@@ -66,6 +66,9 @@ struct Session {
     takes_connections: bool,
     /// It resumes paused HBONE streams too, and may pause its own (`HeldConnection::stream`).
     takes_streams: bool,
+    /// It takes node-local connections too, and may hand its own over
+    /// (`HeldConnection::peer_uid`).
+    takes_node_local: bool,
 }
 
 /// The proxy connection, if any.
@@ -176,8 +179,7 @@ impl ZdsHub {
         let held = if session.holds { self.held.for_add(&record.uid) } else { Vec::new() };
         let mut fds: Vec<BorrowedFd<'_>> = vec![netns.file().as_fd()];
         fds.extend(held.iter().map(|f| f.as_fd()));
-        let req =
-            add_request(record, session.holds, session.takes_connections, session.takes_streams);
+        let req = add_request(record, session);
         match self.exchange(&session.conn, &req, &fds).await {
             Ok(given) => {
                 if session.holds {
@@ -250,12 +252,7 @@ impl ZdsHub {
     }
 }
 
-fn add_request(
-    r: &super::records::PodRecord,
-    hold_listeners: bool,
-    hold_connections: bool,
-    hold_streams: bool,
-) -> WorkloadRequest {
+fn add_request(r: &super::records::PodRecord, session: &Session) -> WorkloadRequest {
     WorkloadRequest {
         payload: Some(Payload::Add(AddWorkload {
             uid: r.uid.clone(),
@@ -264,9 +261,10 @@ fn add_request(
                 namespace: r.namespace.clone(),
                 service_account: r.service_account.clone(),
             }),
-            hold_listeners,
-            hold_connections,
-            hold_streams,
+            hold_listeners: session.holds,
+            hold_connections: session.takes_connections,
+            hold_streams: session.takes_streams,
+            hold_node_local: session.takes_node_local,
         })),
     }
 }
@@ -320,6 +318,7 @@ async fn welcome(agent: &Arc<Agent>, conn: SeqPacket) -> anyhow::Result<()> {
     let holds = hello.meshpath_held_listeners && hub.held.enabled();
     let takes_connections = hello.meshpath_takes_connections && hub.connections.enabled();
     let takes_streams = takes_connections && hello.meshpath_takes_streams;
+    let takes_node_local = takes_connections && hello.meshpath_takes_node_local;
     // The new proxy's cgroup is registered now; the previous proxy's stays registered until the
     // new one has acknowledged the snapshot: during a proxy upgrade the old one keeps serving,
     // and its own connections must not be captured meanwhile.
@@ -343,7 +342,10 @@ async fn welcome(agent: &Arc<Agent>, conn: SeqPacket) -> anyhow::Result<()> {
     } else if !takes_streams {
         hub.connections.release_streams("the proxy that connected does not resume HBONE streams");
     }
-    let session = Session { conn, holds, takes_connections, takes_streams };
+    if takes_connections && !takes_node_local {
+        hub.connections.release_node_local("the proxy that connected takes no node-local ones");
+    }
+    let session = Session { conn, holds, takes_connections, takes_streams, takes_node_local };
     let snapshot: Vec<(super::records::PodRecord, Arc<crate::netns::Netns>)> = agent
         .pods
         .lock()
@@ -389,13 +391,18 @@ async fn receive_hand_over(agent: &Agent, conn: SeqPacket) {
                 break;
             }
         };
-        let cookie = agent.pods.lock().ok().and_then(|pods| {
-            pods.values().find(|p| p.record.uid == what.uid).map(|p| p.record.cookie)
-        });
+        let cookie_of = |uid: &str| {
+            agent.pods.lock().ok().and_then(|pods| {
+                pods.values().find(|p| p.record.uid == uid).map(|p| p.record.cookie)
+            })
+        };
+        let peer = (!what.peer_uid.is_empty()).then(|| cookie_of(&what.peer_uid)).flatten();
         let (src, dst) = (what.src.clone(), what.dst.clone());
-        let result = match cookie {
+        let result = match cookie_of(&what.uid) {
             None => Err(format!("pod {} is not one this agent serves", what.uid)),
-            Some(cookie) => hub.connections.hold(what, fds, cookie, std::time::Instant::now()),
+            Some(cookie) => {
+                hub.connections.hold(what, fds, cookie, peer, std::time::Instant::now())
+            }
         };
         match &result {
             Ok(()) => held += 1,

@@ -13,6 +13,12 @@
 //! HBONE the resident memory node 1's proxy spends per open stream and per idle pooled HTTP/2
 //! connection.
 //!
+//! `same_node` and `same_node_hbone`: one meshpath-proxy serving both pods, as one node's proxy
+//! serves two meshed pods of the node: on the node-local path (the proxy connects from pod a's
+//! socket to pod b's app directly: two TCP hops, no TLS), and with `--node-local-hbone` (HBONE
+//! to itself: three hops, two TLS sessions, as ztunnel carries same-node traffic); the run
+//! reports `same_node / same_node_hbone` and `same_node / ztunnel`.
+//!
 //! With `--ztunnel PATH` (a build of Istio's ztunnel: ../shared/notes/hbone.md), scenario
 //! `ztunnel` runs beside them: two ztunnel processes in dedicated mode, one in each pod's netns
 //! as a sidecar would be, on the same eBPF capture, over HBONE with mutual TLS (its fake CA),
@@ -143,14 +149,25 @@ fn store_yaml(pods: &PodPair, store: Store) -> String {
     yaml
 }
 
-/// Two meshpath-proxy processes over HBONE; with `shortcut`, the sockops + sk_msg shortcut on.
+/// How the pods' proxies are laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    /// Two meshpath-proxy processes over HBONE (two nodes); with the sockops + sk_msg shortcut
+    /// on if `shortcut`.
+    TwoNodes { shortcut: bool },
+    /// One meshpath-proxy serving both pods (one node).
+    SameNode,
+}
+
+/// The pods' meshpath-proxy processes, laid out as `layout` says.
 fn start_hbone(
     pods: &PodPair,
     extra: &[String],
     env: &[(&str, &str)],
     store: Store,
-    shortcut: bool,
+    layout: Layout,
 ) -> Result<Hbone> {
+    let shortcut = layout == Layout::TwoNodes { shortcut: true };
     let (root, cgroup) = (PinRoot::new(), CgroupGuard::new()?);
     {
         let dp = root.datapath()?;
@@ -173,11 +190,18 @@ fn start_hbone(
     std::fs::write(dir.join("ca.pem"), cert)?;
     std::fs::write(dir.join("ca-key.pem"), key)?;
     std::fs::write(dir.join("workloads.yaml"), store_yaml(pods, store))?;
-    for (pod, ns) in [("pod-a", &pods.a), ("pod-b", &pods.b)] {
+    let both = [("pod-a", &pods.a), ("pod-b", &pods.b)];
+    let served: Vec<&[(&str, &meshpath_tests::NetnsGuard)]> = match layout {
+        Layout::TwoNodes { .. } => both.chunks(1).collect(),
+        Layout::SameNode => vec![&both[..]],
+    };
+    for pods in served {
         let mut cmd = Command::new(sibling_bin("meshpath-proxy"));
         cmd.arg("--workloads").arg(dir.join("workloads.yaml"));
         cmd.arg("--ca-cert").arg(dir.join("ca.pem")).arg("--ca-key").arg(dir.join("ca-key.pem"));
-        cmd.arg("--pod").arg(format!("{pod}={}", ns.path().display()));
+        for (pod, ns) in pods {
+            cmd.arg("--pod").arg(format!("{pod}={}", ns.path().display()));
+        }
         // Both proxies share this netns: their node-wide endpoints take any free port.
         for flag in ["--admin-addr", "--stats-addr", "--readiness-addr"] {
             cmd.arg(flag).arg("127.0.0.1:0");
@@ -303,7 +327,14 @@ fn scenario(
     let _iperf = pods.b.iperf3_server(pods.b_ip.into(), IPERF_PORT, false)?;
     let mut hbone = match name {
         "hbone" | "hbone_sockmap" => {
-            Some(start_hbone(&pods, proxy_args, &[], store, name == "hbone_sockmap")?)
+            let layout = Layout::TwoNodes { shortcut: name == "hbone_sockmap" };
+            Some(start_hbone(&pods, proxy_args, &[], store, layout)?)
+        }
+        "same_node" => Some(start_hbone(&pods, proxy_args, &[], store, Layout::SameNode)?),
+        "same_node_hbone" => {
+            let args: Vec<String> =
+                proxy_args.iter().cloned().chain(["--node-local-hbone".to_owned()]).collect();
+            Some(start_hbone(&pods, &args, &[], store, Layout::SameNode)?)
         }
         "ztunnel" => Some(start_ztunnel(&pods, ztunnel.context("no ztunnel build given")?)?),
         _ => None,
@@ -378,7 +409,7 @@ fn scenario(
         let args: Vec<String> =
             proxy_args.iter().cloned().chain(args.iter().map(|a| a.to_string())).collect();
         let env = [("MALLOC_CONF", "dirty_decay_ms:0")];
-        let fresh = start_hbone(&pods, &args, &env, store, false)?;
+        let fresh = start_hbone(&pods, &args, &env, store, Layout::TwoNodes { shortcut: false })?;
         let pid = fresh.proxies[0].pid();
         drop(hold(1)?);
         std::thread::sleep(Duration::from_millis(300));
@@ -464,7 +495,8 @@ fn summarize(name: &str, rounds: &[Value]) -> Value {
 }
 
 /// The scenarios, in the order each round runs them (`ztunnel` only with a ztunnel build).
-pub const SCENARIOS: [&str; 5] = ["direct", "forwarders", "hbone", "hbone_sockmap", "ztunnel"];
+pub const SCENARIOS: [&str; 7] =
+    ["direct", "forwarders", "hbone", "hbone_sockmap", "same_node", "same_node_hbone", "ztunnel"];
 
 /// The results file of a whole run.
 const PROXY_RESULTS: &str = "results/proxy.json";
@@ -531,11 +563,15 @@ pub fn run(
     }
     let (d, f, h) = (&scenarios["direct"], &scenarios["forwarders"], &scenarios["hbone"]);
     let (hs, z) = (&scenarios["hbone_sockmap"], &scenarios["ztunnel"]);
+    let (sn, snh) = (&scenarios["same_node"], &scenarios["same_node_hbone"]);
     for (label, over, under) in [
         ("hbone / direct", h, d),
         ("hbone / forwarders", h, f),
         ("hbone_sockmap / hbone", hs, h),
         ("hbone / ztunnel", h, z),
+        ("same_node / same_node_hbone", sn, snh),
+        ("same_node / ztunnel", sn, z),
+        ("same_node / direct", sn, d),
     ] {
         let ratio = |k: &str| Some(over[k].as_f64()? / under[k].as_f64()?);
         if let (Some(t), Some(t4), Some(c), Some(c100), Some(p50), Some(p50_100)) = (

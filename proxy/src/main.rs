@@ -182,6 +182,11 @@ struct Cli {
     #[arg(long, default_value_t = meshpath_proxy::proxy::settings::RESUME_WITHIN_SECONDS,
           value_parser = clap::value_parser!(u64).range(1..=3600))]
     resume_within_seconds: u64,
+    /// Carry connections between two pods of this node over HBONE (mutual TLS on every hop,
+    /// through this proxy twice), as ztunnel does, rather than directly from one pod to the
+    /// other (the node-local path: the same policy and telemetry, no TLS).
+    #[arg(long)]
+    node_local_hbone: bool,
     /// How often files are checked for changes, in milliseconds.
     #[arg(long, default_value_t = 1000)]
     refresh_ms: u64,
@@ -356,6 +361,7 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
         hbone_idle: (cli.hbone_idle_seconds > 0)
             .then(|| Duration::from_secs(cli.hbone_idle_seconds)),
         resume_within: Duration::from_secs(cli.resume_within_seconds),
+        node_local: !cli.node_local_hbone,
         keepalive: meshpath_proxy::proxy::hbone::Keepalive {
             interval: Duration::from_millis(cli.hbone_keepalive_interval_ms.max(1)),
             timeout: Duration::from_millis(cli.hbone_keepalive_timeout_ms.max(1)),

@@ -9,7 +9,7 @@ use std::{
     net::SocketAddr,
     sync::{
         atomic::{AtomicU64, Ordering},
-        Mutex,
+        Arc, Mutex,
     },
     time::Instant,
 };
@@ -384,6 +384,9 @@ pub struct ConnInfo {
     pub dst_identity: Option<Identity>,
     /// `HOSTNAME` of the service the client addressed.
     pub dst_service: Option<String>,
+    /// Carried between two pods of this node with no HBONE (`proxy::node_local`): no mutual
+    /// TLS on the wire, whatever the identities.
+    pub node_local: bool,
 }
 
 impl ConnInfo {
@@ -421,14 +424,25 @@ impl ConnInfo {
             destination_service: self.dst_service.clone().unwrap_or_else(unknown),
             request_protocol: "tcp".into(),
             response_flags: "-".into(),
-            connection_security_policy: if self.mtls() { "mutual_tls" } else { "unknown" }.into(),
+            connection_security_policy: self.security().into(),
         }
     }
 
-    fn mtls(&self) -> bool {
-        match self.direction {
+    /// Istio's `connection_security_policy`: `mutual_tls` when the connection was carried over
+    /// mutual TLS, `none` when it is known not to have been (a node-local connection: the
+    /// principals are still the pods' own, known to this proxy, which serves both), `unknown`
+    /// otherwise (plain TCP to or from outside the mesh, as ztunnel labels it).
+    fn security(&self) -> &'static str {
+        let mtls = match self.direction {
             Direction::Outbound => self.hbone_addr.is_some(),
             Direction::Inbound => self.src_identity.is_some(),
+        };
+        if self.node_local {
+            "none"
+        } else if mtls {
+            "mutual_tls"
+        } else {
+            "unknown"
         }
     }
 }
@@ -436,19 +450,26 @@ impl ConnInfo {
 /// Bytes moving one way: counted as they move (the metric rises during the connection).
 #[derive(Debug)]
 pub struct Meter {
-    total: AtomicU64,
+    /// Shared with the other reporter's meter of a node-local connection.
+    total: Arc<AtomicU64>,
     metric: Counter,
+    /// A node-local connection's destination reporter's counter: the same bytes, counted by
+    /// both reporters as they move (`ConnGuard::open_node_local`).
+    twin: Option<Counter>,
 }
 
 impl Meter {
     fn new(metric: Counter) -> Self {
-        Self { total: AtomicU64::new(0), metric }
+        Self { total: Arc::default(), metric, twin: None }
     }
 
     /// Records `n` bytes moved.
     pub fn add(&self, n: u64) {
         self.total.fetch_add(n, Ordering::Relaxed);
         self.metric.inc_by(n);
+        if let Some(twin) = &self.twin {
+            twin.inc_by(n);
+        }
     }
 
     /// Bytes so far.
@@ -490,6 +511,23 @@ impl<'a> ConnGuard<'a> {
         let from_client = Meter::new(metrics.received.get_or_create(&labels).clone());
         let to_client = Meter::new(metrics.sent.get_or_create(&labels).clone());
         Self { metrics, info, labels, start: Instant::now(), done: false, from_client, to_client }
+    }
+
+    /// A node-local connection's telemetry, one guard per reporter (`source`: outbound,
+    /// `destination`: inbound), as ztunnel keeps for a connection between two of its pods: the
+    /// bytes are counted through the source's meters and by both reporters as they move.
+    pub fn open_node_local(
+        metrics: &'a Metrics,
+        source: ConnInfo,
+        destination: ConnInfo,
+    ) -> (Self, Self) {
+        let dst = Self::open(metrics, destination);
+        let mut src = Self::open(metrics, source);
+        src.from_client.total = dst.from_client.total.clone();
+        src.from_client.twin = Some(dst.from_client.metric.clone());
+        src.to_client.total = dst.to_client.total.clone();
+        src.to_client.twin = Some(dst.to_client.metric.clone());
+        (src, dst)
     }
 
     /// Records the end, with the error that ended it, if any.

@@ -199,6 +199,14 @@ impl CniNode {
         Ok(node)
     }
 
+    /// `start`, the proxy with `proxy_args`.
+    pub fn start_with(workloads: &str, proxy_args: &[&str]) -> Result<Self> {
+        let mut node = Self::bare(workloads)?;
+        node.start_agent()?;
+        node.start_proxy_with(proxy_args)?;
+        Ok(node)
+    }
+
     /// The node with nothing running yet.
     pub fn bare(workloads: &str) -> Result<Self> {
         require_root();

@@ -37,7 +37,9 @@ fn meshed_pair() -> MeshedPair {
     MeshedPair { ns, server, client }
 }
 
-fn mtls_opened_to(workload: &str) -> f64 {
+/// Connections to `workload` its proxy counted as the destination, with `security` (the
+/// cluster has one node: two meshed pods' connections are node-local, `none`).
+fn opened_to(workload: &str, security: &str) -> f64 {
     let m = proxy_metrics().expect("proxy metrics");
     metric_sum(
         &m,
@@ -45,9 +47,15 @@ fn mtls_opened_to(workload: &str) -> f64 {
         &[
             ("reporter", "destination"),
             ("destination_workload", workload),
-            ("connection_security_policy", "mutual_tls"),
+            ("connection_security_policy", security),
         ],
     )
+}
+
+/// Connections to `workload` carried through the proxy, over HBONE with mutual TLS (as the
+/// previous release carries two pods of one node) or on the node-local path (as this one does).
+fn carried_to(workload: &str) -> f64 {
+    opened_to(workload, "mutual_tls") + opened_to(workload, "none")
 }
 
 fn send(pair: &MeshedPair, bytes: &str) -> anyhow::Result<String> {
@@ -108,17 +116,17 @@ fn a_pod_in_an_ambient_namespace_is_captured_and_annotated_and_one_in_a_plain_na
 }
 
 #[test]
-fn meshed_pods_carry_traffic_to_each_other_over_hbone_with_mutual_tls() {
+fn meshed_pods_of_the_node_carry_traffic_to_each_other_on_the_node_local_path() {
     set_up();
     let pair = meshed_pair();
-    let before = mtls_opened_to("server");
+    let before = opened_to("server", "none");
     let out = send(&pair, "1000000").expect("a megabyte from client to server");
     assert!(out.contains("bytes=1000000"), "{out}");
-    let after = wait_for("the destination's mutual_tls count", Duration::from_secs(10), || {
-        let n = mtls_opened_to("server");
+    let after = wait_for("the destination's node-local count", Duration::from_secs(10), || {
+        let n = opened_to("server", "none");
         Ok((n > before).then_some(n))
     });
-    assert!(after.is_ok(), "no mutual TLS connection to the server was counted: {after:?}");
+    assert!(after.is_ok(), "no node-local connection to the server was counted: {after:?}");
     // The server saw the client's own address: the proxy connected from it.
     let peer = exec(
         &pair.ns.name,
@@ -271,7 +279,7 @@ const UPGRADE_LOOP_SECONDS: u64 = 45;
 /// datapath the old one pinned, in place (loader/src/datapath/upgrade.rs), while a meshed pod
 /// carries a long paced transfer and opens a connection every 20 ms to another. The transfer
 /// arrives byte-exact, every connection is answered (none refused, none reset), each one
-/// through the proxies' mutual TLS (nothing around the mesh), and the pins then say which
+/// through the proxy (nothing around the mesh), and the pins then say which
 /// datapath they hold. (This is also the agent's rolling update the other tests rely on.)
 #[test]
 fn the_previous_releases_agent_rolled_to_this_version_upgrades_the_datapath_under_traffic() {
@@ -283,7 +291,7 @@ fn the_previous_releases_agent_rolled_to_this_version_upgrades_the_datapath_unde
 
     let pair = meshed_pair();
     let target = format!("{}:9000", pair.server.ip);
-    let mtls_before = mtls_opened_to("server");
+    let carried_before = carried_to("server");
     let long = long_transfer_under_way(&pair);
     let seconds = UPGRADE_LOOP_SECONDS.to_string();
     let client =
@@ -343,9 +351,9 @@ fn the_previous_releases_agent_rolled_to_this_version_upgrades_the_datapath_unde
         long.status.success() && long_text.contains(&format!("bytes={LONG_BYTES}")),
         "the long transfer across the upgrade: {long_text}"
     );
-    // Every one of them went through the proxies: the server side's proxy counted each as a
-    // mutual-TLS connection (one that got around the mesh would be answered all the same).
-    let through_mesh = mtls_opened_to("server") - mtls_before;
+    // Every one of them went through the proxies: the server side's proxy counted each as
+    // carried through it (one that got around the mesh would be answered all the same).
+    let through_mesh = carried_to("server") - carried_before;
     assert!(
         through_mesh >= n("answered") as f64 + 1.0,
         "{through_mesh} connections through the mesh for {} answered and the transfer",
@@ -603,21 +611,20 @@ fn open_connections_plain_both_ways_and_hbone_survive_a_rolling_update_and_a_del
     let legacy = ready_pod(&plain.name, "legacy").expect("legacy");
     // Long-lived connections, a third each bulk, request/response and idle (cluster-app
     // `hold`): out of a meshed pod to one outside the mesh (passthrough), and into a meshed
-    // pod from one outside it (inbound plaintext), and between the two meshed pods (HBONE,
-    // both ends in this node's proxy: each end pauses the stream and the next proxy resumes
-    // it). The proxy hands them to the agent on SIGTERM and the next one carries them on: none
-    // ends, every byte arrives once.
+    // pod from one outside it (inbound plaintext), and between the two meshed pods (the
+    // node-local path: the proxy holds one socket in each pod). The proxy hands them to the
+    // agent on SIGTERM and the next one carries them on: none ends, every byte arrives once.
     let hold = |ns: &str, pod: &str, to: &str, n: &str| {
         exec_spawn_with_stdin(ns, pod, &["hold", to, "--connections", n, "--seconds", "400"])
             .expect("hold")
     };
     let out = hold(&pair.ns.name, &pair.client.name, &format!("{}:9100", legacy.ip), "60");
     let inbound = hold(&plain.name, &legacy.name, &format!("{}:9100", pair.server.ip), "30");
-    let mtls_before = mtls_opened_to("server");
+    let local_before = opened_to("server", "none");
     let hbone = hold(&pair.ns.name, &pair.client.name, &format!("{}:9100", pair.server.ip), "30");
     std::thread::sleep(Duration::from_secs(5));
-    let over_mtls = mtls_opened_to("server") - mtls_before;
-    assert!(over_mtls >= 30.0, "the meshed pods' connections were not HBONE: {over_mtls}");
+    let local = opened_to("server", "none") - local_before;
+    assert!(local >= 30.0, "the meshed pods' connections were not node-local: {local}");
     let started = std::time::Instant::now();
     roll_the_proxy_to_a_new_image();
     let rolled = started.elapsed();
@@ -641,7 +648,7 @@ fn open_connections_plain_both_ways_and_hbone_survive_a_rolling_update_and_a_del
     // every one ends at the first restart (connection_handover.rs has that control).
     assert!(out_ok && out.contains("kept=60 "), "passthrough: {out}");
     assert!(in_ok && inbound.contains("kept=30 "), "inbound plaintext: {inbound}");
-    assert!(hbone_ok && hbone.contains("kept=30 "), "HBONE between meshed pods: {hbone}");
+    assert!(hbone_ok && hbone.contains("kept=30 "), "node-local between meshed pods: {hbone}");
 }
 
 #[test]
@@ -872,13 +879,13 @@ fn an_agent_that_cannot_take_the_pinned_datapath_over_says_why_and_the_pinned_on
     datapath_unavailable_event_saying("POD_ADDRS").expect("an Event on the Node");
     assert!(!daemonset_ready(AGENT_DS).expect("ds"), "the agent was Ready on pins it refused");
     // The pinned datapath still captures: a connection goes through the proxies.
-    let mtls_before = mtls_opened_to("server");
+    let carried_before = carried_to("server");
     let out = send(&pair, "100000").expect("a meshed connection beside the refusing agent");
     assert!(out.contains("bytes=100000"), "{out}");
-    wait_for("the connection counted as mutual TLS", Duration::from_secs(10), || {
-        Ok((mtls_opened_to("server") > mtls_before).then_some(()))
+    wait_for("the connection counted through the proxy", Duration::from_secs(10), || {
+        Ok((carried_to("server") > carried_before).then_some(()))
     })
-    .expect("carried over mutual TLS");
+    .expect("carried through the proxy");
     // The pins as this version can take them: the agent's next try does (every 15 s).
     drop(foreign);
     wait_for("the agent Ready on the pins", Duration::from_secs(60), || {
@@ -1087,13 +1094,13 @@ fn unready_but_never_restarted(
     probed_unready_but_never_restarted(&pod, why);
     lift(istiod);
     ready_again_without_a_restart(&pod, &format!("{why}: ready once istiod is right again"));
-    let mtls_before = mtls_opened_to("server");
+    let carried_before = carried_to("server");
     let out = send(&pair, "4096").expect("a meshed connection");
     assert!(out.contains("bytes=4096"), "{out}");
-    wait_for("the connection counted as mutual TLS", Duration::from_secs(10), || {
-        Ok((mtls_opened_to("server") > mtls_before).then_some(()))
+    wait_for("the connection counted through the proxy", Duration::from_secs(10), || {
+        Ok((carried_to("server") > carried_before).then_some(()))
     })
-    .expect("carried over mutual TLS");
+    .expect("carried through the proxy");
 }
 
 /// A resource in the first push that the proxy refuses (NACKed by name): as ztunnel, a type
@@ -1389,10 +1396,11 @@ fn istioctl_finds_the_proxy_as_ztunnel_and_reads_its_config_dump_through_a_port_
     }
     let connections = meshpath_tests::istioctl::connection_rows(&dump);
     println!("istioctl ztunnel-config connections would print:\n{connections:?}");
+    // The two pods are of one node: the transfer is node-local, plain TCP on both sides.
     for direction in ["Outbound", "Inbound"] {
         assert!(
-            connections.iter().any(|r| r[1] == direction && r[5] == "HBONE"),
-            "no {direction} HBONE connection: {connections:?}"
+            connections.iter().any(|r| r[1] == direction && r[5] == "TCP"),
+            "no {direction} connection: {connections:?}"
         );
     }
     let certificates = meshpath_tests::istioctl::certificate_rows(&dump);

@@ -43,10 +43,12 @@ fn a_meshed_pod_is_captured_from_its_first_connection() {
         ("reporter", "source"),
         ("source_workload", "web"),
         ("destination_workload", "db"),
-        ("connection_security_policy", "mutual_tls"),
+        // Two pods of one node: the proxy carries it on the node-local path.
+        ("connection_security_policy", "none"),
     ];
-    let hbone = node.proxy_metric("istio_tcp_connections_opened_total", &labels).expect("metrics");
-    assert_eq!(hbone, 1.0, "the first connection was not carried over HBONE by the proxy");
+    let carried =
+        node.proxy_metric("istio_tcp_connections_opened_total", &labels).expect("metrics");
+    assert_eq!(carried, 1.0, "the first connection was not carried by the proxy");
     let mut pods = node.proxy_pods().expect("pods");
     pods.sort();
     assert_eq!(pods, vec!["uid-db", "uid-web"]);
@@ -54,7 +56,8 @@ fn a_meshed_pod_is_captured_from_its_first_connection() {
 
 #[test]
 fn the_agent_exports_its_pods_datapath_decisions_and_drops_a_pod_that_left() {
-    let node = CniNode::start(WORKLOADS).expect("node");
+    // Over HBONE, as ztunnel carries it, so that db's inbound steers to the proxy's 15008.
+    let node = CniNode::start_with(WORKLOADS, &["--node-local-hbone"]).expect("node");
     let db = node.add_pod("db").expect("ADD db");
     node.echo_server(&db, 8080).expect("echo");
     publish_db_address(&node, &db);
@@ -489,9 +492,14 @@ fn a_late_del_of_a_pods_old_sandbox_leaves_its_new_sandbox_in_the_mesh() {
     );
     let back = echo_once(&new, SocketAddr::new(db.ip, 8080), b"new").expect("connection");
     assert_eq!(back, b"new");
-    let labels = [("source_workload", "web"), ("connection_security_policy", "mutual_tls")];
-    let hbone = node.proxy_metric("istio_tcp_connections_opened_total", &labels).expect("metrics");
-    assert_eq!(hbone, 1.0, "the new sandbox's connection left the mesh");
+    let labels = [
+        ("reporter", "source"),
+        ("source_workload", "web"),
+        ("connection_security_policy", "none"),
+    ];
+    let carried =
+        node.proxy_metric("istio_tcp_connections_opened_total", &labels).expect("metrics");
+    assert_eq!(carried, 1.0, "the new sandbox's connection left the mesh");
 }
 
 /// The eBPF filters on egress of `iface` in `pod`'s netns, as `tc filter show` lists them.

@@ -214,14 +214,15 @@ const MESHED: &str = "workloads:
 - {uid: uid-p1, name: p1, namespace: default, serviceAccount: sa1, protocol: HBONE}
 ";
 
-/// A node with meshed pods p0 and p1 and an echo server in p1, which p0 reaches over HBONE
-/// through the node's proxy (both ends of the stream are that proxy's: the node-local path).
-/// `agent_args` go to the agent.
-fn meshed_pair(agent_args: &[&str]) -> (CniNode, CniPod, SocketAddr) {
+/// A node with meshed pods p0 and p1 and an echo server in p1, which p0 reaches through the
+/// node's proxy: over HBONE (both ends of the stream are that proxy's) if `proxy_args` say
+/// `--node-local-hbone`, on the node-local path otherwise. `agent_args` go to the agent.
+fn meshed_pair(agent_args: &[&str], proxy_args: &[&str]) -> (CniNode, CniPod, SocketAddr) {
     let mut node = CniNode::bare(MESHED).expect("node");
     let args: Vec<String> = agent_args.iter().map(|a| a.to_string()).collect();
     node.start_agent_with(&args).expect("agent");
-    node.start_proxy_with(&["--drain-seconds", "5"]).expect("proxy");
+    let proxy_args = [&["--drain-seconds", "5"], proxy_args].concat();
+    node.start_proxy_with(&proxy_args).expect("proxy");
     let p1 = node.add_pod("p1").expect("ADD p1");
     node.echo_server(&p1, 8080).expect("echo in p1");
     node.publish_address(MESHED, "sa1", p1.ip);
@@ -229,21 +230,29 @@ fn meshed_pair(agent_args: &[&str]) -> (CniNode, CniPod, SocketAddr) {
     (node, p0, SocketAddr::new(p1.ip, 8080))
 }
 
-/// Connections p0 opened over HBONE, as the proxy's source reporter counts them.
-fn hbone_opened(node: &CniNode) -> f64 {
+/// Connections p0 opened to p1 with `security` (`mutual_tls`: over HBONE; `none`: on the
+/// node-local path), as the proxy's source reporter counts them.
+fn opened_with(node: &CniNode, security: &str) -> f64 {
     let labels = [
         ("reporter", "source"),
         ("source_workload", "p0"),
         ("destination_workload", "p1"),
-        ("connection_security_policy", "mutual_tls"),
+        ("connection_security_policy", security),
     ];
     node.proxy_metric("istio_tcp_connections_opened_total", &labels).expect("metrics")
 }
 
+fn hbone_opened(node: &CniNode) -> f64 {
+    opened_with(node, "mutual_tls")
+}
+
+/// Carry same-node connections over HBONE, not on the node-local path.
+const OVER_HBONE: &[&str] = &["--node-local-hbone"];
+
 #[test]
 fn a_bulk_transfer_over_hbone_between_two_pods_of_the_node_carries_on_byte_exact_across_sigterm_and_a_new_proxy(
 ) {
-    let (mut node, p0, server) = meshed_pair(&[]);
+    let (mut node, p0, server) = meshed_pair(&[], OVER_HBONE);
     let c = p0.connect(server).expect("connect");
     let old_log = bulk_echo_across_an_upgrade(&mut node, c, 256 << 20);
     // Both sides of the stream were this proxy's: each paused and went to the agent.
@@ -256,7 +265,7 @@ fn a_bulk_transfer_over_hbone_between_two_pods_of_the_node_carries_on_byte_exact
 
 #[test]
 fn an_idle_hbone_connection_sent_to_while_no_proxy_runs_is_answered_by_the_next_proxy() {
-    let (mut node, p0, server) = meshed_pair(&[]);
+    let (mut node, p0, server) = meshed_pair(&[], OVER_HBONE);
     let mut c = p0.connect(server).expect("connect");
     round_trip(&mut c, b"before the upgrade").expect("before");
     assert_eq!(hbone_opened(&node), 1.0, "not carried over HBONE");
@@ -270,7 +279,7 @@ fn an_idle_hbone_connection_sent_to_while_no_proxy_runs_is_answered_by_the_next_
 #[test]
 fn with_the_agents_hold_off_an_hbone_stream_ends_with_the_old_proxy() {
     // The control: the agent offers no hold, so the proxy pauses nothing and drains as before.
-    let (mut node, p0, server) = meshed_pair(&["--hold-connections-seconds", "0"]);
+    let (mut node, p0, server) = meshed_pair(&["--hold-connections-seconds", "0"], OVER_HBONE);
     let mut c = p0.connect(server).expect("connect");
     round_trip(&mut c, b"before the upgrade").expect("before");
     assert_eq!(hbone_opened(&node), 1.0, "not carried over HBONE");
@@ -278,6 +287,45 @@ fn with_the_agents_hold_off_an_hbone_stream_ends_with_the_old_proxy() {
     assert!(!log.contains("paused HBONE stream"), "{log}");
     let after = round_trip(&mut c, b"after the upgrade");
     assert!(after.is_err(), "the stream outlived its proxy with no hand-over");
+}
+
+#[test]
+fn a_bulk_transfer_on_the_node_local_path_carries_on_byte_exact_across_sigterm_and_a_new_proxy() {
+    let (mut node, p0, server) = meshed_pair(&[], &[]);
+    let c = p0.connect(server).expect("connect");
+    let old_log = bulk_echo_across_an_upgrade(&mut node, c, 256 << 20);
+    // One connection, its two sockets in two pods, went to the agent.
+    assert_eq!(old_log.matches("handed over to the node agent").count(), 1, "{old_log}");
+    let new_log = node.proxy.as_ref().expect("proxy").lines().join("\n");
+    let taken = "node-local connection taken over from the previous proxy";
+    assert_eq!(new_log.matches(taken).count(), 1, "{new_log}");
+    assert_eq!(opened_with(&node, "none"), 1.0, "the next proxy did not carry it node-local");
+}
+
+#[test]
+fn an_idle_node_local_connection_sent_to_while_no_proxy_runs_is_answered_by_the_next_proxy() {
+    let (mut node, p0, server) = meshed_pair(&[], &[]);
+    let mut c = p0.connect(server).expect("connect");
+    round_trip(&mut c, b"before the upgrade").expect("before");
+    assert_eq!(opened_with(&node, "none"), 1.0, "not on the node-local path");
+    sent_to_while_no_proxy_runs(&mut node, &mut c);
+    // And it is handed over again at the next upgrade.
+    let log = upgrade_proxy(&mut node);
+    assert!(log.contains("handed over to the node agent"), "{log}");
+    round_trip(&mut c, b"after the second upgrade").expect("after the second");
+}
+
+#[test]
+fn with_the_agents_hold_off_a_node_local_connection_ends_with_the_old_proxy() {
+    // The control: the agent offers no hold, so the proxy hands nothing over and drains.
+    let (mut node, p0, server) = meshed_pair(&["--hold-connections-seconds", "0"], &[]);
+    let mut c = p0.connect(server).expect("connect");
+    round_trip(&mut c, b"before the upgrade").expect("before");
+    assert_eq!(opened_with(&node, "none"), 1.0, "not on the node-local path");
+    let log = upgrade_proxy(&mut node);
+    assert!(!log.contains("handed over to the node agent"), "{log}");
+    let after = round_trip(&mut c, b"after the upgrade");
+    assert!(after.is_err(), "the connection outlived its proxy with no hand-over");
 }
 
 /// Two nodes, each with its agent and proxy (certificates from one CA), their pod subnets

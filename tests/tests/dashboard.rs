@@ -304,9 +304,10 @@ fn expr_problems(expr: &str, exported: &Exposition, variables: &BTreeSet<String>
     out
 }
 
-/// A real node's proxy and agent metrics after one connection from web to db over HBONE.
+/// A real node's proxy and agent metrics after one connection from web to db over HBONE (the
+/// two pods of one node, with the node-local path off: the mutual TLS panel reads its series).
 fn exported_by_a_node() -> Exposition {
-    let node = CniNode::start(WORKLOADS).expect("node");
+    let node = CniNode::start_with(WORKLOADS, &["--node-local-hbone"]).expect("node");
     let db = node.add_pod("db").expect("ADD db");
     node.echo_server(&db, 8080).expect("echo");
     node.publish_address(WORKLOADS, "db", db.ip);

@@ -25,7 +25,13 @@ fn node(proxy: Proxy) -> CniNode {
     let mut node = CniNode::bare(WORKLOADS).expect("node");
     node.dual_stack = true;
     node.start_agent().expect("agent");
-    node.start_node_proxy(proxy).expect("the node proxy");
+    match proxy {
+        // Two pods of one node over HBONE, as ztunnel carries them (the contract's path; the
+        // node-local path is node_local.rs's).
+        Proxy::Meshpath => node.start_proxy_with(&["--node-local-hbone"]),
+        Proxy::ZtunnelLike => node.start_node_proxy(proxy),
+    }
+    .expect("the node proxy");
     node
 }
 

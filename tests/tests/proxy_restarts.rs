@@ -21,10 +21,15 @@ const WORKLOADS: &str = "workloads:
 
 /// Meshed pods p0 → p1 with an echo server in p1 on 8080; the agent started with `agent_args`.
 fn node_with(agent_args: &[&str]) -> (CniNode, CniPod, CniPod) {
+    node_with_proxy(agent_args, &[])
+}
+
+/// `node_with`, the proxy started with `proxy_args`.
+fn node_with_proxy(agent_args: &[&str], proxy_args: &[&str]) -> (CniNode, CniPod, CniPod) {
     let mut node = CniNode::bare(WORKLOADS).expect("node");
     let args: Vec<String> = agent_args.iter().map(|a| a.to_string()).collect();
     node.start_agent_with(&args).expect("agent");
-    node.start_proxy().expect("proxy");
+    node.start_proxy_with(proxy_args).expect("proxy");
     let p1 = node.add_pod("p1").expect("ADD p1");
     node.echo_server(&p1, 8080).expect("echo");
     let p0 = node.add_pod("p0").expect("ADD p0");
@@ -190,7 +195,10 @@ fn in_pod(pod: &CniPod, args: &[&str]) -> String {
 fn a_connection_the_proxy_took_just_before_sigterm_still_reaches_a_pod_of_the_same_node() {
     // The draining proxy carries it to its end: with the agent's hold on, its stream, once
     // open, would be paused and handed to the next proxy instead (connection_handover.rs).
-    let (mut node, p0, p1) = node_with(&["--hold-connections-seconds", "0"]);
+    // Over HBONE: the proxy's connect to p1 is one to p1's HBONE port, which p1's qdisc below
+    // can hold up (on the node-local path it connects inside p1, on no link).
+    let over_hbone = ["--node-local-hbone"];
+    let (mut node, p0, p1) = node_with_proxy(&["--hold-connections-seconds", "0"], &over_hbone);
     node.publish_address(WORKLOADS, "sa1", p1.ip);
     let dst = SocketAddr::new(p1.ip, 8080);
     // p1 sends nothing for now (a FIFO of length 0 drops every frame it sends, its SYN-ACKs
@@ -223,7 +231,7 @@ fn a_connection_the_proxy_took_just_before_sigterm_still_reaches_a_pod_of_the_sa
     assert_eq!(&back, b"draining.");
     drop(c);
     assert!(node.proxy.as_mut().expect("proxy").wait_exit(Duration::from_secs(30)), "no exit");
-    node.start_proxy().expect("a new proxy");
+    node.start_proxy_with(&over_hbone).expect("a new proxy");
     round_trip(&p0, dst, Duration::from_secs(10)).expect("after");
 }
 

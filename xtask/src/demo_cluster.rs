@@ -1,8 +1,9 @@
 //! `cargo xtask demo --cluster`: the demo on a real single-node Kubernetes cluster (cluster.rs),
 //! meshpath installed the way users install it, with kubectl: the agent and the proxy as
 //! DaemonSets that kubelet runs, pods made with Deployments, kubelet's probes passing through
-//! the probe bypass, traffic from `sleep` to `httpbin` over HBONE with mutual TLS and to the
-//! unmeshed `legacy` in plain TCP, the proxy's `istio_tcp_*` metrics, the annotation the agent
+//! the probe bypass, traffic from `sleep` to `httpbin` (two meshed pods of the one node: the
+//! proxy's node-local path, under httpbin's policy, no TLS) and to the unmeshed `legacy` in
+//! plain TCP, the proxy's `istio_tcp_*` metrics, the annotation the agent
 //! writes. istiod cannot run here: the proxy runs without it (deploy/offline, workloads from a
 //! ConfigMap the demo writes once the pods have addresses) and mints the demo pods'
 //! certificates from a CA of the demo's (xtask/cluster-demo/kustomization.yaml).
@@ -212,7 +213,7 @@ fn show(root: &std::path::Path, bin_dir: &std::path::Path) -> Result<()> {
     }
     let sleep_pod = pods[0].2 .0.clone();
     for (what, ip) in [
-        ("httpbin (meshed: HBONE, mTLS)", &pods[1].2 .2),
+        ("httpbin (meshed, same node: the node-local path)", &pods[1].2 .2),
         ("legacy (not meshed: plain TCP)", &pods[2].2 .2),
     ] {
         let started = Instant::now();

@@ -66,6 +66,7 @@ async fn session(proxy: &Arc<Proxy>, conn: &SeqPacket) -> Result<(), ZdsError> {
         meshpath_held_listeners: true,
         meshpath_takes_connections: true,
         meshpath_takes_streams: true,
+        meshpath_takes_node_local: true,
         ..Default::default()
     };
     conn.send_msg(&hello, &[]).await?;
@@ -119,6 +120,8 @@ pub enum Step {
         hold_connections: bool,
         /// And its paused HBONE streams (`proxy::resume`).
         hold_streams: bool,
+        /// And its node-local connections (`proxy::node_local`).
+        hold_node_local: bool,
     },
     /// Carry on a connection a previous proxy handed over (its two sockets are the request's
     /// descriptors), for a pod named earlier in the session.
@@ -168,6 +171,7 @@ impl Session {
                     hold_listeners: add.hold_listeners,
                     hold_connections: add.hold_connections,
                     hold_streams: add.hold_streams,
+                    hold_node_local: add.hold_node_local,
                 })
             }
             Some(Payload::TakeConnection(held)) => {
@@ -217,8 +221,15 @@ impl Session {
 /// pod's listeners, for an agent that holds them.
 fn apply(proxy: &Arc<Proxy>, step: Step, fds: Vec<OwnedFd>) -> Result<Vec<OwnedFd>, String> {
     match step {
-        Step::Add { uid, info, hold_listeners, hold_connections, hold_streams } => {
-            proxy.handover.offered(hold_connections, hold_streams);
+        Step::Add {
+            uid,
+            info,
+            hold_listeners,
+            hold_connections,
+            hold_streams,
+            hold_node_local,
+        } => {
+            proxy.handover.offered(hold_connections, hold_streams, hold_node_local);
             let mut fds = fds.into_iter();
             let file = File::from(fds.next().ok_or("AddWorkload without its netns")?);
             let label = format!("zds:{uid}");

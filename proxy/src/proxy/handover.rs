@@ -62,6 +62,8 @@ pub struct HandOver {
     offered: AtomicBool,
     /// And paused streams.
     offered_streams: AtomicBool,
+    /// And node-local connections.
+    offered_node_local: AtomicBool,
     /// The agent's ZDS socket.
     agent: OnceLock<PathBuf>,
     /// The connection to the agent the hand-over goes on, made at the first one.
@@ -74,10 +76,20 @@ impl HandOver {
         let _ = self.agent.set(path);
     }
 
-    /// What the agent's last `AddWorkload` said of holding connections, and paused streams.
-    pub fn offered(&self, connections: bool, streams: bool) {
+    /// What the agent's last `AddWorkload` said of holding connections, paused streams and
+    /// node-local connections.
+    pub fn offered(&self, connections: bool, streams: bool, node_local: bool) {
         self.offered.store(connections, Ordering::Relaxed);
         self.offered_streams.store(connections && streams, Ordering::Relaxed);
+        self.offered_node_local.store(connections && node_local, Ordering::Relaxed);
+    }
+
+    /// Whether a node-local connection outlives this proxy wherever an HBONE stream between
+    /// two of its pods would: the agent holds both, or neither. An agent that holds streams
+    /// but not node-local connections (an older one) keeps the node on HBONE.
+    pub fn keeps_node_local(&self) -> bool {
+        self.offered_node_local.load(Ordering::Relaxed)
+            || !self.offered_streams.load(Ordering::Relaxed)
     }
 
     /// Shutdown: the plain connections are handed over, and the resumable streams paused and
@@ -147,6 +159,8 @@ pub struct Plain {
     pub dst: SocketAddr,
     /// When the first proxy accepted it.
     pub opened: SystemTime,
+    /// A node-local connection's destination pod: the socket the proxy opened is of its netns.
+    pub peer: Option<String>,
 }
 
 /// How a plain connection left this proxy.
@@ -185,6 +199,7 @@ pub async fn relay(
         received: meters.1.get(),
         opened_unix_ms: unix_ms(plain.opened),
         stream: None,
+        peer_uid: plain.peer.clone().unwrap_or_default(),
     };
     // Boxed, as what follows: a relay's task is sized for its copy loops, not for the
     // hand-over that happens once (tests/tests/idle_connections.rs bounds an idle one).
@@ -223,6 +238,9 @@ pub fn take(proxy: &Arc<Proxy>, held: HeldConnection, fds: Vec<OwnedFd>) -> Resu
     if held.stream.is_some() {
         return crate::proxy::resume::take(&pod, held, fds);
     }
+    if !held.peer_uid.is_empty() {
+        return crate::proxy::node_local::take(pod, held, fds);
+    }
     let [a, b]: [OwnedFd; connections::FDS_PER_CONNECTION] =
         fds.try_into().map_err(|v: Vec<OwnedFd>| format!("{} descriptors, not 2", v.len()))?;
     for fd in [&a, &b] {
@@ -239,6 +257,7 @@ pub fn take(proxy: &Arc<Proxy>, held: HeldConnection, fds: Vec<OwnedFd>) -> Resu
         src: addr(&held.src)?,
         dst: addr(&held.dst)?,
         opened: SystemTime::UNIX_EPOCH + Duration::from_millis(held.opened_unix_ms),
+        peer: None,
     };
     let (a, b) = (tcp_of(a)?, tcp_of(b)?);
     let permits = proxy
@@ -281,6 +300,7 @@ async fn resume(pod: &Arc<Pod>, plain: &Plain, a: TcpStream, b: TcpStream) -> an
                 dst_workload: None,
                 dst_identity: None,
                 dst_service: None,
+                node_local: false,
             },
             None,
         ),
@@ -305,6 +325,7 @@ async fn resume(pod: &Arc<Pod>, plain: &Plain, a: TcpStream, b: TcpStream) -> an
                 dst_workload: Some(workload),
                 dst_identity: Some(pod.identity().as_ref().clone()),
                 dst_service: None,
+                node_local: false,
             };
             (info, Some(allowed))
         }

@@ -280,11 +280,7 @@ async fn serve_stream(
     };
     let store = proxy.store();
     let src_workload = store.by_ip(src.ip()).cloned();
-    let conn = authorization::Connection { src_identity: Some(client), src: src.ip(), dst: target };
-    if let Err(denied) =
-        authorization::check(&store.policies_for(pod.current_workload(&store)), &conn)
-    {
-        proxy.metrics.error(Direction::Inbound, "policy_denied");
+    if let Err(denied) = authorize(pod, &store, client, src, target) {
         warn!(src = %client, %src, dst = %target, reason = %denied, "connection denied: 401");
         return reply(&mut respond, StatusCode::UNAUTHORIZED);
     }
@@ -298,6 +294,7 @@ async fn serve_stream(
         dst_workload: Some(pod.current_workload(&store).clone()),
         dst_identity: Some(pod.identity().as_ref().clone()),
         dst_service: None,
+        node_local: false,
     };
     let guard = ConnGuard::open(&proxy.metrics, info);
     let _listed = pod.open.list(crate::proxy::open_connections::Entry {
@@ -371,6 +368,24 @@ async fn serve_stream(
         () = allowed.closed.cancelled() => guard.finish(Some("a policy change denies it")),
     }
     Ok(())
+}
+
+/// The pod's inbound authorization of a connection from `client` (an identity this proxy
+/// trusts: proven by its certificate, or a pod of its own on the node-local path) at `src` to
+/// `target`, against its policies in `store`; a denial is counted (`policy_denied`).
+pub fn authorize(
+    pod: &Pod,
+    store: &crate::state::store::WorkloadStore,
+    client: &Identity,
+    src: SocketAddr,
+    target: SocketAddr,
+) -> Result<(), authorization::Denied> {
+    let conn = authorization::Connection { src_identity: Some(client), src: src.ip(), dst: target };
+    let checked = authorization::check(&store.policies_for(pod.current_workload(store)), &conn);
+    if checked.is_err() {
+        pod.proxy.metrics.error(Direction::Inbound, "policy_denied");
+    }
+    checked
 }
 
 /// `forwarded: for="IP:PORT"` (or `for=IP`).

@@ -77,6 +77,7 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
         dst_workload: Some(pod.current_workload(&store).clone()),
         dst_identity: Some(pod.identity().as_ref().clone()),
         dst_service: None,
+        node_local: false,
     };
     let guard = ConnGuard::open(&proxy.metrics, info);
     let _listed = pod.open.list(crate::proxy::open_connections::Entry {
@@ -103,6 +104,7 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
         src: peer,
         dst,
         opened: std::time::SystemTime::now(),
+        peer: None,
     };
     tokio::select! {
         r = handover::relay(pod, &plain, conn, app, meters) => match r {

@@ -20,6 +20,7 @@ pub mod inbound_plaintext;
 pub mod memory;
 pub mod netns;
 pub mod node;
+pub mod node_local;
 pub mod open_connections;
 pub mod outbound;
 pub mod per_source;

@@ -2,7 +2,8 @@
 //! (`SO_ORIGINAL_DST`, as under iptables) decides where it goes (`resolve.rs`: a service's
 //! endpoint, a waypoint): a workload that speaks HBONE, or a waypoint, is reached by HTTP/2
 //! CONNECT over mTLS to its HBONE address, verifying its SPIFFE identity; anything else is
-//! passed through as plain TCP. Upstream sockets are made in the pod's netns, so traffic leaves
+//! passed through as plain TCP; a workload of this node is reached directly (`node_local`).
+//! Upstream sockets are made in the pod's netns, so traffic leaves
 //! from the pod's own address.
 
 use std::{
@@ -25,6 +26,7 @@ use crate::{
     proxy::drain::HboneHold,
     proxy::handover,
     proxy::hbone::{self, StreamHeaders},
+    proxy::node_local,
     proxy::pod::Pod,
     proxy::pool::{PoolKey, StreamPermit},
     proxy::resolve::{resolve, Target},
@@ -80,6 +82,12 @@ async fn handle(
             anyhow::bail!("{orig}: {why}");
         }
     };
+    if let Some(dst) = node_local::destination(pod, &target) {
+        hold.release();
+        // Boxed: the other paths' tasks are not sized for this one's state (an idle
+        // connection costs what its task holds: tests/tests/idle_connections.rs).
+        return Box::pin(node_local::carry(conn, peer, pod, &dst, &target)).await;
+    }
     let hbone = target.hbone.is_some();
     if let Some(wp) = &target.waypoint {
         tracing::debug!(%wp, "through the waypoint");
@@ -94,6 +102,7 @@ async fn handle(
         dst_workload: target.workload.clone(),
         dst_identity: target.workload.as_ref().filter(|_| hbone).map(Workload::identity),
         dst_service: target.service.clone(),
+        node_local: false,
     };
     let guard = ConnGuard::open(&proxy.metrics, info);
     let _listed = pod.open.list(crate::proxy::open_connections::Entry {
@@ -273,6 +282,7 @@ async fn passthrough(
         src: peer,
         dst,
         opened: std::time::SystemTime::now(),
+        peer: None,
     };
     handover::relay(pod, &plain, conn, upstream, meters).await?;
     Ok(())

@@ -459,6 +459,7 @@ fn held(
             to_server: stream.to_server,
             to_client: stream.to_client,
         }),
+        peer_uid: String::new(),
     }
 }
 
@@ -538,6 +539,7 @@ async fn carry_taken(pod: &Pod, app: TcpStream, side: ClientSide) -> anyhow::Res
         dst_workload: store.by_ip(side.dst.ip()).cloned(),
         dst_identity: Some(side.dst_identity.clone()),
         dst_service: None,
+        node_local: false,
     };
     drop(store);
     let guard = ConnGuard::open(&proxy.metrics, info);

@@ -59,6 +59,9 @@ pub struct Settings {
     /// How long a paused HBONE stream waits to be resumed (`proxy::resume`): its client side
     /// dials again for this long, its server side holds the app's socket for this long.
     pub resume_within: Duration,
+    /// Connections between two pods this proxy serves go directly from one to the other
+    /// (`proxy::node_local`), not over HBONE (`--node-local-hbone` turns it off).
+    pub node_local: bool,
     /// The mesh's trust domain (`TRUST_DOMAIN`), for a pod handed over ZDS that the store does
     /// not know yet (the store's workloads carry their own, from istiod).
     pub trust_domain: String,
@@ -81,6 +84,7 @@ impl Default for Settings {
             idle_timeout: Some(Duration::from_secs(3600)),
             hbone_idle: Some(Duration::from_secs(HBONE_IDLE_SECONDS)),
             resume_within: Duration::from_secs(RESUME_WITHIN_SECONDS),
+            node_local: true,
             trust_domain: "cluster.local".into(),
         }
     }

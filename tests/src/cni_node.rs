@@ -733,6 +733,38 @@ impl CniNode {
         Ok(body)
     }
 
+    /// The waypoint stand-in (tests/waypoint-standin) in a netns of its own at
+    /// `two_nodes::WAYPOINT_IP`, linked to the node's netns (which routes the pods to it), with
+    /// a certificate from the node's CA; it carries what it is sent on to `upstream_sa`.
+    pub fn waypoint(&self, upstream_sa: &str) -> Result<crate::two_nodes::WaypointStandIn> {
+        let netns = NetnsGuard::new("mpw")?;
+        let w = &netns;
+        let ip = crate::two_nodes::WAYPOINT_IP;
+        self.node.ip(&[
+            "link",
+            "add",
+            "wpn",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "wp0",
+            "netns",
+            w.name(),
+        ])?;
+        self.node.ip(&["addr", "add", "10.198.0.1/24", "dev", "wpn"])?;
+        self.node.ip(&["link", "set", "wpn", "up"])?;
+        w.ip(&["addr", "add", &format!("{ip}/24"), "dev", "wp0"])?;
+        w.ip(&["link", "set", "wp0", "up"])?;
+        w.ip(&["link", "set", "lo", "up"])?;
+        w.ip(&["route", "add", "default", "via", "10.198.0.1"])?;
+        let ca = meshpath_proxy::identity::LocalCa::from_pem(
+            &std::fs::read_to_string(self.dir.join("ca.pem"))?,
+            &std::fs::read_to_string(self.dir.join("ca-key.pem"))?,
+        )?;
+        Ok(crate::two_nodes::WaypointStandIn::spawn(netns, &self.dir, &ca, upstream_sa, &[]))
+    }
+
     /// A TCP echo server in `pod` on `port`, until the test ends.
     pub fn echo_server(&self, pod: &CniPod, port: u16) -> Result<()> {
         let l = pod.netns.listen(SocketAddr::new(pod.ip, port))?;

@@ -48,6 +48,35 @@ pub struct WaypointStandIn {
     pub netns: crate::NetnsGuard,
 }
 
+impl WaypointStandIn {
+    /// The stand-in in `netns` (its network set up by the caller) on `WAYPOINT_IP`:15008, as
+    /// `sa-waypoint` with a certificate from `ca` (written into `dir`), its onward HBONE peers
+    /// verified as `upstream_sa`, with `routes` (`FROM=TO`).
+    pub fn spawn(
+        netns: crate::NetnsGuard,
+        dir: &std::path::Path,
+        ca: &meshpath_proxy::identity::LocalCa,
+        upstream_sa: &str,
+        routes: &[String],
+    ) -> Self {
+        let dir = |f: &str| dir.join(f).display().to_string();
+        let (cert, key) = ca.to_pem();
+        std::fs::write(dir("waypoint-ca.pem"), cert).expect("waypoint CA");
+        std::fs::write(dir("waypoint-ca-key.pem"), key).expect("waypoint CA key");
+        let mut cmd = std::process::Command::new("ip");
+        cmd.args(["netns", "exec", netns.name()])
+            .arg(crate::sibling_bin("waypoint-standin"))
+            .arg(format!("{WAYPOINT_IP}:15008"))
+            .args([dir("waypoint-ca.pem"), dir("waypoint-ca-key.pem")])
+            .args(["sa-waypoint", upstream_sa])
+            .args(routes);
+        let cgroup = CgroupGuard::new().expect("waypoint cgroup");
+        let process =
+            crate::TestProxy::spawn_as("waypoint", cmd, &cgroup).expect("the waypoint stand-in");
+        WaypointStandIn { process, _cgroup: cgroup, netns }
+    }
+}
+
 /// What a test changes.
 #[derive(Debug, Clone)]
 pub struct Setup {
@@ -205,23 +234,9 @@ impl TwoNodes {
         for (ns, args) in steps {
             ns.ip(args).expect("waypoint network");
         }
-        let dir = |f: &str| self.dir.join(f).display().to_string();
         // Its certificate from the CA the proxies trust: the istiod stand-in's, or the local one.
         let ca = self.istiod.as_ref().map_or(&self.ca, |i| i.ca());
-        let (cert, key) = ca.to_pem();
-        std::fs::write(dir("waypoint-ca.pem"), cert).expect("waypoint CA");
-        std::fs::write(dir("waypoint-ca-key.pem"), key).expect("waypoint CA key");
-        let mut cmd = std::process::Command::new("ip");
-        cmd.args(["netns", "exec", netns.name()])
-            .arg(crate::sibling_bin("waypoint-standin"))
-            .arg(format!("{WAYPOINT_IP}:15008"))
-            .args([dir("waypoint-ca.pem"), dir("waypoint-ca-key.pem")])
-            .args(["sa-waypoint", "sa-b"])
-            .args(routes);
-        let cgroup = CgroupGuard::new().expect("waypoint cgroup");
-        let process =
-            crate::TestProxy::spawn_as("waypoint", cmd, &cgroup).expect("the waypoint stand-in");
-        WaypointStandIn { process, _cgroup: cgroup, netns }
+        WaypointStandIn::spawn(netns, &self.dir, ca, "sa-b", routes)
     }
 
     /// The istiod stand-in (`Setup::istiod`).

@@ -602,8 +602,8 @@ fn end_hold(mut client: std::process::Child) -> (String, bool) {
 }
 
 #[test]
-fn open_connections_plain_both_ways_and_hbone_survive_a_rolling_update_and_a_deletion_of_the_proxy()
-{
+fn open_connections_plain_both_ways_and_node_local_survive_a_rolling_update_and_a_deletion_of_the_proxy(
+) {
     set_up();
     let pair = meshed_pair();
     let plain = TestNamespace::new("plain", false).expect("namespace");
@@ -621,10 +621,10 @@ fn open_connections_plain_both_ways_and_hbone_survive_a_rolling_update_and_a_del
     let out = hold(&pair.ns.name, &pair.client.name, &format!("{}:9100", legacy.ip), "60");
     let inbound = hold(&plain.name, &legacy.name, &format!("{}:9100", pair.server.ip), "30");
     let local_before = opened_to("server", "none");
-    let hbone = hold(&pair.ns.name, &pair.client.name, &format!("{}:9100", pair.server.ip), "30");
+    let local = hold(&pair.ns.name, &pair.client.name, &format!("{}:9100", pair.server.ip), "30");
     std::thread::sleep(Duration::from_secs(5));
-    let local = opened_to("server", "none") - local_before;
-    assert!(local >= 30.0, "the meshed pods' connections were not node-local: {local}");
+    let counted = opened_to("server", "none") - local_before;
+    assert!(counted >= 30.0, "the meshed pods' connections were not node-local: {counted}");
     let started = std::time::Instant::now();
     roll_the_proxy_to_a_new_image();
     let rolled = started.elapsed();
@@ -635,20 +635,20 @@ fn open_connections_plain_both_ways_and_hbone_survive_a_rolling_update_and_a_del
     std::thread::sleep(Duration::from_secs(5));
     let (out, out_ok) = end_hold(out);
     let (inbound, in_ok) = end_hold(inbound);
-    let (hbone, hbone_ok) = end_hold(hbone);
+    let (local, local_ok) = end_hold(local);
     println!(
-        "rolled in {:.1} s, deleted and back in {:.1} s; out: {}; in: {}; hbone: {}",
+        "rolled in {:.1} s, deleted and back in {:.1} s; out: {}; in: {}; node-local: {}",
         rolled.as_secs_f64(),
         deleted.as_secs_f64(),
         out.trim(),
         inbound.trim(),
-        hbone.trim()
+        local.trim()
     );
     // A connection ended, reset or short of a byte is not kept; with the agent's hold off
     // every one ends at the first restart (connection_handover.rs has that control).
     assert!(out_ok && out.contains("kept=60 "), "passthrough: {out}");
     assert!(in_ok && inbound.contains("kept=30 "), "inbound plaintext: {inbound}");
-    assert!(hbone_ok && hbone.contains("kept=30 "), "node-local between meshed pods: {hbone}");
+    assert!(local_ok && local.contains("kept=30 "), "node-local between meshed pods: {local}");
 }
 
 #[test]

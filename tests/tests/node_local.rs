@@ -285,3 +285,44 @@ fn killing_the_proxy_ends_a_node_local_connection_and_new_ones_wait_for_the_next
     assert!(opened(&node, "source", "none") >= 1.0, "the next proxy carries nothing node-local");
     drop(l);
 }
+
+#[test]
+fn a_destination_with_a_waypoint_is_reached_through_the_waypoint_not_node_local() {
+    // p1 names a waypoint (the stand-in, in a netns of its own beside the node): p0's
+    // connection to it goes there over HBONE, as on any other node, never straight to p1.
+    let wp = meshpath_tests::two_nodes::WAYPOINT_IP;
+    let yaml = format!(
+        "{}- {{uid: waypoint, name: waypoint, namespace: default, serviceAccount: sa-waypoint, protocol: HBONE, workloadIps: [\"{wp}\"]}}\n",
+        MESHED.replace(
+            "sa1, protocol: HBONE}",
+            &format!("sa1, protocol: HBONE, waypoint: {{destination: {{address: \"/{wp}\"}}, hboneMtlsPort: 15008}}}}")
+        )
+    );
+    let mut node = CniNode::bare(&yaml).expect("node");
+    node.start_agent().expect("agent");
+    node.start_proxy().expect("proxy");
+    let p1 = node.add_pod("p1").expect("ADD p1");
+    let known = yaml.replace(
+        "sa1, protocol: HBONE,",
+        &format!("sa1, protocol: HBONE, workloadIps: [{}],", p1.ip),
+    );
+    std::fs::write(node.dir.join("workloads.yaml"), known).expect("workloads");
+    let proxy = node.proxy.as_ref().expect("proxy");
+    assert!(proxy.wait_for_text("workload store reloaded", Duration::from_secs(10)));
+    let p0 = node.add_pod("p0").expect("ADD p0");
+    let waypoint = node.waypoint("sa1").expect("the waypoint stand-in");
+    // The pods reach the waypoint's subnet through the node, as a cluster's routing would.
+    for p in [&p0, &p1] {
+        let gateway = format!("10.{}.0.1", node.subnet);
+        p.netns.ip(&["route", "add", "10.198.0.0/24", "via", &gateway]).expect("route");
+    }
+    let (_l, peers) = recording_echo(&p1, 8090);
+    let dst = SocketAddr::new(p1.ip, 8090);
+    echo_exact(p0.connect(dst).expect("connect"), 1000);
+    let seen = waypoint.process.lines();
+    let connect = format!("CONNECT {dst} FROM spiffe://cluster.local/ns/default/sa/sa0");
+    assert!(seen.iter().any(|l| l.starts_with(&connect)), "the waypoint saw: {seen:?}");
+    let from = peers.recv_timeout(Duration::from_secs(5)).expect("p1 was not reached");
+    assert_eq!(from.ip(), wp.parse::<IpAddr>().expect("ip"), "p1 reached not from the waypoint");
+    assert_eq!(opened(&node, "source", "none"), 0.0, "carried around the waypoint");
+}

@@ -38,9 +38,10 @@ use crate::{
 };
 
 /// The destination pod, if `target` is one this proxy serves and may reach directly from
-/// `pod`: HBONE to the destination's own address (no waypoint, no gateway) naming that
-/// address, the path on, and the agent keeping such connections wherever it keeps HBONE ones.
-pub fn destination(pod: &Pod, target: &Target) -> Option<Arc<Pod>> {
+/// `pod`'s app at `peer`: HBONE to the destination's own address (no waypoint, no gateway)
+/// naming that address, the path on, the agent keeping such connections wherever it keeps
+/// HBONE ones, and the app's address one of its pod's own.
+pub fn destination(pod: &Pod, peer: SocketAddr, target: &Target) -> Option<Arc<Pod>> {
     let proxy = &pod.proxy;
     if !proxy.settings.node_local || target.waypoint.is_some() {
         return None;
@@ -53,9 +54,21 @@ pub fn destination(pod: &Pod, target: &Target) -> Option<Arc<Pod>> {
     if !proxy.handover.keeps_node_local() {
         return None;
     }
+    let store = proxy.store();
+    // The app's address is the source the destination's policy and app see. Over HBONE they
+    // see the pod's routed address whatever the app bound; here, only an address of the pod's
+    // own is taken as it is (an app with CAP_NET_ADMIN could bind another pod's). Defence in
+    // depth: the datapath does not send a connect from an address not the pod's to 15001
+    // today (it takes it for the proxy's own transparent connect).
+    let own = |p: &Pod| {
+        p.workload.workload_ips.contains(&peer.ip())
+            || p.current_workload(&store).workload_ips.contains(&peer.ip())
+    };
+    if !own(pod) {
+        return None;
+    }
     let dst = proxy.pod(&workload.uid)?;
     // The pod that owns the address HBONE would dial is the one it would reach.
-    let store = proxy.store();
     dst.current_workload(&store).workload_ips.contains(&gateway.ip()).then_some(dst)
 }
 

@@ -149,6 +149,23 @@ fn store_yaml(pods: &PodPair, store: Store) -> String {
     yaml
 }
 
+/// The capture the HBONE scenarios share: a datapath pinned under a root of its own, the
+/// proxies' cgroup registered, pod a's outbound captured and pod b enrolled (as deployed: its
+/// reply routing, and the datapath's view of the proxy's transparent connections to its app);
+/// with `shortcut`, the sockops + sk_msg shortcut on.
+fn capture(pods: &PodPair, shortcut: bool) -> Result<(PinRoot, CgroupGuard)> {
+    let (root, cgroup) = (PinRoot::new(), CgroupGuard::new()?);
+    let dp = root.datapath()?;
+    dp.register_proxy_cgroup(cgroup.path())?;
+    dp.set_acceleration(shortcut)?;
+    let a = EnrolOptions { capture_outbound: true, counters: false, ..EnrolOptions::default() };
+    pods::enrol(&dp, &pods.a.open()?, &a)?;
+    let b = EnrolOptions { counters: false, ..EnrolOptions::default() };
+    pods::enrol(&dp, &pods.b.open()?, &b)?;
+    drop(dp);
+    Ok((root, cgroup))
+}
+
 /// How the pods' proxies are laid out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Layout {
@@ -168,19 +185,7 @@ fn start_hbone(
     layout: Layout,
 ) -> Result<Hbone> {
     let shortcut = layout == Layout::TwoNodes { shortcut: true };
-    let (root, cgroup) = (PinRoot::new(), CgroupGuard::new()?);
-    {
-        let dp = root.datapath()?;
-        dp.register_proxy_cgroup(cgroup.path())?;
-        dp.set_acceleration(shortcut)?;
-        let opts =
-            EnrolOptions { capture_outbound: true, counters: false, ..EnrolOptions::default() };
-        pods::enrol(&dp, &pods.a.open()?, &opts)?;
-        // As deployed, the destination pod is enrolled too (its reply routing, and the
-        // datapath's view of the proxy's transparent connections to its app).
-        let b = EnrolOptions { counters: false, ..EnrolOptions::default() };
-        pods::enrol(&dp, &pods.b.open()?, &b)?;
-    }
+    let (root, cgroup) = capture(pods, shortcut)?;
     let dir = std::env::temp_dir().join(unique("meshpath-bench-"));
     std::fs::create_dir_all(&dir)?;
     // Built first, so the directory goes even when a proxy fails to start.
@@ -217,16 +222,7 @@ fn start_hbone(
 /// the pod, as a sidecar's), on the capture `start_hbone` sets up, in the proxies' cgroup;
 /// certificates from its fake CA, the two workloads from a local configuration file.
 fn start_ztunnel(pods: &PodPair, bin: &Path) -> Result<Hbone> {
-    let (root, cgroup) = (PinRoot::new(), CgroupGuard::new()?);
-    {
-        let dp = root.datapath()?;
-        dp.register_proxy_cgroup(cgroup.path())?;
-        let opts =
-            EnrolOptions { capture_outbound: true, counters: false, ..EnrolOptions::default() };
-        pods::enrol(&dp, &pods.a.open()?, &opts)?;
-        let b = EnrolOptions { counters: false, ..EnrolOptions::default() };
-        pods::enrol(&dp, &pods.b.open()?, &b)?;
-    }
+    let (root, cgroup) = capture(pods, false)?;
     let dir = std::env::temp_dir().join(unique("meshpath-bench-ztunnel-"));
     std::fs::create_dir_all(&dir)?;
     let mut hbone = Hbone { proxies: Vec::new(), _cgroup: cgroup, _root: root, dir };

@@ -94,14 +94,7 @@ impl HeldConnections {
     /// A proxy that takes plain connections but no streams is the proxy now: the paused
     /// streams held close (their peers close their sides when the resume time is up).
     pub fn release_streams(&self, why: &str) {
-        let mut pods = self.pods();
-        let mut n = 0;
-        for held in pods.values_mut() {
-            let before = held.len();
-            held.retain(|h| h.what.stream.is_none());
-            n += before - held.len();
-        }
-        pods.retain(|_, held| !held.is_empty());
+        let n = self.release(|h| h.stream.is_some());
         if n > 0 {
             warn!(streams = n, "held HBONE streams closed: {why}");
         }
@@ -109,17 +102,23 @@ impl HeldConnections {
 
     /// A proxy that takes no node-local connections is the proxy now: those held close.
     pub fn release_node_local(&self, why: &str) {
+        let n = self.release(|h| !h.peer_uid.is_empty());
+        if n > 0 {
+            warn!(connections = n, "held node-local connections closed: {why}");
+        }
+    }
+
+    /// Closes every held connection `this` picks; returns how many.
+    fn release(&self, this: impl Fn(&HeldConnection) -> bool) -> usize {
         let mut pods = self.pods();
         let mut n = 0;
         for held in pods.values_mut() {
             let before = held.len();
-            held.retain(|h| h.what.peer_uid.is_empty());
+            held.retain(|h| !this(&h.what));
             n += before - held.len();
         }
         pods.retain(|_, held| !held.is_empty());
-        if n > 0 {
-            warn!(connections = n, "held node-local connections closed: {why}");
-        }
+        n
     }
 
     /// `held` were not given after all (the proxy's session broke): they wait for the next.

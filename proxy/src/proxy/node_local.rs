@@ -35,13 +35,19 @@ use crate::{
         authorized::Authorized, handover, inbound, open_connections, pod::Pod, resolve::Target,
         transparent, Proxy,
     },
+    state::store::WorkloadStore,
 };
 
 /// The destination pod, if `target` is one this proxy serves and may reach directly from
 /// `pod`'s app at `peer`: HBONE to the destination's own address (no waypoint, no gateway)
 /// naming that address, the path on, the agent keeping such connections wherever it keeps
 /// HBONE ones, and the app's address one of its pod's own.
-pub fn destination(pod: &Pod, peer: SocketAddr, target: &Target) -> Option<Arc<Pod>> {
+pub fn destination(
+    pod: &Pod,
+    store: &WorkloadStore,
+    peer: SocketAddr,
+    target: &Target,
+) -> Option<Arc<Pod>> {
     let proxy = &pod.proxy;
     if !proxy.settings.node_local || target.waypoint.is_some() {
         return None;
@@ -54,7 +60,6 @@ pub fn destination(pod: &Pod, peer: SocketAddr, target: &Target) -> Option<Arc<P
     if !proxy.handover.keeps_node_local() {
         return None;
     }
-    let store = proxy.store();
     // The app's address is the source the destination's policy and app see. Over HBONE they
     // see the pod's routed address whatever the app bound; here, only an address of the pod's
     // own is taken as it is (an app with CAP_NET_ADMIN could bind another pod's). Defence in
@@ -62,14 +67,14 @@ pub fn destination(pod: &Pod, peer: SocketAddr, target: &Target) -> Option<Arc<P
     // today (it takes it for the proxy's own transparent connect).
     let own = |p: &Pod| {
         p.workload.workload_ips.contains(&peer.ip())
-            || p.current_workload(&store).workload_ips.contains(&peer.ip())
+            || p.current_workload(store).workload_ips.contains(&peer.ip())
     };
     if !own(pod) {
         return None;
     }
     let dst = proxy.pod(&workload.uid)?;
     // The pod that owns the address HBONE would dial is the one it would reach.
-    dst.current_workload(&store).workload_ips.contains(&gateway.ip()).then_some(dst)
+    dst.current_workload(store).workload_ips.contains(&gateway.ip()).then_some(dst)
 }
 
 /// Carries `conn`, accepted on `src`'s outbound listener from `peer`, to `target` in `dst`.

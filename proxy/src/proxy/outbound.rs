@@ -82,7 +82,7 @@ async fn handle(
             anyhow::bail!("{orig}: {why}");
         }
     };
-    if let Some(dst) = node_local::destination(pod, peer, &target) {
+    if let Some(dst) = node_local::destination(pod, &store, peer, &target) {
         hold.release();
         // Boxed: the other paths' tasks are not sized for this one's state (an idle
         // connection costs what its task holds: tests/tests/idle_connections.rs).

@@ -275,7 +275,7 @@ pub fn test_cluster(
     bin_dir: &Path,
     filter: Option<&str>,
 ) -> Result<Totals> {
-    println!("test: cargo test --test cluster (the single-node cluster)");
+    println!("test: cargo test --test cluster (the two-node cluster)");
     let mut test = cargo(extra_path)?;
     test.args(["test", "--no-fail-fast", "-p", "meshpath-tests", "--test", "cluster", "--"]);
     if let Some(f) = filter {

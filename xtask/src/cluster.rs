@@ -1,12 +1,12 @@
-//! `cargo xtask cluster up|down|kubectl`: a real single-node Kubernetes cluster on this machine,
-//! from Debian's packages: etcd, kube-apiserver, kube-controller-manager, kube-scheduler and
+//! `cargo xtask cluster up|down|kubectl`: a real Kubernetes cluster of one or two nodes on this
+//! machine (the second node: cluster/node2.rs), from Debian's packages: etcd, kube-apiserver, kube-controller-manager, kube-scheduler and
 //! kubelet (kubernetes.rs builds them from Debian's source), containerd and runc, Debian's CNI
 //! plugins (bridge + host-local) as the node's network. meshpath is then installed on it the
 //! way users install it: `kubectl apply` of deploy/install (through tests/cluster's kustomize
 //! overlay, which points the manifests at the locally built image), kubelet running the
 //! DaemonSets.
 //!
-//! The node has a network namespace of its own (`meshpath-node`), as a kind node has a
+//! The first node has a network namespace of its own (`meshpath-node`), as a kind node has a
 //! container: every component runs in it (so do hostNetwork pods, which share the runtime's),
 //! the node address is a /32 on its `lo`, the pods hang off its `cni0` bridge, and nothing of
 //! it reaches the host's network: `ip_forward`, the probe source addresses and every route stay
@@ -38,6 +38,11 @@ use crate::{
     bootstrap::{ensure_debian_packages, run},
     images, kubernetes,
 };
+
+pub mod node2;
+
+/// How many nodes `cargo xtask test` runs the cluster suite on.
+pub const NODES_IN_TESTS: usize = 2;
 
 /// The node's network namespace (`/run/netns/meshpath-node`).
 pub const NETNS: &str = "meshpath-node";
@@ -193,7 +198,10 @@ pub fn exists() -> bool {
 /// the binaries in `bin_dir`), so `kubectl apply -k tests/cluster` installs it; with
 /// `previous` (the previous release's binaries, xtask/src/previous.rs), its image too, as
 /// `localhost/meshpath:previous`, built from its own Containerfile.
-pub fn up(root: &Path, bin_dir: &Path, previous: Option<&Path>) -> Result<()> {
+pub fn up(root: &Path, bin_dir: &Path, previous: Option<&Path>, nodes: usize) -> Result<()> {
+    if !(1..=2).contains(&nodes) {
+        bail!("the cluster has 1 or 2 nodes, not {nodes}");
+    }
     let started = Instant::now();
     if exists() {
         println!("cluster: one is already there; taking it down first");
@@ -235,15 +243,25 @@ pub fn up(root: &Path, bin_dir: &Path, previous: Option<&Path>) -> Result<()> {
     fs::create_dir_all(dir().join("logs"))?;
     fs::create_dir_all(RUN)?;
     state.save()?;
-    let result = start(&mut state, &archives);
+    let result = start(&mut state, &archives).and_then(|()| {
+        if nodes == 2 {
+            node2::start(&mut state, &archives)?;
+        }
+        Ok(())
+    });
     state.save()?;
     if let Err(e) = result {
         println!("cluster: start failed ({e:#}); logs in {DIR}/logs; taking it down");
         let _ = down();
         return Err(e);
     }
+    let names = if nodes == 2 {
+        format!("nodes {NODE_NAME} and {}", node2::NAME)
+    } else {
+        format!("node {NODE_NAME}")
+    };
     println!(
-        "cluster: node {NODE_NAME} Ready in {} s; kubectl: `cargo xtask cluster kubectl -- get \
+        "cluster: {names} Ready in {} s; kubectl: `cargo xtask cluster kubectl -- get \
          pods -A` (or nsenter --net=/run/netns/{NETNS} kubectl --kubeconfig {})",
         started.elapsed().as_secs(),
         admin_kubeconfig().display()
@@ -270,11 +288,18 @@ fn mount_propagation(point: &str) -> Option<bool> {
 
 /// Imports OCI archives into the node's containerd (CRI's namespace, where kubelet looks).
 fn import(archives: &[PathBuf]) -> Result<()> {
-    let sock = Path::new(RUN).join("containerd.sock");
+    import_with(Command::new("ctr"), &Path::new(RUN).join("containerd.sock"), archives)
+}
+
+/// [`import`] through `ctr` (a command that runs it in some node's mounts) and `sock`.
+fn import_with(ctr: Command, sock: &Path, archives: &[PathBuf]) -> Result<()> {
+    let (program, pre): (std::ffi::OsString, Vec<std::ffi::OsString>) =
+        (ctr.get_program().to_owned(), ctr.get_args().map(|a| a.to_owned()).collect());
     for a in archives {
-        run(Command::new("ctr")
+        run(Command::new(&program)
+            .args(&pre)
             .arg("--address")
-            .arg(&sock)
+            .arg(sock)
             .args(["-n", "k8s.io", "images", "import", "--no-unpack"])
             .arg(a)
             .stdout(Stdio::null()))
@@ -320,7 +345,7 @@ fn start(state: &mut State, archives: &[PathBuf]) -> Result<()> {
     pki()?;
     cni()?;
     // containerd first: images imported before kubelet asks for them.
-    fs::write(dir().join("containerd.toml"), containerd_config())?;
+    fs::write(dir().join("containerd.toml"), containerd_config(&dir(), RUN))?;
     let containerd = daemon(
         "containerd",
         "containerd",
@@ -408,32 +433,15 @@ fn start(state: &mut State, archives: &[PathBuf]) -> Result<()> {
         ],
     )?;
     state.pids.insert("kube-scheduler".into(), sched);
-    fs::write(d.join("kubelet.yaml"), kubelet_config())?;
+    fs::write(d.join("kubelet.yaml"), kubelet_config(NODE_IP, None))?;
     let kubelet = daemon_s(
         "kubelet",
         &kubernetes::binary("kubelet"),
-        &[
-            format!("--kubeconfig={}", p("kubelet.kubeconfig")),
-            format!("--config={}", p("kubelet.yaml")),
-            "--container-runtime=remote".into(),
-            format!("--container-runtime-endpoint=unix://{RUN}/containerd.sock"),
-            format!("--pod-infra-container-image={}", images::PAUSE),
-            format!("--root-dir={}", p("kubelet")),
-            format!("--cert-dir={}", p("kubelet-pki")),
-            format!("--hostname-override={NODE_NAME}"),
-            format!("--node-ip={NODE_IP}"),
-        ],
+        &kubelet_args(&d, "kubelet.kubeconfig", RUN, NODE_NAME, NODE_IP),
     )?;
     state.pids.insert("kubelet".into(), kubelet);
     state.save()?;
-    wait("the node to be Ready", Duration::from_secs(120), || {
-        let out = kubectl()
-            .args(["get", "node", NODE_NAME, "-o"])
-            .arg(r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#)
-            .stderr(Stdio::null())
-            .output()?;
-        Ok(String::from_utf8_lossy(&out.stdout).trim() == "True")
-    })?;
+    wait_ready(NODE_NAME)?;
     // Pods need their namespace's default ServiceAccount (the controller-manager makes it).
     wait("the default ServiceAccount", Duration::from_secs(60), || {
         Ok(kubectl()
@@ -444,6 +452,35 @@ fn start(state: &mut State, archives: &[PathBuf]) -> Result<()> {
             .success())
     })?;
     Ok(())
+}
+
+/// kubelet's command line for the node `name` at `ip` whose files are below `files` (its
+/// configuration in kubelet.yaml there) and whose runtime's socket is below `run`.
+fn kubelet_args(files: &Path, kubeconfig: &str, run: &str, name: &str, ip: &str) -> Vec<String> {
+    let p = |f: &str| files.join(f).display().to_string();
+    vec![
+        format!("--kubeconfig={}", dir().join(kubeconfig).display()),
+        format!("--config={}", p("kubelet.yaml")),
+        "--container-runtime=remote".into(),
+        format!("--container-runtime-endpoint=unix://{run}/containerd.sock"),
+        format!("--pod-infra-container-image={}", images::PAUSE),
+        format!("--root-dir={}", p("kubelet")),
+        format!("--cert-dir={}", p("kubelet-pki")),
+        format!("--hostname-override={name}"),
+        format!("--node-ip={ip}"),
+    ]
+}
+
+/// Waits for the node `name` to be Ready.
+fn wait_ready(name: &str) -> Result<()> {
+    wait(&format!("node {name} to be Ready"), Duration::from_secs(120), || {
+        let out = kubectl()
+            .args(["get", "node", name, "-o"])
+            .arg(r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#)
+            .stderr(Stdio::null())
+            .output()?;
+        Ok(String::from_utf8_lossy(&out.stdout).trim() == "True")
+    })
 }
 
 /// Polls `ready` every 200 ms until it says yes or `limit` passes.
@@ -467,9 +504,16 @@ fn daemon(
     program: impl AsRef<std::ffi::OsStr>,
     args: &[&std::ffi::OsStr],
 ) -> Result<i32> {
-    let log = fs::File::create(dir().join("logs").join(format!("{name}.log")))?;
     let mut cmd = in_node(program);
-    cmd.args(args).stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
+    cmd.args(args);
+    spawn_daemon(name, cmd)
+}
+
+/// Starts `cmd` (a program, through `nsenter`, in some node's namespaces) in a session of its
+/// own, its output into logs/NAME.log; returns its pid.
+pub(crate) fn spawn_daemon(name: &str, mut cmd: Command) -> Result<i32> {
+    let log = fs::File::create(dir().join("logs").join(format!("{name}.log")))?;
+    cmd.stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
     // SAFETY: setsid is async-signal-safe; nothing else runs between fork and exec.
     unsafe {
         cmd.pre_exec(|| {
@@ -554,13 +598,15 @@ fn pki() -> Result<()> {
     ])?;
     openssl(&["genrsa", "-out", "sa.key", "2048"])?;
     let token = |who: &str| format!("{who}-{:016x}", rand_u64());
-    let (admin, kubelet, cm, sched) =
-        (token("admin"), token("kubelet"), token("cm"), token("sched"));
+    let (admin, kubelet, kubelet2, cm, sched) =
+        (token("admin"), token("kubelet"), token("kubelet2"), token("cm"), token("sched"));
+    let node2 = node2::NAME;
     fs::write(
         pki.join("tokens.csv"),
         format!(
             "{admin},admin,admin,system:masters\n\
              {kubelet},system:node:{NODE_NAME},kubelet,system:nodes\n\
+             {kubelet2},system:node:{node2},kubelet2,system:nodes\n\
              {cm},system:kube-controller-manager,cm\n\
              {sched},system:kube-scheduler,sched\n"
         ),
@@ -568,6 +614,7 @@ fn pki() -> Result<()> {
     for (file, tok) in [
         ("admin.kubeconfig", &admin),
         ("kubelet.kubeconfig", &kubelet),
+        (node2::KUBECONFIG, &kubelet2),
         ("controller-manager.kubeconfig", &cm),
         ("scheduler.kubeconfig", &sched),
     ] {
@@ -605,6 +652,12 @@ fn cni() -> Result<()> {
         fs::copy(Path::new(DEBIAN_CNI).join(p), Path::new(CNI_BIN).join(p))
             .with_context(|| format!("copying the {p} plugin from {DEBIAN_CNI}"))?;
     }
+    fs::write(Path::new(CNI_CONF).join(CONFLIST), conflist(POD_SUBNET))?;
+    Ok(())
+}
+
+/// A node's own network configuration: its pods on its `cni0` bridge, addresses from `subnet`.
+fn conflist(subnet: &str) -> String {
     // No ipMasq and no portmap: both write iptables rules, and nothing here needs them.
     let conf = json!({
         "cniVersion": "1.0.0",
@@ -617,25 +670,27 @@ fn cni() -> Result<()> {
             "hairpinMode": true,
             "ipam": {
                 "type": "host-local",
-                "ranges": [[{"subnet": POD_SUBNET}]],
+                "ranges": [[{"subnet": subnet}]],
                 "routes": [{"dst": "0.0.0.0/0"}]
             }
         }]
     });
-    fs::write(Path::new(CNI_CONF).join(CONFLIST), serde_json::to_string_pretty(&conf)?)?;
-    Ok(())
+    format!("{conf:#}")
 }
 
-fn containerd_config() -> String {
+/// containerd's configuration for a node whose files are below `files` and whose state and
+/// socket below `run`.
+fn containerd_config(files: &Path, run: &str) -> String {
+    let files = files.display();
     format!(
         r#"version = 2
-root = "{DIR}/containerd"
-state = "{RUN}/containerd"
+root = "{files}/containerd"
+state = "{run}/containerd"
 [grpc]
-  address = "{RUN}/containerd.sock"
+  address = "{run}/containerd.sock"
 # Its "opt" directory in the cluster's files, not /opt/containerd.
 [plugins."io.containerd.internal.v1.opt"]
-  path = "{DIR}/containerd-opt"
+  path = "{files}/containerd-opt"
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "{pause}"
   # This sandbox may not raise a process's OOM score adjustment (no CAP_SYS_RESOURCE).
@@ -655,7 +710,12 @@ state = "{RUN}/containerd"
     )
 }
 
-fn kubelet_config() -> String {
+/// kubelet's configuration for the node at `ip`; `cgroup_root` for a node that shares the
+/// machine's cgroups with another (its pods' cgroups below it, where the other's kubelet,
+/// which removes every pod cgroup it does not know, does not look).
+fn kubelet_config(ip: &str, cgroup_root: Option<&str>) -> String {
+    let cgroup_root =
+        cgroup_root.map(|r| format!("cgroupRoot: {r}\ncgroupsPerQOS: true\n")).unwrap_or_default();
     // Anonymous access with AlwaysAllow on the kubelet's port: it listens only inside the
     // node's namespace. syncFrequency 10 s: a ConfigMap edit reaches a pod's volume within
     // seconds (the proxy's workloads file). No eviction for disk: the node's disk is the
@@ -664,7 +724,7 @@ fn kubelet_config() -> String {
     format!(
         r#"apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
-address: {NODE_IP}
+address: {ip}
 readOnlyPort: 0
 healthzBindAddress: 127.0.0.1
 authentication:
@@ -687,7 +747,7 @@ evictionHard:
   nodefs.inodesFree: "0%"
   imagefs.available: "0%"
   imagefs.inodesFree: "0%"
-"#
+{cgroup_root}"#
     )
 }
 
@@ -698,19 +758,21 @@ pub fn down() -> Result<()> {
         .and_then(|s| serde_json::from_str::<Value>(&s).ok())
         .map(|v| State::from_json(&v))
         .unwrap_or_default();
-    // kubelet first: it would restart what the next steps stop.
-    for name in ["kubelet", "kube-scheduler", "kube-controller-manager"] {
+    // kubelets first: they would restart what the next steps stop.
+    for name in [node2::KUBELET, "kubelet", "kube-scheduler", "kube-controller-manager"] {
         if let Some(pid) = state.pids.get(name) {
             stop(*pid);
         }
     }
     kill_pods();
     kill_shims();
-    for name in ["containerd", "kube-apiserver", "etcd"] {
+    // The second node's holder last of its processes: its mounts go with it.
+    for name in [node2::CONTAINERD, node2::HOLDER, "containerd", "kube-apiserver", "etcd"] {
         if let Some(pid) = state.pids.get(name) {
             stop(*pid);
         }
     }
+    node2::remove_network();
     // Pod network namespaces the runtime made.
     for n in netns_entries() {
         if n.starts_with("cni-") && !state.netns_before.contains(&n) {
@@ -768,9 +830,10 @@ fn stop(pid: i32) {
     let _ = nix::sys::wait::waitpid(p, None);
 }
 
-/// Every cgroup directory named `kubepods` under the mounted hierarchies.
+/// Every cgroup directory named `kubepods` under the mounted hierarchies, and the second node's
+/// cgroup roots.
 fn kubepods_roots() -> Vec<PathBuf> {
-    let mut roots = Vec::new();
+    let mut roots = node2::cgroup_roots();
     let base = Path::new("/sys/fs/cgroup");
     if base.join("kubepods").is_dir() {
         roots.push(base.join("kubepods"));
@@ -821,12 +884,12 @@ fn kill_pods() {
 
 /// Kills the runtime's shims of this cluster (they outlive containerd).
 fn kill_shims() {
-    let sock = format!("{RUN}/containerd.sock");
+    let socks = [format!("{RUN}/containerd.sock"), node2::containerd_socket()];
     for e in fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
         let cmdline = fs::read(e.path().join("cmdline")).unwrap_or_default();
         let cmdline = String::from_utf8_lossy(&cmdline);
-        if cmdline.contains("containerd-shim") && cmdline.contains(&sock) {
+        if cmdline.contains("containerd-shim") && socks.iter().any(|s| cmdline.contains(s)) {
             let _ = nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(pid),
                 nix::sys::signal::Signal::SIGKILL,

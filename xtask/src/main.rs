@@ -32,6 +32,10 @@ enum ClusterCmd {
     Up {
         #[arg(long)]
         debug: bool,
+        /// How many nodes: 1, or 2 (the second its own kind-like container on this machine,
+        /// xtask/src/cluster/node2.rs).
+        #[arg(long, default_value_t = cluster::NODES_IN_TESTS)]
+        nodes: usize,
     },
     /// Stop it and undo what it changed on the host.
     Down,
@@ -75,7 +79,7 @@ enum Cmd {
         /// `all`: this machine's kernel, then every series in the matrix (6.1, 6.12).
         #[arg(long, value_parser = ["all"])]
         kernels: Option<String>,
-        /// Only the cluster suite: meshpath's DaemonSets on a real single-node cluster
+        /// Only the cluster suite: meshpath's DaemonSets on a real two-node cluster
         /// (brought up for the run and taken down after; `cargo xtask test` runs it beside the VM).
         #[arg(long, conflicts_with_all = ["kernel", "kernels"])]
         cluster: bool,
@@ -111,8 +115,8 @@ enum Cmd {
         #[arg(long, default_value_t = 60)]
         secs: u64,
     },
-    /// A real single-node Kubernetes cluster on this machine (kubelet, containerd, the control
-    /// plane; built from Debian's packages), with meshpath's image built from this workspace
+    /// A real Kubernetes cluster of two nodes (or one) on this machine (kubelets, containerds,
+    /// the control plane; built from Debian's packages), with meshpath's image built from this workspace
     /// and imported: `kubectl apply -k tests/cluster` installs meshpath on it.
     Cluster {
         #[command(subcommand)]
@@ -218,7 +222,7 @@ fn run(cli: Cli) -> Result<()> {
                 bail!("the cluster runs kubelet, containerd and eBPF programs: run it as root");
             }
             match action {
-                ClusterCmd::Up { debug } => {
+                ClusterCmd::Up { debug, nodes } => {
                     let path = ensure(Needs {
                         ebpf_toolchain: true,
                         runtime: true,
@@ -227,7 +231,7 @@ fn run(cli: Cli) -> Result<()> {
                     })?;
                     let bin_dir = cargo::build(path.as_deref(), !debug)?;
                     let previous = previous::build(path.as_deref())?;
-                    cluster::up(&cargo::workspace_root(), &bin_dir, Some(&previous))?;
+                    cluster::up(&cargo::workspace_root(), &bin_dir, Some(&previous), nodes)?;
                 }
                 ClusterCmd::Down => cluster::down()?,
                 ClusterCmd::Image { debug } => {
@@ -361,7 +365,9 @@ fn test(
     let cluster_up = with_cluster.then(|| {
         let (root, bin_dir, previous) =
             (cargo::workspace_root(), bin_dir.clone(), previous.clone());
-        std::thread::spawn(move || cluster::up(&root, &bin_dir, previous.as_deref()))
+        std::thread::spawn(move || {
+            cluster::up(&root, &bin_dir, previous.as_deref(), cluster::NODES_IN_TESTS)
+        })
     });
     if host {
         let t = cargo::test(path, &bin_dir, filter)?;

@@ -26,6 +26,96 @@ use serde_json::Value;
 pub const NETNS: &str = "meshpath-node";
 pub const NODE_NAME: &str = "meshpath-node";
 pub const NODE_IP: &str = "10.231.255.1";
+/// The second node (xtask/src/cluster/node2.rs: a kind-like container of its own on this
+/// machine, with its own network and mount namespaces).
+pub const NODE2_NAME: &str = "meshpath-node2";
+pub const NODE2_IP: &str = "10.231.255.2";
+
+/// A node of the cluster, as the tests reach it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Node {
+    /// `meshpath-node`: the host's mounts, its own network namespace.
+    First,
+    /// `meshpath-node2`: its own mounts (its /run, bpffs, CNI directories) and network.
+    Second,
+}
+
+impl Node {
+    pub const ALL: [Node; 2] = [Node::First, Node::Second];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Node::First => NODE_NAME,
+            Node::Second => NODE2_NAME,
+        }
+    }
+
+    pub fn ip(self) -> &'static str {
+        match self {
+            Node::First => NODE_IP,
+            Node::Second => NODE2_IP,
+        }
+    }
+
+    /// `program` run on the node: in its network namespace, and on the second in its mounts
+    /// too (through its holder process, whose pid `cargo xtask cluster up` recorded).
+    pub fn command(self, program: &str) -> Result<Command> {
+        match self {
+            Node::First => Ok(in_node(program)),
+            Node::Second => {
+                let state = ClusterState::read()?;
+                let holder = state.json["pids"]["node2"]
+                    .as_i64()
+                    .context("the cluster has no second node (cargo xtask cluster up --nodes 2)")?;
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--target={holder}")).args(["--net", "--mount", "--"]).arg(program);
+                Ok(c)
+            }
+        }
+    }
+}
+
+/// The text of file `path` on `node` (its own mounts: the second node's /etc/cni/net.d is not
+/// the host's).
+pub fn node_file(node: Node, path: &str) -> Result<String> {
+    let mut c = node.command("cat")?;
+    c.arg(path);
+    output(c, None)
+}
+
+/// Whether `path` exists on `node`.
+pub fn node_has(node: Node, path: &str) -> Result<bool> {
+    let mut c = node.command("test")?;
+    c.args(["-e", path]);
+    Ok(c.status()?.success())
+}
+
+impl Node {
+    /// Whether process `pid` is in the node's network namespace (a hostNetwork pod's process
+    /// is): the two nodes' processes share this machine's pid space.
+    pub fn runs(self, pid: i32) -> bool {
+        use std::os::unix::fs::MetadataExt as _;
+        let node_ns = match self {
+            Node::First => std::fs::metadata(Path::new("/run/netns").join(NETNS)),
+            Node::Second => ClusterState::read()
+                .ok()
+                .and_then(|s| s.json["pids"]["node2"].as_i64())
+                .map_or_else(
+                    || Err(std::io::Error::other("no second node")),
+                    |h| std::fs::metadata(format!("/proc/{h}/ns/net")),
+                ),
+        };
+        let of_pid = std::fs::metadata(format!("/proc/{pid}/ns/net"));
+        matches!((node_ns, of_pid), (Ok(a), Ok(b)) if a.ino() == b.ino() && a.dev() == b.dev())
+    }
+}
+
+/// The cluster's nodes, as the API server lists them.
+pub fn nodes() -> Result<Vec<Node>> {
+    let names = kubectl(&["get", "nodes", "-o", "jsonpath={.items[*].metadata.name}"])?;
+    Ok(Node::ALL.into_iter().filter(|n| names.split_whitespace().any(|m| m == n.name())).collect())
+}
+
 /// The cluster's files (kubeconfig, logs).
 pub const DIR: &str = "/var/lib/meshpath-cluster";
 /// meshpath's namespace and DaemonSets (deploy/install).
@@ -237,15 +327,16 @@ pub fn why_not_ready() -> String {
     lines.join("\n")
 }
 
-/// Whether a DaemonSet has its pod on the node, up to date and Ready.
+/// Whether a DaemonSet has its pod on every node, up to date and Ready.
 pub fn daemonset_ready(name: &str) -> Result<bool> {
+    let nodes = i64::try_from(nodes()?.len())?;
     let ds = get_json(&["daemonset", "-n", SYSTEM_NS, name])?;
     let s = &ds["status"];
     let n = |k: &str| s[k].as_i64().unwrap_or(0);
     Ok(ds["metadata"]["generation"] == s["observedGeneration"]
-        && n("desiredNumberScheduled") == 1
-        && n("numberReady") == 1
-        && n("updatedNumberScheduled") == 1
+        && n("desiredNumberScheduled") == nodes
+        && n("numberReady") == nodes
+        && n("updatedNumberScheduled") == nodes
         && n("numberUnavailable") == 0)
 }
 
@@ -338,8 +429,8 @@ pub fn rendered_install() -> Result<Vec<Value>> {
     Ok(objects)
 }
 
-/// Takes meshpath off the node as docs/deploy.md says: the agent's DaemonSet, then the
-/// uninstall Job (the image and pull policy of this cluster), then the proxy's.
+/// Takes meshpath off the nodes as docs/deploy.md says: the agent's DaemonSet, then the
+/// uninstall Job on each node (the image and pull policy of this cluster), then the proxy's.
 pub fn uninstall() -> Result<()> {
     // Foreground: kubectl returns once the agent's pods are gone, not only the DaemonSet object
     // (with the default, background, an agent still shutting down overlapped the Job's removal
@@ -354,14 +445,17 @@ pub fn uninstall() -> Result<()> {
         "--cascade=foreground",
         "--wait=true",
     ])?;
-    let job = std::fs::read_to_string(repo_root().join("deploy/uninstall-job.yaml"))?
-        .replace("NODE_NAME", NODE_NAME)
-        .replace("registry.example.invalid/meshpath:0.1.0", "localhost/meshpath:cluster")
-        .replace("imagePullPolicy: IfNotPresent", "imagePullPolicy: Never")
-        // Kubernetes 1.20 has no appArmorProfile field (tests/cluster/kustomization.yaml).
-        .replace("            appArmorProfile:\n              type: Unconfined\n", "");
-    kubectl_in(&["create", "-f", "-"], &job)?;
-    let done = wait_for("the uninstall Job", Duration::from_secs(120), || {
+    let nodes = nodes()?;
+    for node in &nodes {
+        let job = std::fs::read_to_string(repo_root().join("deploy/uninstall-job.yaml"))?
+            .replace("NODE_NAME", node.name())
+            .replace("registry.example.invalid/meshpath:0.1.0", "localhost/meshpath:cluster")
+            .replace("imagePullPolicy: IfNotPresent", "imagePullPolicy: Never")
+            // Kubernetes 1.20 has no appArmorProfile field (tests/cluster/kustomization.yaml).
+            .replace("            appArmorProfile:\n              type: Unconfined\n", "");
+        kubectl_in(&["create", "-f", "-"], &job)?;
+    }
+    let done = wait_for("the uninstall Jobs", Duration::from_secs(120), || {
         let jobs = get_json(&[
             "jobs",
             "-n",
@@ -373,7 +467,9 @@ pub fn uninstall() -> Result<()> {
             .as_array()
             .into_iter()
             .flatten()
-            .any(|j| j["status"]["succeeded"].as_i64() == Some(1))
+            .filter(|j| j["status"]["succeeded"].as_i64() == Some(1))
+            .count()
+            .eq(&nodes.len())
             .then_some(()))
     });
     kubectl(&[
@@ -625,15 +721,22 @@ fn unmount_below(prefix: &str) {
     }
 }
 
-/// The pod (name) of a DaemonSet on the node.
+/// The pod (name) of a DaemonSet on the first node.
 pub fn daemonset_pod(name: &str) -> Result<String> {
+    daemonset_pod_on(name, Node::First)
+}
+
+/// The pod (name) of a DaemonSet on `node`.
+pub fn daemonset_pod_on(name: &str, node: Node) -> Result<String> {
     let pods =
         get_json(&["pods", "-n", SYSTEM_NS, "-l", &format!("app.kubernetes.io/name={name}")])?;
     pods["items"]
         .as_array()
         .into_iter()
         .flatten()
-        .find(|p| p["metadata"]["deletionTimestamp"].is_null())
+        .find(|p| {
+            p["metadata"]["deletionTimestamp"].is_null() && p["spec"]["nodeName"] == node.name()
+        })
         .and_then(|p| p["metadata"]["name"].as_str().map(str::to_owned))
         .with_context(|| format!("no pod of {name}"))
 }
@@ -674,6 +777,21 @@ pub fn deploy_app(ns: &str, name: &str, probe_port: u16) -> Result<()> {
 
 /// [`deploy_app`] with more arguments to the app's `serve`.
 pub fn deploy_app_with(ns: &str, name: &str, probe_port: u16, serve_args: &[&str]) -> Result<()> {
+    deploy_app_on(Some(Node::First), ns, name, probe_port, serve_args)
+}
+
+/// [`deploy_app_with`] on `node` (the pod selects it by its hostname label, as users pin pods),
+/// or wherever the scheduler puts it.
+pub fn deploy_app_on(
+    node: Option<Node>,
+    ns: &str,
+    name: &str,
+    probe_port: u16,
+    serve_args: &[&str],
+) -> Result<()> {
+    let node_selector = node
+        .map(|n| format!("\n      nodeSelector: {{kubernetes.io/hostname: {}}}", n.name()))
+        .unwrap_or_default();
     let command: Vec<String> = ["/usr/local/bin/cluster-app", "serve"]
         .iter()
         .chain(serve_args)
@@ -701,7 +819,7 @@ spec:
       labels: {{app: {name}}}
     spec:
       serviceAccountName: {name}
-      terminationGracePeriodSeconds: 1
+      terminationGracePeriodSeconds: 1{node_selector}
       containers:
         - name: app
           image: {TESTAPP}
@@ -820,8 +938,13 @@ pub fn sink_count(ip: IpAddr) -> Result<u64> {
 
 /// The proxy's Prometheus text, from its metrics port on the node's address.
 pub fn proxy_metrics() -> Result<String> {
-    let mut c = in_node("curl");
-    c.args(["-sf", "--max-time", "5", &format!("http://{NODE_IP}:15020/metrics")]);
+    proxy_metrics_on(Node::First)
+}
+
+/// The Prometheus text of `node`'s proxy, from its metrics port on the node's address.
+pub fn proxy_metrics_on(node: Node) -> Result<String> {
+    let mut c = node.command("curl")?;
+    c.args(["-sf", "--max-time", "5", &format!("http://{}:15020/metrics", node.ip())]);
     output(c, None)
 }
 
@@ -829,7 +952,12 @@ pub use crate::sum_metric as metric_sum;
 
 /// The proxy's configuration dump, from its admin socket on the node.
 pub fn proxy_config_dump() -> Result<String> {
-    let mut c = Command::new("curl");
+    proxy_config_dump_on(Node::First)
+}
+
+/// The configuration dump of `node`'s proxy, from its admin socket on that node.
+pub fn proxy_config_dump_on(node: Node) -> Result<String> {
+    let mut c = node.command("curl")?;
     c.args(["-sf", "--max-time", "5", "--unix-socket", PROXY_ADMIN, "http://admin/config_dump"]);
     output(c, None)
 }
@@ -837,8 +965,15 @@ pub fn proxy_config_dump() -> Result<String> {
 /// What istiod would tell the proxy about `pods` once they are meshed: HBONE workloads on this
 /// node, (namespace, service account, pod). Returns once the proxy's store holds them all.
 pub fn publish_workloads(pods: &[(&str, &str, &PodInfo)]) -> Result<()> {
-    for (ns, sa, p) in pods {
-        istiod().set_workload(meshpath_xds::workload::Workload {
+    let on_first: Vec<_> = pods.iter().map(|(ns, sa, p)| (*ns, *sa, *p, Node::First)).collect();
+    publish_workloads_on(&on_first, &[Node::First])
+}
+
+/// [`publish_workloads`] for pods of any node, (namespace, service account, pod, its node);
+/// returns once the proxies of `proxies` hold them all.
+pub fn publish_workloads_on(pods: &[(&str, &str, &PodInfo, Node)], proxies: &[Node]) -> Result<()> {
+    for (ns, sa, p, node) in pods {
+        istiod().set_pod_workload(meshpath_xds::workload::Workload {
             uid: p.uid.clone(),
             name: p.name.clone(),
             namespace: (*ns).to_owned(),
@@ -849,32 +984,36 @@ pub fn publish_workloads(pods: &[(&str, &str, &PodInfo)]) -> Result<()> {
                 IpAddr::V6(v6) => v6.octets().to_vec().into(),
             }],
             tunnel_protocol: meshpath_xds::workload::TunnelProtocol::Hbone as i32,
-            node: NODE_NAME.to_owned(),
+            node: node.name().to_owned(),
             ..Default::default()
         });
     }
-    wait_for("the proxy to hold the workloads", Duration::from_secs(60), || {
-        let dump: Value = serde_json::from_str(&proxy_config_dump()?)?;
-        let held: Vec<&str> = dump["workloads"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|w| w["uid"].as_str())
-            .collect();
-        Ok(pods.iter().all(|(_, _, p)| held.contains(&p.uid.as_str())).then_some(()))
+    wait_for("the proxies to hold the workloads", Duration::from_secs(60), || {
+        for proxy in proxies {
+            let dump: Value = serde_json::from_str(&proxy_config_dump_on(*proxy)?)?;
+            let held: Vec<&str> = dump["workloads"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|w| w["uid"].as_str())
+                .collect();
+            if !pods.iter().all(|(_, _, p, _)| held.contains(&p.uid.as_str())) {
+                return Ok(None);
+            }
+        }
+        Ok(Some(()))
     })
 }
 
 /// The agent's datapath, as `meshpath-loader list --json` on the node reads it.
 pub fn enrolled_pods() -> Result<Value> {
+    enrolled_pods_on(Node::First)
+}
+
+/// The datapath of `node`'s agent, as `meshpath-loader list --json` on that node reads it.
+pub fn enrolled_pods_on(node: Node) -> Result<Value> {
     let loader = crate::loader_bin();
-    let out = output(
-        {
-            let mut c = Command::new(loader);
-            c.args(["--pin-root", PIN_ROOT, "list", "--json"]);
-            c
-        },
-        None,
-    )?;
-    Ok(serde_json::from_str(&out)?)
+    let mut c = node.command(&loader.display().to_string())?;
+    c.args(["--pin-root", PIN_ROOT, "list", "--json"]);
+    Ok(serde_json::from_str(&output(c, None)?)?)
 }

@@ -61,6 +61,8 @@ pub struct CsrSeen {
     pub validity_seconds: i64,
     /// The CSR's URI SANs.
     pub sans: Vec<String>,
+    /// Where the request came from (a node proxy's address).
+    pub peer: Option<SocketAddr>,
 }
 
 #[derive(Debug, Default)]
@@ -281,6 +283,35 @@ impl Istiod {
         self.put(ADDRESS_TYPE, &name, Some(encode(&a)));
     }
 
+    /// Serves a pod's workload as istiod does once the pod is scheduled: the workloads of pods
+    /// gone before it that had one of its addresses (a pod's address is given again only once
+    /// its pod is gone) are removed, in the same push.
+    pub fn set_pod_workload(&self, w: meshpath_xds::workload::Workload) {
+        use prost::Message as _;
+        {
+            let mut s = self.shared.lock().expect("stand-in state");
+            let stale: Vec<(String, String)> = s
+                .resources
+                .iter()
+                .filter(|((t, name), _)| t == ADDRESS_TYPE && *name != w.uid)
+                .filter(|(_, (_, bytes))| {
+                    matches!(
+                        meshpath_xds::workload::Address::decode(bytes.as_slice()),
+                        Ok(meshpath_xds::workload::Address {
+                            r#type: Some(meshpath_xds::workload::address::Type::Workload(old)),
+                        }) if old.addresses.iter().any(|a| w.addresses.contains(a))
+                    )
+                })
+                .map(|(k, _)| k.clone())
+                .collect();
+            for k in stale {
+                s.resources.remove(&k);
+            }
+            s.version += 1;
+        }
+        self.set_workload(w);
+    }
+
     /// Serves (or replaces) a service, under NAMESPACE/HOSTNAME.
     pub fn set_service(&self, s: meshpath_xds::workload::Service) {
         let name = format!("{}/{}", s.namespace, s.hostname);
@@ -412,9 +443,15 @@ impl Istiod {
 /// A TLS connection tonic can serve.
 struct Tls(tokio_rustls::server::TlsStream<tokio::net::TcpStream>);
 
+/// The client's address, for a request's handler (which node's proxy asked).
+#[derive(Debug, Clone, Copy)]
+struct Peer(Option<SocketAddr>);
+
 impl tonic::transport::server::Connected for Tls {
-    type ConnectInfo = ();
-    fn connect_info(&self) -> Self::ConnectInfo {}
+    type ConnectInfo = Peer;
+    fn connect_info(&self) -> Self::ConnectInfo {
+        Peer(self.0.get_ref().0.peer_addr().ok())
+    }
 }
 
 impl tokio::io::AsyncRead for Tls {
@@ -625,6 +662,7 @@ impl IstioCertificateService for Service {
         request: Request<IstioCertificateRequest>,
     ) -> Result<Response<IstioCertificateResponse>, Status> {
         self.authorize(request.metadata())?;
+        let peer = request.extensions().get::<Peer>().and_then(|p| p.0);
         let req = request.into_inner();
         let impersonated =
             req.metadata.as_ref().and_then(|m| m.fields.get(IMPERSONATED_IDENTITY)).and_then(|v| {
@@ -650,6 +688,7 @@ impl IstioCertificateService for Service {
                 impersonated: impersonated.clone(),
                 validity_seconds: req.validity_duration,
                 sans: sans.clone(),
+                peer,
             });
             if s.ca_away {
                 return Err(Status::unavailable("istiod's CA is away (stand-in)"));

@@ -8,6 +8,9 @@ use std::{path::Path, time::Duration};
 
 use meshpath_tests::{cluster::*, istiod::Istiod};
 
+#[path = "cluster/between_nodes.rs"]
+mod between_nodes;
+
 /// Bytes of a long transfer across a restart, and the seconds it is spread over.
 const LONG_BYTES: &str = "20000000";
 const LONG_SECONDS: &str = "25";
@@ -431,6 +434,15 @@ const LOOP_SECONDS: u64 = 60;
 const LOOP_AFTER_SECONDS: u64 = 5;
 const LOOP_MAX_SECONDS: u64 = 180;
 
+/// Sets its flag when dropped.
+struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// Copies of the proxy pods' container logs (the kubelet's files under /var/log/pods, read on
 /// this node every 200 ms, kept after a pod is gone) until `stop`, for a failure's message.
 fn proxy_logs(stop: &std::sync::atomic::AtomicBool) -> std::collections::BTreeMap<String, String> {
@@ -450,7 +462,8 @@ fn proxy_logs(stop: &std::sync::atomic::AtomicBool) -> std::collections::BTreeMa
     seen
 }
 
-/// The host pid of the proxy DaemonSet's process (the cluster's node is this machine).
+/// The host pid of the proxy DaemonSet's process on the first node (the cluster's nodes are
+/// this machine).
 fn proxy_pid() -> Option<i32> {
     std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
         let pid: i32 = e.file_name().to_str()?.parse().ok()?;
@@ -458,7 +471,7 @@ fn proxy_pid() -> Option<i32> {
         let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
         let ours = args.first() == Some(&&b"/usr/local/bin/meshpath-proxy"[..])
             && args.contains(&&b"/var/run/ztunnel/ztunnel.sock"[..]);
-        ours.then_some(pid)
+        (ours && Node::First.runs(pid)).then_some(pid)
     })
 }
 
@@ -530,6 +543,9 @@ fn a_connect_loop_across_kill_9_delete_and_a_rolling_update_of_the_proxy_is_alwa
     let stop = std::sync::atomic::AtomicBool::new(false);
     let (done, events_took, out, logs, killed_at) = std::thread::scope(|s| {
         let logs = s.spawn(|| proxy_logs(&stop));
+        // The log copier stops however this ends: a panic below would otherwise leave the
+        // scope waiting for it for ever.
+        let _stop_logs = StopOnDrop(&stop);
         std::thread::sleep(Duration::from_secs(5));
         let mut done = Vec::new();
         let mut killed_at = Duration::ZERO;
@@ -720,20 +736,39 @@ fn a_pod_created_while_the_agent_is_down_is_captured_once_it_is_back() {
     assert!(list.contains(&format!("{}/{}", ns.name, pod.name)), "{list}");
 }
 
+/// The node's conflist as its own runtime reads it.
+fn conflist_on(node: Node) -> serde_json::Value {
+    serde_json::from_str(&node_file(node, CONFLIST).expect("the node's conflist"))
+        .expect("the conflist's JSON")
+}
+
 #[test]
-fn the_uninstall_job_leaves_the_node_as_it_was() {
+fn the_uninstall_job_on_every_node_leaves_each_as_it_was() {
     set_up();
-    assert_eq!(
-        plugin_types(&conflist()),
-        ["bridge", "meshpath-cni"],
-        "not installed to begin with"
-    );
+    let nodes = nodes().expect("nodes");
+    for node in &nodes {
+        assert_eq!(
+            plugin_types(&conflist_on(*node)),
+            ["bridge", "meshpath-cni"],
+            "not installed on {} to begin with",
+            node.name()
+        );
+    }
     uninstall().expect("uninstall as docs/deploy.md says");
-    assert!(!Path::new(PIN_ROOT).exists(), "{PIN_ROOT} is still there");
-    assert_eq!(plugin_types(&conflist()), ["bridge"], "the conflist still chains meshpath-cni");
-    assert!(!Path::new(CNI_BIN).join("meshpath-cni").exists());
-    // No meshpath program left at the cgroup v2 root, where the agent attaches its node-wide
-    // ones (their names start with `mp_`, datapath-common's program names).
+    for node in &nodes {
+        let n = node.name();
+        assert!(!node_has(*node, PIN_ROOT).expect("test -e"), "{PIN_ROOT} is still on {n}");
+        assert_eq!(
+            plugin_types(&conflist_on(*node)),
+            ["bridge"],
+            "the conflist of {n} still chains meshpath-cni"
+        );
+        let plugin = format!("{CNI_BIN}/meshpath-cni");
+        assert!(!node_has(*node, &plugin).expect("test -e"), "{plugin} is still on {n}");
+    }
+    // No meshpath program left at the cgroup v2 root, where each node's agent attaches its
+    // node-wide ones (their names start with `mp_`, datapath-common's program names; the two
+    // nodes share this machine's kernel).
     let root = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
         .into_iter()
         .find(|p| Path::new(p).join("cgroup.procs").exists())

@@ -63,13 +63,6 @@ fn files() -> PathBuf {
     dir().join("node2")
 }
 
-/// `program` run on the node that is up (its holder's pid from the cluster's state).
-pub fn command(program: impl AsRef<std::ffi::OsStr>) -> Result<Command> {
-    let state: serde_json::Value = serde_json::from_str(&fs::read_to_string(super::state_path())?)?;
-    let holder = state["pids"][HOLDER].as_i64().context("the cluster has no second node")?;
-    Ok(in_node2(i32::try_from(holder)?, program))
-}
-
 /// `program` run in the node's network and mount namespaces.
 fn in_node2(holder: i32, program: impl AsRef<std::ffi::OsStr>) -> Command {
     let mut c = Command::new("nsenter");
@@ -92,8 +85,19 @@ pub(super) fn start(state: &mut State, archives: &[PathBuf]) -> Result<()> {
     cgroups()?;
 
     // The holder: the node's mounts are made in a mount namespace of its own, then it sleeps.
+    // What it copied of the host's mounts goes first, but for the kernel's views every node has
+    // (/proc, /sys, its cgroups, /dev): a copy would keep alive what the host unmounts, such as
+    // the first node's bpffs at a simulated reboot (its pins, so its programs stay attached) or
+    // a test's network namespace bound below /run.
     let script = format!(
         "set -e\n\
+         awk '{{print $5}}' /proc/self/mountinfo | sort -r | while read -r m; do\n\
+           case \"$m\" in\n\
+             /sys/fs/bpf|/sys/fs/bpf/*) umount -l \"$m\" 2>/dev/null || true ;;\n\
+             /|/dev|/dev/*|/proc|/proc/*|/sys|/sys/*) ;;\n\
+             *) umount -l \"$m\" 2>/dev/null || true ;;\n\
+           esac\n\
+         done\n\
          mount -t tmpfs -o mode=755 tmpfs /run\n\
          mkdir -p /run/netns /run/lock {RUN}\n\
          mount -t tmpfs -o mode=755 tmpfs /var/log\n\

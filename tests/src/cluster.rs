@@ -214,6 +214,8 @@ pub fn repo_root() -> PathBuf {
     manifest_dir.parent().map(Path::to_path_buf).unwrap_or_default()
 }
 
+static ISTIOD: std::sync::OnceLock<crate::istiod::Istiod> = std::sync::OnceLock::new();
+
 /// istiod's port, where the stand-in listens on the node's address.
 pub const ISTIOD_PORT: u16 = 15012;
 
@@ -221,7 +223,6 @@ pub const ISTIOD_PORT: u16 = 15012;
 /// process, listening on the node's address inside the node's namespace, for the whole run.
 /// The proxy DaemonSet reaches it at https://NODE_IP:15012 (tests/cluster/kustomization.yaml).
 pub fn istiod() -> &'static crate::istiod::Istiod {
-    static ISTIOD: std::sync::OnceLock<crate::istiod::Istiod> = std::sync::OnceLock::new();
     ISTIOD.get_or_init(|| {
         let bind = std::net::SocketAddr::new(NODE_IP.parse().expect("node IP"), ISTIOD_PORT);
         crate::istiod::Istiod::start_on(&[Path::new("/run/netns").join(NETNS)], bind)
@@ -765,6 +766,11 @@ impl TestNamespace {
 impl Drop for TestNamespace {
     fn drop(&mut self) {
         let _ = kubectl(&["delete", "namespace", &self.name, "--wait=false"]);
+        // Its pods' workloads go with them, as istiod removes them: a later pod given one of
+        // their addresses is not taken for one of them.
+        if let Some(istiod) = ISTIOD.get() {
+            istiod.remove_namespace_workloads(&self.name);
+        }
     }
 }
 

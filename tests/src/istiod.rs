@@ -312,6 +312,30 @@ impl Istiod {
         self.set_workload(w);
     }
 
+    /// Stops serving the workloads of namespace `ns`, as istiod does once its pods are deleted.
+    pub fn remove_namespace_workloads(&self, ns: &str) {
+        use prost::Message as _;
+        let gone: Vec<String> = {
+            let s = self.shared.lock().expect("stand-in state");
+            s.resources
+                .iter()
+                .filter(|((t, _), _)| t == ADDRESS_TYPE)
+                .filter(|(_, (_, bytes))| {
+                    matches!(
+                        meshpath_xds::workload::Address::decode(bytes.as_slice()),
+                        Ok(meshpath_xds::workload::Address {
+                            r#type: Some(meshpath_xds::workload::address::Type::Workload(w)),
+                        }) if w.namespace == ns
+                    )
+                })
+                .map(|((_, name), _)| name.clone())
+                .collect()
+        };
+        for name in gone {
+            self.remove_address(&name);
+        }
+    }
+
     /// Serves (or replaces) a service, under NAMESPACE/HOSTNAME.
     pub fn set_service(&self, s: meshpath_xds::workload::Service) {
         let name = format!("{}/{}", s.namespace, s.hostname);

@@ -109,7 +109,7 @@ fn pod(ns: &str, app: &str) -> Result<(String, String, String)> {
 
 /// Runs it; takes the cluster down at the end unless `keep`.
 pub fn run(root: &std::path::Path, bin_dir: &std::path::Path, keep: bool) -> Result<()> {
-    cluster::up(root, bin_dir, None)?;
+    cluster::up(root, bin_dir, None, 1)?;
     let result = show(root, bin_dir);
     if keep {
         println!("demo: the cluster stays up: `cargo xtask cluster kubectl -- get pods -A`; `cargo xtask cluster down` when done");

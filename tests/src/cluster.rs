@@ -1,6 +1,7 @@
-//! The real single-node cluster `cargo xtask cluster up` starts (xtask/src/cluster.rs: etcd,
-//! kube-apiserver, controller-manager, scheduler, kubelet, containerd, in the node's network
-//! namespace `meshpath-node`), as the cluster tests (tests/tests/cluster.rs) drive it: kubectl as
+//! The real two-node cluster `cargo xtask cluster up` starts (xtask/src/cluster.rs: etcd,
+//! kube-apiserver, controller-manager, scheduler, a kubelet and a containerd per node; the first
+//! node in the network namespace `meshpath-node`, the second a container of its own,
+//! xtask/src/cluster/node2.rs, reached as [`Node::Second`]), as the cluster tests (tests/tests/cluster.rs) drive it: kubectl as
 //! its administrator, meshpath installed with `kubectl apply -k tests/cluster` (deploy/install
 //! with the local image), its proxy following an istiod stand-in (tests/src/istiod.rs) for
 //! workloads and certificates, workloads made from the tests' image, the node's files read

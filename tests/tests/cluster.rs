@@ -1,4 +1,4 @@
-//! meshpath as users run it: its DaemonSets applied with kubectl to a real single-node cluster
+//! meshpath as users run it: its DaemonSets applied with kubectl to a real two-node cluster
 //! (kubelet, containerd, the control plane; `cargo xtask cluster up`), pods made with kubectl,
 //! kubelet's own probes, restarts and the uninstall Job. One test at a time: several restart
 //! the DaemonSets every test relies on, and each first makes sure meshpath is installed.

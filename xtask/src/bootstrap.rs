@@ -58,7 +58,7 @@ pub struct Needs {
     /// vm.rs when a run asks for them).
     pub vm: bool,
     /// Kubernetes' server binaries built from Debian's source (kubernetes.rs): the agent's
-    /// tests, `demo --kube` and the single-node cluster.
+    /// tests, `demo --kube` and the cluster.
     pub kubernetes: bool,
 }
 

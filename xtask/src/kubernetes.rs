@@ -1,7 +1,7 @@
 //! Kubernetes' server binaries, built once per machine from Debian's `kubernetes` source package
 //! (v1.20, its Go dependencies vendored in it: nothing else is downloaded), the way its
 //! debian/rules builds them: kube-apiserver (the agent's tests and `demo --kube`), and
-//! kube-controller-manager, kube-scheduler and kubelet (the single-node cluster, cluster.rs).
+//! kube-controller-manager, kube-scheduler and kubelet (the cluster, cluster.rs).
 //! They are cached under the tool cache; later runs find them and do nothing.
 //!
 //! One fix is applied to the source before building: the vendored modern-go/reflect2 v1.0.1 is

@@ -67,7 +67,7 @@ enum Cmd {
         previous: bool,
     },
     /// Run every check and test: rustfmt, clippy, unit and end-to-end tests (as root) on this
-    /// machine's kernel, each fuzz target for seconds, then the DaemonSets on a single-node
+    /// machine's kernel, each fuzz target for seconds, then the DaemonSets on a two-node
     /// cluster and, beside them, the capture tests on Debian's 6.1 kernel (the floor) under QEMU.
     Test {
         /// Only run tests whose name contains this (on this machine's kernel).
@@ -439,7 +439,7 @@ fn test(
             }
         };
         lines.push(format!(
-            "tests on the single-node cluster: {} passed, {} failed ({})",
+            "tests on the two-node cluster: {} passed, {} failed ({})",
             t.passed,
             t.failed,
             took(&mut stage)

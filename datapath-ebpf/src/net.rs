@@ -1,7 +1,7 @@
 //! Address helpers shared by the socket programs. Addresses are as the kernel hands them to
 //! programs: `u32` words holding network-order bytes, read on a little-endian machine.
 
-use aya_ebpf::{bindings::bpf_sock_ops, maps::lpm_trie::Key};
+use aya_ebpf::{bindings::bpf_sock_ops, maps::lpm_trie::Key, programs::SockAddrContext};
 use core::ptr::{addr_of, read_volatile};
 use datapath_common::{
     cidr_action, CidrKey, NetnsCookie, PodIpKey, SockKey, AF_INET, CIDR_KEY_BITS,
@@ -97,6 +97,33 @@ pub fn sock_ops_key(o: *const bpf_sock_ops, netns: NetnsCookie) -> SockKey {
             remote: if v4 { PodIpKey::v4(r4).addr } else { r6 },
             local_port: read_volatile(addr_of!((*o).local_port)),
             remote_port: remote_port_host(read_volatile(addr_of!((*o).remote_port))),
+        }
+    }
+}
+
+/// The address a connecting socket is bound to (IPv6 or v4-mapped; unspecified if it is not
+/// bound: the kernel picks the source after connect4/6). Every field loaded, at its constant
+/// offset, before the family picks: loaded in the branches, the compiler merged the two loads
+/// into one at a computed offset, which the verifier refuses ("pointer arithmetic on sock
+/// prohibited").
+#[inline(always)]
+pub fn bound_source(ctx: &SockAddrContext) -> [u32; 4] {
+    // SAFETY: the context's socket (the verifier types it a socket, never null); fields of the
+    // kernel's bpf_sock, readable in this program type.
+    unsafe {
+        let sk = (*ctx.sock_addr).__bindgen_anon_1.sk;
+        let v4 = read_volatile(addr_of!((*sk).family)) == u32::from(AF_INET);
+        let ip4 = read_volatile(addr_of!((*sk).src_ip4));
+        let ip6 = [
+            read_volatile(addr_of!((*sk).src_ip6[0])),
+            read_volatile(addr_of!((*sk).src_ip6[1])),
+            read_volatile(addr_of!((*sk).src_ip6[2])),
+            read_volatile(addr_of!((*sk).src_ip6[3])),
+        ];
+        if v4 {
+            PodIpKey::v4(ip4).addr
+        } else {
+            ip6
         }
     }
 }

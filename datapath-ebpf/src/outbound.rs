@@ -6,7 +6,8 @@
 //!   outbound listener instead (like istio-cni's `REDIRECT --to-ports 15001`), at the pod's own
 //!   address of that family (`POD_ADDRS`), so that the connection's source is the pod's
 //!   address as under REDIRECT: the proxy's `peer_addr()` and the app's `getsockname()` both
-//!   show the pod, never 127.0.0.1 (loopback only for a family the pod has no address of). TCP
+//!   show the pod, never 127.0.0.1 (loopback only for a family the pod has no address of, or a
+//!   socket the app bound to an address not the pod's: `bound_elsewhere`). TCP
 //!   and connected UDP to port 53 go to the DNS listener on loopback (15053) when DNS is
 //!   captured. The
 //!   destination asked for is kept on the socket (socket storage). Sockets of the proxy's cgroup
@@ -48,7 +49,10 @@ use crate::{
         sk_storage_slot, EXCLUDED_PORTS, ORIG_DST_BY_SOCKET, PENDING_CONNECTIONS, PODS, POD_ADDRS,
         POD_IPS, PROXY_CGROUPS,
     },
-    net::{cidr_excluded, is_loopback4, is_v4_mapped, LOOPBACK4, LOOPBACK6, V4_MAPPED_PREFIX},
+    net::{
+        bound_source, cidr_excluded, is_loopback4, is_v4_mapped, LOOPBACK4, LOOPBACK6,
+        V4_MAPPED_PREFIX,
+    },
     original_dst, pending, probes, proxy_sockets,
 };
 
@@ -172,12 +176,30 @@ fn count_steered(
     }
 }
 
+/// Whether the app bound this socket to an address that is not the pod's: one it added to its
+/// interface (CAP_NET_ADMIN), or loopback. Its connection to the pod's own address would look,
+/// to sk_lookup, like one from outside the pod (`ingress_ifindex` names the address's
+/// interface, not `lo`) and be steered to the pod's inbound listener: the proxy would take its
+/// app for a client, and the address it chose for the client's. So it goes to the outbound
+/// listener on loopback, as REDIRECT sends every local connection (to 127.0.0.1, from the
+/// source the app had): still captured, its source the address it bound, as under istio-cni.
+/// (A socket bound to an address the pod does not have, with IP_TRANSPARENT, gets no answer:
+/// the reply from loopback cannot leave the pod.)
+#[inline(always)]
+fn bound_elsewhere(ctx: &SockAddrContext, netns: NetnsCookie) -> bool {
+    let src = bound_source(ctx);
+    let unspecified = src == [0; 4] || (is_v4_mapped(&src) && src[3] == 0);
+    // SAFETY: map values are plain data owned by the map.
+    !unspecified && unsafe { POD_IPS.get(&PodIpKey { addr: src }) } != Some(&netns)
+}
+
 /// Where a captured connection is sent: the DNS listener on loopback, the outbound listener at
 /// the pod's own address of the family (`v4`: IPv4 or v4-mapped), or on loopback if the pod
-/// has none. A network-order word for IPv4, words for IPv6 (v4-mapped for `v4`).
+/// has none or the socket is bound to an address not the pod's ([`bound_elsewhere`]). A
+/// network-order word for IPv4, words for IPv6 (v4-mapped for `v4`).
 #[inline(always)]
-fn proxy_addr4(to: u16, netns: NetnsCookie) -> u32 {
-    if to != ports::OUTBOUND {
+fn proxy_addr4(ctx: &SockAddrContext, to: u16, netns: NetnsCookie) -> u32 {
+    if to != ports::OUTBOUND || bound_elsewhere(ctx, netns) {
         return LOOPBACK4;
     }
     // SAFETY: map values are plain data owned by the map.
@@ -189,8 +211,8 @@ fn proxy_addr4(to: u16, netns: NetnsCookie) -> u32 {
 
 /// As [`proxy_addr4`] for a native IPv6 destination.
 #[inline(always)]
-fn proxy_addr6(to: u16, netns: NetnsCookie) -> [u32; 4] {
-    if to != ports::OUTBOUND {
+fn proxy_addr6(ctx: &SockAddrContext, to: u16, netns: NetnsCookie) -> [u32; 4] {
+    if to != ports::OUTBOUND || bound_elsewhere(ctx, netns) {
         return LOOPBACK6;
     }
     // SAFETY: as above.
@@ -273,7 +295,7 @@ pub fn steer4(ctx: &SockAddrContext, hook: Hook) -> i32 {
         return REFUSE;
     }
     count_steered(ctx, hook, to, netns, mapped(ip), port);
-    let proxy = proxy_addr4(to, netns);
+    let proxy = proxy_addr4(ctx, to, netns);
     // Volatile, one field at a time: merged into one 8-byte store the verifier rejects the
     // write ("invalid bpf_context access").
     // SAFETY: writable fields of the context.
@@ -319,10 +341,10 @@ pub fn steer6(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let (orig, lo) = if mapped {
         (
             OrigDst { addr: [ip[3], 0, 0, 0], port, family: AF_INET },
-            [0, 0, V4_MAPPED_PREFIX, proxy_addr4(to, netns)],
+            [0, 0, V4_MAPPED_PREFIX, proxy_addr4(ctx, to, netns)],
         )
     } else {
-        (OrigDst { addr: ip, port, family: AF_INET6 }, proxy_addr6(to, netns))
+        (OrigDst { addr: ip, port, family: AF_INET6 }, proxy_addr6(ctx, to, netns))
     };
     if !remember(ctx, &orig) {
         record(ctx, netns, reason::OUT_REFUSED_NO_SLOT, || self::to(ip, port));

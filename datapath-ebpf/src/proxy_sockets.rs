@@ -37,7 +37,6 @@ use aya_ebpf::{
     programs::{SockAddrContext, SockOpsContext},
     EbpfContext as _,
 };
-use core::ptr::{addr_of, read_volatile};
 use datapath_common::{
     consts::{marks, ports, sol_socket},
     decisions::{reason, NODE_WIDE},
@@ -50,7 +49,7 @@ use crate::{
         sk_storage_slot, INBOUND_LISTENERS, PENDING_TRANSPARENT, PODS, POD_IPS, PROXY_BOUND,
         PROXY_TRANSPARENT,
     },
-    net::{is_loopback4, is_v4_mapped, sock_ops_key, LOOPBACK6},
+    net::{bound_source, is_loopback4, is_v4_mapped, sock_ops_key, LOOPBACK6},
     pending::{self, ONE_LESS, ONE_MORE},
 };
 
@@ -145,27 +144,7 @@ pub fn over_share(ctx: &SockAddrContext, netns: NetnsCookie, dst: [u32; 4], port
     if unsafe { PROXY_BOUND.get_ptr_mut(ctx) }.is_null() {
         return false;
     }
-    // The address the socket is bound to. Every field loaded, at its constant offset, before
-    // the family picks: loaded in the branches, the compiler merged the two loads into one at
-    // a computed offset, which the verifier refuses ("pointer arithmetic on sock prohibited").
-    // SAFETY: the context's socket (the verifier types it a socket, never null); fields of the
-    // kernel's bpf_sock, readable in this program type.
-    let src = unsafe {
-        let sk = (*ctx.sock_addr).__bindgen_anon_1.sk;
-        let v4 = read_volatile(addr_of!((*sk).family)) == u32::from(AF_INET);
-        let ip4 = read_volatile(addr_of!((*sk).src_ip4));
-        let ip6 = [
-            read_volatile(addr_of!((*sk).src_ip6[0])),
-            read_volatile(addr_of!((*sk).src_ip6[1])),
-            read_volatile(addr_of!((*sk).src_ip6[2])),
-            read_volatile(addr_of!((*sk).src_ip6[3])),
-        ];
-        if v4 {
-            PodIpKey::v4(ip4).addr
-        } else {
-            ip6
-        }
-    };
+    let src = bound_source(ctx);
     if !outside_source(netns, &src) {
         return false;
     }

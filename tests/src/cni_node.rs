@@ -121,6 +121,29 @@ impl CniPod {
         Ok(c)
     }
 
+    /// As [`CniPod::connect`], from a socket the app bound to `src` first.
+    pub fn connect_from(
+        &self,
+        src: IpAddr,
+        dst: SocketAddr,
+    ) -> std::io::Result<std::net::TcpStream> {
+        let connect = || {
+            let domain = socket2::Domain::for_address(dst);
+            let sock = socket2::Socket::new(domain, socket2::Type::STREAM, None)?;
+            sock.bind(&SocketAddr::new(src, 0).into())?;
+            sock.connect_timeout(&dst.into(), Duration::from_secs(5))?;
+            Ok::<_, std::io::Error>(std::net::TcpStream::from(sock))
+        };
+        let c = self
+            .netns
+            .open()
+            .map_err(std::io::Error::other)?
+            .run(connect)
+            .map_err(std::io::Error::other)??;
+        c.set_read_timeout(Some(Duration::from_secs(10)))?;
+        Ok(c)
+    }
+
     /// `cluster-app ARGS…` as the pod's app (in its netns), its standard input held open
     /// (ending it ends `hold` and `loop --until-stdin-closes`) and its output kept; killed if
     /// the test ends first. [`end_app`] ends it and returns what it printed.

@@ -69,6 +69,11 @@ impl Mesh {
         connect(&self.pods.a, to, mark, None)
     }
 
+    /// Connects from inside pod a (the app) from a socket bound to `src` first.
+    pub fn connect_from_a_at(&self, to: SocketAddr, src: IpAddr) -> io::Result<TcpStream> {
+        connect(&self.pods.a, to, None, Some(src))
+    }
+
     /// Connects from inside pod b, optionally from a given source address.
     pub fn connect_from_b(&self, to: SocketAddr, src: Option<IpAddr>) -> io::Result<TcpStream> {
         connect(&self.pods.b, to, None, src)

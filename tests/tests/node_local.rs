@@ -101,6 +101,22 @@ fn a_same_node_pair_is_carried_directly_byte_exact_both_ways_and_the_server_sees
 }
 
 #[test]
+fn an_app_connecting_from_an_address_it_added_goes_over_hbone_and_the_server_sees_its_pod() {
+    let (node, p0, p1) = pair(&[], "");
+    let (_l, peers) = recording_echo(&p1, 8080);
+    // CAP_NET_ADMIN in p0: an address of its own choosing, bound by its app. The node-local
+    // path takes a client address only if it is the pod's; HBONE carries the pod's address.
+    p0.netns.ip(&["addr", "add", "10.77.0.200/32", "dev", "eth0"]).expect("extra address");
+    let added: IpAddr = "10.77.0.200".parse().expect("ip");
+    let c = p0.connect_from(added, SocketAddr::new(p1.ip, 8080)).expect("connect");
+    echo_exact(c, 1 << 20);
+    let peer = peers.recv_timeout(Duration::from_secs(5)).expect("the server saw no connection");
+    assert_eq!(peer.ip(), p0.ip, "the server saw an address the pod chose");
+    assert_eq!(opened(&node, "source", "mutual_tls"), 1.0, "not carried over HBONE");
+    assert_eq!(opened(&node, "source", "none"), 0.0, "carried on the node-local path");
+}
+
+#[test]
 fn with_node_local_hbone_the_pair_goes_over_mutual_tls() {
     let (node, p0, p1) = pair(&["--node-local-hbone"], "");
     let (_l, peers) = recording_echo(&p1, 8080);

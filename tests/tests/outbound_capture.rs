@@ -191,6 +191,30 @@ fn an_app_that_sets_the_proxy_socket_mark_is_still_captured() {
 }
 
 #[test]
+fn an_app_connecting_from_an_address_not_its_pods_is_still_captured() {
+    // Both ways captured, as a meshed pod is: the mistake was the inbound steering's.
+    let opts = EnrolOptions { capture_outbound: true, capture_inbound: true, ..Default::default() };
+    let mesh = Mesh::new(opts).with_proxy("echo");
+    // CAP_NET_ADMIN in the pod: it adds addresses the datapath does not know and binds to them,
+    // or binds to loopback. Its connection to the proxy at the pod's own address once looked
+    // like a client's to the inbound steering, and went to the pod's inbound listener instead.
+    mesh.pods.a.ip(&["addr", "add", "10.77.0.200/32", "dev", "eth0"]).expect("extra address");
+    mesh.pods.a.ip(&["addr", "add", "fd00:77::200/128", "dev", "eth0", "nodad"]).expect("v6");
+    for src in ["10.77.0.200", "fd00:77::200", "127.0.0.1", "::1"] {
+        let src: IpAddr = src.parse().expect("ip");
+        let dst = mesh.b(src.is_ipv6(), 8092);
+        // A real server is there: a leak around the proxy would reach it.
+        let sentinel = Sentinel::new(&mesh.pods.b, dst);
+        let conn = mesh.connect_from_a_at(dst, src).expect("connect from the bound address");
+        assert_eq!(read_line(&conn), format!("ORIG_DST {dst}"), "not captured (from {src})");
+        assert_eq!(conn.local_addr().expect("getsockname").ip(), src, "the app's own address");
+        assert_eq!(conn.peer_addr().expect("getpeername"), dst);
+        drop(conn);
+        sentinel.assert_untouched("a connection from an address not the pod's");
+    }
+}
+
+#[test]
 fn outbound_connections_are_refused_when_the_proxy_is_not_running() {
     let mesh = Mesh::capturing();
     for v6 in [false, true] {

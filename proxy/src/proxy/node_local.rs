@@ -62,9 +62,8 @@ pub fn destination(
     }
     // The app's address is the source the destination's policy and app see. Over HBONE they
     // see the pod's routed address whatever the app bound; here, only an address of the pod's
-    // own is taken as it is (an app with CAP_NET_ADMIN could bind another pod's). Defence in
-    // depth: the datapath does not send a connect from an address not the pod's to 15001
-    // today (it takes it for the proxy's own transparent connect).
+    // own is taken as it is (an app with CAP_NET_ADMIN could bind another pod's, or one it
+    // added: the datapath sends such a connect to 15001 on loopback, from the address bound).
     let own = |p: &Pod| {
         p.workload.workload_ips.contains(&peer.ip())
             || p.current_workload(store).workload_ips.contains(&peer.ip())

@@ -67,7 +67,8 @@ async fn handle(
     let proxy = &pod.proxy;
     let orig = original_dst(&conn)?;
     // The app's address, as under REDIRECT: the datapath steered it to the pod's own address,
-    // so the source is the pod's (the listener is dual-stack: IPv4 arrives v4-mapped).
+    // so the source is the pod's, or the one the app bound (then it came over loopback). The
+    // listener is dual-stack: IPv4 arrives v4-mapped.
     let peer = SocketAddr::new(crate::state::canonical(peer.ip()), peer.port());
     if ports::is_proxy_port(orig.port()) {
         proxy.metrics.error(Direction::Outbound, SELF_CALL);

@@ -735,3 +735,27 @@ impl IstioCertificateService for Service {
         Ok(Response::new(IstioCertificateResponse { cert_chain: vec![leaf, root] }))
     }
 }
+
+/// A namespace-wide DENY, named `name` in `namespace`, of everything from service account
+/// `sa` of that namespace (its SPIFFE principal), as istiod sends an AuthorizationPolicy.
+pub fn deny_from(name: &str, namespace: &str, sa: &str) -> meshpath_xds::security::Authorization {
+    use meshpath_xds::security as sec;
+    let principal = format!("cluster.local/ns/{namespace}/sa/{sa}");
+    sec::Authorization {
+        name: name.into(),
+        namespace: namespace.into(),
+        scope: sec::Scope::Namespace as i32,
+        action: sec::Action::Deny as i32,
+        rules: vec![sec::Rule {
+            clauses: vec![sec::Clause {
+                matches: vec![sec::Match {
+                    principals: vec![sec::StringMatch {
+                        match_type: Some(sec::string_match::MatchType::Exact(principal)),
+                    }],
+                    ..Default::default()
+                }],
+            }],
+        }],
+        ..Default::default()
+    }
+}

@@ -317,25 +317,7 @@ fn a_policy_push_closes_an_open_connection_it_denies() {
 
 /// A DENY of everything from service account `sa` in namespace default.
 fn deny_from(name: &str, sa: &str) -> sec::Authorization {
-    sec::Authorization {
-        name: name.into(),
-        namespace: "default".into(),
-        scope: sec::Scope::Namespace as i32,
-        action: sec::Action::Deny as i32,
-        rules: vec![sec::Rule {
-            clauses: vec![sec::Clause {
-                matches: vec![sec::Match {
-                    principals: vec![sec::StringMatch {
-                        match_type: Some(sec::string_match::MatchType::Exact(format!(
-                            "cluster.local/ns/default/sa/{sa}"
-                        ))),
-                    }],
-                    ..Default::default()
-                }],
-            }],
-        }],
-        ..Default::default()
-    }
+    meshpath_tests::istiod::deny_from(name, "default", sa)
 }
 
 /// A node run through the CNI chain whose agent knows pods p0 (sa0) and p1 (sa1), its agent

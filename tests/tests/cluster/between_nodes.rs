@@ -39,6 +39,16 @@ impl CrossNodePair {
     fn sink(&self) -> String {
         format!("{}:9000", self.server.ip)
     }
+
+    /// The client holding three connections to the server's echo port open for up to 60 s
+    /// (ended, and its report read, with `end_hold`).
+    fn hold_three(&self) -> std::process::Child {
+        let echo = format!("{}:9100", self.server.ip);
+        let args = ["hold", &echo, "--connections", "3", "--seconds", "60"];
+        let hold = exec_spawn_with_stdin(&self.ns.name, &self.client.name, &args).expect("hold");
+        std::thread::sleep(Duration::from_secs(3));
+        hold
+    }
 }
 
 /// Connections to `workload` that `node`'s proxy counted as `reporter`, over mutual TLS.
@@ -88,15 +98,7 @@ fn pods_on_two_nodes_talk_over_hbone_with_mutual_tls_both_ways_and_each_proxy_re
 
     let out = pair.exec(&["send", &pair.sink(), "--bytes", "1000000"]).expect("a megabyte");
     assert!(out.contains("bytes=1000000"), "{out}");
-    let echo = format!("{}:9100", pair.server.ip);
-    let hold = exec_spawn_with_stdin(
-        &pair.ns.name,
-        &pair.client.name,
-        &["hold", &echo, "--connections", "3", "--seconds", "60"],
-    )
-    .expect("hold");
-    std::thread::sleep(Duration::from_secs(3));
-    let (held, ok) = end_hold(hold);
+    let (held, ok) = end_hold(pair.hold_three());
     assert!(ok && held.contains("kept=3 "), "echoed both ways: {held}");
     let peer =
         pair.exec(&["get", &format!("{}:8080", pair.server.ip), "/peer"]).expect("GET /peer");
@@ -167,44 +169,21 @@ impl Drop for PolicyPushed {
 /// is open: the destination's node closes it, and a new one is refused.
 #[test]
 fn a_policy_denying_a_cross_node_pair_closes_its_open_connections_and_refuses_new_ones() {
-    use meshpath_xds::security as sec;
     set_up();
     let pair = cross_node_pair();
-    let echo = format!("{}:9100", pair.server.ip);
-    let hold = exec_spawn_with_stdin(
-        &pair.ns.name,
-        &pair.client.name,
-        &["hold", &echo, "--connections", "3", "--seconds", "60"],
-    )
-    .expect("hold");
-    std::thread::sleep(Duration::from_secs(3));
+    let hold = pair.hold_three();
     let name = format!("deny-client-{}", pair.ns.name);
-    istiod().set_policy(sec::Authorization {
-        name: name.clone(),
-        namespace: pair.ns.name.clone(),
-        scope: sec::Scope::Namespace as i32,
-        action: sec::Action::Deny as i32,
-        rules: vec![sec::Rule {
-            clauses: vec![sec::Clause {
-                matches: vec![sec::Match {
-                    principals: vec![sec::StringMatch {
-                        match_type: Some(sec::string_match::MatchType::Exact(format!(
-                            "cluster.local/ns/{}/sa/client",
-                            pair.ns.name
-                        ))),
-                    }],
-                    ..Default::default()
-                }],
-            }],
-        }],
-        ..Default::default()
-    });
+    istiod().set_policy(meshpath_tests::istiod::deny_from(&name, &pair.ns.name, "client"));
     let _pushed = PolicyPushed(name);
     std::thread::sleep(Duration::from_secs(5));
     let (held, ok) = end_hold(hold);
     assert!(!ok && held.contains("kept=0 "), "the denied connections stayed open: {held}");
+    // The sink is a real listener: a denied connection that got through would be counted.
+    let accepted = sink_count(pair.server.ip).expect("sink count");
     let refused = pair.exec(&["send", &pair.sink(), "--bytes", "1000"]);
     assert!(refused.is_err(), "a new denied connection got through: {refused:?}");
+    let after = sink_count(pair.server.ip).expect("sink count");
+    assert_eq!(after, accepted, "the server's app accepted a denied connection");
 }
 
 /// The seconds a cross-node transfer is spread over while both DaemonSets roll.

@@ -284,17 +284,38 @@ pub fn test_cluster(
     test.args(["--test-threads", "1"]);
     test.env("MESHPATH_LOADER", bin_dir.join("meshpath-loader"));
     test.env("MESHPATH_CLUSTER", "1");
-    run_tee(test)
+    run_tee_timed(test, true)
 }
 
 /// Runs a `cargo test`, printing its output and adding up its results.
-fn run_tee(mut test: Command) -> Result<Totals> {
+fn run_tee(test: Command) -> Result<Totals> {
+    run_tee_timed(test, false)
+}
+
+/// As [`run_tee`]; with `one_at_a_time` (a suite run with `--test-threads 1`) each test's
+/// result line also says how long it took, counted from the previous result (or from the
+/// harness's `running N tests`): where a suite's share of CI's time budget goes.
+fn run_tee_timed(mut test: Command, one_at_a_time: bool) -> Result<Totals> {
     let mut child = test.stdout(Stdio::piped()).spawn().context("starting cargo test")?;
     let stdout = child.stdout.take().context("cargo test stdout")?;
     let mut totals = Totals::default();
+    let mut last = std::time::Instant::now();
     for line in BufReader::new(stdout).lines() {
         let line = line.unwrap_or_default();
-        println!("{line}");
+        // A child's output may come between a test's name and its result, which then ends a
+        // line of its own.
+        let result = (line.starts_with("test ")
+            && [" ... ok", " ... FAILED", " ... ignored"].iter().any(|r| line.ends_with(r)))
+            || ["ok", "FAILED", "ignored"].contains(&line.as_str());
+        if one_at_a_time && result {
+            println!("{line} ({:.0} s)", last.elapsed().as_secs_f64());
+            last = std::time::Instant::now();
+        } else {
+            println!("{line}");
+        }
+        if line.starts_with("running ") {
+            last = std::time::Instant::now();
+        }
         totals.read(&line);
     }
     let status = child.wait()?;

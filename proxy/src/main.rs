@@ -483,18 +483,27 @@ fn run(cli: Cli, log: LogControl) -> Result<()> {
             drop(out);
             let mut term =
                 tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-            tokio::select! {
-                _ = term.recv() => {}
-                r = tokio::signal::ctrl_c() => r?,
-                () = proxy.drain.stopping() => {}
-            }
+            let signalled = tokio::select! {
+                _ = term.recv() => true,
+                r = tokio::signal::ctrl_c() => r.map(|()| true)?,
+                () = proxy.drain.stopping() => false,
+            };
+            // Serving still: an agent that restarts holds nothing of this proxy's yet.
+            let waited = if !signalled || proxy.pods().is_empty() {
+                Duration::ZERO
+            } else {
+                proxy.handover.wait_for_agent(meshpath_proxy::proxy::handover::AGENT_WAIT).await
+            };
+            let deadline = Duration::from_secs(cli.drain_seconds)
+                .saturating_sub(waited)
+                .max(Duration::from_secs(cli.drain_seconds.min(5)));
             let handing_over = proxy.handover.begin();
             tracing::info!(
-                deadline_s = cli.drain_seconds,
+                deadline_s = deadline.as_secs(),
                 handing_over,
                 "draining: no new connections, waiting for open ones"
             );
-            let left = proxy.drain.shutdown(Duration::from_secs(cli.drain_seconds)).await;
+            let left = proxy.drain.shutdown(deadline).await;
             if left > 0 {
                 tracing::warn!(left, "drain deadline reached; closing the remaining connections");
             }

@@ -30,8 +30,10 @@ use crate::{
     state::workloads::{Protocol, Workload},
 };
 
-/// Longest wait between two connection attempts.
-const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// Longest wait between two connection attempts. Short: an agent restart takes seconds, and
+/// until this proxy is back in a session with the new agent no agent holds its listeners
+/// (`handover::AGENT_WAIT`); a connect to a unix socket with no listener costs nothing.
+const MAX_BACKOFF: Duration = Duration::from_millis(500);
 
 /// Talks to the agent at `path` until the proxy shuts down.
 pub fn spawn(proxy: Arc<Proxy>, path: PathBuf) {
@@ -43,7 +45,9 @@ pub fn spawn(proxy: Arc<Proxy>, path: PathBuf) {
                 Ok(conn) => {
                     backoff = Duration::from_millis(50);
                     info!(socket = %path.display(), "connected to the node agent");
-                    match session(&proxy, &conn).await {
+                    let ended = session(&proxy, &conn).await;
+                    proxy.handover.agent_synced(false);
+                    match ended {
                         Err(ZdsError::Closed) => warn!("the node agent closed ZDS; reconnecting"),
                         Err(e) => warn!(error = %e, "ZDS session ended; reconnecting"),
                         Ok(()) => {}
@@ -263,6 +267,7 @@ fn apply(proxy: &Arc<Proxy>, step: Step, fds: Vec<OwnedFd>) -> Result<Vec<OwnedF
                 super::remove(proxy, uid);
             }
             proxy.set_ready(true);
+            proxy.handover.agent_synced(true);
             info!(removed = gone.len(), "snapshot from the node agent applied");
             Ok(Vec::new())
         }

@@ -68,12 +68,65 @@ pub struct HandOver {
     agent: OnceLock<PathBuf>,
     /// The connection to the agent the hand-over goes on, made at the first one.
     conn: tokio::sync::Mutex<Option<SeqPacket>>,
+    /// The ZDS session's agent has applied its snapshot: it holds what it offered, this
+    /// proxy's listeners among them. False until then and once the session ends.
+    agent_synced: AtomicBool,
+    /// Told when `agent_synced` turns true.
+    agent_back: tokio::sync::Notify,
 }
+
+/// How long a proxy told to stop while no node agent is in sync with it (one restarting: a
+/// release's rollout replaces both) waits for one before it drains, serving meanwhile. Its
+/// listeners survive it only in an agent's hands: draining first, it would close them, and
+/// until the next proxy listens every captured connection would be refused (a peer's HBONE
+/// connect reset). Taken from the drain's deadline, within the kubelet's grace period.
+pub const AGENT_WAIT: Duration = Duration::from_secs(15);
 
 impl HandOver {
     /// The agent at `path` is the one to hand over to.
     pub fn set_agent(&self, path: PathBuf) {
         let _ = self.agent.set(path);
+    }
+
+    /// The ZDS session's state: `true` once the agent's snapshot is applied, `false` when the
+    /// session ends.
+    pub fn agent_synced(&self, yes: bool) {
+        self.agent_synced.store(yes, Ordering::Relaxed);
+        if yes {
+            self.agent_back.notify_waiters();
+        }
+    }
+
+    /// At shutdown: waits up to `limit` for an agent in sync, if there is an agent to wait for
+    /// and none is. Returns how long it waited.
+    pub async fn wait_for_agent(&self, limit: Duration) -> Duration {
+        let start = std::time::Instant::now();
+        if self.agent.get().is_none() {
+            return Duration::ZERO;
+        }
+        let back = async {
+            loop {
+                let notified = self.agent_back.notified();
+                if self.agent_synced.load(Ordering::Relaxed) {
+                    return;
+                }
+                notified.await;
+            }
+        };
+        if !self.agent_synced.load(Ordering::Relaxed) {
+            info!(limit_s = limit.as_secs(), "no node agent holds this proxy's listeners (one restarting?): waiting for it before draining");
+            match tokio::time::timeout(limit, back).await {
+                Ok(()) => info!(
+                    waited_ms = start.elapsed().as_millis() as u64,
+                    "the node agent is back: draining"
+                ),
+                Err(_) => warn!(
+                    limit_s = limit.as_secs(),
+                    "no node agent came back: draining without one"
+                ),
+            }
+        }
+        start.elapsed()
     }
 
     /// What the agent's last `AddWorkload` said of holding connections, paused streams and

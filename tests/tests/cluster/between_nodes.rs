@@ -256,9 +256,11 @@ fn a_rolling_update_node_by_node_keeps_a_cross_node_transfer_and_answers_every_c
     assert!(count("opened") > 1000, "the loop did not run: {looped}");
     assert_eq!(count("refused"), 0, "connections refused across the rolling update: {looped}");
     assert_eq!(count("other"), 0, "connections failed across the rolling update: {looped}");
-    // Known and open (issue 51's note): a new connection opened at the instant one of the two
-    // proxies drains was seen reset, once in 3018 (0 in 2746 on another run). At most one
-    // per proxy restart passes; any more is a regression.
+    // A proxy told to stop in the instant after its node's new agent is Ready, before it had
+    // found that agent, closed listeners no agent held: 289 of 2748 failed in one CI run
+    // (`a_proxy_stopped_while_its_nodes_agent_restarts_…` below is that case, made certain; the
+    // proxy now waits for the agent). One reset in 3018 was seen before that run, not since; at
+    // most one per proxy restart passes, any more is a regression.
     assert!(count("reset") <= 2, "connections reset across the rolling update: {looped}");
 }
 
@@ -339,4 +341,58 @@ fn a_drained_nodes_pod_reschedules_onto_the_other_is_captured_there_and_uncordon
         Ok((mtls_opened(Node::Second, "destination", "back") > dst_before).then_some(()))
     });
     assert!(counted.is_ok(), "not carried over HBONE to the node back in the mesh");
+}
+
+/// What a release's rollout can do on a node, both DaemonSets rolling at once: the proxy told
+/// to stop while the node's agent restarts (the old one gone, the new one not up or not yet
+/// found by the proxy), so that no agent holds the proxy's listeners. The proxy waits for the
+/// new agent and hands them over before it drains: on the server's node and then on the
+/// client's, under a connect loop across the nodes, every connection is answered (without the
+/// wait, the server's node reset every HBONE connect and the client's refused every connect
+/// until a new proxy listened).
+#[test]
+fn a_proxy_stopped_while_its_nodes_agent_restarts_waits_for_it_and_every_connection_is_answered() {
+    set_up();
+    let pair = cross_node_pair();
+    let mut client = exec_spawn_with_stdin(
+        &pair.ns.name,
+        &pair.client.name,
+        &["loop", &pair.sink(), "--seconds", "300", "--until-stdin-closes"],
+    )
+    .expect("the connect loop");
+    let loop_stdin = client.stdin.take();
+    std::thread::sleep(Duration::from_secs(3));
+    for node in [Node::Second, Node::First] {
+        let agent = daemonset_pod_on(AGENT_DS, node).expect("the node's agent");
+        let proxy = daemonset_pod_on(PROXY_DS, node).expect("the node's proxy");
+        kubectl(&["delete", "pod", "-n", SYSTEM_NS, &agent, "--wait=false"]).expect("delete");
+        wait_for("the old agent gone", Duration::from_secs(60), || {
+            Ok(kubectl(&["get", "pod", "-n", SYSTEM_NS, &agent]).is_err().then_some(()))
+        })
+        .expect("the agent's exit");
+        kubectl(&["delete", "pod", "-n", SYSTEM_NS, &proxy, "--wait=false"]).expect("delete");
+        wait_for(
+            &format!("both DaemonSets back on {}", node.name()),
+            Duration::from_secs(120),
+            || {
+                let replaced = daemonset_pod_on(PROXY_DS, node).is_ok_and(|p| p != proxy);
+                Ok((replaced && daemonset_ready(AGENT_DS)? && daemonset_ready(PROXY_DS)?)
+                    .then_some(()))
+            },
+        )
+        .expect("the node's new agent and proxy");
+    }
+    std::thread::sleep(Duration::from_secs(3));
+    drop(loop_stdin);
+    let looped = client.wait_with_output().expect("the connect loop's end");
+    let looped = format!(
+        "{}{}",
+        String::from_utf8_lossy(&looped.stdout),
+        String::from_utf8_lossy(&looped.stderr)
+    );
+    println!("loop: {}", looped.trim());
+    let counts = super::loop_counts(&looped);
+    let count = |k: &str| counts.get(k).copied().unwrap_or(u64::MAX);
+    assert!(count("opened") > 500, "the loop did not run: {looped}");
+    assert_eq!(count("answered"), count("opened"), "connections not answered: {looped}");
 }

@@ -314,7 +314,11 @@ pub fn reload_image(root: &Path, bin_dir: &Path) -> Result<()> {
     if !exists() {
         bail!("no cluster is up: cargo xtask cluster up");
     }
-    import(&[images::meshpath(root, bin_dir, IMAGE_TAGS)?, images::meshpath_extra(IMAGE_TAGS[1])])?;
+    let archives =
+        [images::meshpath(root, bin_dir, IMAGE_TAGS)?, images::meshpath_extra(IMAGE_TAGS[1])];
+    import(&archives)?;
+    // Every node runs the DaemonSets: each containerd gets the image.
+    node2::import_if_up(&archives)?;
     println!("cluster: meshpath's image rebuilt and imported as {}", IMAGE_TAGS.join(", "));
     Ok(())
 }
@@ -751,13 +755,18 @@ evictionHard:
     )
 }
 
-/// Stops everything `up` started and undoes what it and kubelet changed on the host.
-pub fn down() -> Result<()> {
-    let state = fs::read_to_string(state_path())
+/// The state file `up` wrote (empty if there is none).
+fn saved_state() -> State {
+    fs::read_to_string(state_path())
         .ok()
         .and_then(|s| serde_json::from_str::<Value>(&s).ok())
         .map(|v| State::from_json(&v))
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+/// Stops everything `up` started and undoes what it and kubelet changed on the host.
+pub fn down() -> Result<()> {
+    let state = saved_state();
     // kubelets first: they would restart what the next steps stop.
     for name in [node2::KUBELET, "kubelet", "kube-scheduler", "kube-controller-manager"] {
         if let Some(pid) = state.pids.get(name) {

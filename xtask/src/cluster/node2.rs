@@ -70,6 +70,23 @@ fn in_node2(holder: i32, program: impl AsRef<std::ffi::OsStr>) -> Command {
     c
 }
 
+/// `program` run on the second node of the running cluster (its network and mount namespaces).
+pub fn command(program: impl AsRef<std::ffi::OsStr>) -> Result<Command> {
+    let holder = super::saved_state().pids.get(HOLDER).copied();
+    let holder = holder.context("the cluster has no second node (cargo xtask cluster up)")?;
+    Ok(in_node2(holder, program))
+}
+
+/// Imports `archives` into the second node's containerd, if the running cluster has one.
+pub(super) fn import_if_up(archives: &[PathBuf]) -> Result<()> {
+    match super::saved_state().pids.get(HOLDER) {
+        Some(&holder) => {
+            import_with(in_node2(holder, "ctr"), Path::new(&containerd_socket()), archives)
+        }
+        None => Ok(()),
+    }
+}
+
 /// Starts the node and waits for it to be Ready (the control plane runs: the first node is up).
 pub(super) fn start(state: &mut State, archives: &[PathBuf]) -> Result<()> {
     network()?;

@@ -1,12 +1,14 @@
-//! `cargo xtask demo --cluster`: the demo on a real single-node Kubernetes cluster (cluster.rs),
-//! meshpath installed the way users install it, with kubectl: the agent and the proxy as
-//! DaemonSets that kubelet runs, pods made with Deployments, kubelet's probes passing through
-//! the probe bypass, traffic from `sleep` to `httpbin` (two meshed pods of the one node: the
-//! proxy's node-local path, under httpbin's policy, no TLS) and to the unmeshed `legacy` in
-//! plain TCP, the proxy's `istio_tcp_*` metrics, the annotation the agent
-//! writes. istiod cannot run here: the proxy runs without it (deploy/offline, workloads from a
-//! ConfigMap the demo writes once the pods have addresses) and mints the demo pods'
-//! certificates from a CA of the demo's (xtask/cluster-demo/kustomization.yaml).
+//! `cargo xtask demo --cluster`: the demo on a real two-node Kubernetes cluster (cluster.rs,
+//! the second node in cluster/node2.rs), meshpath installed the way users install it, with
+//! kubectl: the agent and the proxy as DaemonSets that each node's kubelet runs, pods made with
+//! Deployments pinned to a node, kubelet's probes passing through the probe bypass. Traffic
+//! from `sleep` (first node) to `httpbin` (meshed, the same node: the proxy's node-local path,
+//! under httpbin's policy, no TLS), to `backend` (meshed, the second node: HBONE with mutual TLS
+//! between the two nodes' proxies over the cluster's pod routes) and to the unmeshed `legacy`
+//! in plain TCP; each proxy's `istio_tcp_*` metrics, the annotation the agents write. istiod
+//! cannot run here: the proxies run without it (deploy/offline, workloads from a ConfigMap the
+//! demo writes once the pods have addresses) and mint the demo pods' certificates from a CA of
+//! the demo's (xtask/cluster-demo/kustomization.yaml).
 
 use std::{
     io::Write as _,
@@ -17,7 +19,7 @@ use std::{
 use anyhow::{bail, Context as _, Result};
 use serde_json::{json, Value};
 
-use crate::cluster;
+use crate::cluster::{self, node2};
 
 const MESHED: &str = "demo";
 const PLAIN: &str = "legacy";
@@ -54,7 +56,8 @@ fn wait(what: &str, limit: Duration, mut f: impl FnMut() -> Result<bool>) -> Res
     bail!("waited {} s for {what}", limit.as_secs())
 }
 
-fn app(ns: &str, name: &str) -> String {
+/// A Deployment of the test app as `name` in `ns`, its pod pinned to `node`.
+fn app(ns: &str, name: &str, node: &str) -> String {
     format!(
         r#"apiVersion: v1
 kind: ServiceAccount
@@ -69,6 +72,7 @@ spec:
     metadata: {{labels: {{app: {name}}}}}
     spec:
       serviceAccountName: {name}
+      nodeSelector: {{kubernetes.io/hostname: {node}}}
       terminationGracePeriodSeconds: 1
       containers:
         - name: app
@@ -109,7 +113,7 @@ fn pod(ns: &str, app: &str) -> Result<(String, String, String)> {
 
 /// Runs it; takes the cluster down at the end unless `keep`.
 pub fn run(root: &std::path::Path, bin_dir: &std::path::Path, keep: bool) -> Result<()> {
-    cluster::up(root, bin_dir, None, 1)?;
+    cluster::up(root, bin_dir, None, 2)?;
     let result = show(root, bin_dir);
     if keep {
         println!("demo: the cluster stays up: `cargo xtask cluster kubectl -- get pods -A`; `cargo xtask cluster down` when done");
@@ -160,28 +164,31 @@ fn show(root: &std::path::Path, bin_dir: &std::path::Path) -> Result<()> {
         Ok(kubectl(&["get", "sa", "default", "-n", MESHED]).is_ok()
             && kubectl(&["get", "sa", "default", "-n", PLAIN]).is_ok())
     })?;
-    apply(&format!(
-        "{}---\n{}---\n{}",
-        app(MESHED, "sleep"),
-        app(MESHED, "httpbin"),
-        app(PLAIN, "legacy")
-    ))?;
+    let first = cluster::NODE_NAME;
+    let apps = [
+        (MESHED, "sleep", first),
+        (MESHED, "httpbin", first),
+        (MESHED, "backend", node2::NAME),
+        (PLAIN, "legacy", first),
+    ];
+    let docs: Vec<String> = apps.iter().map(|(ns, name, node)| app(ns, name, node)).collect();
+    apply(&docs.join("---\n"))?;
     let mut pods = Vec::new();
-    for (ns, name) in [(MESHED, "sleep"), (MESHED, "httpbin"), (PLAIN, "legacy")] {
+    for (ns, name, node) in apps {
         wait(
-            &format!("{ns}/{name} Ready (its readiness probe passing)"),
+            &format!("{ns}/{name} Ready on {node} (its readiness probe passing)"),
             Duration::from_secs(120),
             || Ok(pod(ns, name).is_ok()),
         )?;
-        pods.push((ns, name, pod(ns, name)?));
+        pods.push((ns, name, node, pod(ns, name)?));
     }
-    // What istiod would tell the proxy: the meshed pods are HBONE workloads.
+    // What istiod would tell the proxies: the meshed pods are HBONE workloads of their nodes.
     let workloads: Vec<Value> = pods
         .iter()
-        .filter(|(ns, _, _)| *ns == MESHED)
-        .map(|(ns, name, (pod, uid, ip))| {
+        .filter(|(ns, ..)| *ns == MESHED)
+        .map(|(ns, name, node, (pod, uid, ip))| {
             json!({"uid": uid, "name": pod, "namespace": ns, "serviceAccount": name,
-                   "workloadName": name, "workloadIps": [ip], "protocol": "HBONE"})
+                   "workloadName": name, "workloadIps": [ip], "protocol": "HBONE", "node": node})
         })
         .collect();
     let cm = json!({
@@ -190,45 +197,39 @@ fn show(root: &std::path::Path, bin_dir: &std::path::Path) -> Result<()> {
         "data": {"workloads.yaml": json!({"workloads": workloads}).to_string()},
     });
     apply(&cm.to_string())?;
-    let uid = pods[1].2 .1.clone();
-    println!("demo: waiting for the proxy to read the workloads (kubelet updates the ConfigMap's volume)");
-    wait("the proxy to hold the workloads", Duration::from_secs(90), || {
-        let out = Command::new("curl")
-            .args([
-                "-sf",
-                "--unix-socket",
-                "/var/run/meshpath/proxy/admin.sock",
-                "http://admin/config_dump",
-            ])
-            .output()?;
-        let dump: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
-        Ok(dump["workloads"].as_array().is_some_and(|w| w.iter().any(|w| w["uid"] == uid.as_str())))
-    })?;
-    for (ns, _, (pod, _, ip)) in &pods {
+    println!("demo: waiting for both proxies to read the workloads (kubelet updates the ConfigMap's volume)");
+    let uids: Vec<String> =
+        pods.iter().filter(|(ns, ..)| *ns == MESHED).map(|p| p.3 .1.clone()).collect();
+    for node in [first, node2::NAME] {
+        wait(&format!("{node}'s proxy to hold the workloads"), Duration::from_secs(90), || {
+            let dump = on_node(node, "curl")?
+                .args(["-sf", "--unix-socket", PROXY_ADMIN_SOCKET, "http://admin/config_dump"])
+                .output()?;
+            let dump: Value = serde_json::from_slice(&dump.stdout).unwrap_or(Value::Null);
+            let held = dump["workloads"].as_array().cloned().unwrap_or_default();
+            Ok(uids.iter().all(|u| held.iter().any(|w| w["uid"] == u.as_str())))
+        })?;
+    }
+    for (ns, _, node, (pod, _, ip)) in &pods {
         let v: Value =
             serde_json::from_str(&kubectl(&["get", "pod", "-n", ns, pod, "-o", "json"])?)?;
         let a =
             v["metadata"]["annotations"]["ambient.istio.io/redirection"].as_str().unwrap_or("-");
-        println!("demo: pod {ns}/{pod} {ip}: ambient.istio.io/redirection={a}");
+        println!("demo: pod {ns}/{pod} {ip} on {node}: ambient.istio.io/redirection={a}");
     }
-    let sleep_pod = pods[0].2 .0.clone();
+    let sleep_pod = pods[0].3 .0.clone();
+    let exec = |args: &[&str]| {
+        let mut all = vec!["exec", "-n", MESHED, &sleep_pod, "--", "/usr/local/bin/cluster-app"];
+        all.extend_from_slice(args);
+        kubectl(&all)
+    };
     for (what, ip) in [
-        ("httpbin (meshed, same node: the node-local path)", &pods[1].2 .2),
-        ("legacy (not meshed: plain TCP)", &pods[2].2 .2),
+        ("httpbin (meshed, same node: the node-local path)", &pods[1].3 .2),
+        ("backend (meshed, the other node: HBONE with mutual TLS)", &pods[2].3 .2),
+        ("legacy (not meshed: plain TCP)", &pods[3].3 .2),
     ] {
         let started = Instant::now();
-        let out = kubectl(&[
-            "exec",
-            "-n",
-            MESHED,
-            &sleep_pod,
-            "--",
-            "/usr/local/bin/cluster-app",
-            "send",
-            &format!("{ip}:9000"),
-            "--bytes",
-            "200000000",
-        ])?;
+        let out = exec(&["send", &format!("{ip}:9000"), "--bytes", "200000000"])?;
         let secs = started.elapsed().as_secs_f64();
         println!(
             "demo: sleep → {what}: {} ({:.0} MB/s including kubectl exec)",
@@ -236,15 +237,44 @@ fn show(root: &std::path::Path, bin_dir: &std::path::Path) -> Result<()> {
             200.0 / secs
         );
     }
-    let metrics = Command::new("nsenter")
-        .arg(format!("--net=/run/netns/{}", cluster::NETNS))
-        .args(["curl", "-sf", &format!("http://{}:15020/metrics", cluster::NODE_IP)])
-        .output()?;
-    println!("demo: the proxy's istio_tcp_connections_opened_total:");
-    for l in String::from_utf8_lossy(&metrics.stdout).lines() {
-        if l.starts_with("istio_tcp_connections_opened_total{") {
-            println!("  {l}");
+    let (sleep_ip, backend_ip) = (&pods[0].3 .2, &pods[2].3 .2);
+    let peer = exec(&["get", &format!("{backend_ip}:8080"), "/peer"])?;
+    println!(
+        "demo: the cross-node path, sleep ({sleep_ip}, {first}) → backend ({backend_ip}, {}):",
+        node2::NAME
+    );
+    println!("  sleep's connect → {first}'s proxy at sleep's own address :15001 (the agent's eBPF, no iptables)");
+    println!("  → HBONE (HTTP/2 CONNECT over mutual TLS) from sleep's netns to {backend_ip}:15008, over the pod routes between the nodes");
+    println!(
+        "  → {}'s proxy in backend's netns (sk_lookup) → backend :8080, which saw the client {}",
+        node2::NAME,
+        peer.trim()
+    );
+    for (node, ip, netns) in
+        [(first, cluster::NODE_IP, cluster::NETNS), (node2::NAME, node2::IP, node2::NETNS)]
+    {
+        let metrics = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{netns}"))
+            .args(["curl", "-sf", &format!("http://{ip}:15020/metrics")])
+            .output()?;
+        println!("demo: {node}'s proxy, istio_tcp_connections_opened_total:");
+        for l in String::from_utf8_lossy(&metrics.stdout).lines() {
+            if l.starts_with("istio_tcp_connections_opened_total{") {
+                println!("  {l}");
+            }
         }
     }
     Ok(())
+}
+
+/// The proxy's admin socket on a node (deploy/install mounts it from the host).
+const PROXY_ADMIN_SOCKET: &str = "/var/run/meshpath/proxy/admin.sock";
+
+/// `program` run on `node`: this machine's mounts for the first, the second's own namespaces.
+fn on_node(node: &str, program: &str) -> Result<Command> {
+    if node == node2::NAME {
+        node2::command(program)
+    } else {
+        Ok(Command::new(program))
+    }
 }

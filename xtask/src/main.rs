@@ -94,10 +94,10 @@ enum Cmd {
         /// the pods as Istio's ztunnel does (the datapath serves it with no help from it).
         #[arg(long, default_value = "meshpath-proxy", value_parser = ["meshpath-proxy", "ztunnel-like"])]
         proxy: String,
-        /// On a real single-node Kubernetes cluster instead (kubelet, containerd, the control
+        /// On a real two-node Kubernetes cluster instead (kubelets, containerds, the control
         /// plane; `cargo xtask cluster up`): meshpath installed with kubectl as DaemonSets, pods
-        /// made with Deployments. The first run builds Kubernetes from Debian's source (about 6
-        /// minutes once).
+        /// made with Deployments on both nodes, traffic between the nodes over HBONE. The first
+        /// run builds Kubernetes from Debian's source (about 6 minutes once).
         #[arg(long, conflicts_with_all = ["kube", "proxy"])]
         cluster: bool,
         /// Run a Kubernetes API server too: pods are made with the API, and the agents learn

@@ -123,9 +123,8 @@ pub const DIR: &str = "/var/lib/meshpath-cluster";
 pub const SYSTEM_NS: &str = "meshpath-system";
 pub const AGENT_DS: &str = "meshpath-agent";
 pub const PROXY_DS: &str = "meshpath-proxy";
-/// The test workload's image (tests/src/bin/cluster-app.rs), and meshpath's second tag.
+/// The test workload's image (tests/src/bin/cluster-app.rs).
 pub const TESTAPP: &str = "localhost/meshpath-testapp:1";
-pub const MESHPATH_NEXT: &str = "localhost/meshpath:cluster-next";
 /// This build's image, as tests/cluster installs it.
 pub const MESHPATH_IMAGE: &str = "localhost/meshpath:cluster";
 /// Where the node's runtime reads CNI configuration and plugins.
@@ -524,7 +523,9 @@ fn node_http_get(port: u16, path: &str) -> Result<(u16, String)> {
 /// control-plane upgrade or crash would: the old process is stopped, a new one started.
 pub fn restart_apiserver() -> Result<()> {
     let mut state = ClusterState::read()?;
-    let args = state.stop("kube-apiserver")?;
+    // It closes its listener at once on SIGTERM, but its process outlives 30 s here (its
+    // open watches draining): killed after 5 s, as a crash would end it.
+    let args = state.stop("kube-apiserver", Duration::from_secs(5))?;
     state.start("kube-apiserver", &args)?;
     wait_for("the API server back", Duration::from_secs(90), || {
         Ok(kubectl(&["get", "--raw", "/readyz"]).is_ok().then_some(()))
@@ -545,8 +546,8 @@ impl ClusterState {
         Ok(Self { path, json })
     }
 
-    /// Stops daemon `name` (SIGTERM, then SIGKILL after 30 s); returns its command line.
-    fn stop(&mut self, name: &str) -> Result<Vec<String>> {
+    /// Stops daemon `name` (SIGTERM, then SIGKILL after `grace`); returns its command line.
+    fn stop(&mut self, name: &str, grace: Duration) -> Result<Vec<String>> {
         let pid = self.json["pids"][name].as_i64().with_context(|| format!("no {name} pid"))?;
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))?;
         let args: Vec<String> = cmdline
@@ -562,9 +563,7 @@ impl ClusterState {
             std::fs::read_to_string(format!("/proc/{raw}/stat"))
                 .map_or(true, |s| s.rsplit(") ").next().is_some_and(|rest| rest.starts_with('Z')))
         };
-        let waited = wait_for(&format!("{name} to exit"), Duration::from_secs(30), || {
-            Ok(exited().then_some(()))
-        });
+        let waited = wait_for(&format!("{name} to exit"), grace, || Ok(exited().then_some(())));
         if waited.is_err() {
             let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
             std::thread::sleep(Duration::from_secs(1));
@@ -602,9 +601,9 @@ impl ClusterState {
 /// same command lines. The control plane, on other machines in a real cluster, keeps running.
 pub fn reboot_node() -> Result<()> {
     let mut state = ClusterState::read()?;
-    let kubelet = state.stop("kubelet")?;
+    let kubelet = state.stop("kubelet", Duration::from_secs(30))?;
     kill_in_kubepods();
-    let containerd = state.stop("containerd")?;
+    let containerd = state.stop("containerd", Duration::from_secs(30))?;
     kill_shims();
     for e in std::fs::read_dir("/run/netns")?.flatten() {
         if e.file_name().to_string_lossy().starts_with("cni-") {
@@ -721,6 +720,14 @@ fn unmount_below(prefix: &str) {
     for p in points {
         let _ = nix::mount::umount2(p.as_str(), nix::mount::MntFlags::MNT_DETACH);
     }
+}
+
+/// Starts a rolling update of DaemonSet `ds`, which replaces its pods as its update strategy
+/// says (`maxUnavailable: 1`: one node at a time): `kubectl rollout restart`, a new pod
+/// template as a new image makes. A new image would be rolled back by the next test's
+/// `kubectl apply` ([`install`]): another roll of both nodes; this one stays.
+pub fn rolling_update(ds: &str) -> Result<()> {
+    kubectl(&["rollout", "restart", "-n", SYSTEM_NS, &format!("daemonset/{ds}")]).map(drop)
 }
 
 /// The pod (name) of a DaemonSet on the first node.
@@ -927,6 +934,94 @@ pub fn exec_spawn_with_stdin(ns: &str, pod: &str, args: &[&str]) -> Result<std::
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     Ok(c.spawn()?)
+}
+
+/// A connect loop in a pod (`cluster-app loop`): a new connection to a sink every 20 ms, each
+/// on a thread of its own, from [`ConnectLoop::start`] until [`ConnectLoop::end`] (or
+/// `max_seconds`); killed if the test ends first.
+pub struct ConnectLoop {
+    child: Option<std::process::Child>,
+}
+
+impl ConnectLoop {
+    /// Starts the loop in `ns`/`pod` to `target` (`IP:PORT`) and lets it run 3 s, so that what
+    /// the test does next happens under it.
+    pub fn start(ns: &str, pod: &str, target: &str, max_seconds: u64) -> Result<Self> {
+        let seconds = max_seconds.to_string();
+        let args = ["loop", target, "--seconds", &seconds, "--until-stdin-closes"];
+        let this = Self { child: Some(exec_spawn_with_stdin(ns, pod, &args)?) };
+        std::thread::sleep(Duration::from_secs(3));
+        Ok(this)
+    }
+
+    /// Ends the loop (its standard input closed) and returns what it counted.
+    pub fn end(mut self) -> Result<LoopCounts> {
+        let mut child = self.child.take().context("the loop already ended")?;
+        drop(child.stdin.take());
+        let out = child.wait_with_output()?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(LoopCounts::read(text.trim()))
+    }
+}
+
+impl Drop for ConnectLoop {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// What a connect loop printed (`opened=N answered=N refused=N reset=N other=N …`, and
+/// `failed_at_ms=T,…`), and its counts read.
+#[derive(Debug, Clone)]
+pub struct LoopCounts {
+    pub text: String,
+    counts: std::collections::BTreeMap<String, u64>,
+}
+
+impl LoopCounts {
+    pub fn read(text: &str) -> Self {
+        let counts = text
+            .split_whitespace()
+            .filter_map(|w| w.split_once('='))
+            .filter_map(|(k, v)| Some((k.to_owned(), v.parse().ok()?)))
+            .collect();
+        Self { text: text.to_owned(), counts }
+    }
+
+    /// The count of `what` (`opened`, `answered`, `refused`, `reset`, `other`); `u64::MAX` if
+    /// the loop did not print it, which no assertion on it passes.
+    pub fn count(&self, what: &str) -> u64 {
+        self.counts.get(what).copied().unwrap_or(u64::MAX)
+    }
+
+    /// When the failed connections were opened, in milliseconds from the loop's start.
+    pub fn failed_at_ms(&self) -> Vec<u64> {
+        self.text
+            .lines()
+            .find_map(|l| l.strip_prefix("failed_at_ms="))
+            .unwrap_or_default()
+            .split(',')
+            .filter_map(|t| t.parse().ok())
+            .collect()
+    }
+
+    /// Every connection opened was answered, and there was at least one.
+    pub fn all_answered(&self) -> bool {
+        self.count("opened") > 0 && self.count("answered") == self.count("opened")
+    }
+}
+
+impl std::fmt::Display for LoopCounts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
 }
 
 /// How many connections the sink of the pod at `ip` has accepted (asked over its HTTP port

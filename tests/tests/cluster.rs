@@ -255,14 +255,6 @@ fn survives(disrupt: impl FnOnce()) {
     assert!(after.contains("bytes=100000"), "{after}");
 }
 
-/// The counts a `cluster-app loop` ended with (`opened=N answered=N refused=N …`).
-fn loop_counts(text: &str) -> std::collections::BTreeMap<String, u64> {
-    text.split_whitespace()
-        .filter_map(|w| w.split_once('='))
-        .filter_map(|(k, v)| Some((k.to_owned(), v.parse().ok()?)))
-        .collect()
-}
-
 /// The time of day, in seconds, of a log line that starts with an RFC 3339 timestamp
 /// (`2026-12-05T21:30:00.123456Z ...`, tracing's format).
 fn seconds_of_day(line: &str) -> Option<f64> {
@@ -273,9 +265,6 @@ fn seconds_of_day(line: &str) -> Option<f64> {
     let s: f64 = parts.next()?.parse().ok()?;
     Some(h * 3600.0 + m * 60.0 + s)
 }
-
-/// Seconds of the connect loop across the agent's upgrade.
-const UPGRADE_LOOP_SECONDS: u64 = 45;
 
 /// A node running the previous release (its git tag, installed with its own manifests and
 /// image) whose agent DaemonSet is rolled to this version's image: the new agent takes over the
@@ -296,11 +285,8 @@ fn the_previous_releases_agent_rolled_to_this_version_upgrades_the_datapath_unde
     let target = format!("{}:9000", pair.server.ip);
     let carried_before = carried_to("server");
     let long = long_transfer_under_way(&pair);
-    let seconds = UPGRADE_LOOP_SECONDS.to_string();
-    let client =
-        exec_spawn(&pair.ns.name, &pair.client.name, &["loop", &target, "--seconds", &seconds])
-            .expect("the connect loop");
-    std::thread::sleep(Duration::from_secs(5));
+    let looping = ConnectLoop::start(&pair.ns.name, &pair.client.name, &target, 300)
+        .expect("the connect loop");
 
     let old = daemonset_pod(AGENT_DS).expect("agent pod");
     let rolled = std::time::Instant::now();
@@ -334,17 +320,16 @@ fn the_previous_releases_agent_rolled_to_this_version_upgrades_the_datapath_unde
     );
     assert!(upgraded.is_some(), "the new agent did not upgrade the datapath:\n{log}");
 
-    let out = client.wait_with_output().expect("the connect loop's end");
-    let text =
-        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    println!("connect loop across the upgrade: {}", text.trim());
-    let counts = loop_counts(&text);
-    let n = |k: &str| counts.get(k).copied().unwrap_or(u64::MAX);
-    assert!(
-        n("opened") > 0 && n("answered") == n("opened") && n("refused") == 0 && n("reset") == 0,
-        "connections failed across the upgrade: {text}"
-    );
+    // On until the long transfer has ended, and 3 s after the new agent is Ready at least.
+    std::thread::sleep(Duration::from_secs(3));
     let long = long.wait_with_output().expect("the long transfer's end");
+    let looped = looping.end().expect("the connect loop's end");
+    println!("connect loop across the upgrade: {looped}");
+    let n = |k: &str| looped.count(k);
+    assert!(
+        looped.all_answered() && n("refused") == 0 && n("reset") == 0,
+        "connections failed across the upgrade: {looped}"
+    );
     let long_text = format!(
         "{}{}",
         String::from_utf8_lossy(&long.stdout),
@@ -508,18 +493,14 @@ fn delete_the_proxy_pod() {
     .expect("a new proxy pod");
 }
 
-/// A rolling update of the proxy DaemonSet to another image (`set_up` puts the first back).
-fn roll_the_proxy_to_a_new_image() {
+/// A rolling update of the proxy DaemonSet; returns once its new pods are Ready.
+fn roll_the_proxy() {
     let old = daemonset_pod(PROXY_DS).expect("proxy pod");
-    let image = format!("proxy={MESHPATH_NEXT}");
-    kubectl(&["set", "image", "-n", SYSTEM_NS, &format!("daemonset/{PROXY_DS}"), &image])
-        .expect("kubectl set image");
+    rolling_update(PROXY_DS).expect("kubectl rollout restart");
     wait_for("the updated proxy", Duration::from_secs(120), || {
         Ok((daemonset_ready(PROXY_DS)? && daemonset_pod(PROXY_DS)? != old).then_some(()))
     })
     .expect("rollout");
-    let ds = get_json(&["daemonset", "-n", SYSTEM_NS, PROXY_DS]).expect("ds");
-    assert_eq!(ds["spec"]["template"]["spec"]["containers"][0]["image"], MESHPATH_NEXT);
 }
 
 #[test]
@@ -532,21 +513,15 @@ fn a_connect_loop_across_kill_9_delete_and_a_rolling_update_of_the_proxy_is_alwa
     // reset (the agent holds the pods' listeners while no proxy runs), but those the killed
     // proxy was carrying at the instant of `kill -9` (a crash hands nothing over).
     let started = std::time::Instant::now();
-    let loop_seconds = LOOP_MAX_SECONDS.to_string();
-    let mut client = exec_spawn_with_stdin(
-        &pair.ns.name,
-        &pair.client.name,
-        &["loop", &target, "--seconds", &loop_seconds, "--until-stdin-closes"],
-    )
-    .expect("the connect loop");
-    let loop_stdin = client.stdin.take();
+    let looping = ConnectLoop::start(&pair.ns.name, &pair.client.name, &target, LOOP_MAX_SECONDS)
+        .expect("the connect loop");
     let stop = std::sync::atomic::AtomicBool::new(false);
-    let (done, events_took, out, logs, killed_at) = std::thread::scope(|s| {
+    let (done, events_took, looped, logs, killed_at) = std::thread::scope(|s| {
         let logs = s.spawn(|| proxy_logs(&stop));
         // The log copier stops however this ends: a panic below would otherwise leave the
         // scope waiting for it for ever.
         let _stop_logs = StopOnDrop(&stop);
-        std::thread::sleep(Duration::from_secs(5));
+        std::thread::sleep(Duration::from_secs(2));
         let mut done = Vec::new();
         let mut killed_at = Duration::ZERO;
         // The kill's own instant: finding the process first asks the API server (hundreds of
@@ -555,7 +530,7 @@ fn a_connect_loop_across_kill_9_delete_and_a_rolling_update_of_the_proxy_is_alwa
         for (what, event) in [
             ("kill -9", Box::new(kill) as Box<dyn FnOnce() + '_>),
             ("kubectl delete pod", Box::new(delete_the_proxy_pod)),
-            ("rolling update to a new image", Box::new(roll_the_proxy_to_a_new_image)),
+            ("rolling update", Box::new(roll_the_proxy)),
         ] {
             let at = started.elapsed();
             event();
@@ -570,14 +545,11 @@ fn a_connect_loop_across_kill_9_delete_and_a_rolling_update_of_the_proxy_is_alwa
         let end = Duration::from_secs(LOOP_SECONDS)
             .max(events_took + Duration::from_secs(LOOP_AFTER_SECONDS));
         std::thread::sleep(end.saturating_sub(started.elapsed()));
-        drop(loop_stdin);
-        let out = client.wait_with_output().expect("the connect loop's end");
+        let looped = looping.end().expect("the connect loop's end");
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        (done, events_took, out, logs.join().unwrap_or_default(), killed_at)
+        (done, events_took, looped, logs.join().unwrap_or_default(), killed_at)
     });
-    let text =
-        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    println!("{}; {}", done.join("; "), text.trim());
+    println!("{}; {looped}", done.join("; "));
     let mut proxies = String::new();
     for (file, log) in logs {
         let notable: Vec<&str> =
@@ -586,19 +558,13 @@ fn a_connect_loop_across_kill_9_delete_and_a_rolling_update_of_the_proxy_is_alwa
     }
     // The loop's clock started when `kubectl exec` ran it, up to a second after `started`: a
     // connection the killed proxy carried was opened at most a second or so before the kill.
-    let failed_at: Vec<u64> = text
-        .lines()
-        .find_map(|l| l.strip_prefix("failed_at_ms="))
-        .unwrap_or_default()
-        .split(',')
-        .filter_map(|t| t.parse().ok())
-        .collect();
+    let failed_at = looped.failed_at_ms();
     let kill_ms = killed_at.as_millis() as u64;
     let in_flight_at_kill = |t: &u64| *t + 2000 >= kill_ms && *t <= kill_ms + 200;
     let unexplained: Vec<&u64> = failed_at.iter().filter(|t| !in_flight_at_kill(t)).collect();
     assert!(
-        unexplained.is_empty() && failed_at.len() <= 5 && text.contains("opened="),
-        "connections failed that no crash explains (kill -9 at {kill_ms} ms): {unexplained:?}; {}; {text}{proxies}",
+        unexplained.is_empty() && failed_at.len() <= 5 && looped.count("opened") > 0,
+        "connections failed that no crash explains (kill -9 at {kill_ms} ms): {unexplained:?}; {}; {looped}{proxies}",
         done.join("; ")
     );
     assert!(
@@ -642,7 +608,7 @@ fn open_connections_plain_both_ways_and_node_local_survive_a_rolling_update_and_
     let counted = opened_to("server", "none") - local_before;
     assert!(counted >= 30.0, "the meshed pods' connections were not node-local: {counted}");
     let started = std::time::Instant::now();
-    roll_the_proxy_to_a_new_image();
+    roll_the_proxy();
     let rolled = started.elapsed();
     std::thread::sleep(Duration::from_secs(3));
     let deleted_at = started.elapsed();

@@ -40,6 +40,12 @@ impl CrossNodePair {
         format!("{}:9000", self.server.ip)
     }
 
+    /// A connect loop from the client to the server's sink across the nodes, for up to 300 s.
+    fn connect_loop(&self) -> ConnectLoop {
+        ConnectLoop::start(&self.ns.name, &self.client.name, &self.sink(), 300)
+            .expect("the connect loop")
+    }
+
     /// The client holding three connections to the server's echo port open for up to 60 s
     /// (ended, and its report read, with `end_hold`).
     fn hold_three(&self) -> std::process::Child {
@@ -207,22 +213,13 @@ fn a_rolling_update_node_by_node_keeps_a_cross_node_transfer_and_answers_every_c
         Ok((sink_count(pair.server.ip)? > accepted).then_some(()))
     })
     .expect("the transfer started");
-    let mut client = exec_spawn_with_stdin(
-        &pair.ns.name,
-        &pair.client.name,
-        &["loop", &pair.sink(), "--seconds", "300", "--until-stdin-closes"],
-    )
-    .expect("the connect loop");
-    let loop_stdin = client.stdin.take();
-    std::thread::sleep(Duration::from_secs(3));
+    let looping = pair.connect_loop();
     let started = std::time::Instant::now();
     let mut rolled = Vec::new();
-    for (ds, container) in [(AGENT_DS, "agent"), (PROXY_DS, "proxy")] {
+    for ds in [AGENT_DS, PROXY_DS] {
         let old: Vec<String> =
             Node::ALL.iter().map(|n| daemonset_pod_on(ds, *n).expect("a pod")).collect();
-        let image = format!("{container}={MESHPATH_NEXT}");
-        kubectl(&["set", "image", "-n", SYSTEM_NS, &format!("daemonset/{ds}"), &image])
-            .expect("kubectl set image");
+        rolling_update(ds).expect("kubectl rollout restart");
         wait_for(&format!("{ds} rolled on both nodes"), Duration::from_secs(240), || {
             let now: Vec<String> =
                 Node::ALL.iter().filter_map(|n| daemonset_pod_on(ds, *n).ok()).collect();
@@ -233,26 +230,19 @@ fn a_rolling_update_node_by_node_keeps_a_cross_node_transfer_and_answers_every_c
         rolled.push(format!("{ds} rolled by {:.1} s", started.elapsed().as_secs_f64()));
     }
     std::thread::sleep(Duration::from_secs(3));
-    drop(loop_stdin);
-    let looped = client.wait_with_output().expect("the connect loop's end");
-    let looped = format!(
-        "{}{}",
-        String::from_utf8_lossy(&looped.stdout),
-        String::from_utf8_lossy(&looped.stderr)
-    );
+    let looped = looping.end().expect("the connect loop's end");
     let long = long.wait_with_output().expect("the long transfer's end");
     let transfer = format!(
         "{}{}",
         String::from_utf8_lossy(&long.stdout),
         String::from_utf8_lossy(&long.stderr)
     );
-    println!("{}; loop: {}; transfer: {}", rolled.join(", "), looped.trim(), transfer.trim());
+    println!("{}; loop: {looped}; transfer: {}", rolled.join(", "), transfer.trim());
     assert!(
         long.status.success() && transfer.contains(&format!("bytes={LONG_BYTES}")),
         "{transfer}"
     );
-    let counts = super::loop_counts(&looped);
-    let count = |k: &str| counts.get(k).copied().unwrap_or(u64::MAX);
+    let count = |k: &str| looped.count(k);
     assert!(count("opened") > 1000, "the loop did not run: {looped}");
     assert_eq!(count("refused"), 0, "connections refused across the rolling update: {looped}");
     assert_eq!(count("other"), 0, "connections failed across the rolling update: {looped}");
@@ -354,14 +344,7 @@ fn a_drained_nodes_pod_reschedules_onto_the_other_is_captured_there_and_uncordon
 fn a_proxy_stopped_while_its_nodes_agent_restarts_waits_for_it_and_every_connection_is_answered() {
     set_up();
     let pair = cross_node_pair();
-    let mut client = exec_spawn_with_stdin(
-        &pair.ns.name,
-        &pair.client.name,
-        &["loop", &pair.sink(), "--seconds", "300", "--until-stdin-closes"],
-    )
-    .expect("the connect loop");
-    let loop_stdin = client.stdin.take();
-    std::thread::sleep(Duration::from_secs(3));
+    let looping = pair.connect_loop();
     for node in [Node::Second, Node::First] {
         let agent = daemonset_pod_on(AGENT_DS, node).expect("the node's agent");
         let proxy = daemonset_pod_on(PROXY_DS, node).expect("the node's proxy");
@@ -383,16 +366,8 @@ fn a_proxy_stopped_while_its_nodes_agent_restarts_waits_for_it_and_every_connect
         .expect("the node's new agent and proxy");
     }
     std::thread::sleep(Duration::from_secs(3));
-    drop(loop_stdin);
-    let looped = client.wait_with_output().expect("the connect loop's end");
-    let looped = format!(
-        "{}{}",
-        String::from_utf8_lossy(&looped.stdout),
-        String::from_utf8_lossy(&looped.stderr)
-    );
-    println!("loop: {}", looped.trim());
-    let counts = super::loop_counts(&looped);
-    let count = |k: &str| counts.get(k).copied().unwrap_or(u64::MAX);
-    assert!(count("opened") > 500, "the loop did not run: {looped}");
-    assert_eq!(count("answered"), count("opened"), "connections not answered: {looped}");
+    let looped = looping.end().expect("the connect loop's end");
+    println!("loop: {looped}");
+    assert!(looped.count("opened") > 500, "the loop did not run: {looped}");
+    assert!(looped.all_answered(), "connections not answered: {looped}");
 }

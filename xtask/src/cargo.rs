@@ -6,6 +6,7 @@ use std::{
     io::{BufRead as _, BufReader},
     path::{Path, PathBuf},
     process::{Command, Stdio},
+    sync::atomic::{AtomicBool, AtomicU32, Ordering},
 };
 
 use anyhow::{bail, Context as _, Result};
@@ -123,18 +124,24 @@ pub fn build_release_bins(extra_path: Option<&Path>, bins: &[(&str, &str)]) -> R
     Ok(target_dir().join("release"))
 }
 
-/// rustfmt check and clippy with warnings as errors.
-pub fn checks(extra_path: Option<&Path>) -> Result<()> {
+/// rustfmt's check.
+pub fn fmt_check(extra_path: Option<&Path>) -> Result<()> {
     println!("test: cargo fmt --check");
     let mut fmt = cargo(extra_path)?;
     fmt.args(["fmt", "--all", "--", "--check"]);
-    run_cargo(fmt).context("code is not formatted: run `cargo fmt --all`")?;
+    run_cargo(fmt).context("code is not formatted: run `cargo fmt --all`")
+}
 
+/// clippy with warnings as errors, on every target and on the cluster suite (no default test
+/// target: it needs the cluster; `--all-targets` leaves out a target named beside it).
+pub fn clippy(extra_path: Option<&Path>) -> Result<()> {
     println!("test: cargo clippy -D warnings");
-    let mut clippy = cargo(extra_path)?;
-    // The cluster suite is no default test target (it needs the cluster): named here.
-    clippy.args(["clippy", "--all-targets", "--test", "cluster", "--", "-D", "warnings"]);
-    run_cargo(clippy)
+    for targets in [&["--all-targets"][..], &["--test", "cluster"]] {
+        let mut clippy = cargo(extra_path)?;
+        clippy.arg("clippy").args(targets).args(["--", "-D", "warnings"]);
+        run_cargo(clippy)?;
+    }
+    Ok(())
 }
 
 /// What a test run counted.
@@ -167,6 +174,11 @@ pub struct Failure {
 const MESSAGE_LINES: usize = 6;
 
 impl Totals {
+    /// One failure: a suite that could not run at all, so that the run cannot pass.
+    pub fn one_failed() -> Self {
+        Self { failed: 1, ..Self::default() }
+    }
+
     /// Adds what `other` (another, separately read output) counted.
     pub fn merge(&mut self, other: Totals) {
         self.passed += other.passed;
@@ -268,35 +280,65 @@ pub fn test(extra_path: Option<&Path>, bin_dir: &Path, filter: Option<&str>) -> 
     run_tee(test)
 }
 
-/// The cluster suite (tests/tests/cluster.rs) against the cluster that is up, one test at a
-/// time.
-pub fn test_cluster(
-    extra_path: Option<&Path>,
-    bin_dir: &Path,
-    filter: Option<&str>,
-) -> Result<Totals> {
-    println!("test: cargo test --test cluster (the two-node cluster)");
-    let mut test = cargo(extra_path)?;
-    test.args(["test", "--no-fail-fast", "-p", "meshpath-tests", "--test", "cluster", "--"]);
+/// The cluster suite's executable (from [`test_binaries`]) against the cluster that is
+/// up, one test at a time, run directly rather than through cargo, so that it can run beside
+/// another `cargo test` (which holds the target directory's lock). Its lines are printed with
+/// `[cluster] ` before them, apart from the other suites running at the same time.
+pub fn test_cluster(exe: &Path, bin_dir: &Path, filter: Option<&str>) -> Result<Totals> {
+    if CLUSTER_SUITE_STOPPED.load(Ordering::SeqCst) {
+        bail!("not run: the run failed before it could");
+    }
+    println!("[cluster] test: {} (the two-node cluster)", exe.display());
+    let mut test = Command::new(exe);
+    // As `cargo test` runs a test binary: in its package's directory, which it names.
+    let package = workspace_root().join("tests");
+    test.current_dir(&package).env("CARGO_MANIFEST_DIR", &package);
     if let Some(f) = filter {
         test.arg(f);
     }
     test.args(["--test-threads", "1"]);
     test.env("MESHPATH_LOADER", bin_dir.join("meshpath-loader"));
     test.env("MESHPATH_CLUSTER", "1");
-    run_tee_timed(test, true)
+    let child = test.stdout(Stdio::piped()).spawn().context("starting the cluster suite")?;
+    CLUSTER_SUITE.store(child.id(), Ordering::SeqCst);
+    // Stopped between the check above and now.
+    if CLUSTER_SUITE_STOPPED.load(Ordering::SeqCst) {
+        kill_cluster_suite();
+    }
+    let totals = tee(child, true, "[cluster] ");
+    CLUSTER_SUITE.store(0, Ordering::SeqCst);
+    totals
+}
+
+/// The cluster suite's process while it runs (0 when none), and whether it was stopped: the
+/// suite runs beside the rest of `cargo xtask test`, which stops it if it fails on its own.
+static CLUSTER_SUITE: AtomicU32 = AtomicU32::new(0);
+static CLUSTER_SUITE_STOPPED: AtomicBool = AtomicBool::new(false);
+
+/// Stops the cluster suite (killed if it runs; never started if not yet).
+pub fn stop_cluster_suite() {
+    CLUSTER_SUITE_STOPPED.store(true, Ordering::SeqCst);
+    kill_cluster_suite();
+}
+
+fn kill_cluster_suite() {
+    let pid = CLUSTER_SUITE.load(Ordering::SeqCst);
+    if let Ok(pid @ 1..) = i32::try_from(pid) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
+    }
 }
 
 /// Runs a `cargo test`, printing its output and adding up its results.
-fn run_tee(test: Command) -> Result<Totals> {
-    run_tee_timed(test, false)
+fn run_tee(mut test: Command) -> Result<Totals> {
+    let child = test.stdout(Stdio::piped()).spawn().context("starting cargo test")?;
+    tee(child, false, "")
 }
 
-/// As [`run_tee`]; with `one_at_a_time` (a suite run with `--test-threads 1`) each test's
-/// result line also says how long it took, counted from the previous result (or from the
-/// harness's `running N tests`): where a suite's share of CI's time budget goes.
-fn run_tee_timed(mut test: Command, one_at_a_time: bool) -> Result<Totals> {
-    let mut child = test.stdout(Stdio::piped()).spawn().context("starting cargo test")?;
+/// Prints a test harness's output as it comes, each line after `prefix`, and adds up its
+/// results. With `one_at_a_time` (a suite run with `--test-threads 1`) each test's result line
+/// also says how long it took, counted from the previous result (or from the harness's
+/// `running N tests`): where a suite's share of CI's time budget goes.
+fn tee(mut child: std::process::Child, one_at_a_time: bool, prefix: &str) -> Result<Totals> {
     let stdout = child.stdout.take().context("cargo test stdout")?;
     let mut totals = Totals::default();
     let mut last = std::time::Instant::now();
@@ -308,10 +350,10 @@ fn run_tee_timed(mut test: Command, one_at_a_time: bool) -> Result<Totals> {
             && [" ... ok", " ... FAILED", " ... ignored"].iter().any(|r| line.ends_with(r)))
             || ["ok", "FAILED", "ignored"].contains(&line.as_str());
         if one_at_a_time && result {
-            println!("{line} ({:.0} s)", last.elapsed().as_secs_f64());
+            println!("{prefix}{line} ({:.0} s)", last.elapsed().as_secs_f64());
             last = std::time::Instant::now();
         } else {
-            println!("{line}");
+            println!("{prefix}{line}");
         }
         if line.starts_with("running ") {
             last = std::time::Instant::now();
@@ -329,8 +371,24 @@ fn run_tee_timed(mut test: Command, one_at_a_time: bool) -> Result<Totals> {
 /// Builds every test target without running it; returns (target name, executable) for each
 /// integration test binary. Same flags as `test`, so nothing is rebuilt between the two.
 pub fn test_binaries(extra_path: Option<&Path>) -> Result<Vec<(String, PathBuf)>> {
+    test_executables(extra_path, &["--all-targets"])
+}
+
+/// Builds the cluster suite (tests/tests/cluster.rs: no default test target, it needs the
+/// cluster) without running it; returns its executable. Named without `-p`: the default
+/// members' features, as every other build here (`-p meshpath-tests` alone would build its
+/// dependencies again with fewer); `--all-targets` would leave it out.
+pub fn cluster_test_binary(extra_path: Option<&Path>) -> Result<PathBuf> {
+    test_executables(extra_path, &["--test", "cluster"])?
+        .into_iter()
+        .find_map(|(name, exe)| (name == "cluster").then_some(exe))
+        .context("cargo built no `cluster` test executable")
+}
+
+/// `cargo test --no-run` of `targets`: (target name, executable) of each integration test.
+fn test_executables(extra_path: Option<&Path>, targets: &[&str]) -> Result<Vec<(String, PathBuf)>> {
     let mut cmd = cargo(extra_path)?;
-    cmd.args(["test", "--no-run", "--all-targets", "--message-format=json"]);
+    cmd.args(["test", "--no-run", "--message-format=json"]).args(targets);
     let out = cmd.stderr(Stdio::inherit()).output().context("running cargo test --no-run")?;
     if !out.status.success() {
         bail!("cargo test --no-run failed with {}", out.status);

@@ -66,9 +66,10 @@ pub const CNI_CONF: &str = "/etc/cni/net.d";
 const DEBIAN_CNI: &str = "/usr/lib/cni";
 /// The node's own network configuration (bridge + host-local), as a simple cluster has.
 const CONFLIST: &str = "10-meshpath-cluster.conflist";
-/// The image tags `up` imports meshpath's image under: the overlay's, and a second one for a
-/// rolling update.
-pub const IMAGE_TAGS: &[&str] = &["cluster", "cluster-next"];
+/// The image tag `up` imports meshpath's image under: the overlay's. (The tests' rolling
+/// updates are `kubectl rollout restart`s: a second tag rolled to would be rolled back by the
+/// next test's `kubectl apply`, another roll of both nodes each time.)
+pub const IMAGE_TAG: &str = "cluster";
 /// The tag of the previous release's image.
 const PREVIOUS_TAG: &str = "previous";
 
@@ -212,8 +213,7 @@ pub fn up(root: &Path, bin_dir: &Path, previous: Option<&Path>, nodes: usize) ->
     println!("cluster: building images (pause, meshpath from deploy/Containerfile, test app)");
     let mut archives = vec![
         images::pause()?,
-        images::meshpath(root, bin_dir, IMAGE_TAGS)?,
-        images::meshpath_extra(IMAGE_TAGS[1]),
+        images::meshpath(root, bin_dir, &[IMAGE_TAG])?,
         images::testapp(bin_dir)?,
     ];
     if let Some(previous) = previous {
@@ -314,12 +314,11 @@ pub fn reload_image(root: &Path, bin_dir: &Path) -> Result<()> {
     if !exists() {
         bail!("no cluster is up: cargo xtask cluster up");
     }
-    let archives =
-        [images::meshpath(root, bin_dir, IMAGE_TAGS)?, images::meshpath_extra(IMAGE_TAGS[1])];
+    let archives = [images::meshpath(root, bin_dir, &[IMAGE_TAG])?];
     import(&archives)?;
     // Every node runs the DaemonSets: each containerd gets the image.
     node2::import_if_up(&archives)?;
-    println!("cluster: meshpath's image rebuilt and imported as {}", IMAGE_TAGS.join(", "));
+    println!("cluster: meshpath's image rebuilt and imported as {}:{IMAGE_TAG}", images::MESHPATH);
     Ok(())
 }
 

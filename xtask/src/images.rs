@@ -235,11 +235,6 @@ pub fn meshpath(root: &Path, bin_dir: &Path, tags: &[&str]) -> Result<PathBuf> {
     Ok(out)
 }
 
-/// The archive of `localhost/meshpath:TAG` written by [`meshpath`] for a tag after the first.
-pub fn meshpath_extra(tag: &str) -> PathBuf {
-    images_dir().join(format!("meshpath-{tag}.tar"))
-}
-
 /// The tests' workload image from the `cluster-app` binary in `bin_dir`.
 pub fn testapp(bin_dir: &Path) -> Result<PathBuf> {
     ensure_debian_packages(PACKAGES)?;

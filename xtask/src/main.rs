@@ -305,24 +305,44 @@ fn ensure(needs: bootstrap::Needs) -> Result<Option<std::path::PathBuf>> {
     Ok(path)
 }
 
-/// What runs beside the cluster's tests: the VMs' outcomes (each with how long it took), then
-/// the fuzz targets' line (an `Err` if they failed), if they ran.
-struct Background {
-    vms: Result<Vec<(vm::Outcome, String)>>,
-    fuzz: Option<std::result::Result<String, String>>,
+/// What the suites of a run counted, added up.
+#[derive(Default)]
+struct Tally {
+    passed: u64,
+    failed: u64,
+    /// What failed where, printed last: a CI log may keep only the run's tail.
+    failures: Vec<String>,
+    /// The stages that failed.
+    bad: Vec<String>,
 }
 
-/// The time since `since`, as "Xm Ys", and `since` moved to now for the next stage.
-fn took(since: &mut std::time::Instant) -> String {
+impl Tally {
+    fn add(&mut self, stage: &str, t: &cargo::Totals) {
+        self.passed += t.passed;
+        self.failed += t.failed;
+        self.failures.extend(t.failure_lines(&format!("{stage}: ")));
+        if t.failed > 0 {
+            self.bad.push(stage.to_owned());
+        }
+    }
+}
+
+/// The time since `since`, as "Xm Ys".
+fn since(since: std::time::Instant) -> String {
     let secs = since.elapsed().as_secs();
-    *since = std::time::Instant::now();
     format!("{}m {:02}s", secs / 60, secs % 60)
 }
 
-/// Checks and tests on this machine's kernel (`host`, the cluster coming up beside them), then
-/// the cluster's tests; beside those, the capture tests in a VM per kernel series, then the
-/// fuzz targets' build and runs. Ends with one total line per
+/// Checks, the build of every binary and test executable, then the suites side by side: this
+/// machine's kernel's tests (`host`), the cluster's (it comes up during the build, and its
+/// suite starts as soon as it is Ready), the capture tests in a VM per kernel series, and,
+/// once the host's tests are done, the fuzz targets' build and runs. Ends with one line per
 /// stage and one overall.
+///
+/// Side by side because CI's budget is 20 minutes on two cores and the cluster's suite alone
+/// takes most of it: it mostly waits (on the kubelet, on paced transfers), the VMs' TCG and the
+/// host's tests mostly compute. None sees another's namespaces, cgroups or pins: the cluster
+/// has its own network namespace, cgroups and pin root, the guest its own kernel.
 fn test(
     path: Option<&std::path::Path>,
     filter: Option<&str>,
@@ -330,16 +350,9 @@ fn test(
     series: &[&str],
     with_cluster: bool,
 ) -> Result<()> {
-    let mut lines = Vec::new();
-    let mut total = cargo::Totals::default();
-    // What failed where, printed last: a CI log may keep only the run's tail.
-    let mut failures = Vec::new();
-    let mut bad = Vec::new();
-    // Each stage's line says how long it took, checks and builds included: CI has a time
-    // budget, and the line shows which stage spends it.
-    let mut stage = std::time::Instant::now();
+    let started = std::time::Instant::now();
     if host {
-        cargo::checks(path)?;
+        cargo::fmt_check(path)?;
     }
     // The end-to-end tests run the loader binary: build every binary first, and the previous
     // release's, which the upgrade tests start from (their children find it by this variable,
@@ -359,114 +372,142 @@ fn test(
         }
     };
     // The cluster comes up (images built from these binaries, the control plane and the
-    // node's daemons started: mostly waiting) while this machine's tests run, so that its own
-    // tests start as soon as the fuzz targets are done: they are the longest stage. It has its
-    // own network namespace, cgroups and pin root; the tests here touch none of them.
-    let cluster_up = with_cluster.then(|| {
-        let (root, bin_dir, previous) =
-            (cargo::workspace_root(), bin_dir.clone(), previous.clone());
-        std::thread::spawn(move || {
-            cluster::up(&root, &bin_dir, previous.as_deref(), cluster::NODES_IN_TESTS)
-        })
-    });
-    if host {
-        let t = cargo::test(path, &bin_dir, filter)?;
-        lines.push(format!(
-            "tests on this machine's kernel: {} passed, {} failed ({}, checks and build included)",
-            t.passed,
-            t.failed,
-            took(&mut stage)
-        ));
-        total.passed += t.passed;
-        total.failed += t.failed;
-        failures.extend(t.failure_lines("this machine's kernel: "));
-        if t.failed > 0 {
-            bad.push("this machine's kernel".to_owned());
-        }
-    }
-    // Beside the cluster's tests (the longest stage, which starts now): the kernels' VMs, then
-    // the fuzz targets (their build compiles on both cores; the VMs' TCG and the fuzzer take
-    // one each). The cluster's tests mostly wait on the kubelet and on paced transfers, and
-    // none sees another's namespaces, cgroups or pins (the guest has its own). The guest's
-    // lines are told apart by their `[6.1]`-style prefix.
-    let fuzzing = host && filter.is_none();
-    let bins = if series.is_empty() { Vec::new() } else { cargo::test_binaries(path)? };
-    let background = {
-        let series: Vec<String> = series.iter().map(|s| (*s).to_owned()).collect();
-        let bin_dir = bin_dir.clone();
-        std::thread::spawn(move || -> Background {
-            let mut stage = std::time::Instant::now();
-            let vms = series
-                .iter()
-                .map(|s| Ok((vm::run_matrix_entry(s, &bin_dir, &bins)?, took(&mut stage))))
-                .collect::<Result<Vec<_>>>();
-            let fuzz = fuzzing.then(|| {
-                let secs = fuzz::IN_TESTS_SECS;
-                match fuzz::build().and_then(|()| fuzz::run(&[], secs)) {
-                    Ok(()) => Ok(format!(
-                        "fuzz targets: {} run {secs} s each, no crash ({})",
-                        fuzz::TARGETS.len(),
-                        took(&mut stage)
-                    )),
-                    Err(e) => {
-                        println!("fuzz: {e:#}");
-                        Err(format!("fuzz targets: failed: {e:#} ({})", took(&mut stage)))
-                    }
-                }
-            });
-            Background { vms, fuzz }
-        })
-    };
-    if let Some(cluster_up) = cluster_up {
-        // The image is built from this build's binaries; the cluster is taken down whatever
-        // the tests did.
-        let up =
-            cluster_up.join().map_err(|_| anyhow::anyhow!("bringing the cluster up panicked"))?;
-        let t = match up {
-            Ok(()) => {
-                let t = cargo::test_cluster(path, &bin_dir, if host { None } else { filter });
-                if let Err(e) = cluster::down() {
-                    println!("cluster: {e:#}");
-                }
-                t?
-            }
+    // nodes' daemons started: mostly waiting) while its suite builds, and its suite starts as
+    // soon as it is Ready: the longest stage, it starts first. The cluster is taken down
+    // whatever the tests did.
+    let cluster = if with_cluster {
+        let (root, bins, previous) = (cargo::workspace_root(), bin_dir.clone(), previous.clone());
+        let up = std::thread::spawn(move || {
+            cluster::up(&root, &bins, previous.as_deref(), cluster::NODES_IN_TESTS)
+        });
+        let exe = match cargo::cluster_test_binary(path) {
+            Ok(exe) => exe,
             Err(e) => {
-                println!("cluster: {e:#}");
-                failures.push(format!("the cluster: could not start it: {e:#}"));
-                let mut t = cargo::Totals::default();
-                t.failed = 1;
-                t
+                let _ = up.join();
+                let _ = cluster::down();
+                return Err(e);
             }
         };
+        let (bin_dir, filter) = (bin_dir.clone(), (!host).then(|| filter.map(str::to_owned)));
+        Some(std::thread::spawn(move || -> (cargo::Totals, Option<String>, String) {
+            let stage = std::time::Instant::now();
+            let up = up.join().unwrap_or_else(|_| Err(anyhow::anyhow!("cluster up panicked")));
+            let (t, error) = match up {
+                Ok(()) => {
+                    let t = cargo::test_cluster(&exe, &bin_dir, filter.flatten().as_deref());
+                    if let Err(e) = cluster::down() {
+                        println!("cluster: {e:#}");
+                    }
+                    match t {
+                        Ok(t) => (t, None),
+                        Err(e) => (cargo::Totals::one_failed(), Some(e)),
+                    }
+                }
+                Err(e) => (cargo::Totals::one_failed(), Some(e.context("could not start it"))),
+            };
+            let error = error.map(|e| {
+                println!("cluster: {e:#}");
+                format!("the cluster: {e:#}")
+            });
+            (t, error, since(stage))
+        }))
+    } else {
+        None
+    };
+    // Beside it: clippy, then every other test executable built before any other suite runs
+    // (then no cargo waits on another's lock of the target directory while a suite runs). If
+    // either fails, the run has failed: the cluster's suite is stopped and its cluster taken
+    // down before this returns.
+    let built = (|| {
+        if host {
+            cargo::clippy(path)?;
+        }
+        cargo::test_binaries(path)
+    })();
+    let bins = match built {
+        Ok(bins) => bins,
+        Err(e) => {
+            cargo::stop_cluster_suite();
+            if let Some(cluster) = cluster {
+                let _ = cluster.join();
+            }
+            return Err(e);
+        }
+    };
+    println!("test: checks and builds done in {}; the other suites start", since(started));
+
+    // The kernels' VMs, one after the other.
+    let vms = {
+        let series: Vec<String> = series.iter().map(|s| (*s).to_owned()).collect();
+        let bin_dir = bin_dir.clone();
+        std::thread::spawn(move || -> Result<Vec<(vm::Outcome, String)>> {
+            series
+                .iter()
+                .map(|s| {
+                    let stage = std::time::Instant::now();
+                    Ok((vm::run_matrix_entry(s, &bin_dir, &bins)?, since(stage)))
+                })
+                .collect()
+        })
+    };
+
+    let mut lines = Vec::new();
+    let mut total = Tally::default();
+    if host {
+        let stage = std::time::Instant::now();
+        // Counted as a failure if cargo cannot even start: the other suites are still joined.
+        let t = cargo::test(path, &bin_dir, filter).unwrap_or_else(|e| {
+            println!("test: {e:#}");
+            cargo::Totals::one_failed()
+        });
         lines.push(format!(
-            "tests on the two-node cluster: {} passed, {} failed ({})",
+            "tests on this machine's kernel: {} passed, {} failed ({})",
             t.passed,
             t.failed,
-            took(&mut stage)
+            since(stage)
         ));
-        total.passed += t.passed;
-        total.failed += t.failed;
-        failures.extend(t.failure_lines("the cluster: "));
-        if t.failed > 0 {
-            bad.push("the cluster".to_owned());
+        total.add("this machine's kernel", &t);
+    }
+    // The fuzz targets once the host's tests are done: their build compiles on both cores.
+    if host && filter.is_none() {
+        let stage = std::time::Instant::now();
+        let secs = fuzz::IN_TESTS_SECS;
+        match fuzz::build().and_then(|()| fuzz::run(&[], secs)) {
+            Ok(()) => lines.push(format!(
+                "fuzz targets: {} run {secs} s each, no crash ({})",
+                fuzz::TARGETS.len(),
+                since(stage)
+            )),
+            Err(e) => {
+                println!("fuzz: {e:#}");
+                lines.push(format!("fuzz targets: failed: {e:#} ({})", since(stage)));
+                total.bad.push("the fuzz targets".to_owned());
+            }
         }
     }
-    let Background { vms, fuzz } =
-        background.join().map_err(|_| anyhow::anyhow!("the VM and fuzz runs' thread panicked"))?;
-    let outs = match vms {
+    if let Some(cluster) = cluster {
+        let (t, error, took) =
+            cluster.join().map_err(|_| anyhow::anyhow!("the cluster's thread panicked"))?;
+        lines.push(format!(
+            "tests on the two-node cluster: {} passed, {} failed ({took})",
+            t.passed, t.failed
+        ));
+        total.failures.extend(error);
+        total.add("the cluster", &t);
+    }
+    let outs = match vms.join().map_err(|_| anyhow::anyhow!("the VMs' thread panicked"))? {
         Ok(outs) => outs,
         Err(e) => {
             println!("vm: {e:#}");
-            failures.push(format!("the VMs: {e:#}"));
-            bad.push("the VMs".to_owned());
+            total.failures.push(format!("the VMs: {e:#}"));
+            total.bad.push("the VMs".to_owned());
             Vec::new()
         }
     };
     for (out, took) in outs {
         lines.push(format!(
-            "tests on Linux {} (QEMU{}): {} passed, {} failed{} ({took})",
+            "tests on Linux {} (QEMU): {} passed, {} failed{} ({took})",
             out.release,
-            if with_cluster { ", beside the cluster" } else { "" },
             out.tests.passed,
             out.tests.failed,
             if out.failed_suites.is_empty() {
@@ -475,30 +516,26 @@ fn test(
                 format!("; failing: {}", out.failed_suites.join(", "))
             },
         ));
-        total.passed += out.tests.passed;
-        total.failed += out.tests.failed;
-        failures.extend(out.tests.failure_lines(&format!("Linux {}: ", out.release)));
-        if out.tests.failed > 0 || !out.failed_suites.is_empty() {
-            bad.push(format!("Linux {}", out.release));
+        let what = format!("Linux {}", out.release);
+        total.add(&what, &out.tests);
+        if out.tests.failed == 0 && !out.failed_suites.is_empty() {
+            total.bad.push(what);
         }
-    }
-    match fuzz {
-        Some(Ok(line)) => lines.push(line),
-        Some(Err(line)) => {
-            lines.push(line);
-            bad.push("the fuzz targets".to_owned());
-        }
-        None => {}
     }
     for l in &lines {
         println!("{l}");
     }
-    for f in &failures {
+    for f in &total.failures {
         println!("{f}");
     }
-    println!("tests: {} passed, {} failed", total.passed, total.failed);
-    if !bad.is_empty() {
-        bail!("tests failed on {}", bad.join(", "));
+    println!(
+        "tests: {} passed, {} failed (in {}, checks and builds included)",
+        total.passed,
+        total.failed,
+        since(started)
+    );
+    if !total.bad.is_empty() {
+        bail!("tests failed on {}", total.bad.join(", "));
     }
     if total.passed == 0 {
         bail!("cargo test ran no test");

@@ -68,6 +68,16 @@ impl HboneError {
         }
     }
 
+    /// Whether the peer took the TCP connection and never answered the TLS handshake: nothing
+    /// but a ClientHello was sent, so the CONNECT may go on a new connection. A peer node whose
+    /// proxy is being replaced does this: its agent holds the HBONE listener, whose backlog
+    /// keeps the connection until the next proxy runs, and that can take longer than one
+    /// connect timeout (10 to 14 s between the old proxy's drain and the next one serving, in a
+    /// rolling update on two nodes).
+    pub fn is_unanswered_handshake(&self) -> bool {
+        matches!(self, Self::Tls(_, e) if e.kind() == io::ErrorKind::TimedOut)
+    }
+
     /// A short label for metrics.
     pub fn reason(&self) -> &'static str {
         match self {

@@ -153,7 +153,10 @@ async fn via_hbone(
     // A stream the peer never processed (it was going away, or refused it) is opened again on
     // another connection: RFC 9113 §8.7 lets a client retry such a request. A peer proxy that
     // drains sends GOAWAY; a stream opened on the pooled connection in the instant before it
-    // arrived is refused, and a new connection reaches the peer's next proxy.
+    // arrived is refused, and a new connection reaches the peer's next proxy. So is one whose
+    // new connection's handshake went unanswered: the peer's proxy is being replaced and the
+    // connection waits in the backlog its agent holds (the app waits too, as it would for the
+    // next proxy on its own node), up to OPEN_ATTEMPTS connect timeouts in all.
     let mut attempt = 1;
     let (send, recv, token, permit) = loop {
         let result = open(pod, &key, dst, gateway, target.addr, &headers).await;
@@ -161,6 +164,10 @@ async fn via_hbone(
             Ok(opened) => break opened,
             Err(e) if e.is_unprocessed() && attempt < OPEN_ATTEMPTS => {
                 tracing::debug!(error = %e, attempt, "CONNECT not processed by the peer; again on another connection");
+                attempt += 1;
+            }
+            Err(e) if e.is_unanswered_handshake() && attempt < OPEN_ATTEMPTS => {
+                tracing::info!(error = %e, attempt, "the peer's proxy did not answer the handshake; dialing again");
                 attempt += 1;
             }
             Err(e) => {
@@ -197,7 +204,8 @@ async fn via_hbone(
     Box::pin(resume::carry_client(pod, tcp, side, meters)).await
 }
 
-/// How many times a CONNECT the peer did not process is sent, on as many connections.
+/// How many times a CONNECT the peer did not process is sent, on as many connections (and how
+/// many connections a peer that never answers the handshake is given).
 const OPEN_ATTEMPTS: u32 = 3;
 
 /// A CONNECT stream to `dst` through `gateway`, on a pooled HBONE connection or a new one; a

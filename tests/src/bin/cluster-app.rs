@@ -20,7 +20,8 @@
 //!   standard input ends, S seconds at most), each on a thread of its own, so a connection that waits does not hold
 //!   up the next: each sends 64 bytes and checks the sink's answer within 120 s. Prints
 //!   `opened=N answered=N refused=N reset=N other=N slowest_ms=N slowest_connect_ms=N` and
-//!   `failed_at_ms=T,…` (when each failed connection was opened, the first 100) and the first
+//!   `failed_at_ms=T,…` (when each failed connection was opened, the first 100), `began_unix_ms=`
+//!   (the loop's start on the wall clock, for the proxies' logs) and the first
 //!   errors; exits 1 unless every connection was answered.
 //! - `hold ADDR --connections N --seconds S`: N long-lived connections to an echo port, one in
 //!   three each of bulk (a paced stream of the fixed pattern, its echo checked byte by byte),
@@ -313,7 +314,12 @@ fn one_round(addr: SocketAddr) -> Outcome {
         .and_then(|()| conn.shutdown(Shutdown::Write))
         .and_then(|()| conn.read_to_string(&mut answer));
     match result {
-        Err(e) => fail(e, "exchange"),
+        // Where and when, to find the connection in the proxies' access logs.
+        Err(e) => {
+            let from = conn.local_addr().map_or_else(|_| "?".to_owned(), |a| a.to_string());
+            let after = start.elapsed().as_millis();
+            fail(e, &format!("exchange (from {from}, failed after {after} ms)"))
+        }
         Ok(_) if answer.trim() != want => Outcome::Failed(
             std::io::ErrorKind::InvalidData,
             format!("the sink read {:?}, not {want:?}", answer.trim()),
@@ -343,6 +349,10 @@ fn connect_loop(args: &[String]) -> Result<(), String> {
     }
     let mut rounds = Vec::new();
     let began = Instant::now();
+    // The loop's clock against the wall's, for the times its failures are reported at.
+    let began_unix_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
     let mut next = began;
     while Instant::now() < until && !stdin_closed.load(std::sync::atomic::Ordering::Relaxed) {
         let at = began.elapsed();
@@ -391,6 +401,7 @@ fn connect_loop(args: &[String]) -> Result<(), String> {
         slowest_connect.as_millis()
     );
     println!("failed_at_ms={}", failed_at.join(","));
+    println!("began_unix_ms={began_unix_ms}");
     for e in &errors {
         println!("error: {e}");
     }

@@ -246,12 +246,14 @@ fn a_rolling_update_node_by_node_keeps_a_cross_node_transfer_and_answers_every_c
     assert!(count("opened") > 1000, "the loop did not run: {looped}");
     assert_eq!(count("refused"), 0, "connections refused across the rolling update: {looped}");
     assert_eq!(count("other"), 0, "connections failed across the rolling update: {looped}");
-    // A proxy told to stop in the instant after its node's new agent is Ready, before it had
-    // found that agent, closed listeners no agent held: 289 of 2748 failed in one CI run
-    // (`a_proxy_stopped_while_its_nodes_agent_restarts_…` below is that case, made certain; the
-    // proxy now waits for the agent). One reset in 3018 was seen before that run, not since; at
-    // most one per proxy restart passes, any more is a regression.
-    assert!(count("reset") <= 2, "connections reset across the rolling update: {looped}");
+    // None reset either. One in about 3000 was: the connection that dialed the server's node
+    // while its proxy was being replaced, its handshake unanswered past the connect timeout
+    // (node 2's agent held the listener; 10 to 14 s passed between the two proxies), reset at
+    // the timeout. The proxy now dials again (connection_handover.rs has that case, made
+    // certain). A proxy told to stop just after its node's new agent is Ready, before it found
+    // that agent, closed listeners no agent held (289 of 2748 failed in one CI run;
+    // `a_proxy_stopped_while_its_nodes_agent_restarts_…` below): it now waits for the agent.
+    assert_eq!(count("reset"), 0, "connections reset across the rolling update: {looped}");
 }
 
 /// Node cordons the test made, uncordoned whatever it did.

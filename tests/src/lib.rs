@@ -128,4 +128,4 @@ pub use test_proxy::TestProxy;
 pub use traffic::{
     read_line, syns_sent, tcp_send, tcp_sink, transfer, transfer_counting_retransmits, Sentinel,
 };
-pub use waits::{wait_until, wait_until_async};
+pub use waits::{again_after_eintr, read_within, wait_until, wait_until_async};

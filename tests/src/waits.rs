@@ -39,6 +39,40 @@ pub async fn wait_until_async<F: Future<Output = bool>>(
     cond().await
 }
 
+/// One read (or recv) within `limit`: `op` is given the time left, sets it as the socket's
+/// timeout and reads once. Read again after EINTR, with what is left of the first deadline: a
+/// read with a timeout (SO_RCVTIMEO) is never restarted (signal(7)); a stop and continue of
+/// the process, with no handler at all, ends it so (a CI run failed after 1.35 s of 40). Past
+/// the deadline: `WouldBlock`, what a read that timed out returns.
+pub fn read_within<T>(
+    limit: Duration,
+    mut op: impl FnMut(Duration) -> std::io::Result<T>,
+) -> std::io::Result<T> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::WouldBlock.into());
+        }
+        match op(left) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            r => return r,
+        }
+    }
+}
+
+/// `op`, one read or recv on a socket whose timeout is already set, again after EINTR (see
+/// [`read_within`]; here each try waits the whole timeout: a test waits a little longer, once
+/// in a long while, instead of failing).
+pub fn again_after_eintr<T>(mut op: impl FnMut() -> std::io::Result<T>) -> std::io::Result<T> {
+    loop {
+        match op() {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            r => return r,
+        }
+    }
+}
+
 /// Polls `f` until it returns `Some`, or fails after `limit` naming `what` and the last error.
 pub fn wait_for<T>(
     what: &str,

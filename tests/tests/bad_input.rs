@@ -102,7 +102,7 @@ async fn reset_flood(conn: hbone::Connection, dst: std::net::SocketAddr, n: usiz
 /// answer. A read that times out is not a close: the connection was left open.
 fn closed_without_answer(mut c: impl std::io::Read) -> bool {
     let mut buf = [0u8; 256];
-    match c.read(&mut buf) {
+    match meshpath_tests::again_after_eintr(|| c.read(&mut buf)) {
         Ok(0) => true,
         Err(e) => matches!(
             e.kind(),

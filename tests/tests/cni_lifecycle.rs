@@ -45,7 +45,9 @@ fn a_proxy_killed_mid_transfer_fails_the_connection_and_nothing_bypasses_it() {
     // The open connection fails...
     let mut failed = false;
     for _ in 0..50 {
-        if conn.write_all(&[0u8; 1024]).is_err() || conn.read(&mut buf).map_or(true, |n| n == 0) {
+        if conn.write_all(&[0u8; 1024]).is_err()
+            || meshpath_tests::again_after_eintr(|| conn.read(&mut buf)).map_or(true, |n| n == 0)
+        {
             failed = true;
             break;
         }
@@ -57,7 +59,7 @@ fn a_proxy_killed_mid_transfer_fails_the_connection_and_nothing_bypasses_it() {
     let mut waiting = p0.connect(dst).expect("a new connection was refused while held");
     waiting.write_all(b"early").expect("send");
     waiting.set_read_timeout(Some(Duration::from_secs(1))).expect("timeout");
-    let unanswered = waiting.read(&mut buf);
+    let unanswered = meshpath_tests::again_after_eintr(|| waiting.read(&mut buf));
     assert!(
         matches!(&unanswered, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
         "answered with no proxy: {unanswered:?}"
@@ -266,7 +268,7 @@ fn a_pod_removed_with_connections_open_has_them_closed_and_is_no_longer_served()
     // The proxy ended the pod's connections: the app sees its connection end.
     let mut ended = false;
     for _ in 0..50 {
-        match conn.read(&mut back) {
+        match meshpath_tests::again_after_eintr(|| conn.read(&mut back)) {
             Ok(0) | Err(_) => {
                 ended = true;
                 break;

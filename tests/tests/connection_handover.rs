@@ -75,9 +75,11 @@ fn sent_to_while_no_proxy_runs(node: &mut CniNode, c: &mut TcpStream) {
     assert!(old.wait_exit(Duration::from_secs(30)), "the old proxy did not exit");
     // No proxy runs: the bytes wait in the kernel's buffers, unanswered.
     c.write_all(b"while no proxy runs").expect("send");
-    c.set_read_timeout(Some(Duration::from_secs(1))).expect("timeout");
     let mut b = [0u8; 1];
-    match c.read(&mut b) {
+    match meshpath_tests::read_within(Duration::from_secs(1), |t| {
+        c.set_read_timeout(Some(t))?;
+        c.read(&mut b)
+    }) {
         Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
         other => panic!("answered or ended with no proxy running: {other:?}"),
     }
@@ -391,9 +393,11 @@ fn a_stream_whose_server_side_never_comes_back_ends_once_the_resume_window_has_p
     old.signal(libc::SIGTERM).expect("SIGTERM");
     assert!(old.wait_exit(Duration::from_secs(30)), "node 2's proxy did not exit");
     // Within the window the app's connection is held, neither answered nor ended...
-    c.set_read_timeout(Some(Duration::from_secs(1))).expect("timeout");
     let mut b = [0u8; 1];
-    match c.read(&mut b) {
+    match meshpath_tests::read_within(Duration::from_secs(1), |t| {
+        c.set_read_timeout(Some(t))?;
+        c.read(&mut b)
+    }) {
         Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
         other => panic!("answered or ended within the window: {other:?}"),
     }
@@ -432,9 +436,11 @@ fn a_new_connection_to_a_node_whose_proxy_is_replaced_slower_than_the_connect_ti
     // Past one connect timeout with no proxy on node 2: the app's connection is still open,
     // neither answered nor ended.
     std::thread::sleep(Duration::from_secs(3));
-    c.set_read_timeout(Some(Duration::from_millis(200))).expect("timeout");
     let mut b = [0u8; 1];
-    match c.read(&mut b) {
+    match meshpath_tests::read_within(Duration::from_millis(200), |t| {
+        c.set_read_timeout(Some(t))?;
+        c.read(&mut b)
+    }) {
         Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
         other => panic!("answered or ended with no proxy on node 2: {other:?}"),
     }

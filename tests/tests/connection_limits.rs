@@ -212,7 +212,7 @@ fn still_open(held: &mut [TcpStream]) -> usize {
     let mut open = 0;
     for c in held {
         c.set_read_timeout(Some(Duration::from_millis(500))).expect("timeout");
-        match c.read(&mut [0u8; 1]) {
+        match meshpath_tests::again_after_eintr(|| c.read(&mut [0u8; 1])) {
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => open += 1,
             Ok(0) | Err(_) => {}
             Ok(_) => panic!("node 2 sent bytes to a client that never started TLS"),

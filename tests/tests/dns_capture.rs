@@ -31,7 +31,7 @@ fn udp_query_is_answered_from_the_server_queried(v6: bool) {
     let sock = udp_in_a(&mesh, server);
     sock.send_to(b"query-1", server).expect("sendto");
     let mut buf = [0u8; 512];
-    let (n, from) = sock.recv_from(&mut buf).expect("reply");
+    let (n, from) = meshpath_tests::again_after_eintr(|| sock.recv_from(&mut buf)).expect("reply");
     assert_eq!(&buf[..n], b"ANSWER query-1");
     assert_eq!(from, server, "the reply must come from the server the app queried");
 }
@@ -62,7 +62,7 @@ fn connected_udp_dns_reaches_the_dns_proxy() {
         assert_eq!(sock.peer_addr().expect("getpeername"), server);
         sock.send(b"query-2").expect("send");
         let mut buf = [0u8; 512];
-        let n = sock.recv(&mut buf).expect("reply");
+        let n = meshpath_tests::again_after_eintr(|| sock.recv(&mut buf)).expect("reply");
         assert_eq!(&buf[..n], b"ANSWER query-2", "v6={v6}");
     }
 }
@@ -100,7 +100,10 @@ fn dns_is_refused_when_the_proxy_is_not_running() {
     real.set_read_timeout(Some(Duration::from_millis(300))).expect("timeout");
     let _ = sock.send_to(b"query-3", server);
     let mut buf = [0u8; 64];
-    assert!(real.recv_from(&mut buf).is_err(), "the query leaked around the proxy");
+    assert!(
+        meshpath_tests::again_after_eintr(|| real.recv_from(&mut buf)).is_err(),
+        "the query leaked around the proxy"
+    );
 }
 
 #[test]
@@ -113,7 +116,8 @@ fn dns_is_not_captured_when_dns_capture_is_off() {
     let sock = udp_in_a(&mesh, server);
     sock.send_to(b"query-4", server).expect("sendto");
     let mut buf = [0u8; 64];
-    let (n, _) = real.recv_from(&mut buf).expect("the real server got the query");
+    let (n, _) = meshpath_tests::again_after_eintr(|| real.recv_from(&mut buf))
+        .expect("the real server got the query");
     assert_eq!(&buf[..n], b"query-4");
 }
 
@@ -134,7 +138,7 @@ fn a_udp_socket_connected_again_elsewhere_shows_and_reaches_its_new_peer() {
         echo.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
         let server = std::thread::spawn(move || {
             let mut buf = [0u8; 64];
-            let (n, from) = echo.recv_from(&mut buf)?;
+            let (n, from) = meshpath_tests::again_after_eintr(|| echo.recv_from(&mut buf))?;
             echo.send_to(&buf[..n], from)
         });
 
@@ -147,7 +151,8 @@ fn a_udp_socket_connected_again_elsewhere_shows_and_reaches_its_new_peer() {
         assert_eq!(sock.peer_addr().expect("getpeername"), other, "v6={v6}");
         sock.send(b"hello").expect("send");
         let mut buf = [0u8; 64];
-        let n = sock.recv(&mut buf).expect("the real server's echo");
+        let n = meshpath_tests::again_after_eintr(|| sock.recv(&mut buf))
+            .expect("the real server's echo");
         assert_eq!(&buf[..n], b"hello", "v6={v6}");
         server.join().expect("echo server").expect("echo io");
     }

@@ -84,7 +84,7 @@ fn plaintext_to_the_hbone_port_is_refused() {
     let mut buf = [0u8; 512];
     // Refused: closed (EOF, or whatever the TLS stack answered) or reset. A read that times
     // out means the proxy neither served nor refused it, which fails too.
-    let n = match conn.read(&mut buf) {
+    let n = match meshpath_tests::again_after_eintr(|| conn.read(&mut buf)) {
         Ok(n) => n,
         Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => 0,
         Err(e) => panic!("the proxy did not close a plaintext connection to 15008: {e}"),

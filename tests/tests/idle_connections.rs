@@ -171,7 +171,7 @@ fn ten_thousand_idle_hbone_connections_stay_under_the_memory_bound_and_the_cap_r
     over.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
     let _ = over.write_all(b"x");
     let mut byte = [0u8; 1];
-    let read = over.read(&mut byte);
+    let read = meshpath_tests::again_after_eintr(|| over.read(&mut byte));
     let refused = matches!(&read, Ok(0))
         || matches!(&read, Err(e) if matches!(e.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe));
     assert!(refused, "a connection over the cap was not closed by the proxy: {read:?}");
@@ -229,13 +229,14 @@ fn a_connection_idle_for_the_timeout_is_closed_at_both_ends() {
     // Then nothing either way: both ends see the connection end (EOF or reset) without sending.
     client.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
     server.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
-    let ended = |s: &mut TcpStream| match s.read(&mut [0u8; 1]) {
-        Ok(0) => true,
-        Err(e) => {
-            !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
-        }
-        Ok(_) => false,
-    };
+    let ended =
+        |s: &mut TcpStream| match meshpath_tests::again_after_eintr(|| s.read(&mut [0u8; 1])) {
+            Ok(0) => true,
+            Err(e) => {
+                !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
+            }
+            Ok(_) => false,
+        };
     assert!(ended(&mut client), "the client's idle connection was not closed");
     assert!(ended(&mut server), "the app's idle connection was not closed");
 }

@@ -185,7 +185,7 @@ fn a_deny_for_the_pair_refuses_it_and_the_app_is_never_reached() {
     let mut c = p0.connect(SocketAddr::new(p1.ip, 8091)).expect("connect");
     let _ = c.write_all(b"denied?");
     let mut b = [0u8; 16];
-    let answer = c.read(&mut b);
+    let answer = meshpath_tests::again_after_eintr(|| c.read(&mut b));
     assert!(matches!(answer, Ok(0) | Err(_)), "data came back: {answer:?}");
     assert!(!reached(&l), "the app was reached through a denied connection");
     // Counted by both sides as the node-local path counts it (over HBONE the source side would
@@ -221,7 +221,7 @@ fn a_deny_written_while_a_node_local_connection_is_open_closes_it() {
             break true;
         }
         live.set_read_timeout(Some(Duration::from_millis(200))).expect("timeout");
-        match live.read(&mut buf) {
+        match meshpath_tests::again_after_eintr(|| live.read(&mut buf)) {
             Ok(0) => break true,
             Err(e)
                 if !matches!(
@@ -281,7 +281,8 @@ fn killing_the_proxy_ends_a_node_local_connection_and_new_ones_wait_for_the_next
     assert!(proxy.wait_exit(Duration::from_secs(10)), "the proxy did not die");
     // The connection's sockets were the proxy's: the kernel ends them with it.
     c.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-    let after = c.write_all(b"ping").and_then(|()| c.read(&mut buf));
+    let after =
+        c.write_all(b"ping").and_then(|()| meshpath_tests::again_after_eintr(|| c.read(&mut buf)));
     assert!(matches!(after, Ok(0) | Err(_)), "the connection outlived kill -9: {after:?}");
     // No proxy: a new connection waits (the agent holds the pod's listeners), and never goes
     // around the mesh to the app.

@@ -176,7 +176,7 @@ fn a_deny_written_into_the_workload_file_closes_an_open_connection_it_denies() {
         if live.write_all(b"ping").is_err() {
             break true;
         }
-        match live.read(&mut buf) {
+        match meshpath_tests::again_after_eintr(|| live.read(&mut buf)) {
             Ok(0) | Err(_) => break true,
             Ok(_) if changed.elapsed() > Duration::from_secs(10) => break false,
             Ok(_) => std::thread::sleep(Duration::from_millis(100)),

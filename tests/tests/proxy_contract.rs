@@ -318,7 +318,10 @@ fn without_the_proxy_inbound_never_reaches_the_app(proxy: Proxy) {
             let mut waiting = legacy.connect(dst).expect("refused with its listeners held");
             waiting.set_read_timeout(Some(Duration::from_secs(1))).expect("timeout");
             let mut b = [0u8; 1];
-            assert!(waiting.read(&mut b).is_err(), "answered with no proxy");
+            assert!(
+                meshpath_tests::again_after_eintr(|| waiting.read(&mut b)).is_err(),
+                "answered with no proxy"
+            );
         }
     }
     assert!(listener.accept().is_err(), "the app was reached without the proxy");
@@ -351,7 +354,7 @@ fn dns_goes_to_the_proxys_dns_listener_ztunnel_like() {
             udp.set_read_timeout(Some(Duration::from_secs(5)))?;
             udp.send_to(b"query", server)?;
             let mut buf = [0u8; 64];
-            let (n, from) = udp.recv_from(&mut buf)?;
+            let (n, from) = meshpath_tests::again_after_eintr(|| udp.recv_from(&mut buf))?;
             Ok((from, buf[..n].to_vec()))
         })
         .expect("run")

@@ -54,9 +54,11 @@ fn round_trip(from: &CniPod, dst: SocketAddr, wait: Duration) -> std::io::Result
 fn waiting_connection(from: &CniPod, dst: SocketAddr) -> TcpStream {
     let mut c = from.connect(dst).expect("refused with the pod's listeners held");
     c.write_all(b"waited...").expect("send");
-    c.set_read_timeout(Some(Duration::from_secs(1))).expect("timeout");
     let mut b = [0u8; 1];
-    match c.read(&mut b) {
+    match meshpath_tests::read_within(Duration::from_secs(1), |t| {
+        c.set_read_timeout(Some(t))?;
+        c.read(&mut b)
+    }) {
         Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
         other => panic!("a connection was answered with no proxy running: {other:?}"),
     }
@@ -108,9 +110,11 @@ fn a_pod_whose_proxy_never_comes_back_is_refused_once_the_hold_has_passed() {
     };
     let agent = node.agent.as_ref().expect("agent").lines().join("\n");
     assert!(refused, "still not refused 15 s after a 2 s hold:\n{agent}");
-    waiting.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
     let mut b = [0u8; 9];
-    let end = waiting.read(&mut b);
+    let end = meshpath_tests::read_within(Duration::from_secs(5), |t| {
+        waiting.set_read_timeout(Some(t))?;
+        waiting.read(&mut b)
+    });
     assert!(matches!(end, Ok(0) | Err(_)), "the waiting connection was answered: {end:?}");
     assert!(agent.contains("no proxy took the pod's listeners in time"), "{agent}");
 }

@@ -128,7 +128,7 @@ fn answer_from(raw: &Socket, peer: SocketAddr, to: u16, flags: u8, wait: Duratio
     let deadline = Instant::now() + wait;
     let mut buf = [MaybeUninit::<u8>::uninit(); 2048];
     while Instant::now() < deadline {
-        let (n, from) = match raw.recv_from(&mut buf) {
+        let (n, from) = match meshpath_tests::again_after_eintr(|| raw.recv_from(&mut buf)) {
             Ok(r) => r,
             Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
                 continue

@@ -88,7 +88,8 @@ fn ask_udp(nodes: &TwoNodes, server: SocketAddr, q: &[u8]) -> (Vec<u8>, SocketAd
     sock.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
     sock.send_to(q, server).expect("send");
     let mut buf = [0u8; 4096];
-    let (n, from) = sock.recv_from(&mut buf).expect("a DNS reply");
+    let (n, from) =
+        meshpath_tests::again_after_eintr(|| sock.recv_from(&mut buf)).expect("a DNS reply");
     (buf[..n].to_vec(), from)
 }
 
@@ -139,22 +140,15 @@ fn a_dns_over_tcp_client_that_sends_nothing_is_disconnected() {
     let nodes = nodes(true, &[]);
     let mut conn = dns_over_tcp_from_a(&nodes);
     // Far longer than the proxy's idle limit (10 s): the proxy must have closed it by then.
-    conn.set_read_timeout(Some(Duration::from_secs(40))).expect("timeout");
-    let deadline = std::time::Instant::now() + Duration::from_secs(40);
     let mut buf = [0u8; 16];
-    loop {
-        match conn.read(&mut buf) {
-            Ok(0) => return,
-            Ok(n) => panic!("answered {n} bytes to nothing"),
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return,
-            // A signal this process handles (another test's child exiting) ends a read that
-            // has a timeout with EINTR: such reads are never restarted (signal(7)). A CI run
-            // failed here after 1.35 s.
-            Err(e)
-                if e.kind() == std::io::ErrorKind::Interrupted
-                    && std::time::Instant::now() < deadline => {}
-            Err(e) => panic!("still open after 40 s ({e})"),
-        }
+    match meshpath_tests::read_within(Duration::from_secs(40), |t| {
+        conn.set_read_timeout(Some(t))?;
+        conn.read(&mut buf)
+    }) {
+        Ok(0) => {}
+        Ok(n) => panic!("answered {n} bytes to nothing"),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        Err(e) => panic!("still open after 40 s ({e})"),
     }
 }
 
@@ -175,7 +169,7 @@ fn other_names_are_forwarded_to_the_upstream_from_inside_the_pod() {
     sock.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
     let fake = std::thread::spawn(move || {
         let mut buf = [0u8; 4096];
-        let (n, from) = sock.recv_from(&mut buf)?;
+        let (n, from) = meshpath_tests::again_after_eintr(|| sock.recv_from(&mut buf))?;
         let q = Message::from_bytes(&buf[..n]).map_err(std::io::Error::other)?;
         let mut r = Message::new();
         r.set_id(q.id()).set_message_type(MessageType::Response).add_queries(q.queries().to_vec());

@@ -14,9 +14,11 @@ use meshpath_tests::{cni_node::CniNode, two_nodes::TwoNodes};
 /// waits (up to far longer than the server's limit) for the server to give up.
 fn closed_by_the_server(mut conn: TcpStream, what: &str) {
     conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n").expect("send");
-    conn.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
     let mut buf = [0u8; 256];
-    match conn.read(&mut buf) {
+    match meshpath_tests::read_within(Duration::from_secs(30), |t| {
+        conn.set_read_timeout(Some(t))?;
+        conn.read(&mut buf)
+    }) {
         // Closed, possibly after a 408.
         Ok(n) => {
             let text = String::from_utf8_lossy(&buf[..n]);

@@ -302,7 +302,7 @@ fn a_policy_push_closes_an_open_connection_it_denies() {
         if live.write_all(b"ping").is_err() {
             break true;
         }
-        match live.read(&mut buf) {
+        match meshpath_tests::again_after_eintr(|| live.read(&mut buf)) {
             Ok(0) | Err(_) => break true,
             Ok(_) if pushed.elapsed() > Duration::from_secs(10) => break false,
             Ok(_) => std::thread::sleep(Duration::from_millis(100)),
@@ -379,9 +379,11 @@ fn pods_handed_over_before_istiods_policies_arrive_are_served_only_under_them() 
     // echo server answers whoever reaches it, and served now it would meet no policy.
     let mut c = p0.connect(dst).expect("connect");
     c.write_all(b"early").expect("send");
-    c.set_read_timeout(Some(Duration::from_secs(2))).expect("timeout");
     let mut b = [0u8; 5];
-    let early = c.read(&mut b);
+    let early = meshpath_tests::read_within(Duration::from_secs(2), |t| {
+        c.set_read_timeout(Some(t))?;
+        c.read(&mut b)
+    });
     assert!(early.is_err(), "served before istiod's policies: {early:?}");
     // The policies arrive: the connection that waited is judged by them, denied.
     istiod.withhold(AUTHORIZATION_TYPE, false);

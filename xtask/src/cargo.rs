@@ -284,7 +284,12 @@ pub fn test(extra_path: Option<&Path>, bin_dir: &Path, filter: Option<&str>) -> 
 /// up, one test at a time, run directly rather than through cargo, so that it can run beside
 /// another `cargo test` (which holds the target directory's lock). Its lines are printed with
 /// `[cluster] ` before them, apart from the other suites running at the same time.
-pub fn test_cluster(exe: &Path, bin_dir: &Path, filter: Option<&str>) -> Result<Totals> {
+pub fn test_cluster(
+    exe: &Path,
+    bin_dir: &Path,
+    filter: Option<&str>,
+    host_running: Option<&Path>,
+) -> Result<Totals> {
     if CLUSTER_SUITE_STOPPED.load(Ordering::SeqCst) {
         bail!("not run: the run failed before it could");
     }
@@ -299,6 +304,11 @@ pub fn test_cluster(exe: &Path, bin_dir: &Path, filter: Option<&str>) -> Result<
     test.args(["--test-threads", "1"]);
     test.env("MESHPATH_LOADER", bin_dir.join("meshpath-loader"));
     test.env("MESHPATH_CLUSTER", "1");
+    // A test that takes what this machine's tests share with the first node (its bpffs: the
+    // reboot) waits while this file exists.
+    if let Some(marker) = host_running {
+        test.env("MESHPATH_HOST_SUITE_MARKER", marker);
+    }
     let child = test.stdout(Stdio::piped()).spawn().context("starting the cluster suite")?;
     CLUSTER_SUITE.store(child.id(), Ordering::SeqCst);
     // Stopped between the check above and now.

@@ -305,6 +305,22 @@ fn ensure(needs: bootstrap::Needs) -> Result<Option<std::path::PathBuf>> {
     Ok(path)
 }
 
+/// A file that exists while this value lives (removed on drop, whatever happened).
+struct Marker(std::path::PathBuf);
+
+impl Marker {
+    fn create(path: &std::path::Path) -> Result<Self> {
+        std::fs::write(path, b"")?;
+        Ok(Self(path.to_path_buf()))
+    }
+}
+
+impl Drop for Marker {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// What the suites of a run counted, added up.
 #[derive(Default)]
 struct Tally {
@@ -375,6 +391,13 @@ fn test(
     // nodes' daemons started: mostly waiting) while its suite builds, and its suite starts as
     // soon as it is Ready: the longest stage, it starts first. The cluster is taken down
     // whatever the tests did.
+    // Exists while this machine's tests run: the cluster suite's reboot waits for them (the
+    // first node shares this machine's bpffs, which a reboot unmounts).
+    let host_running = host.then(|| cargo::target_dir().join("host-suite-running"));
+    let host_marker = match &host_running {
+        Some(path) => Some(Marker::create(path)?),
+        None => None,
+    };
     let cluster = if with_cluster {
         let (root, bins, previous) = (cargo::workspace_root(), bin_dir.clone(), previous.clone());
         let up = std::thread::spawn(move || {
@@ -394,7 +417,12 @@ fn test(
             let up = up.join().unwrap_or_else(|_| Err(anyhow::anyhow!("cluster up panicked")));
             let (t, error) = match up {
                 Ok(()) => {
-                    let t = cargo::test_cluster(&exe, &bin_dir, filter.flatten().as_deref());
+                    let t = cargo::test_cluster(
+                        &exe,
+                        &bin_dir,
+                        filter.flatten().as_deref(),
+                        host_running.as_deref(),
+                    );
                     if let Err(e) = cluster::down() {
                         println!("cluster: {e:#}");
                     }
@@ -468,6 +496,7 @@ fn test(
         ));
         total.add("this machine's kernel", &t);
     }
+    drop(host_marker);
     // The fuzz targets once the host's tests are done: their build compiles on both cores.
     if host && filter.is_none() {
         let stage = std::time::Instant::now();

@@ -349,16 +349,18 @@ fn since(since: std::time::Instant) -> String {
     format!("{}m {:02}s", secs / 60, secs % 60)
 }
 
-/// Checks, the build of every binary and test executable, then the suites side by side: this
-/// machine's kernel's tests (`host`), the cluster's (it comes up during the build, and its
-/// suite starts as soon as it is Ready), the capture tests in a VM per kernel series, and,
-/// once the host's tests are done, the fuzz targets' build and runs. Ends with one line per
-/// stage and one overall.
+/// rustfmt's check and the build, then the suites side by side: the cluster's (it comes up
+/// during the build; its suite starts as soon as it is Ready), the capture tests in a VM per
+/// kernel series (once every test executable is built), clippy, this machine's kernel's tests
+/// (`host`), and the fuzz targets' build and runs. Ends with one line per stage and one
+/// overall.
 ///
 /// Side by side because CI's budget is 20 minutes on two cores and the cluster's suite alone
 /// takes most of it: it mostly waits (on the kubelet, on paced transfers), the VMs' TCG and the
 /// host's tests mostly compute. None sees another's namespaces, cgroups or pins: the cluster
-/// has its own network namespace, cgroups and pin root, the guest its own kernel.
+/// has its own network namespace, cgroups and pin root, the guest its own kernel. The one
+/// thing shared, the first node's bpffs (this machine's), is unmounted by the cluster's reboot
+/// test, which waits for this machine's tests to end (the marker below).
 fn test(
     path: Option<&std::path::Path>,
     filter: Option<&str>,
@@ -442,17 +444,11 @@ fn test(
     } else {
         None
     };
-    // Beside it: clippy, then every other test executable built before any other suite runs
-    // (then no cargo waits on another's lock of the target directory while a suite runs). If
-    // either fails, the run has failed: the cluster's suite is stopped and its cluster taken
-    // down before this returns.
-    let built = (|| {
-        if host {
-            cargo::clippy(path)?;
-        }
-        cargo::test_binaries(path)
-    })();
-    let bins = match built {
+    // Beside it: every other test executable built before any other suite runs (then no
+    // cargo waits on another's lock of the target directory while a suite runs). If that
+    // fails, the run has failed: the cluster's suite is stopped and its cluster taken down
+    // before this returns.
+    let bins = match cargo::test_binaries(path) {
         Ok(bins) => bins,
         Err(e) => {
             cargo::stop_cluster_suite();
@@ -462,9 +458,9 @@ fn test(
             return Err(e);
         }
     };
-    println!("test: checks and builds done in {}; the other suites start", since(started));
 
-    // The kernels' VMs, one after the other.
+    // The kernels' VMs, one after the other: the longest stage after the cluster's, started
+    // before clippy.
     let vms = {
         let series: Vec<String> = series.iter().map(|s| (*s).to_owned()).collect();
         let bin_dir = bin_dir.clone();
@@ -481,6 +477,19 @@ fn test(
 
     let mut lines = Vec::new();
     let mut total = Tally::default();
+    // clippy, a stage of its own: a warning fails the run, which goes on to its end.
+    if host {
+        let stage = std::time::Instant::now();
+        match cargo::clippy(path) {
+            Ok(()) => lines.push(format!("clippy: no warning ({})", since(stage))),
+            Err(e) => {
+                println!("clippy: {e:#}");
+                lines.push(format!("clippy: failed: {e:#} ({})", since(stage)));
+                total.bad.push("clippy".to_owned());
+            }
+        }
+    }
+    println!("test: checks and builds done in {}", since(started));
     if host {
         let stage = std::time::Instant::now();
         // Counted as a failure if cargo cannot even start: the other suites are still joined.

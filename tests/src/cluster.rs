@@ -225,7 +225,10 @@ pub const ISTIOD_PORT: u16 = 15012;
 pub fn istiod() -> &'static crate::istiod::Istiod {
     ISTIOD.get_or_init(|| {
         let bind = std::net::SocketAddr::new(NODE_IP.parse().expect("node IP"), ISTIOD_PORT);
-        crate::istiod::Istiod::start_on(&[Path::new("/run/netns").join(NETNS)], bind)
+        // Its files in the cluster's directory, which `cargo xtask cluster down` removes: in a
+        // static, the stand-in is never dropped, and in /tmp each run's stayed.
+        let dir = Path::new(DIR).join(crate::unique("istiod-stand-in-"));
+        crate::istiod::Istiod::start_in(dir, &[Path::new("/run/netns").join(NETNS)], bind)
             .expect("the istiod stand-in in the node's namespace")
     })
 }

@@ -131,7 +131,11 @@ impl Istiod {
 
     /// [`Self::start`] on `bind` (its IP in the serving certificate too).
     pub fn start_on(netns: &[PathBuf], bind: SocketAddr) -> Result<Self> {
-        let dir = std::env::temp_dir().join(crate::unique("meshpath-istiod-"));
+        Self::start_in(std::env::temp_dir().join(crate::unique("meshpath-istiod-")), netns, bind)
+    }
+
+    /// [`Self::start_on`] with its files (CA, tokens) in `dir`, created.
+    pub fn start_in(dir: PathBuf, netns: &[PathBuf], bind: SocketAddr) -> Result<Self> {
         std::fs::create_dir_all(&dir)?;
         let ca = Arc::new(LocalCa::generate("istiod stand-in CA")?);
         let (root, _) = ca.to_pem();

@@ -17,6 +17,7 @@
 use std::{
     future::{poll_fn, Future as _},
     io,
+    pin::Pin,
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc,
@@ -60,21 +61,23 @@ impl GrowingReader {
 
     /// The next bytes read (`None` at end of stream), polled: written by hand, as the connection's task holds it for its
     /// whole life (an `async` read and a `select!` around it cost an idle connection more).
+    ///
+    /// The read goes through tokio's `poll_read`, not `try_read_buf`: a read shorter than the
+    /// buffer tells tokio the socket is drained, so the next poll waits for the next readiness
+    /// rather than calling `recv` once more to be told EAGAIN. That call was one in three of a
+    /// small message's system calls here (`cargo xtask bench proxy`: `rr_syscalls`).
     fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<Option<BytesMut>>> {
-        loop {
-            ready!(self.half.as_ref().poll_read_ready(cx))?;
-            let mut buf = BytesMut::with_capacity(self.next);
-            match self.half.try_read_buf(&mut buf) {
-                Ok(0) => return Poll::Ready(Ok(None)),
-                Ok(n) => {
-                    if n == self.next {
-                        self.next = (self.next * 2).min(MAX_READ);
-                    }
-                    return Poll::Ready(Ok(Some(buf)));
+        // No buffer until there is something to read.
+        ready!(self.half.as_ref().poll_read_ready(cx))?;
+        let mut buf = BytesMut::with_capacity(self.next);
+        // Pending (the readiness was stale): the buffer goes, and the task waits.
+        match ready!(tokio_util::io::poll_read_buf(Pin::new(&mut self.half), cx, &mut buf))? {
+            0 => Poll::Ready(Ok(None)),
+            n => {
+                if n >= self.next {
+                    self.next = (self.next * 2).min(MAX_READ);
                 }
-                // Readiness was cleared: polled again, it waits.
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Poll::Ready(Err(e)),
+                Poll::Ready(Ok(Some(buf)))
             }
         }
     }

@@ -8,6 +8,13 @@
 //! price of one copy of what is received; it buys memory rather than speed (results/README.md,
 //! "Why the proxy has its shape").
 //!
+//! The buffer's size follows the traffic, from [`FIRST`] (a small message's records) up to
+//! [`CHUNK`]: doubled when a read fills it, halved when one fills less than a quarter of it. A
+//! small message never takes a [`CHUNK`]-sized buffer: past jemalloc's per-thread cache (32
+//! KiB), each one was an arena allocation and free, the largest part of the CPU a 64-byte
+//! round trip cost meshpath-proxy over ztunnel (`perf record` of `cargo xtask bench proxy`'s
+//! request/response run).
+//!
 //! Memory: the buffer exists only while data is arriving. It is dropped as soon as it is
 //! drained and the socket has nothing more (the read returned pending), so an idle pooled
 //! HBONE connection holds none (`cargo xtask bench proxy`: `rss_kib_per_idle_conn`), and a
@@ -25,17 +32,22 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 /// The most read from the socket at once into the buffer.
 pub const CHUNK: usize = 64 * 1024;
 
+/// The first read's size, and the least it shrinks to.
+pub const FIRST: usize = 4 * 1024;
+
 /// A transport read in [`CHUNK`]s (see the module docs).
 #[derive(Debug)]
 pub struct ReadAhead<T> {
     inner: T,
     /// Read from the socket, not yet handed out. Empty with no capacity while idle.
     buf: BytesMut,
+    /// The size of the next read into `buf`.
+    next: usize,
 }
 
 impl<T> ReadAhead<T> {
     pub fn new(inner: T) -> Self {
-        Self { inner, buf: BytesMut::new() }
+        Self { inner, buf: BytesMut::new(), next: FIRST }
     }
 
     pub fn get_ref(&self) -> &T {
@@ -70,13 +82,22 @@ impl<T: AsyncRead + Unpin> AsyncRead for ReadAhead<T> {
             }
             // A fresh buffer, or the drained one's whole allocation back (an empty `BytesMut`
             // that owns its allocation reclaims it without copying).
-            this.buf.reserve(CHUNK);
+            this.buf.reserve(this.next);
             let read = tokio_util::io::poll_read_buf(Pin::new(&mut this.inner), cx, &mut this.buf);
-            if !matches!(read, Poll::Ready(Ok(n)) if n > 0) {
+            match read {
+                Poll::Ready(Ok(n)) if n > 0 => {
+                    if n >= this.next {
+                        this.next = (this.next * 2).min(CHUNK);
+                    } else if n < this.next / 4 {
+                        this.next = (this.next / 2).max(FIRST);
+                    }
+                }
                 // Nothing more for now (the connection may stay idle a long time), an error, or
                 // the end of stream (which nothing put in `out` says): give the buffer back.
-                this.buf = BytesMut::new();
-                return read.map_ok(|_| ());
+                _ => {
+                    this.buf = BytesMut::new();
+                    return read.map_ok(|_| ());
+                }
             }
         }
         let n = out.remaining().min(this.buf.len());
@@ -142,8 +163,8 @@ mod tests {
 
     #[tokio::test]
     async fn small_reads_are_served_from_large_socket_reads_in_order() {
-        let (mut tx, rx) = tokio::io::duplex(4 * CHUNK);
-        let data: Vec<u8> = (0..3 * CHUNK).map(|i| (i % 251) as u8).collect();
+        let (mut tx, rx) = tokio::io::duplex(32 * CHUNK);
+        let data: Vec<u8> = (0..16 * CHUNK).map(|i| (i % 251) as u8).collect();
         tx.write_all(&data).await.expect("write to the duplex");
         drop(tx);
         let mut r = ReadAhead::new(Counted { inner: rx, reads: 0 });
@@ -157,8 +178,23 @@ mod tests {
             got.extend_from_slice(&small[..n]);
         }
         assert_eq!(got, data);
-        // Three full chunks and the end of stream, where 4 KiB reads would have made 49.
-        assert!(r.get_ref().reads <= 4, "{} socket reads", r.get_ref().reads);
+        // Four reads growing from 4 KiB to 32 KiB, then 64 KiB ones, and the end of stream:
+        // where 4 KiB reads would have made 257.
+        assert!(r.get_ref().reads <= 4 + 16 + 1, "{} socket reads", r.get_ref().reads);
+    }
+
+    #[tokio::test]
+    async fn a_small_message_takes_a_small_buffer() {
+        let (mut tx, rx) = tokio::io::duplex(4 * CHUNK);
+        let mut r = ReadAhead::new(rx);
+        let mut small = [0u8; 4096];
+        for _ in 0..3 {
+            tx.write_all(&[5u8; 100]).await.expect("write to the duplex");
+            assert_eq!(r.read(&mut small[..10]).await.expect("read through ReadAhead"), 10);
+            assert!(r.capacity() <= FIRST, "a {} byte buffer for 100 bytes", r.capacity());
+            let rest = r.read(&mut small).await.expect("read through ReadAhead");
+            assert_eq!(rest, 90);
+        }
     }
 
     #[tokio::test]

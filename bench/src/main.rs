@@ -399,7 +399,7 @@ fn traffic(name: &str, secs: f64) -> Result<Value> {
     // A metric that fails is recorded as failed, not the end of the whole run.
     let mut out = serde_json::Map::new();
     stats::record(&mut out, name, "throughput_gbps", iperf3_gbps(&pods, iperf, secs));
-    stats::record_rate_and_latency(&mut out, name, &a, oneshot_addr, rr_addr, secs);
+    stats::record_rate_and_latency(&mut out, name, &a, oneshot_addr, rr_addr, secs, &[]);
     // Where the time of a connection goes in the datapath's programs (meshpath's path only).
     if name == "ebpf" {
         match bpf_cost::per_connection(&a, oneshot_addr, secs) {

@@ -363,7 +363,7 @@ fn scenario(
         }
     }
     record(&mut out, name, "throughput_4_gbps", iperf3(&pods, secs, 4).map(|(gbps, _)| gbps));
-    stats::record_rate_and_latency(&mut out, name, &a, oneshot, rr, secs);
+    stats::record_rate_and_latency(&mut out, name, &a, oneshot, rr, secs, &pids);
     // Not measured here (the proxies' own metrics for direct): n/a; measured and failed: failed.
     let f = |out: &serde_json::Map<String, Value>, k: &str| match out.get(k) {
         None => "n/a".to_owned(),
@@ -444,7 +444,7 @@ fn scenario(
 /// Each scenario's metrics (the median over rounds goes in the results file) and their column
 /// in the printed table. The last three are the proxies' own: CPU per GB for every scenario
 /// with proxies, memory for `hbone` only.
-const KEYS: [(&str, &str); 13] = [
+const KEYS: [(&str, &str); 15] = [
     ("throughput_gbps", "Gbit/s 1 stream"),
     ("throughput_4_gbps", "Gbit/s 4 streams"),
     ("rr_p50_us", "RR p50 µs"),
@@ -455,6 +455,8 @@ const KEYS: [(&str, &str); 13] = [
     ("conn_per_s_100", "conn/s, 100 clients"),
     ("rr_cpu_us_100", "CPU µs/RR, 100 clients"),
     ("rr_busy_100", "CPU busy, 100 clients"),
+    ("rr_switches", "proxy switches/RR"),
+    ("rr_syscalls", "proxy syscalls/RR"),
     ("cpu_s_per_gb", "proxy CPU s/GB"),
     ("rss_kib_per_conn", "RSS KiB/open stream"),
     ("rss_kib_per_idle_conn", "RSS KiB/idle pooled conn"),
@@ -464,7 +466,7 @@ const KEYS: [(&str, &str); 13] = [
 /// memory per stream and per pooled connection only where there are streams and a pool (HBONE).
 fn measures(name: &str, key: &str) -> bool {
     match key {
-        "cpu_s_per_gb" => name != "direct",
+        "cpu_s_per_gb" | "rr_switches" | "rr_syscalls" => name != "direct",
         "rss_kib_per_conn" | "rss_kib_per_idle_conn" => name == "hbone",
         _ => true,
     }

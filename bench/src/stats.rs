@@ -102,9 +102,18 @@ pub fn record(out: &mut Map<String, Value>, name: &str, key: &str, v: Result<f64
     out.insert(key.to_owned(), value);
 }
 
+/// Round trips of a request/response run before it measures, and measured.
+const RR_WARMUP: usize = 2_000;
+const RR_COUNT: usize = 20_000;
+
 /// Connection rate (to `oneshot`) and request/response p50 and p99 (to `rr`) from `ns`, from
 /// one client (latency-bound: each connection waits for the one before) and from 100 at once
 /// (`*_100`, bound by the CPU the path costs), each recorded in `out`.
+///
+/// With `proxies` (their pids), also what they did per round trip from one client, where a
+/// message's latency is made, in a run of its own: their threads' context switches
+/// (`rr_switches`: a thread woken and put to sleep again) and their system calls
+/// (`rr_syscalls`, counted by `perf stat`).
 pub fn record_rate_and_latency(
     out: &mut Map<String, Value>,
     name: &str,
@@ -112,19 +121,92 @@ pub fn record_rate_and_latency(
     oneshot: SocketAddr,
     rr: SocketAddr,
     secs: f64,
+    proxies: &[u32],
 ) {
     for (clients, suffix) in [(1, ""), (100, "_100")] {
         record(out, name, &format!("conn_per_s{suffix}"), conn_per_s(ns, oneshot, secs, clients));
-        let rr = rr_latency(ns, rr, 2_000, 20_000, clients);
+        let rr_run = rr_latency(ns, rr, RR_WARMUP, RR_COUNT, clients);
         let key = |k: &str| format!("{k}{suffix}");
         for (k, v) in [
-            ("rr_p50_us", rr.as_ref().map(|r| r.p50_us)),
-            ("rr_p99_us", rr.as_ref().map(|r| r.p99_us)),
-            ("rr_cpu_us", rr.as_ref().map(|r| r.cpu_us_per_rr)),
-            ("rr_busy", rr.as_ref().map(|r| r.busy)),
+            ("rr_p50_us", rr_run.as_ref().map(|r| r.p50_us)),
+            ("rr_p99_us", rr_run.as_ref().map(|r| r.p99_us)),
+            ("rr_cpu_us", rr_run.as_ref().map(|r| r.cpu_us_per_rr)),
+            ("rr_busy", rr_run.as_ref().map(|r| r.busy)),
         ] {
             record(out, name, &key(k), v.map_err(|e| anyhow::anyhow!("{e:#}")));
         }
+    }
+    // A run of its own: perf's counting, switched in and out with each proxy thread, slows
+    // every wake-up it counts (p50 about a third higher here), so the latency above is not
+    // taken under it.
+    if !proxies.is_empty() {
+        let watch = Watch::start(proxies);
+        let done = rr_latency(ns, rr, RR_WARMUP, RR_COUNT, 1);
+        let trips = (RR_WARMUP + RR_COUNT) as f64;
+        let (switches, syscalls) = watch.stop();
+        let counted = |n: Result<f64>| done.as_ref().map_err(|e| anyhow::anyhow!("{e:#}")).and(n);
+        record(out, name, "rr_switches", counted(switches).map(|n| n / trips));
+        record(out, name, "rr_syscalls", counted(syscalls).map(|n| n / trips));
+    }
+}
+
+/// The proxies' context switches (from /proc) and system calls (`perf stat`) while a run
+/// lasts.
+struct Watch {
+    pids: Vec<u32>,
+    switches: Result<u64>,
+    perf: std::io::Result<std::process::Child>,
+}
+
+/// Context switches, voluntary and not, of every thread of `pids` so far.
+fn switches(pids: &[u32]) -> Result<u64> {
+    let mut n = 0;
+    for pid in pids {
+        for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+            let status = std::fs::read_to_string(task?.path().join("status"))?;
+            n += status
+                .lines()
+                .filter(|l| l.contains("ctxt_switches:"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .sum::<u64>();
+        }
+    }
+    Ok(n)
+}
+
+impl Watch {
+    fn start(pids: &[u32]) -> Self {
+        let list: Vec<String> = pids.iter().map(u32::to_string).collect();
+        let perf = std::process::Command::new("perf")
+            .args(["stat", "-x", ",", "-e", "raw_syscalls:sys_enter", "-p", &list.join(",")])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn();
+        // perf attaches before it counts: a moment for it.
+        if perf.is_ok() {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        Self { pids: pids.to_vec(), switches: switches(pids), perf }
+    }
+
+    /// Switches, and system calls if perf ran, since `start`.
+    fn stop(self) -> (Result<f64>, Result<f64>) {
+        let now = switches(&self.pids);
+        let switched = match (self.switches, now) {
+            (Ok(a), Ok(b)) => Ok(b.saturating_sub(a) as f64),
+            (Err(e), _) | (_, Err(e)) => Err(e),
+        };
+        let syscalls = self.perf.context("perf stat (Debian's linux-perf)").and_then(|perf| {
+            // SAFETY: a signal to our own child.
+            unsafe { libc::kill(perf.id() as i32, libc::SIGINT) };
+            let out = perf.wait_with_output()?;
+            let text = String::from_utf8_lossy(&out.stderr);
+            text.lines()
+                .find(|l| l.contains("raw_syscalls:sys_enter"))
+                .and_then(|l| l.split(',').next()?.trim().parse::<f64>().ok())
+                .with_context(|| format!("perf stat printed no count: {text}"))
+        });
+        (switched, syscalls)
     }
 }
 

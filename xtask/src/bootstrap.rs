@@ -36,6 +36,8 @@ pub const DEBIAN_PACKAGES: &[(&str, &str)] = &[
     // The real Kubernetes API server's store, and its readiness check, in the agent's tests.
     ("etcd-server", "etcd"),
     ("curl", "curl"),
+    // The proxy benchmark's count of the proxies' system calls per round trip.
+    ("linux-perf", "perf"),
 ];
 
 /// Debian packages the kernel-matrix VMs need (`cargo xtask test --kernel …`): the emulator and

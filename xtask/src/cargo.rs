@@ -100,28 +100,34 @@ fn run_cargo(mut cmd: Command) -> Result<()> {
     Ok(())
 }
 
-/// Builds every default workspace member (the loader's build script builds the eBPF object).
-/// Returns the directory holding the binaries.
+/// The profile of what meshpath ships (Cargo.toml: release with fat LTO), and its directory
+/// under the target directory.
+pub const SHIPPED_PROFILE: &str = "dist";
+
+/// Builds every default workspace member (the loader's build script builds the eBPF object),
+/// `release`: as shipped ([`SHIPPED_PROFILE`]), else a debug build. Returns the directory
+/// holding the binaries.
 pub fn build(extra_path: Option<&Path>, release: bool) -> Result<PathBuf> {
     let mut cmd = cargo(extra_path)?;
     cmd.args(["build", "--bins"]);
     if release {
-        cmd.arg("--release");
+        cmd.args(["--profile", SHIPPED_PROFILE]);
     }
     run_cargo(cmd)?;
-    Ok(target_dir().join(if release { "release" } else { "debug" }))
+    Ok(target_dir().join(if release { SHIPPED_PROFILE } else { "debug" }))
 }
 
-/// Builds only `bins` (package, binary) with the release profile, and the loader's eBPF object
-/// with it: what the demo runs, not the whole workspace. Returns the directory holding them.
+/// Builds only `bins` (package, binary) as shipped ([`SHIPPED_PROFILE`]), and the loader's
+/// eBPF object with them: what the demo runs, not the whole workspace. Returns the directory
+/// holding them.
 pub fn build_release_bins(extra_path: Option<&Path>, bins: &[(&str, &str)]) -> Result<PathBuf> {
     let mut cmd = cargo(extra_path)?;
-    cmd.args(["build", "--release"]);
+    cmd.args(["build", "--profile", SHIPPED_PROFILE]);
     for (package, bin) in bins {
         cmd.args(["-p", package, "--bin", bin]);
     }
     run_cargo(cmd)?;
-    Ok(target_dir().join("release"))
+    Ok(target_dir().join(SHIPPED_PROFILE))
 }
 
 /// rustfmt's check.

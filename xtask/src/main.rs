@@ -58,7 +58,7 @@ enum Cmd {
     Setup,
     /// Build the eBPF object and every userspace binary.
     Build {
-        /// Build with the release profile.
+        /// Build as shipped: the `dist` profile (release with fat LTO), into target/dist.
         #[arg(long)]
         release: bool,
         /// Also build the previous release (its git tag), which the upgrade tests start from,

@@ -737,22 +737,6 @@ impl CniNode {
             .collect())
     }
 
-    /// `meshpath-loader --pin-root (this node's) ARGS`, a one-shot command on this node's
-    /// datapath: its output.
-    pub fn loader(&self, args: &[&str]) -> Result<String> {
-        let out = Command::new(loader_bin())
-            .arg("--pin-root")
-            .arg(self.root.path())
-            .args(args)
-            .output()?;
-        anyhow::ensure!(
-            out.status.success(),
-            "meshpath-loader {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    }
-
     /// The proxy's `/config_dump`.
     pub fn proxy_config_dump(&self) -> Result<Value> {
         let p = self.proxy.as_ref().context("no proxy")?;

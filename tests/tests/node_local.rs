@@ -72,30 +72,17 @@ fn opened(node: &CniNode, reporter: &str, security: &str) -> f64 {
 /// `total` bytes of a pattern sent on `c` and read back, checked byte by byte, writing and
 /// reading at once (both directions busy).
 fn echo_exact(c: std::net::TcpStream, total: usize) {
-    echo_exact_then(c, total, true)
-}
-
-/// As [`echo_exact`]; with `end`, the client ends its side and the echo's end is read too,
-/// else exactly `total` bytes are read back.
-fn echo_exact_then(c: std::net::TcpStream, total: usize, end: bool) {
     let pattern = |i: usize| (i.wrapping_mul(2_654_435_761) >> 13) as u8;
     let mut w = c.try_clone().expect("clone");
     let writer = std::thread::spawn(move || {
         let data: Vec<u8> = (0..total).map(pattern).collect();
         w.write_all(&data).expect("send");
-        if end {
-            w.shutdown(std::net::Shutdown::Write).expect("FIN");
-        }
+        w.shutdown(std::net::Shutdown::Write).expect("FIN");
     });
     let mut r = c;
     r.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
-    let mut back = vec![0; total];
-    if end {
-        back.clear();
-        r.read_to_end(&mut back).expect("read back");
-    } else {
-        r.read_exact(&mut back).expect("read back");
-    }
+    let mut back = Vec::with_capacity(total);
+    r.read_to_end(&mut back).expect("read back");
     writer.join().expect("writer");
     assert_eq!(back.len(), total, "bytes lost or added");
     assert!(back.iter().enumerate().all(|(i, b)| *b == pattern(i)), "bytes changed");
@@ -111,20 +98,6 @@ fn a_same_node_pair_is_carried_directly_byte_exact_both_ways_and_the_server_sees
     assert_eq!(peer.ip(), p0.ip, "the server saw another address than the client's");
     assert_eq!(opened(&node, "source", "none"), 1.0, "not carried on the node-local path");
     assert_eq!(opened(&node, "source", "mutual_tls"), 0.0, "carried over HBONE");
-}
-
-/// The socket shortcut (off on every kernel: docs/datapath.md) hands the app's bytes to the
-/// proxy's socket in a queue splice(2) cannot read: a bulk transfer, whose relay would move
-/// its bytes in the kernel, must notice and copy them instead. (No end is sent: a blocking
-/// read after the socket's own shutdown is one of the kernel's defects with the shortcut.)
-#[test]
-fn with_the_socket_shortcut_on_a_bulk_transfer_still_arrives_byte_exact() {
-    let (node, p0, p1) = pair(&[], "");
-    node.loader(&["accelerate", "on", "--accept-kernel-defects"]).expect("shortcut on");
-    let (_l, _peers) = recording_echo(&p1, 8080);
-    let c = p0.connect(SocketAddr::new(p1.ip, 8080)).expect("connect");
-    echo_exact_then(c, 8 << 20, false);
-    assert_eq!(opened(&node, "source", "none"), 1.0, "not carried on the node-local path");
 }
 
 #[test]

@@ -8,9 +8,6 @@
 //! Large reads are what bulk transfers need: fewer, larger HTTP/2 DATA frames cost less CPU per
 //! byte, up to [`MAX_READ`] (results/README.md, "Why the proxy has its shape").
 //!
-//! A plain relay's direction whose reads have grown to [`MAX_READ`] (bulk) moves its bytes in
-//! the kernel from then on (`pipe`: splice(2), no copy into this process).
-//!
 //! Idle timeout: a connection on which neither side has sent anything for the timeout is closed
 //! (both directions count: a long download with a silent upload is not idle).
 
@@ -37,10 +34,7 @@ use tokio::{
 };
 use tokio_util::sync::CancellationToken;
 
-use crate::{
-    metrics::Meter,
-    proxy::pipe::{Filled, Pipe},
-};
+use crate::metrics::Meter;
 
 /// The first read buffer a side takes once its socket is readable.
 pub const FIRST_READ: usize = 4 * 1024;
@@ -234,40 +228,17 @@ async fn copy_from_h2(
     }
 }
 
-/// What one direction of a plain relay moved.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Moved {
-    /// Every byte written.
-    bytes: u64,
-    /// Those of them moved in the kernel (`pipe`).
-    in_kernel: u64,
-    /// Stopped by the stop, not ended by the source.
-    stopped: bool,
-}
-
-/// How a direction of a plain relay moves its bytes.
-enum Mode {
-    /// Read into a buffer of this process, then written.
-    Copy,
-    /// Bulk: spliced through a pipe (`pipe`).
-    Pipe(Pipe),
-    /// Copy for good: the pipe found bytes it cannot splice (`pipe::Filled::Read`).
-    CopyOnly,
-}
-
 /// Copies one plain socket into another, shutting the other's write side down at the end;
 /// or, once `stop` is cancelled, stops at the next read with everything read written out
-/// (`stopped`: the bytes not yet read stay in the socket's buffer, for whoever takes it next).
-/// Once the reads have grown to their largest (bulk), the bytes move in the kernel (`pipe`).
+/// (`Ok(None)`: the bytes not yet read stay in the socket's buffer, for whoever takes it next).
 async fn copy_plain(
     from: &mut GrowingReader,
     to: &mut OwnedWriteHalf,
     meter: &Meter,
     idle: &Idle,
     stop: &CancellationToken,
-) -> io::Result<Moved> {
-    let mut moved = Moved::default();
-    let mut mode = Mode::Copy;
+) -> io::Result<Option<u64>> {
+    let mut total = 0u64;
     // Made once: every connection's relay waits on the same token.
     let stopped = stop.cancelled();
     tokio::pin!(stopped);
@@ -278,42 +249,18 @@ async fn copy_plain(
             if stopped.as_mut().poll(cx).is_ready() {
                 return Poll::Ready(Ok(None));
             }
-            match &mode {
-                Mode::Pipe(pipe) => pipe.poll_fill(from.half.as_ref(), cx).map_ok(Some),
-                Mode::Copy | Mode::CopyOnly => {
-                    from.poll_read(cx).map_ok(|read| Some(read.map_or(Filled::End, Filled::Read)))
-                }
-            }
+            from.poll_read(cx).map_ok(Some)
         })
         .await?;
-        let Some(next) = next else { return Ok(Moved { stopped: true, ..moved }) };
-        let n = match next {
-            Filled::End => break,
-            Filled::Piped(n) => {
-                idle.touch();
-                if let Mode::Pipe(pipe) = &mode {
-                    pipe.drain(to.as_ref(), n).await?;
-                }
-                moved.in_kernel += n as u64;
-                n
-            }
-            Filled::Read(buf) => {
-                idle.touch();
-                if let Mode::Pipe(_) = mode {
-                    mode = Mode::CopyOnly;
-                }
-                to.write_all(&buf).await?;
-                buf.len()
-            }
-        };
-        moved.bytes += n as u64;
-        meter.add(n as u64);
-        if matches!(mode, Mode::Copy) && from.next == MAX_READ {
-            mode = Pipe::new().map_or(Mode::CopyOnly, Mode::Pipe);
-        }
+        let Some(next) = next else { return Ok(None) };
+        let Some(buf) = next else { break };
+        idle.touch();
+        to.write_all(&buf).await?;
+        total += buf.len() as u64;
+        meter.add(buf.len() as u64);
     }
     to.shutdown().await?;
-    Ok(moved)
+    Ok(Some(total))
 }
 
 /// Both directions, or an error once the connection has been idle for its timeout.
@@ -418,7 +365,7 @@ pub async fn relay(
     })
     .await?;
     match (x, y) {
-        (x, y) if !x.stopped && !y.stopped => Ok(Relayed::Done(x.bytes, y.bytes)),
+        (Some(x), Some(y)) => Ok(Relayed::Done(x, y)),
         // One direction may have ended before the stop: its socket is handed over half closed,
         // and whoever takes it reads its end again.
         _ => {
@@ -442,98 +389,15 @@ mod tests {
         (near, far)
     }
 
-    fn pattern(len: usize) -> Vec<u8> {
-        (0..len).map(|i| (i % 251) as u8).collect()
-    }
-
-    /// One direction of a relay between two loopback connections: what is written into the
-    /// source's far end comes out of the destination's far end.
-    struct OneWay {
-        from: GrowingReader,
-        to: OwnedWriteHalf,
-        writer: TcpStream,
-        reader: TcpStream,
-        _rest: (OwnedWriteHalf, OwnedReadHalf),
-    }
-
-    impl OneWay {
-        async fn new() -> Self {
-            let ((src, writer), (dst, reader)) = (pair().await, pair().await);
-            let (r, src_w) = src.into_split();
-            let (dst_r, to) = dst.into_split();
-            Self { from: GrowingReader::new(r), to, writer, reader, _rest: (src_w, dst_r) }
-        }
-    }
-
-    /// Sends `data` through a relay that runs until the source ends: what arrived, what the
-    /// relay reports.
-    async fn relayed(data: &[u8], chunk: usize) -> (Vec<u8>, Moved) {
-        let mut w = OneWay::new().await;
-        let (mut writer, mut reader) = (w.writer, w.reader);
-        let data = data.to_vec();
-        let sender = tokio::spawn(async move {
-            for c in data.chunks(chunk) {
-                writer.write_all(c).await.expect("send");
-            }
-            writer.shutdown().await.expect("end");
-        });
-        let receiver = tokio::spawn(async move {
-            let mut got = Vec::new();
-            reader.read_to_end(&mut got).await.expect("receive");
-            got
-        });
-        let never = CancellationToken::new();
-        let moved = copy_plain(&mut w.from, &mut w.to, &Meter::default(), &Idle::new(None), &never)
-            .await
-            .expect("relay");
-        assert!(!moved.stopped);
-        sender.await.expect("sender");
-        (receiver.await.expect("receiver"), moved)
-    }
-
-    #[tokio::test]
-    async fn a_bulk_transfer_arrives_byte_exact_and_mostly_moved_in_the_kernel() {
-        let data = pattern(32 << 20);
-        let (got, moved) = relayed(&data, 1 << 20).await;
-        assert!(got == data, "{} bytes arrived of {}, or out of order", got.len(), data.len());
-        assert_eq!(moved.bytes, data.len() as u64);
-        assert!(
-            moved.in_kernel > moved.bytes / 2,
-            "{} of {} bytes moved in the kernel",
-            moved.in_kernel,
-            moved.bytes
-        );
-    }
-
-    #[tokio::test]
-    async fn small_messages_are_copied_without_a_pipe() {
-        let mut w = OneWay::new().await;
-        let never = CancellationToken::new();
-        let meter = Meter::default();
-        let idle = Idle::new(None);
-        let relay = copy_plain(&mut w.from, &mut w.to, &meter, &idle, &never);
-        let talk = async {
-            let mut buf = [0u8; 64];
-            for i in 0..500u32 {
-                let msg = [(i % 256) as u8; 64];
-                w.writer.write_all(&msg).await.expect("send");
-                w.reader.read_exact(&mut buf).await.expect("receive");
-                assert_eq!(buf, msg);
-            }
-            w.writer.shutdown().await.expect("end");
-        };
-        let (moved, ()) = tokio::join!(relay, talk);
-        assert_eq!(moved.expect("relay"), Moved { bytes: 500 * 64, in_kernel: 0, stopped: false });
-    }
-
-    /// The hand-over's promise on the kernel's path: a relay stopped mid-transfer has written
+    /// The hand-over's promise: a relay stopped in the middle of a bulk transfer has written
     /// out everything it read, and the rest is still in the source socket for the next owner.
     #[tokio::test]
-    async fn a_relay_stopped_mid_bulk_leaves_every_byte_either_delivered_or_in_its_socket() {
-        let data = pattern(64 << 20);
-        let mut w = OneWay::new().await;
-        let mut writer = w.writer;
-        let mut reader = w.reader;
+    async fn a_relay_stopped_mid_transfer_leaves_every_byte_either_delivered_or_in_its_socket() {
+        let data: Vec<u8> = (0..64 << 20).map(|i| (i % 251) as u8).collect();
+        let ((src, mut writer), (dst, mut reader)) = (pair().await, pair().await);
+        let (r, _src_w) = src.into_split();
+        let (_dst_r, mut to) = dst.into_split();
+        let mut from = GrowingReader::new(r);
         let sent = data.clone();
         let sender = tokio::spawn(async move {
             for c in sent.chunks(1 << 20) {
@@ -544,8 +408,6 @@ mod tests {
             writer
         });
         let stop = CancellationToken::new();
-        let meter = Meter::default();
-        let idle = Idle::new(None);
         let receiver = {
             let stop = stop.clone();
             tokio::spawn(async move {
@@ -554,35 +416,29 @@ mod tests {
                 loop {
                     let n = reader.read(&mut buf).await.expect("receive");
                     if n == 0 {
-                        break;
+                        break got;
                     }
                     got.extend_from_slice(&buf[..n]);
                     if got.len() > 16 << 20 {
                         stop.cancel();
                     }
                 }
-                got
             })
         };
-        let moved = copy_plain(&mut w.from, &mut w.to, &meter, &idle, &stop).await.expect("relay");
-        assert!(moved.stopped, "stopped, not ended");
-        assert!(moved.in_kernel > 0, "stopped while copying, not while piping: {moved:?}");
-        // The next owner: closes the relay's write side, then reads the rest from the source.
-        w.to.shutdown().await.expect("end the far side");
+        let meter = Meter::default();
+        let copied = copy_plain(&mut from, &mut to, &meter, &Idle::new(None), &stop).await;
+        assert!(copied.expect("relay").is_none(), "stopped, not ended");
+        // The next owner: ends the relay's side, then reads the rest from the source.
+        to.shutdown().await.expect("end the far side");
         let mut got = receiver.await.expect("receiver");
-        let writer = {
-            let mut rest = Vec::new();
-            let mut buf = vec![0u8; 1 << 16];
-            while got.len() + rest.len() < data.len() {
-                let n = w.from.half.read(&mut buf).await.expect("read the rest");
-                assert_ne!(n, 0, "the source ended early");
-                rest.extend_from_slice(&buf[..n]);
-            }
-            got.extend_from_slice(&rest);
-            sender.await.expect("sender")
-        };
-        drop(writer);
+        assert_eq!(got.len() as u64, meter.get(), "read and counted, not written out");
+        let mut buf = vec![0u8; 1 << 16];
+        while got.len() < data.len() {
+            let n = from.half.read(&mut buf).await.expect("read the rest");
+            assert_ne!(n, 0, "the source ended early");
+            got.extend_from_slice(&buf[..n]);
+        }
+        drop(sender.await.expect("sender"));
         assert!(got == data, "{} bytes of {}, or out of order", got.len(), data.len());
-        assert_eq!(meter.get(), moved.bytes);
     }
 }

@@ -2,7 +2,7 @@
 //! waypoints), inbound HBONE (15008) and plaintext (15006), DNS (15053), and what they share: the node proxy (`node`: the store, certificates, pool,
 //! telemetry, the pods served) and its tunables (`settings`, with `memory` for the default
 //! connection cap), a pod as the paths see it (`pod`, its sockets made inside its netns by
-//! `netns`, its listeners held across restarts by the node agent: `held_listeners`), the HBONE protocol, the connection pool, the byte copy (with bulk moved in the kernel: `pipe`), accept loops with their
+//! `netns`, its listeners held across restarts by the node agent: `held_listeners`), the HBONE protocol, the connection pool, the byte copy, accept loops with their
 //! caps and draining, the per-source cap on unauthenticated inbound, the large reads under TLS,
 //! the allowed connections a policy change re-checks, the open ones the admin dump lists
 //! (`open_connections`), the plain connections handed to the next proxy at shutdown
@@ -24,7 +24,6 @@ pub mod node_local;
 pub mod open_connections;
 pub mod outbound;
 pub mod per_source;
-pub mod pipe;
 pub mod pod;
 pub mod pool;
 pub mod read_ahead;

@@ -128,4 +128,6 @@ pub use test_proxy::TestProxy;
 pub use traffic::{
     read_line, syns_sent, tcp_send, tcp_sink, transfer, transfer_counting_retransmits, Sentinel,
 };
-pub use waits::{again_after_eintr, read_within, wait_until, wait_until_async};
+pub use waits::{
+    again_after_eintr, assert_unanswered_within, read_within, wait_until, wait_until_async,
+};

@@ -73,6 +73,24 @@ pub fn again_after_eintr<T>(mut op: impl FnMut() -> std::io::Result<T>) -> std::
     }
 }
 
+/// Asserts that `c` stays silent for `limit`: no byte and no end arrive (its read times out).
+/// Panics with `why` and what arrived otherwise. Leaves `c`'s read timeout at what was left.
+pub fn assert_unanswered_within(c: &mut std::net::TcpStream, limit: Duration, why: &str) {
+    use std::io::Read as _;
+    let mut b = [0u8; 1];
+    match read_within(limit, |t| {
+        c.set_read_timeout(Some(t))?;
+        c.read(&mut b)
+    }) {
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) => {}
+        other => panic!("{why}: {other:?}"),
+    }
+}
+
 /// Polls `f` until it returns `Some`, or fails after `limit` naming `what` and the last error.
 pub fn wait_for<T>(
     what: &str,

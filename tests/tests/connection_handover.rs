@@ -75,14 +75,11 @@ fn sent_to_while_no_proxy_runs(node: &mut CniNode, c: &mut TcpStream) {
     assert!(old.wait_exit(Duration::from_secs(30)), "the old proxy did not exit");
     // No proxy runs: the bytes wait in the kernel's buffers, unanswered.
     c.write_all(b"while no proxy runs").expect("send");
-    let mut b = [0u8; 1];
-    match meshpath_tests::read_within(Duration::from_secs(1), |t| {
-        c.set_read_timeout(Some(t))?;
-        c.read(&mut b)
-    }) {
-        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-        other => panic!("answered or ended with no proxy running: {other:?}"),
-    }
+    meshpath_tests::assert_unanswered_within(
+        c,
+        Duration::from_secs(1),
+        "answered or ended with no proxy running",
+    );
     node.start_proxy_with(&["--drain-seconds", "5"]).expect("the new proxy");
     c.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
     let mut back = [0u8; 19];
@@ -436,14 +433,11 @@ fn a_new_connection_to_a_node_whose_proxy_is_replaced_slower_than_the_connect_ti
     // Past one connect timeout with no proxy on node 2: the app's connection is still open,
     // neither answered nor ended.
     std::thread::sleep(Duration::from_secs(3));
-    let mut b = [0u8; 1];
-    match meshpath_tests::read_within(Duration::from_millis(200), |t| {
-        c.set_read_timeout(Some(t))?;
-        c.read(&mut b)
-    }) {
-        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-        other => panic!("answered or ended with no proxy on node 2: {other:?}"),
-    }
+    meshpath_tests::assert_unanswered_within(
+        &mut c,
+        Duration::from_millis(200),
+        "answered or ended with no proxy on node 2",
+    );
     n2.start_proxy_with(&["--drain-seconds", "5"]).expect("node 2's next proxy");
     c.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
     let mut back = [0u8; 25];

@@ -54,14 +54,11 @@ fn round_trip(from: &CniPod, dst: SocketAddr, wait: Duration) -> std::io::Result
 fn waiting_connection(from: &CniPod, dst: SocketAddr) -> TcpStream {
     let mut c = from.connect(dst).expect("refused with the pod's listeners held");
     c.write_all(b"waited...").expect("send");
-    let mut b = [0u8; 1];
-    match meshpath_tests::read_within(Duration::from_secs(1), |t| {
-        c.set_read_timeout(Some(t))?;
-        c.read(&mut b)
-    }) {
-        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-        other => panic!("a connection was answered with no proxy running: {other:?}"),
-    }
+    meshpath_tests::assert_unanswered_within(
+        &mut c,
+        Duration::from_secs(1),
+        "a connection was answered with no proxy running",
+    );
     c
 }
 

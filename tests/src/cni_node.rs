@@ -160,6 +160,19 @@ impl CniPod {
     }
 }
 
+impl CniPod {
+    /// `cluster-app serve --http HTTP` as the pod's app, returned once its sink (9000), echo
+    /// (9100) and HTTP port all listen: a client started before that is refused, and counts as
+    /// a connection the proxy lost.
+    pub fn cluster_app_server(&self, http: u16) -> Result<crate::ChildGuard> {
+        let server = self.cluster_app(&["serve", "--http", &http.to_string()])?;
+        for port in [9000, 9100, http] {
+            self.netns.wait_listening(port, Duration::from_secs(10))?;
+        }
+        Ok(server)
+    }
+}
+
 /// Ends a [`CniPod::cluster_app`] client (its standard input closed): what it printed, and
 /// whether it exited 0.
 pub fn end_app(mut app: crate::ChildGuard) -> (String, bool) {

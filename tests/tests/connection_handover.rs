@@ -466,7 +466,7 @@ fn sixty_mixed_hbone_connections_between_two_nodes_are_kept_across_an_upgrade_of
     let (mut n1, mut n2, p0, p1) = two_nodes();
     let p1_ip = p1.ip.to_string();
     // Its echo (9100) and sink (9000); its HTTP port off 8080, where two_nodes' echo is.
-    let _server = p1.cluster_app(&["serve", "--http", "8081"]).expect("cluster-app serve");
+    let _server = p1.cluster_app_server(8081).expect("cluster-app serve");
     // A third each bulk, request/response and idle (cluster-app's `hold`), and a new connection
     // every 20 ms to the sink (`loop`), from node 1's pod to node 2's.
     let hold = p0

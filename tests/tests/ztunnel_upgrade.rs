@@ -104,8 +104,7 @@ fn upgrade_under_traffic(kind: Proxy, upgrade: Upgrade) -> (String, String) {
         node.publish_address(MESHED, "sa1", p1.ip);
     }
     let p1_ip = p1.ip.to_string();
-    let _server = app_in(&p1, &["serve", "--http", "8081"]);
-    std::thread::sleep(Duration::from_millis(500));
+    let _server = p1.cluster_app_server(8081).expect("cluster-app serve");
     let hold =
         app_in(&p0, &["hold", &format!("{p1_ip}:9100"), "--connections", "60", "--seconds", "120"]);
     let new = app_in(

@@ -12,17 +12,21 @@
 //! (both directions count: a long download with a silent upload is not idle).
 
 use std::{
-    future::{poll_fn, Future as _},
+    future::poll_fn,
     io,
     pin::Pin,
     sync::{
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
         Arc,
     },
     task::{ready, Context, Poll},
     time::{Duration, Instant},
 };
 
+use crate::{
+    metrics::Meter,
+    proxy::stop::{Stop, Watch},
+};
 use bytes::{Bytes, BytesMut};
 use h2::{RecvStream, SendStream};
 use tokio::{
@@ -32,9 +36,6 @@ use tokio::{
         TcpStream,
     },
 };
-use tokio_util::sync::CancellationToken;
-
-use crate::metrics::Meter;
 
 /// The first read buffer a side takes once its socket is readable.
 pub const FIRST_READ: usize = 4 * 1024;
@@ -122,28 +123,37 @@ pub enum Ended {
     Paused,
 }
 
+/// What pauses a resumable stream's copy from its app: this proxy's stop, or the peer's pause,
+/// which the other direction sees (its `PAUSED` trailers) and flags here.
+struct Pausing<'a> {
+    stop: Watch<'a>,
+    peer: &'a AtomicBool,
+}
+
+impl Pausing<'_> {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.peer.load(Ordering::Acquire) {
+            return Poll::Ready(());
+        }
+        self.stop.poll_fired(cx)
+    }
+}
+
 /// Copies a plain socket into an HTTP/2 stream, respecting flow control; ends the stream on EOF.
-/// With `pause`: once it is cancelled, stops at the next read and ends the stream with
+/// With `pause`: once it pauses, stops at the next read and ends the stream with
 /// `hbone::PAUSED` trailers instead (the bytes not read stay in the socket).
 async fn copy_to_h2(
     from: &mut GrowingReader,
     to: &mut SendStream<Bytes>,
     meter: &Meter,
     idle: &Idle,
-    pause: Option<&CancellationToken>,
+    mut pause: Option<Pausing<'_>>,
 ) -> io::Result<(u64, Ended)> {
     let mut total = 0u64;
-    let paused = async {
-        match pause {
-            Some(p) => p.cancelled().await,
-            None => std::future::pending().await,
-        }
-    };
-    tokio::pin!(paused);
     loop {
         // A pause is seen before more data, as in `copy_plain`.
         let next = poll_fn(|cx| {
-            if paused.as_mut().poll(cx).is_ready() {
+            if pause.as_mut().is_some_and(|p| p.poll(cx).is_ready()) {
                 return Poll::Ready(Ok(None));
             }
             from.poll_read(cx).map_ok(Some)
@@ -178,14 +188,14 @@ async fn copy_to_h2(
 
 /// Copies an HTTP/2 stream into a plain socket, releasing flow-control capacity as it goes;
 /// shuts the socket's write side down at the end, or on an error (the app sees the end: the
-/// other direction, reading the app, then ends too). With `pause`: a stream the peer paused
-/// leaves the socket open and cancels `pause`, so that the other direction pauses too.
+/// other direction, reading the app, then ends too). With `peer_paused`: a stream the peer
+/// paused leaves the socket open and sets it, so that the other direction pauses too.
 async fn copy_from_h2(
     mut from: RecvStream,
     to: &mut OwnedWriteHalf,
     meter: &Meter,
     idle: &Idle,
-    pause: Option<&CancellationToken>,
+    peer_paused: Option<&AtomicBool>,
 ) -> io::Result<(u64, Ended)> {
     let mut total = 0u64;
     // Written without `?` so that an error shuts the write side too, with no nested future:
@@ -205,10 +215,20 @@ async fn copy_from_h2(
             }
         }
     };
-    let failed = match (failed, pause) {
-        (None, Some(pause)) => match from.trailers().await {
+    let failed = match (failed, peer_paused) {
+        (None, Some(flag)) => match poll_fn(|cx| {
+            let trailers = ready!(from.poll_trailers(cx));
+            if matches!(&trailers, Ok(Some(t)) if t.contains_key(crate::proxy::hbone::PAUSED)) {
+                flag.store(true, Ordering::Release);
+                // The other direction runs in this task (`splice_resumable` joins the two):
+                // woken, it sees the flag.
+                cx.waker().wake_by_ref();
+            }
+            Poll::Ready(trailers)
+        })
+        .await
+        {
             Ok(Some(t)) if t.contains_key(crate::proxy::hbone::PAUSED) => {
-                pause.cancel();
                 return Ok((total, Ended::Paused));
             }
             Ok(_) => None,
@@ -229,24 +249,22 @@ async fn copy_from_h2(
 }
 
 /// Copies one plain socket into another, shutting the other's write side down at the end;
-/// or, once `stop` is cancelled, stops at the next read with everything read written out
+/// or, once `stop` fires, stops at the next read with everything read written out
 /// (`Ok(None)`: the bytes not yet read stay in the socket's buffer, for whoever takes it next).
 async fn copy_plain(
     from: &mut GrowingReader,
     to: &mut OwnedWriteHalf,
     meter: &Meter,
     idle: &Idle,
-    stop: &CancellationToken,
+    stop: &Stop,
 ) -> io::Result<Option<u64>> {
     let mut total = 0u64;
-    // Made once: every connection's relay waits on the same token.
-    let stopped = stop.cancelled();
-    tokio::pin!(stopped);
+    let mut stopped = stop.watch();
     loop {
         // A stop is seen before more data. Not reading loses nothing: the bytes stay in the
         // socket for whoever takes it next.
         let next = poll_fn(|cx| {
-            if stopped.as_mut().poll(cx).is_ready() {
+            if stopped.poll_fired(cx).is_ready() {
                 return Poll::Ready(Ok(None));
             }
             from.poll_read(cx).map_ok(Some)
@@ -303,7 +321,7 @@ pub enum Spliced {
 }
 
 /// As [`splice`], for a stream both ends can pause (`resume`), with `stop` this side's reason
-/// to: once it is cancelled, or the peer paused, each direction still open pauses (stops at its
+/// to: once it fires, or the peer paused, each direction still open pauses (stops at its
 /// next read, sends `hbone::PAUSED`); a direction that had ended stays ended. Without `stop`,
 /// [`splice`].
 pub async fn splice_resumable(
@@ -312,16 +330,18 @@ pub async fn splice_resumable(
     recv: RecvStream,
     (out, back): (&Meter, &Meter),
     idle_timeout: Option<Duration>,
-    stop: Option<&CancellationToken>,
+    stop: Option<&Stop>,
 ) -> io::Result<Spliced> {
     let idle = Idle::new(idle_timeout);
-    let pause = stop.map(CancellationToken::child_token);
+    let peer_paused = AtomicBool::new(false);
+    let pause = stop.map(|stop| Pausing { stop: stop.watch(), peer: &peer_paused });
+    let peer = stop.is_some().then_some(&peer_paused);
     let (r, mut w) = tcp.into_split();
     let mut r = GrowingReader::new(r);
     let ((x, ex), (y, ey)) = both_or_idle(&idle, async {
         let (x, y) = tokio::join!(
-            copy_to_h2(&mut r, &mut send, out, &idle, pause.as_ref()),
-            copy_from_h2(recv, &mut w, back, &idle, pause.as_ref())
+            copy_to_h2(&mut r, &mut send, out, &idle, pause),
+            copy_from_h2(recv, &mut w, back, &idle, peer)
         );
         Ok::<_, io::Error>((x?, y?))
     })
@@ -343,14 +363,14 @@ pub enum Relayed {
 }
 
 /// Plain TCP both ways (passthrough, inbound plaintext), counting like `splice`, until both
-/// directions end, or until `stop` is cancelled (a hand-over, `handover`): then each direction
+/// directions end, or until `stop` fires (a hand-over, `handover`): then each direction
 /// stops at its next read, after writing out what it had read, and the sockets come back.
 pub async fn relay(
     a: TcpStream,
     b: TcpStream,
     (a_to_b, b_to_a): (&Meter, &Meter),
     idle_timeout: Option<Duration>,
-    stop: &CancellationToken,
+    stop: &Stop,
 ) -> io::Result<Relayed> {
     let idle = Idle::new(idle_timeout);
     let (ar, mut aw) = a.into_split();
@@ -407,7 +427,7 @@ mod tests {
             }
             writer
         });
-        let stop = CancellationToken::new();
+        let stop = Arc::new(Stop::default());
         let receiver = {
             let stop = stop.clone();
             tokio::spawn(async move {
@@ -420,7 +440,7 @@ mod tests {
                     }
                     got.extend_from_slice(&buf[..n]);
                     if got.len() > 16 << 20 {
-                        stop.cancel();
+                        stop.fire();
                     }
                 }
             })

@@ -39,12 +39,11 @@ use meshpath_zds::{
     SeqPacket,
 };
 use tokio::net::TcpStream;
-use tokio_util::sync::CancellationToken;
 use tracing::{info, info_span, warn, Instrument as _};
 
 use crate::{
     metrics::{ConnGuard, ConnInfo, Direction, Meter},
-    proxy::{authorized::Authorized, copy, pod::Pod, Proxy},
+    proxy::{authorized::Authorized, copy, pod::Pod, stop::Stop, Proxy},
     state::authorization,
 };
 
@@ -54,10 +53,10 @@ const ACK_WITHIN: Duration = Duration::from_secs(5);
 /// The proxy's side of hand-over.
 #[derive(Debug, Default)]
 pub struct HandOver {
-    /// Cancelled when the plain connections are to be handed over.
-    now: CancellationToken,
-    /// Cancelled when the resumable HBONE streams are to be paused and handed over (`resume`).
-    pub streams: CancellationToken,
+    /// Fired when the plain connections are to be handed over.
+    now: Stop,
+    /// Fired when the resumable HBONE streams are to be paused and handed over (`resume`).
+    pub streams: Stop,
     /// The agent offered to hold connections (its last `AddWorkload` said so).
     offered: AtomicBool,
     /// And paused streams.
@@ -150,11 +149,11 @@ impl HandOver {
     pub fn begin(&self) -> bool {
         let agent = self.agent.get().is_some();
         if agent && self.offered_streams.load(Ordering::Relaxed) {
-            self.streams.cancel();
+            self.streams.fire();
         }
         let yes = agent && self.offered.load(Ordering::Relaxed);
         if yes {
-            self.now.cancel();
+            self.now.fire();
         }
         yes
     }
@@ -263,7 +262,7 @@ pub async fn relay(
         }
         Err(e) => {
             warn!(error = %e, "not handed over: carried on until it ends or the drain's deadline");
-            let never = CancellationToken::new();
+            let never = Stop::default();
             match Box::pin(copy::relay(a, b, meters, idle, &never)).await? {
                 copy::Relayed::Done(..) => Ok(Carried::Closed),
                 copy::Relayed::Stopped(..) => Err(io::Error::other("stopped without a stop")),

@@ -6,7 +6,8 @@
 //! caps and draining, the per-source cap on unauthenticated inbound, the large reads under TLS,
 //! the allowed connections a policy change re-checks, the open ones the admin dump lists
 //! (`open_connections`), the plain connections handed to the next proxy at shutdown
-//! (`handover`), and the HBONE streams paused and resumed across a proxy upgrade (`resume`).
+//! (`handover`, watched cheaply by every copy loop: `stop`), and the HBONE streams paused and
+//! resumed across a proxy upgrade (`resume`).
 
 pub mod authorized;
 pub mod copy;
@@ -30,6 +31,7 @@ pub mod read_ahead;
 pub mod resolve;
 pub mod resume;
 pub mod settings;
+pub mod stop;
 pub mod transparent;
 
 pub use node::Proxy;

@@ -238,7 +238,7 @@ pub fn park(pod: &Arc<Pod>, app: TcpStream, side: ServerSide) {
                 () = tokio::time::sleep(within) => "its client side did not dial again in time",
                 () = pod.gone.cancelled() => "the pod left",
                 () = pod.proxy.drain.stopping() => {
-                    if !pod.proxy.handover.streams.is_cancelled() {
+                    if !pod.proxy.handover.streams.is_fired() {
                         "the proxy stops and the node agent holds no streams"
                     } else if let Some(p) = pod.waiting.remove(&token) {
                         let held = held_server(&pod.uid, &p.side);
@@ -310,7 +310,7 @@ pub async fn carry_client(
     // deadline, as a plain connection is.
     let mut may_give = true;
     loop {
-        if may_give && streams.is_cancelled() {
+        if may_give && streams.is_fired() {
             let held = held_client(&pod.uid, &side);
             match Box::pin(proxy.handover.give(&held, &[app.as_fd()])).await {
                 Ok(()) => {
@@ -362,7 +362,7 @@ async fn reopen(pod: &Pod, side: &ClientSide, may_stop: bool) -> anyhow::Result<
     let deadline = Instant::now() + within;
     let mut backoff = Duration::from_millis(20);
     loop {
-        if may_stop && streams.is_cancelled() {
+        if may_stop && streams.is_fired() {
             return Ok(None);
         }
         // A dial is bounded by what is left of the window: a server side that takes the
@@ -383,7 +383,7 @@ async fn reopen(pod: &Pod, side: &ClientSide, may_stop: bool) -> anyhow::Result<
         debug!(why, "the paused stream's server side is not there yet; again");
         tokio::select! {
             () = tokio::time::sleep(backoff) => {}
-            () = streams.cancelled(), if may_stop => {}
+            () = streams.fired(), if may_stop => {}
         }
         backoff = (backoff * 2).min(MAX_BACKOFF);
     }

@@ -188,9 +188,21 @@ impl Istiod {
                     socket2::Type::STREAM,
                     None,
                 )?;
-                // Restarted on the same port while the old connections wind down.
+                // Restarted on the same port while the old connections wind down, and once
+                // the stopped listener's task has dropped it (it sees the stop when it runs).
                 s.set_reuse_address(true)?;
-                s.bind(&addr.into())?;
+                let deadline = std::time::Instant::now() + Duration::from_secs(5);
+                loop {
+                    match s.bind(&addr.into()) {
+                        Err(e)
+                            if e.kind() == std::io::ErrorKind::AddrInUse
+                                && std::time::Instant::now() < deadline =>
+                        {
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                        r => break r?,
+                    }
+                }
                 s.listen(128)?;
                 std::io::Result::Ok(std::net::TcpListener::from(s))
             })??;

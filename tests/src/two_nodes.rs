@@ -239,6 +239,18 @@ impl TwoNodes {
         WaypointStandIn::spawn(netns, &self.dir, ca, "sa-b", routes)
     }
 
+    /// Whether proxy `i` (0 or 1) answers its readiness probe with 200. Configured by istiod,
+    /// a proxy says `READY` before it serves its pods (that waits for istiod's first answers);
+    /// ready, it serves them.
+    pub fn ready(&self, i: usize) -> bool {
+        self.proxies[i].http("READINESS", "GET", "/healthz/ready").is_ok_and(|(s, _)| s == 200)
+    }
+
+    /// Waits up to `within` until both proxies are ready ([`TwoNodes::ready`]).
+    pub fn wait_ready(&self, within: Duration) -> bool {
+        crate::wait_until(within, || self.ready(0) && self.ready(1))
+    }
+
     /// The istiod stand-in (`Setup::istiod`).
     pub fn istiod(&self) -> &crate::istiod::Istiod {
         self.istiod.as_ref().expect("started with Setup::istiod")

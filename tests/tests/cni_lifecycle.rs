@@ -334,7 +334,9 @@ fn a_proxy_that_acknowledges_a_snapshot_pod_late_loses_its_session_and_no_later_
         .arg(node.dir.join("workloads.yaml"))
         .env("ZTUNNEL_LIKE_LATE_FIRST_ACK_MS", "2000");
     let late = meshpath_tests::TestProxy::spawn_unready(cmd, &late_cgroup).expect("late proxy");
-    std::thread::sleep(Duration::from_secs(3));
+    let agent = node.agent.as_ref().expect("agent");
+    let gave_up = agent.wait_for_text("did not ack within", Duration::from_secs(30));
+    assert!(gave_up, "the agent kept the late proxy's session: {:#?}", agent.lines());
     // The agent gave the session up: with no proxy (this one does not reconnect), an ADD fails
     // rather than succeeding on an ack that answered something else.
     let added = node.add_pod("p1");

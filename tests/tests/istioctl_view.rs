@@ -94,9 +94,7 @@ fn istioctl_reads_the_workloads_services_certificates_and_pods_of_a_proxy_with_a
 fn istioctl_reads_the_workloads_certificates_and_pods_of_a_proxy_istiod_configures() {
     let nodes = TwoNodes::start(Setup { istiod: true, ..Setup::default() });
     assert!(
-        meshpath_tests::wait_until(std::time::Duration::from_secs(30), || {
-            nodes.proxies[0].http("READINESS", "GET", "/healthz/ready").is_ok_and(|(s, _)| s == 200)
-        }),
+        meshpath_tests::wait_until(std::time::Duration::from_secs(30), || nodes.ready(0)),
         "not ready"
     );
     assert_istioctl_reads_pod_a(&nodes, false);
@@ -115,14 +113,7 @@ fn istioctl_lists_an_open_connection_at_both_ends_until_it_closes() {
 #[test]
 fn istioctl_lists_an_open_connection_of_proxies_istiod_configures() {
     let nodes = TwoNodes::start(Setup { istiod: true, ..Setup::default() });
-    for p in &nodes.proxies {
-        assert!(
-            meshpath_tests::wait_until(std::time::Duration::from_secs(30), || {
-                p.http("READINESS", "GET", "/healthz/ready").is_ok_and(|(s, _)| s == 200)
-            }),
-            "not ready"
-        );
-    }
+    assert!(nodes.wait_ready(std::time::Duration::from_secs(30)), "not ready");
     assert_open_connection_listed_at_both_ends(&nodes);
 }
 

@@ -23,7 +23,7 @@ fn istiod(before: Option<fn(&Istiod)>) -> TwoNodes {
 }
 
 fn ready(nodes: &TwoNodes, i: usize) -> bool {
-    nodes.proxies[i].http("READINESS", "GET", "/healthz/ready").is_ok_and(|(s, _)| s == 200)
+    nodes.ready(i)
 }
 
 /// What the DaemonSet's liveness probe asks: 200 while the process answers, ready or not.

@@ -200,9 +200,8 @@ fn mixed_nodes_across_an_upgrade_of_each() -> Vec<String> {
         .expect("proxy")
         .wait_for_text("workload store reloaded", Duration::from_secs(10));
     assert!(reloaded, "node 1's proxy did not reload its workloads");
-    let _s0 = app_in(&p0, &["serve", "--http", "8081"]);
-    let _s1 = app_in(&p1, &["serve", "--http", "8081"]);
-    std::thread::sleep(Duration::from_millis(500));
+    let _s0 = p0.cluster_app_server(8081).expect("cluster-app serve");
+    let _s1 = p1.cluster_app_server(8081).expect("cluster-app serve");
     let hold = |from: &CniPod, to: IpAddr| {
         app_in(from, &["hold", &format!("{to}:9100"), "--connections", "30", "--seconds", "120"])
     };

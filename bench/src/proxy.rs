@@ -22,7 +22,8 @@
 //! With `--ztunnel PATH` (a build of Istio's ztunnel: ../shared/notes/hbone.md), scenario
 //! `ztunnel` runs beside them: two ztunnel processes in dedicated mode, one in each pod's netns
 //! as a sidecar would be, on the same eBPF capture, over HBONE with mutual TLS (its fake CA),
-//! carrying the same traffic as `hbone`; the run then reports `hbone / ztunnel`.
+//! carrying the same traffic as `hbone`, keeping the client's address on its connection to the
+//! app as both do when deployed (`ENABLE_ORIG_SRC`); the run then reports `hbone / ztunnel`.
 //!
 //! `--store-workloads N` lists N other workloads (and one service per ten of them) in the
 //! proxies' store before the two pods, as a large mesh would: what a connection costs when the
@@ -246,7 +247,9 @@ fn start_ztunnel(pods: &PodPair, bin: &Path) -> Result<Hbone> {
             .env("XDS_ADDRESS", "")
             .env("LOCAL_XDS_PATH", &config)
             .env("FAKE_CA", "true")
-            .env("ENABLE_ORIG_SRC", "false")
+            // As deployed (in-pod, with NET_ADMIN, it keeps the client's address by default), and
+            // as meshpath-proxy does: its connection to the app from the client's address.
+            .env("ENABLE_ORIG_SRC", "true")
             .env("RUST_LOG", "error")
             .stderr(Stdio::null());
         // It prints no `READY` line: its readiness endpoint (15021, in the pod) says.

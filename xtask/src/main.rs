@@ -413,7 +413,9 @@ fn test(
                 return Err(e);
             }
         };
-        let (bin_dir, filter) = (bin_dir.clone(), (!host).then(|| filter.map(str::to_owned)));
+        // The filter is the host suite's when both run; the cluster's when only it runs.
+        let filter: Option<String> = if host { None } else { filter.map(str::to_owned) };
+        let bin_dir = bin_dir.clone();
         Some(std::thread::spawn(move || -> (cargo::Totals, Option<String>, String) {
             let stage = std::time::Instant::now();
             let up = up.join().unwrap_or_else(|_| Err(anyhow::anyhow!("cluster up panicked")));
@@ -422,7 +424,7 @@ fn test(
                     let t = cargo::test_cluster(
                         &exe,
                         &bin_dir,
-                        filter.flatten().as_deref(),
+                        filter.as_deref(),
                         host_running.as_deref(),
                     );
                     if let Err(e) = cluster::down() {

@@ -158,9 +158,7 @@ impl CniPod {
             .spawn()?;
         Ok(crate::ChildGuard(child))
     }
-}
 
-impl CniPod {
     /// `cluster-app serve --http HTTP` as the pod's app, returned once its sink (9000), echo
     /// (9100) and HTTP port all listen: a client started before that is refused, and counts as
     /// a connection the proxy lost.

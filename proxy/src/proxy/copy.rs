@@ -23,10 +23,6 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::{
-    metrics::Meter,
-    proxy::stop::{Stop, Watch},
-};
 use bytes::{Bytes, BytesMut};
 use h2::{RecvStream, SendStream};
 use tokio::{
@@ -35,6 +31,11 @@ use tokio::{
         tcp::{OwnedReadHalf, OwnedWriteHalf},
         TcpStream,
     },
+};
+
+use crate::{
+    metrics::Meter,
+    proxy::stop::{Stop, Watch},
 };
 
 /// The first read buffer a side takes once its socket is readable.
@@ -217,21 +218,20 @@ async fn copy_from_h2(
     };
     let failed = match (failed, peer_paused) {
         (None, Some(flag)) => match poll_fn(|cx| {
-            let trailers = ready!(from.poll_trailers(cx));
-            if matches!(&trailers, Ok(Some(t)) if t.contains_key(crate::proxy::hbone::PAUSED)) {
+            let paused = ready!(from.poll_trailers(cx))?
+                .is_some_and(|t| t.contains_key(crate::proxy::hbone::PAUSED));
+            if paused {
                 flag.store(true, Ordering::Release);
                 // The other direction runs in this task (`splice_resumable` joins the two):
                 // woken, it sees the flag.
                 cx.waker().wake_by_ref();
             }
-            Poll::Ready(trailers)
+            Poll::Ready(Ok::<_, h2::Error>(paused))
         })
         .await
         {
-            Ok(Some(t)) if t.contains_key(crate::proxy::hbone::PAUSED) => {
-                return Ok((total, Ended::Paused));
-            }
-            Ok(_) => None,
+            Ok(true) => return Ok((total, Ended::Paused)),
+            Ok(false) => None,
             Err(e) => Some(io::Error::other(e)),
         },
         (failed, _) => failed,

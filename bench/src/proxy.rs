@@ -9,7 +9,8 @@
 //! the kernel; the shortcut joins the outbound hop only; off by default, docs/datapath.md says
 //! why). Per scenario: iperf3 1 and 4
 //! streams, request/response latency and connection rate from 1 client and from 100 at once
-//! (`*_100`); for HBONE and the forwarders also the proxies' CPU seconds per GB carried; for
+//! (`*_100`); for every scenario the machine's busy CPU seconds per GB while one stream runs
+//! (`machine_cpu_s_per_gb`); for HBONE and the forwarders also the proxies' own; for
 //! HBONE the resident memory node 1's proxy spends per open stream and per idle pooled HTTP/2
 //! connection.
 //!
@@ -350,9 +351,12 @@ fn scenario(
     // A metric that fails is recorded as failed (null), not the end of the whole run.
     let mut out = serde_json::Map::new();
     let cpu0 = cpu(&pids);
+    let machine0 = stats::machine_busy_s();
     match iperf3(&pods, secs, 1) {
         Ok((gbps, bytes)) => {
             record(&mut out, name, "throughput_gbps", Ok(gbps));
+            let used = machine0.and_then(|m0| Ok(stats::machine_busy_s()? - m0));
+            record(&mut out, name, "machine_cpu_s_per_gb", used.map(|s| s / (bytes / 1e9)));
             if !pids.is_empty() {
                 let used = cpu0.and_then(|c0| Ok(cpu(&pids)? - c0));
                 record(&mut out, name, "cpu_s_per_gb", used.map(|s| s / (bytes / 1e9)));
@@ -362,6 +366,7 @@ fn scenario(
             if !pids.is_empty() {
                 record(&mut out, name, "cpu_s_per_gb", Err(anyhow::anyhow!("{e:#}")));
             }
+            record(&mut out, name, "machine_cpu_s_per_gb", Err(anyhow::anyhow!("{e:#}")));
             record(&mut out, name, "throughput_gbps", Err(e));
         }
     }
@@ -445,9 +450,10 @@ fn scenario(
 }
 
 /// Each scenario's metrics (the median over rounds goes in the results file) and their column
-/// in the printed table. The last three are the proxies' own: CPU per GB for every scenario
-/// with proxies, memory for `hbone` only.
-const KEYS: [(&str, &str); 15] = [
+/// in the printed table. The proxies' own: switches, system calls and CPU per GB for every
+/// scenario with proxies, memory for `hbone` only; the machine's CPU per GB (everything busy
+/// while one stream runs) for every scenario.
+const KEYS: [(&str, &str); 16] = [
     ("throughput_gbps", "Gbit/s 1 stream"),
     ("throughput_4_gbps", "Gbit/s 4 streams"),
     ("rr_p50_us", "RR p50 µs"),
@@ -461,6 +467,7 @@ const KEYS: [(&str, &str); 15] = [
     ("rr_switches", "proxy switches/RR"),
     ("rr_syscalls", "proxy syscalls/RR"),
     ("cpu_s_per_gb", "proxy CPU s/GB"),
+    ("machine_cpu_s_per_gb", "machine CPU s/GB"),
     ("rss_kib_per_conn", "RSS KiB/open stream"),
     ("rss_kib_per_idle_conn", "RSS KiB/idle pooled conn"),
 ];
@@ -587,6 +594,9 @@ pub fn run(
         }
         if let Some(cpu) = ratio("cpu_s_per_gb") {
             println!("{label}: proxies' CPU per GB {cpu:.2}");
+        }
+        if let Some(cpu) = ratio("machine_cpu_s_per_gb") {
+            println!("{label}: machine CPU per GB {cpu:.2}");
         }
         if let Some(p99) = ratio("rr_p99_us") {
             println!("{label}: rr p99 {p99:.2}");

@@ -221,6 +221,14 @@ pub struct Rr {
     pub busy: f64,
 }
 
+/// The whole machine's busy CPU time so far, in seconds (every process and the kernel: what a
+/// proxy's own time leaves out when its work moves into the kernel in others' contexts).
+pub fn machine_busy_s() -> Result<f64> {
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Ok(cpu_jiffies()?.0 as f64 / hz)
+}
+
 /// Busy and total jiffies of all CPUs so far (/proc/stat's `cpu` line; idle and iowait are
 /// not busy, steal is neither).
 fn cpu_jiffies() -> Result<(u64, u64)> {

@@ -615,8 +615,12 @@ pub fn reboot_node() -> Result<()> {
         }
     }
     remove_kubepods_cgroups();
-    nix::mount::umount2("/sys/fs/bpf", nix::mount::MntFlags::MNT_DETACH)
-        .context("unmounting bpffs")?;
+    // Every bpffs stacked there (a reboot leaves none), not only the top one.
+    nix::mount::umount2(BPFFS, nix::mount::MntFlags::MNT_DETACH).context("unmounting bpffs")?;
+    while bpffs_mounts()? > 0 {
+        nix::mount::umount2(BPFFS, nix::mount::MntFlags::MNT_DETACH)
+            .context("unmounting a bpffs stacked below")?;
+    }
     // /run is a tmpfs: nothing in it survives a reboot. The runtime's state (sockets, shims'
     // directories) is below RUN_DIR; meshpath's (the agent's records, cni.sock, the ZDS socket)
     // below /var/run.
@@ -629,23 +633,29 @@ pub fn reboot_node() -> Result<()> {
     std::fs::create_dir_all(RUN_DIR)?;
 
     // The boot.
-    nix::mount::mount(
-        Some("bpf"),
-        "/sys/fs/bpf",
-        Some("bpf"),
-        nix::mount::MsFlags::empty(),
-        None::<&str>,
-    )
-    .context("mounting bpffs")?;
+    nix::mount::mount(Some("bpf"), BPFFS, Some("bpf"), nix::mount::MsFlags::empty(), None::<&str>)
+        .context("mounting bpffs")?;
     // Shared, as `cargo xtask cluster up` needs it (the agent's pod mounts it with
     // Bidirectional propagation).
-    let shared = Command::new("mount").args(["--make-shared", "/sys/fs/bpf"]).status()?;
+    let shared = Command::new("mount").args(["--make-shared", BPFFS]).status()?;
     anyhow::ensure!(shared.success(), "mount --make-shared /sys/fs/bpf failed");
+    let mounts = bpffs_mounts()?;
+    anyhow::ensure!(mounts == 1, "{mounts} bpffs mounts at {BPFFS} after the boot, not one");
     state.start("containerd", &containerd)?;
     let sock = Path::new(RUN_DIR).join("containerd.sock");
     wait_for("containerd's socket", Duration::from_secs(30), || Ok(sock.exists().then_some(())))?;
     state.start("kubelet", &kubelet)?;
     Ok(())
+}
+
+/// The host's bpffs, as a boot mounts it.
+const BPFFS: &str = "/sys/fs/bpf";
+
+/// How many mounts /proc/self/mountinfo lists at [`BPFFS`] (stacked ones each count).
+fn bpffs_mounts() -> Result<usize> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo")?;
+    // Field 5 is the mount point.
+    Ok(info.lines().filter(|l| l.split_whitespace().nth(4) == Some(BPFFS)).count())
 }
 
 /// Where `cargo xtask cluster up` puts containerd's state and socket (tmpfs-like: /run).

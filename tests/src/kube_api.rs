@@ -32,9 +32,50 @@ pub fn kube_apiserver_bin() -> PathBuf {
     base.join("kubernetes").join("kube-apiserver")
 }
 
+/// A loopback port for etcd or the API server, free when asked. Not one the kernel hands out
+/// (`bind` to port 0, or a `connect`): between this answer and the server's `bind`, any
+/// connection a parallel test makes could be given that one. Below the ephemeral range
+/// (`net.ipv4.ip_local_port_range`) instead, drawn at random so that tests starting servers at
+/// once rarely draw the same; `KubeApi::start` starts again on others if they did.
 fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    use std::hash::{BuildHasher as _, Hasher as _};
+    const LOWEST: u16 = 10_000;
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")?;
+    let ephemeral: u16 = range.split_whitespace().next().context("the port range")?.parse()?;
+    if ephemeral <= LOWEST + 1_000 {
+        bail!(
+            "the ephemeral ports start at {ephemeral}: no room below them for the test's servers"
+        );
+    }
+    for _ in 0..100 {
+        let draw = std::collections::hash_map::RandomState::new().build_hasher().finish();
+        let port = LOWEST + (draw % u64::from(ephemeral - LOWEST)) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    bail!("no free port in {LOWEST}..{ephemeral} after 100 draws")
 }
+
+/// etcd or the API server exited while the API was awaited (most often: its port was taken).
+#[derive(Debug)]
+pub struct Exited {
+    what: &'static str,
+    status: std::process::ExitStatus,
+    tail: String,
+}
+
+impl std::fmt::Display for Exited {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} exited ({}) while starting:\n{}", self.what, self.status, self.tail)
+    }
+}
+
+impl std::error::Error for Exited {}
+
+/// How many times `KubeApi::start` starts etcd and the API server on new ports when they exit
+/// at once (a port another test's server took first).
+const START_ATTEMPTS: usize = 3;
 
 /// The API server and its etcd.
 #[derive(Debug)]
@@ -64,6 +105,19 @@ impl Drop for KubeApi {
 impl KubeApi {
     /// Starts etcd and the API server; returns once the API answers.
     pub fn start() -> Result<Self> {
+        let mut attempt = 1;
+        loop {
+            match Self::start_once() {
+                Err(e) if attempt < START_ATTEMPTS && e.is::<Exited>() => {
+                    eprintln!("kube_api: {e:#}; on other ports again");
+                    attempt += 1;
+                }
+                r => return r,
+            }
+        }
+    }
+
+    fn start_once() -> Result<Self> {
         let dir = std::env::temp_dir().join(unique("meshpath-kube-"));
         std::fs::create_dir_all(&dir)?;
         let (client_port, peer_port, port) = (free_port()?, free_port()?, free_port()?);
@@ -162,7 +216,9 @@ impl KubeApi {
         }
     }
 
-    fn wait_ready(&self, limit: Duration) -> Result<()> {
+    /// Waits until the API answers; fails at once, with [`Exited`], if etcd or the API server
+    /// has exited meanwhile.
+    fn wait_ready(&mut self, limit: Duration) -> Result<()> {
         let deadline = Instant::now() + limit;
         loop {
             let out = Command::new("curl")
@@ -173,14 +229,28 @@ impl KubeApi {
             if out.is_ok_and(|o| o.stdout == b"200") {
                 return Ok(());
             }
+            let apiserver = self.apiserver.as_mut().and_then(|a| a.try_wait().ok().flatten());
+            for (what, status, log) in [
+                ("etcd", self.etcd.try_wait().ok().flatten(), "etcd.log"),
+                ("the API server", apiserver, "apiserver.log"),
+            ] {
+                if let Some(status) = status {
+                    let tail = self.log_tail(log);
+                    return Err(Exited { what, status, tail }.into());
+                }
+            }
             if Instant::now() > deadline {
-                let log =
-                    std::fs::read_to_string(self.dir.join("apiserver.log")).unwrap_or_default();
-                let tail: Vec<&str> = log.lines().rev().take(20).collect();
-                bail!("the API server did not become ready:\n{}", tail.join("\n"));
+                bail!("the API server did not become ready:\n{}", self.log_tail("apiserver.log"));
             }
             std::thread::sleep(Duration::from_millis(200));
         }
+    }
+
+    /// The last 20 lines of one of the servers' logs.
+    fn log_tail(&self, log: &str) -> String {
+        let log = std::fs::read_to_string(self.dir.join(log)).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
     }
 
     /// A GET as a plain `curl` makes it (curl's own user agent, for which the API server

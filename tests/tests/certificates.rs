@@ -1,9 +1,10 @@
 //! Workload certificates: renewed under a running transfer (local CA), read from files and
-//! re-read when they change (files mode), and client certificates that are expired or from
-//! another CA refused at the TLS handshake.
+//! re-read when they change (files mode), a CA root rotation rolled out in steps, and client
+//! certificates that are expired or from another CA refused at the TLS handshake.
 
 use std::{
     io::{Read as _, Write as _},
+    net::{SocketAddr, TcpStream},
     time::{Duration, Instant},
 };
 
@@ -89,6 +90,95 @@ fn a_certificate_file_for_another_identity_is_refused_and_the_current_one_kept()
     let dst = nodes.b(false, 8099);
     nodes.echo_server_in_b(dst);
     assert_eq!(nodes.app_round_trip(dst, b"kept").expect("round trip"), b"kept");
+}
+
+/// The trust bundle both proxies read (files mode): `roots`, written aside and renamed.
+fn write_bundle(nodes: &TwoNodes, roots: &[&LocalCa]) {
+    let pem: String = roots.iter().map(|ca| ca.to_pem().0).collect();
+    let tmp = nodes.dir.join("ca.pem.tmp");
+    std::fs::write(&tmp, pem).expect("bundle");
+    std::fs::rename(&tmp, nodes.dir.join("ca.pem")).expect("bundle");
+}
+
+/// Waits (10 s at most) until both proxies trust `want` roots (their config dumps).
+fn wait_roots(nodes: &TwoNodes, want: usize) {
+    let roots = |n: usize| {
+        let dump = nodes.proxies[n].config_dump().expect("config_dump");
+        dump["certificates"][0]["rootCerts"].as_array().map_or(0, Vec::len)
+    };
+    for n in 0..2 {
+        let taken = wait_until(Duration::from_secs(10), || roots(n) == want);
+        assert!(taken, "node {} trusts {} roots, not {want}", n + 1, roots(n));
+    }
+}
+
+/// Writes `ca`'s certificate for `account` (files mode) and waits until node `node` serves it.
+fn switch_cert(nodes: &TwoNodes, node: usize, account: &str, ca: &LocalCa) {
+    let before = serial(nodes, node);
+    let cert = ca.issue(&sa(account), Duration::from_secs(3600)).expect("cert");
+    nodes.write_cert(&sa(account), &cert);
+    let served = wait_until(Duration::from_secs(10), || serial(nodes, node) != before);
+    assert!(served, "node {} did not take {account}'s new certificate", node + 1);
+}
+
+/// A round trip from pod a to pod b's echo at `dst` on an HBONE connection made for it: node 1
+/// keeps no idle connection by then (`--pool-idle-seconds 1`), and `--pool-max-streams 1`
+/// keeps new streams off the held one. Both proxies check each other's certificate on it.
+fn round_trip_on_a_new_connection(nodes: &TwoNodes, dst: SocketAddr, step: &str) {
+    let node1 = &nodes.proxies[0];
+    let pooled = || node1.metric("meshpath_pool_connections", &[]).expect("metrics");
+    let opened = || node1.metric("meshpath_pool_connections_opened_total", &[]).expect("metrics");
+    assert!(wait_until(Duration::from_secs(10), || pooled() <= 1.0), "an idle connection stayed");
+    let before = opened();
+    let echoed = nodes.app_round_trip(dst, step.as_bytes());
+    assert_eq!(echoed.as_deref().ok(), Some(step.as_bytes()), "{step}: {echoed:?}");
+    assert_eq!(opened(), before + 1.0, "{step}: no new HBONE connection was made");
+}
+
+/// One echo on the connection opened before the rotation.
+fn still_carried(held: &mut TcpStream, step: &str) {
+    held.write_all(step.as_bytes()).expect("send on the held connection");
+    let mut back = vec![0u8; step.len()];
+    held.read_exact(&mut back).expect("echo on the held connection");
+    assert_eq!(back, step.as_bytes(), "{step}");
+}
+
+/// A CA root rotation rolled out as Istio documents it: the new root joins the trust bundle,
+/// workloads get certificates of the new root one at a time, then the old root leaves. At each
+/// step a new connection (both certificates checked) works, and one opened before it all
+/// carries on. A proxy that kept the TLS settings it made before the bundle changed fails at
+/// the second step: node 2's new certificate refused (that mutation was run).
+#[test]
+fn a_ca_root_rotation_in_steps_keeps_new_and_open_connections_working() {
+    let nodes = TwoNodes::start(Setup {
+        cert_files: true,
+        args: ["--pool-idle-seconds", "1", "--pool-max-streams", "1"].map(String::from).into(),
+        ..Setup::default()
+    });
+    let dst = nodes.b(false, 8101);
+    nodes.echo_server_in_b(dst);
+    let mut held = nodes.connect_from_a(dst).expect("connect");
+    still_carried(&mut held, "before");
+    let new = LocalCa::generate("the new root").expect("CA");
+
+    write_bundle(&nodes, &[&nodes.ca, &new]);
+    wait_roots(&nodes, 2);
+    round_trip_on_a_new_connection(&nodes, dst, "both roots trusted");
+    still_carried(&mut held, "both roots trusted");
+
+    // Node 2's workload on the new root, node 1's still on the old.
+    switch_cert(&nodes, 1, "sa-b", &new);
+    round_trip_on_a_new_connection(&nodes, dst, "the server on the new root");
+    still_carried(&mut held, "the server on the new root");
+
+    switch_cert(&nodes, 0, "sa-a", &new);
+    round_trip_on_a_new_connection(&nodes, dst, "both on the new root");
+
+    // The old root leaves the bundle.
+    write_bundle(&nodes, &[&new]);
+    wait_roots(&nodes, 1);
+    round_trip_on_a_new_connection(&nodes, dst, "only the new root trusted");
+    still_carried(&mut held, "after");
 }
 
 /// A client with `cert` opening HBONE to pod b (from pod b's netns).

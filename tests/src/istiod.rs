@@ -83,6 +83,9 @@ struct Shared {
     stalled: Option<String>,
     /// Every CSR is answered UNAVAILABLE (istiod's CA away).
     ca_away: bool,
+    /// A CA root rotation under way (`Istiod::rotate_ca`): the CA signing instead of the
+    /// stand-in's own, and the root bundle every answer carries instead of its root alone.
+    rotation: Option<(Option<Arc<LocalCa>>, String)>,
     version: u64,
 }
 
@@ -428,6 +431,15 @@ impl Istiod {
         self.shared.lock().expect("state").ca_away = away;
     }
 
+    /// A step of a CA root rotation, as an operator rolls one out with istiod's plugged CA:
+    /// certificates signed from now on by `signer` (`None`: the stand-in's own CA), and every
+    /// answer's root bundle `roots` (in the chain's last element, as istiod sends it). The
+    /// stand-in's serving certificate stays on its own CA.
+    pub fn rotate_ca(&self, signer: Option<Arc<LocalCa>>, roots: &[&LocalCa]) {
+        let bundle = roots.iter().map(|ca| ca.to_pem().0).collect();
+        self.shared.lock().expect("state").rotation = Some((signer, bundle));
+    }
+
     /// Gives every certificate this validity.
     pub fn set_ttl(&self, ttl: Option<Duration>) {
         self.shared.lock().expect("state").ttl = ttl;
@@ -722,7 +734,7 @@ impl IstioCertificateService for Service {
                 _ => None,
             })
             .collect();
-        let (wrong, ttl, stalled) = {
+        let (wrong, ttl, stalled, rotation) = {
             let mut s = self.shared.lock().map_err(|_| Status::internal("state"))?;
             s.csrs.push(CsrSeen {
                 impersonated: impersonated.clone(),
@@ -733,7 +745,7 @@ impl IstioCertificateService for Service {
             if s.ca_away {
                 return Err(Status::unavailable("istiod's CA is away (stand-in)"));
             }
-            (s.wrong_san.clone(), s.ttl, s.stalled.clone())
+            (s.wrong_san.clone(), s.ttl, s.stalled.clone(), s.rotation.clone())
         };
         if stalled.is_some() && stalled == impersonated {
             std::future::pending::<()>().await;
@@ -743,12 +755,14 @@ impl IstioCertificateService for Service {
             .or_else(|| sans.first().cloned())
             .ok_or_else(|| Status::invalid_argument("no identity asked for"))?;
         let validity = ttl.unwrap_or(Duration::from_secs(req.validity_duration.max(1) as u64));
-        let leaf = self
-            .ca
+        let (signer, roots) = match rotation {
+            Some((signer, roots)) => (signer.unwrap_or_else(|| self.ca.clone()), roots),
+            None => (self.ca.clone(), self.ca.to_pem().0),
+        };
+        let leaf = signer
             .sign_request(&req.csr, &identity, validity)
             .map_err(|e| Status::internal(format!("signing: {e}")))?;
-        let (root, _) = self.ca.to_pem();
-        Ok(Response::new(IstioCertificateResponse { cert_chain: vec![leaf, root] }))
+        Ok(Response::new(IstioCertificateResponse { cert_chain: vec![leaf, roots] }))
     }
 }
 

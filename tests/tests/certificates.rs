@@ -181,6 +181,61 @@ fn a_ca_root_rotation_in_steps_keeps_new_and_open_connections_working() {
     still_carried(&mut held, "after");
 }
 
+/// The issuer of node `node`'s workload certificate now (its config dump).
+fn issuer(nodes: &TwoNodes, node: usize) -> String {
+    let dump = nodes.proxies[node].config_dump().expect("config_dump");
+    let pem = dump["certificates"][0]["certChain"][0]["pem"].as_str().unwrap_or_default();
+    let (_, pem) = x509_parser::pem::parse_x509_pem(pem.as_bytes()).expect("a PEM certificate");
+    let cert = pem.parse_x509().expect("a certificate");
+    cert.issuer().to_string()
+}
+
+/// The same rotation with the certificates and roots from istiod (the stand-in's CA answers, as
+/// istiod's with a plugged CA: the bundle in the chain's last element). Node 1's requests are
+/// held unanswered while node 2 moves to the new root, so that one step has the two nodes on
+/// different roots, each trusting both.
+#[test]
+fn a_ca_root_rotation_by_istiod_keeps_new_and_open_connections_working() {
+    let nodes = TwoNodes::start(Setup {
+        istiod: true,
+        // Short-lived certificates (a minute backdated, as the stand-in signs them): the proxies
+        // ask again every tick, so each step reaches them within moments.
+        istiod_before: Some(|i| i.set_ttl(Some(Duration::from_secs(30)))),
+        args: ["--pool-idle-seconds", "1", "--pool-max-streams", "1"].map(String::from).into(),
+        ..Setup::default()
+    });
+    assert!(nodes.wait_ready(Duration::from_secs(30)), "the proxies did not serve their pods");
+    let istiod = nodes.istiod();
+    let dst = nodes.b(false, 8102);
+    nodes.echo_server_in_b(dst);
+    let mut held = nodes.connect_from_a(dst).expect("connect");
+    still_carried(&mut held, "before");
+    let (old, new) =
+        (istiod.ca(), std::sync::Arc::new(LocalCa::generate("the new root").expect("CA")));
+    let on_new = |node: usize| issuer(&nodes, node).contains("the new root");
+
+    istiod.rotate_ca(None, &[old, &new]);
+    wait_roots(&nodes, 2);
+    round_trip_on_a_new_connection(&nodes, dst, "both roots trusted");
+
+    let node1 = sa("sa-a").to_string();
+    istiod.stall_identity(Some(&node1));
+    istiod.rotate_ca(Some(new.clone()), &[old, &new]);
+    assert!(wait_until(Duration::from_secs(10), || on_new(1)), "node 2 kept the old root");
+    assert!(!on_new(0), "node 1 moved while its requests were held");
+    round_trip_on_a_new_connection(&nodes, dst, "node 2 on the new root, node 1 on the old");
+    still_carried(&mut held, "node 2 on the new root, node 1 on the old");
+
+    istiod.stall_identity(None);
+    assert!(wait_until(Duration::from_secs(15), || on_new(0)), "node 1 kept the old root");
+    round_trip_on_a_new_connection(&nodes, dst, "both on the new root");
+
+    istiod.rotate_ca(Some(new.clone()), &[&new]);
+    wait_roots(&nodes, 1);
+    round_trip_on_a_new_connection(&nodes, dst, "only the new root trusted");
+    still_carried(&mut held, "after");
+}
+
 /// A client with `cert` opening HBONE to pod b (from pod b's netns).
 fn connect_with(nodes: &TwoNodes, cert: &WorkloadCert) -> Result<(), HboneError> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");

@@ -2,8 +2,9 @@
 //! offline mode (reloaded when it changes; a file that does not parse is reported with its line
 //! and field and the previous store is kept), the trust bundle (files mode; istiod's from the
 //! CA's answers), each pod's certificate (renewed at half its remaining life in local-CA mode;
-//! taken from the CA client once it holds a newer one; re-read when its files change; the
-//! earliest expiry exported), and idle pooled connections (released).
+//! taken from the CA client once it holds a newer one; re-read when its files change; its TLS
+//! settings made again when the trust roots change; the earliest expiry exported), and idle
+//! pooled connections (released).
 
 use std::{
     path::{Path, PathBuf},
@@ -62,16 +63,14 @@ async fn refresh(
                 reload_store(&proxy, workloads);
             }
         }
-        let roots_changed = match proxy.certs.reload_roots() {
-            Ok(changed) => changed,
-            Err(e) => {
-                error!(error = %e, "trust bundle not reloaded; keeping the previous one");
-                false
-            }
-        };
+        // New roots reach each pod's TLS settings through `refresh_cert`, which compares them
+        // with those the settings were made with (so a rebuild that fails is tried again).
+        if let Err(e) = proxy.certs.reload_roots() {
+            error!(error = %e, "trust bundle not reloaded; keeping the previous one");
+        }
         let pods = proxy.pods();
         for pod in &pods {
-            if let Err(e) = pod.refresh_cert(roots_changed) {
+            if let Err(e) = pod.refresh_cert() {
                 error!(pod = %pod.uid, error = %format!("{e:#}"), "certificate not renewed; keeping the current one");
             }
         }

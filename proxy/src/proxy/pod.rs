@@ -12,7 +12,7 @@ use std::{
 
 use anyhow::Context as _;
 use meshpath_podnet::netns::Netns;
-use rustls::{ClientConfig, ServerConfig};
+use rustls::{pki_types::CertificateDer, ClientConfig, ServerConfig};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -37,6 +37,9 @@ struct PodTls {
     cert: Arc<WorkloadCert>,
     fetched: SystemTime,
     stamp: Vec<Option<SystemTime>>,
+    /// The trust roots its configurations check peers with: the proxy's when they were made.
+    /// Other roots now (a bundle changed) make them stale until a refresh succeeds.
+    roots: Arc<Vec<CertificateDer<'static>>>,
     server: Arc<ServerConfig>,
     /// Client configurations by expected peer identity, made once per certificate: every
     /// pooled connection holds its configuration, so sharing it is memory each connection
@@ -134,7 +137,7 @@ impl Pod {
         if let Some(c) = t.clients.get(peer) {
             return Ok(c.clone());
         }
-        let c = tls::client_config(&t.cert, &self.proxy.certs.roots(), vec![peer.clone()])?;
+        let c = tls::client_config(&t.cert, &t.roots, vec![peer.clone()])?;
         t.clients.insert(peer.clone(), c.clone());
         Ok(c)
     }
@@ -144,24 +147,27 @@ impl Pod {
         self.tls.read().ok().map(|t| t.server.clone())
     }
 
-    /// Replaces the pod's certificate if the source says it is stale (or `force`).
-    /// Returns whether it did.
-    pub fn refresh_cert(&self, force: bool) -> anyhow::Result<bool> {
+    /// Replaces the pod's certificate and TLS settings if the source says the certificate is
+    /// stale, the pod's identity changed, or the proxy trusts other roots than those the
+    /// settings were made with (a bundle changed; if making them again fails, the next refresh
+    /// tries again). Returns whether it did.
+    pub fn refresh_cert(&self) -> anyhow::Result<bool> {
         // The identity istiod gives the pod now: another than the one held (a pod added before
         // istiod described it, whose trust domain or service account was assumed) gets a
         // certificate for the new one, and the pod takes both together.
         let wanted = self.current_workload(&self.proxy.store()).identity();
-        let (held, stale) = self
+        let roots = self.proxy.certs.roots();
+        let (held, stale, other_roots) = self
             .tls
             .read()
             .map(|t| {
-                let stale =
-                    force || self.proxy.certs.stale(&t.identity, &t.cert, t.fetched, &t.stamp);
-                (t.identity.clone(), stale)
+                let stale = self.proxy.certs.stale(&t.identity, &t.cert, t.fetched, &t.stamp);
+                let other_roots = !Arc::ptr_eq(&t.roots, &roots) && *t.roots != *roots;
+                (t.identity.clone(), stale, other_roots)
             })
             .map_err(|_| anyhow::anyhow!("TLS state lock poisoned"))?;
         let changed = *held != wanted;
-        if !stale && !changed {
+        if !stale && !changed && !other_roots {
             return Ok(false);
         }
         let next = fetch_tls(&self.proxy, &wanted)?;
@@ -172,8 +178,10 @@ impl Pod {
         self.proxy.metrics.cert_rotations.inc();
         if changed {
             info!(pod = %self.uid, from = %held, identity = %wanted, serial, "the pod's identity changed; certificate replaced");
-        } else {
+        } else if stale {
             info!(pod = %self.uid, identity = %wanted, serial, "certificate renewed");
+        } else {
+            info!(pod = %self.uid, identity = %wanted, serial, roots = roots.len(), "the trust roots changed; TLS settings made again");
         }
         Ok(true)
     }
@@ -239,14 +247,16 @@ fn fetch_tls(proxy: &Proxy, id: &Identity) -> anyhow::Result<PodTls> {
         .certs
         .fetch(id)
         .with_context(|| format!("certificate for {id} ({})", proxy.certs.mode()))?;
+    let roots = proxy.certs.roots();
     // Fails if the key does not match the certificate (files caught between two writes).
-    let server = tls::server_config(&cert, &proxy.certs.roots())
-        .with_context(|| format!("certificate for {id}"))?;
+    let server =
+        tls::server_config(&cert, &roots).with_context(|| format!("certificate for {id}"))?;
     Ok(PodTls {
         identity: Arc::new(id.clone()),
         cert: Arc::new(cert),
         fetched: SystemTime::now(),
         stamp,
+        roots,
         server,
         clients: HashMap::new(),
     })

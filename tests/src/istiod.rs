@@ -65,6 +65,14 @@ pub struct CsrSeen {
     pub peer: Option<SocketAddr>,
 }
 
+/// A step of a CA root rotation: the CA signing (`None`: the stand-in's own) and the root
+/// bundle every answer carries instead of the stand-in's root alone (PEM).
+#[derive(Debug, Clone)]
+struct Rotation {
+    signer: Option<Arc<LocalCa>>,
+    bundle: String,
+}
+
 #[derive(Debug, Default)]
 struct Shared {
     /// (type, name) → (version, encoded resource).
@@ -83,9 +91,8 @@ struct Shared {
     stalled: Option<String>,
     /// Every CSR is answered UNAVAILABLE (istiod's CA away).
     ca_away: bool,
-    /// A CA root rotation under way (`Istiod::rotate_ca`): the CA signing instead of the
-    /// stand-in's own, and the root bundle every answer carries instead of its root alone.
-    rotation: Option<(Option<Arc<LocalCa>>, String)>,
+    /// A CA root rotation under way (`Istiod::rotate_ca`).
+    rotation: Option<Rotation>,
     version: u64,
 }
 
@@ -437,7 +444,7 @@ impl Istiod {
     /// stand-in's serving certificate stays on its own CA.
     pub fn rotate_ca(&self, signer: Option<Arc<LocalCa>>, roots: &[&LocalCa]) {
         let bundle = roots.iter().map(|ca| ca.to_pem().0).collect();
-        self.shared.lock().expect("state").rotation = Some((signer, bundle));
+        self.shared.lock().expect("state").rotation = Some(Rotation { signer, bundle });
     }
 
     /// Gives every certificate this validity.
@@ -485,8 +492,9 @@ impl Istiod {
         &self.dir
     }
 
-    /// The CA it signs with (a test's other parties, a waypoint stand-in, get certificates
-    /// from it too).
+    /// Its own CA: the one it signs with unless a rotation names another (`rotate_ca`), and
+    /// the one its serving certificate is from (a test's other parties, a waypoint stand-in,
+    /// get certificates from it too).
     pub fn ca(&self) -> &LocalCa {
         &self.ca
     }
@@ -756,7 +764,9 @@ impl IstioCertificateService for Service {
             .ok_or_else(|| Status::invalid_argument("no identity asked for"))?;
         let validity = ttl.unwrap_or(Duration::from_secs(req.validity_duration.max(1) as u64));
         let (signer, roots) = match rotation {
-            Some((signer, roots)) => (signer.unwrap_or_else(|| self.ca.clone()), roots),
+            Some(Rotation { signer, bundle }) => {
+                (signer.unwrap_or_else(|| self.ca.clone()), bundle)
+            }
             None => (self.ca.clone(), self.ca.to_pem().0),
         };
         let leaf = signer

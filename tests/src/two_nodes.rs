@@ -264,6 +264,14 @@ impl TwoNodes {
         std::fs::rename(&tmp, self.dir.join(format!("node{n}.yaml"))).expect("rename workloads");
     }
 
+    /// Writes the trust bundle both proxies read (files mode): `roots`, aside and renamed.
+    pub fn write_trust_bundle(&self, roots: &[&LocalCa]) {
+        let pem: String = roots.iter().map(|ca| ca.to_pem().0).collect();
+        let tmp = self.dir.join("ca.pem.tmp");
+        std::fs::write(&tmp, pem).expect("bundle");
+        std::fs::rename(&tmp, self.dir.join("ca.pem")).expect("bundle");
+    }
+
     /// Writes `id`'s certificate files (files mode), valid for `validity`.
     pub fn write_cert_files(&self, id: &Identity, validity: Duration) {
         self.write_cert(id, &self.ca.issue(id, validity).expect("cert"));
@@ -437,7 +445,31 @@ impl TwoNodes {
             .run(|| TcpStream::connect(gateway))
             .expect("netns")
             .expect("tcp");
-        self.hbone_handshake_to_b(std, cert).await
+        let roots = std::slice::from_ref(&self.ca.cert_der);
+        self.hbone_handshake_to_b(std, cert, roots).await
+    }
+
+    /// [`Self::hbone_to_b`], checking node 2's certificate against `roots` (a CA root
+    /// rotation's), not the test's CA alone.
+    pub async fn hbone_to_b_trusting(
+        &self,
+        cert: &meshpath_proxy::identity::WorkloadCert,
+        roots: &[rustls::pki_types::CertificateDer<'static>],
+        dst: SocketAddr,
+    ) -> Result<(), meshpath_proxy::proxy::hbone::HboneError> {
+        let gateway = self.b(false, 15008);
+        let std = self
+            .pods
+            .b
+            .open()
+            .expect("b")
+            .run(|| TcpStream::connect(gateway))
+            .expect("netns")
+            .expect("tcp");
+        let conn = self.hbone_handshake_to_b(std, cert, roots).await?;
+        meshpath_proxy::proxy::hbone::open_stream(conn, gateway, dst, &Default::default())
+            .await
+            .map(drop)
     }
 
     /// An HBONE connection to pod b's 15008 from pod a's address, made as node 1's proxy
@@ -452,18 +484,20 @@ impl TwoNodes {
             .a
             .connect_in_cgroup(self.b(false, 15008), &self.cgroup)
             .expect("TCP from pod a to pod b's 15008");
-        self.hbone_handshake_to_b(std, cert).await
+        let roots = std::slice::from_ref(&self.ca.cert_der);
+        self.hbone_handshake_to_b(std, cert, roots).await
     }
 
-    /// TLS and HTTP/2 over `std`, a TCP connection to pod b's 15008, as a client with `cert`.
+    /// TLS and HTTP/2 over `std`, a TCP connection to pod b's 15008, as a client with `cert`
+    /// that trusts `roots`.
     async fn hbone_handshake_to_b(
         &self,
         std: TcpStream,
         cert: &meshpath_proxy::identity::WorkloadCert,
+        roots: &[rustls::pki_types::CertificateDer<'static>],
     ) -> Result<meshpath_proxy::proxy::hbone::Connection, meshpath_proxy::proxy::hbone::HboneError>
     {
         let gateway = self.b(false, 15008);
-        let roots = std::slice::from_ref(&self.ca.cert_der);
         let config = meshpath_proxy::identity::tls::client_config(cert, roots, vec![sa("sa-b")])
             .expect("client config");
         std.set_nonblocking(true).expect("nonblocking");

@@ -92,15 +92,8 @@ fn a_certificate_file_for_another_identity_is_refused_and_the_current_one_kept()
     assert_eq!(nodes.app_round_trip(dst, b"kept").expect("round trip"), b"kept");
 }
 
-/// The trust bundle both proxies read (files mode): `roots`, written aside and renamed.
-fn write_bundle(nodes: &TwoNodes, roots: &[&LocalCa]) {
-    let pem: String = roots.iter().map(|ca| ca.to_pem().0).collect();
-    let tmp = nodes.dir.join("ca.pem.tmp");
-    std::fs::write(&tmp, pem).expect("bundle");
-    std::fs::rename(&tmp, nodes.dir.join("ca.pem")).expect("bundle");
-}
-
-/// Waits (10 s at most) until both proxies trust `want` roots (their config dumps).
+/// Waits (10 s at most) until both proxies have read a bundle of `want` roots (their config
+/// dumps): read, not yet proof that each pod's TLS settings were made again with them.
 fn wait_roots(nodes: &TwoNodes, want: usize) {
     let roots = |n: usize| {
         let dump = nodes.proxies[n].config_dump().expect("config_dump");
@@ -143,11 +136,59 @@ fn still_carried(held: &mut TcpStream, step: &str) {
     assert_eq!(back, step.as_bytes(), "{step}");
 }
 
+/// An HBONE handshake and CONNECT to `dst` in pod b as a client with `cert` that trusts `roots`.
+fn connect_trusting(
+    nodes: &TwoNodes,
+    dst: SocketAddr,
+    cert: &WorkloadCert,
+    roots: &[&LocalCa],
+) -> Result<(), HboneError> {
+    let roots: Vec<_> = roots.iter().map(|ca| ca.cert_der.clone()).collect();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    rt.block_on(nodes.hbone_to_b_trusting(cert, &roots, dst))
+}
+
+/// Node 2 takes a client certificate of `client_ca` for a CONNECT to `dst` (its TLS settings
+/// made again with the bundle that added that root), within 10 s; the client trusts
+/// `server_ca`, whose certificate node 2 presents.
+fn accepts_a_client_of(
+    nodes: &TwoNodes,
+    dst: SocketAddr,
+    client_ca: &LocalCa,
+    server_ca: &LocalCa,
+) {
+    let cert = client_ca.issue(&sa("sa-a"), Duration::from_secs(600)).expect("cert");
+    let connect = || connect_trusting(nodes, dst, &cert, &[server_ca]);
+    let accepted = wait_until(Duration::from_secs(10), || connect().is_ok());
+    assert!(accepted, "node 2 refused a client of the new root: {:?}", connect());
+}
+
+/// Node 2 refuses a client certificate of `client_ca` (a root that left the bundle), within
+/// 10 s, and counts the refusal; the client trusts `server_ca`, whose certificate node 2
+/// presents, so the refusal is node 2's.
+fn refuses_a_client_of(
+    nodes: &TwoNodes,
+    dst: SocketAddr,
+    client_ca: &LocalCa,
+    server_ca: &LocalCa,
+) {
+    let refused = [("reason", "tls_handshake")];
+    let count = || nodes.proxies[1].metric("meshpath_connection_errors_total", &refused);
+    let before = count().expect("metrics");
+    let cert = client_ca.issue(&sa("sa-a"), Duration::from_secs(600)).expect("cert");
+    let connect = || connect_trusting(nodes, dst, &cert, &[server_ca]);
+    let refusing = wait_until(Duration::from_secs(10), || connect().is_err());
+    assert!(refusing, "node 2 still takes a client of the root that left its bundle");
+    let counted = wait_until(Duration::from_secs(10), || count().is_ok_and(|n| n > before));
+    assert!(counted, "node 2 counted no refused handshake");
+}
+
 /// A CA root rotation rolled out as Istio documents it: the new root joins the trust bundle,
 /// workloads get certificates of the new root one at a time, then the old root leaves. At each
-/// step a new connection (both certificates checked) works, and one opened before it all
-/// carries on. A proxy that kept the TLS settings it made before the bundle changed fails at
-/// the second step: node 2's new certificate refused (that mutation was run).
+/// step a new connection (both certificates checked) works and one opened before it all
+/// carries on; once the bundle has the new root, node 2 takes a client of it, and once the old
+/// root has left, node 2 refuses a client of that one. A proxy that kept the TLS settings it
+/// made before the bundle changed fails at the first of those (that mutation was run).
 #[test]
 fn a_ca_root_rotation_in_steps_keeps_new_and_open_connections_working() {
     let nodes = TwoNodes::start(Setup {
@@ -159,10 +200,11 @@ fn a_ca_root_rotation_in_steps_keeps_new_and_open_connections_working() {
     nodes.echo_server_in_b(dst);
     let mut held = nodes.connect_from_a(dst).expect("connect");
     still_carried(&mut held, "before");
-    let new = LocalCa::generate("the new root").expect("CA");
+    let (old, new) = (&nodes.ca, LocalCa::generate("the new root").expect("CA"));
 
-    write_bundle(&nodes, &[&nodes.ca, &new]);
+    nodes.write_trust_bundle(&[old, &new]);
     wait_roots(&nodes, 2);
+    accepts_a_client_of(&nodes, dst, &new, old);
     round_trip_on_a_new_connection(&nodes, dst, "both roots trusted");
     still_carried(&mut held, "both roots trusted");
 
@@ -173,21 +215,23 @@ fn a_ca_root_rotation_in_steps_keeps_new_and_open_connections_working() {
 
     switch_cert(&nodes, 0, "sa-a", &new);
     round_trip_on_a_new_connection(&nodes, dst, "both on the new root");
+    still_carried(&mut held, "both on the new root");
 
     // The old root leaves the bundle.
-    write_bundle(&nodes, &[&new]);
+    nodes.write_trust_bundle(&[&new]);
     wait_roots(&nodes, 1);
+    refuses_a_client_of(&nodes, dst, old, &new);
     round_trip_on_a_new_connection(&nodes, dst, "only the new root trusted");
-    still_carried(&mut held, "after");
+    still_carried(&mut held, "only the new root trusted");
 }
 
-/// The issuer of node `node`'s workload certificate now (its config dump).
-fn issuer(nodes: &TwoNodes, node: usize) -> String {
-    let dump = nodes.proxies[node].config_dump().expect("config_dump");
-    let pem = dump["certificates"][0]["certChain"][0]["pem"].as_str().unwrap_or_default();
-    let (_, pem) = x509_parser::pem::parse_x509_pem(pem.as_bytes()).expect("a PEM certificate");
-    let cert = pem.parse_x509().expect("a certificate");
-    cert.issuer().to_string()
+/// The issuer of node `node`'s workload certificate now (its config dump), if it has one.
+fn issuer(nodes: &TwoNodes, node: usize) -> Option<String> {
+    let dump = nodes.proxies[node].config_dump().ok()?;
+    let pem = dump["certificates"][0]["certChain"][0]["pem"].as_str()?.to_owned();
+    let (_, pem) = x509_parser::pem::parse_x509_pem(pem.as_bytes()).ok()?;
+    let cert = pem.parse_x509().ok()?;
+    Some(cert.issuer().to_string())
 }
 
 /// The same rotation with the certificates and roots from istiod (the stand-in's CA answers, as
@@ -198,9 +242,10 @@ fn issuer(nodes: &TwoNodes, node: usize) -> String {
 fn a_ca_root_rotation_by_istiod_keeps_new_and_open_connections_working() {
     let nodes = TwoNodes::start(Setup {
         istiod: true,
-        // Short-lived certificates (a minute backdated, as the stand-in signs them): the proxies
-        // ask again every tick, so each step reaches them within moments.
-        istiod_before: Some(|i| i.set_ttl(Some(Duration::from_secs(30)))),
+        // Short-lived certificates, which the stand-in backdates a minute: past half their
+        // life at once, so the proxies ask again every moment and each step reaches them
+        // within one; 45 s outlasts what node 1 may wait while its requests are held.
+        istiod_before: Some(|i| i.set_ttl(Some(Duration::from_secs(45)))),
         args: ["--pool-idle-seconds", "1", "--pool-max-streams", "1"].map(String::from).into(),
         ..Setup::default()
     });
@@ -210,13 +255,15 @@ fn a_ca_root_rotation_by_istiod_keeps_new_and_open_connections_working() {
     nodes.echo_server_in_b(dst);
     let mut held = nodes.connect_from_a(dst).expect("connect");
     still_carried(&mut held, "before");
-    let (old, new) =
-        (istiod.ca(), std::sync::Arc::new(LocalCa::generate("the new root").expect("CA")));
-    let on_new = |node: usize| issuer(&nodes, node).contains("the new root");
+    let old = istiod.ca();
+    let new = std::sync::Arc::new(LocalCa::generate("the new root").expect("CA"));
+    let on_new = |node: usize| issuer(&nodes, node).is_some_and(|i| i.contains("the new root"));
 
     istiod.rotate_ca(None, &[old, &new]);
     wait_roots(&nodes, 2);
+    accepts_a_client_of(&nodes, dst, &new, old);
     round_trip_on_a_new_connection(&nodes, dst, "both roots trusted");
+    still_carried(&mut held, "both roots trusted");
 
     let node1 = sa("sa-a").to_string();
     istiod.stall_identity(Some(&node1));
@@ -226,14 +273,18 @@ fn a_ca_root_rotation_by_istiod_keeps_new_and_open_connections_working() {
     round_trip_on_a_new_connection(&nodes, dst, "node 2 on the new root, node 1 on the old");
     still_carried(&mut held, "node 2 on the new root, node 1 on the old");
 
+    // Node 1's request held when this lets go ends at the CA client's deadline (5 s); the next
+    // one, after its back-off, is answered.
     istiod.stall_identity(None);
-    assert!(wait_until(Duration::from_secs(15), || on_new(0)), "node 1 kept the old root");
+    assert!(wait_until(Duration::from_secs(20), || on_new(0)), "node 1 kept the old root");
     round_trip_on_a_new_connection(&nodes, dst, "both on the new root");
+    still_carried(&mut held, "both on the new root");
 
     istiod.rotate_ca(Some(new.clone()), &[&new]);
     wait_roots(&nodes, 1);
+    refuses_a_client_of(&nodes, dst, old, &new);
     round_trip_on_a_new_connection(&nodes, dst, "only the new root trusted");
-    still_carried(&mut held, "after");
+    still_carried(&mut held, "only the new root trusted");
 }
 
 /// A client with `cert` opening HBONE to pod b (from pod b's netns).

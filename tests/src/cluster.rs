@@ -617,10 +617,14 @@ pub fn reboot_node() -> Result<()> {
     remove_kubepods_cgroups();
     // Every bpffs stacked there (a reboot leaves none), not only the top one.
     nix::mount::umount2(BPFFS, nix::mount::MntFlags::MNT_DETACH).context("unmounting bpffs")?;
-    while bpffs_mounts()? > 0 {
+    for _ in 0..16 {
+        if bpffs_mounts() == 0 {
+            break;
+        }
         nix::mount::umount2(BPFFS, nix::mount::MntFlags::MNT_DETACH)
             .context("unmounting a bpffs stacked below")?;
     }
+    anyhow::ensure!(bpffs_mounts() == 0, "{} mounts left at {BPFFS}", bpffs_mounts());
     // /run is a tmpfs: nothing in it survives a reboot. The runtime's state (sockets, shims'
     // directories) is below RUN_DIR; meshpath's (the agent's records, cni.sock, the ZDS socket)
     // below /var/run.
@@ -638,8 +642,8 @@ pub fn reboot_node() -> Result<()> {
     // Shared, as `cargo xtask cluster up` needs it (the agent's pod mounts it with
     // Bidirectional propagation).
     let shared = Command::new("mount").args(["--make-shared", BPFFS]).status()?;
-    anyhow::ensure!(shared.success(), "mount --make-shared /sys/fs/bpf failed");
-    let mounts = bpffs_mounts()?;
+    anyhow::ensure!(shared.success(), "mount --make-shared {BPFFS} failed");
+    let mounts = bpffs_mounts();
     anyhow::ensure!(mounts == 1, "{mounts} bpffs mounts at {BPFFS} after the boot, not one");
     state.start("containerd", &containerd)?;
     let sock = Path::new(RUN_DIR).join("containerd.sock");
@@ -651,11 +655,15 @@ pub fn reboot_node() -> Result<()> {
 /// The host's bpffs, as a boot mounts it.
 const BPFFS: &str = "/sys/fs/bpf";
 
-/// How many mounts /proc/self/mountinfo lists at [`BPFFS`] (stacked ones each count).
-fn bpffs_mounts() -> Result<usize> {
-    let info = std::fs::read_to_string("/proc/self/mountinfo")?;
-    // Field 5 is the mount point.
-    Ok(info.lines().filter(|l| l.split_whitespace().nth(4) == Some(BPFFS)).count())
+/// How many mounts there are at [`BPFFS`] (stacked ones each count).
+fn bpffs_mounts() -> usize {
+    mount_points().iter().filter(|p| *p == BPFFS).count()
+}
+
+/// Every mount point /proc/self/mountinfo lists, once per mount (its fifth field).
+fn mount_points() -> Vec<String> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    info.lines().filter_map(|l| l.split_whitespace().nth(4).map(str::to_owned)).collect()
 }
 
 /// Where `cargo xtask cluster up` puts containerd's state and socket (tmpfs-like: /run).
@@ -723,12 +731,8 @@ fn kill_shims() {
 
 /// Unmounts every mount below `prefix`, deepest first.
 fn unmount_below(prefix: &str) {
-    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let mut points: Vec<String> = info
-        .lines()
-        .filter_map(|l| l.split_whitespace().nth(4).map(str::to_owned))
-        .filter(|p| p.starts_with(prefix))
-        .collect();
+    let mut points: Vec<String> =
+        mount_points().into_iter().filter(|p| p.starts_with(prefix)).collect();
     points.sort_by_key(|p| std::cmp::Reverse(p.len()));
     for p in points {
         let _ = nix::mount::umount2(p.as_str(), nix::mount::MntFlags::MNT_DETACH);

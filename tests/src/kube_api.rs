@@ -32,29 +32,44 @@ pub fn kube_apiserver_bin() -> PathBuf {
     base.join("kubernetes").join("kube-apiserver")
 }
 
-/// A loopback port for etcd or the API server, free when asked. Not one the kernel hands out
-/// (`bind` to port 0, or a `connect`): between this answer and the server's `bind`, any
-/// connection a parallel test makes could be given that one. Below the ephemeral range
-/// (`net.ipv4.ip_local_port_range`) instead, drawn at random so that tests starting servers at
-/// once rarely draw the same; `KubeApi::start` starts again on others if they did.
-fn free_port() -> Result<u16> {
-    use std::hash::{BuildHasher as _, Hasher as _};
+/// Loopback ports for etcd and the API server, `N` different ones, each free when asked. Not
+/// ones the kernel hands out (`bind` to port 0, or a `connect`): between this answer and the
+/// server's `bind`, any connection a parallel test makes could be given one. Below the
+/// ephemeral range (`net.ipv4.ip_local_port_range`) instead, drawn at random so that tests
+/// starting servers at once rarely draw the same; `KubeApi::start` starts again on others if
+/// they did. A range that leaves no room below it: ports the kernel hands out, as before.
+fn free_ports<const N: usize>() -> Result<[u16; N]> {
     const LOWEST: u16 = 10_000;
-    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")?;
-    let ephemeral: u16 = range.split_whitespace().next().context("the port range")?.parse()?;
-    if ephemeral <= LOWEST + 1_000 {
-        bail!(
-            "the ephemeral ports start at {ephemeral}: no room below them for the test's servers"
-        );
+    const RANGE: &str = "/proc/sys/net/ipv4/ip_local_port_range";
+    let range = std::fs::read_to_string(RANGE).with_context(|| format!("reading {RANGE}"))?;
+    let ephemeral: u16 = range
+        .split_whitespace()
+        .next()
+        .and_then(|p| p.parse().ok())
+        .with_context(|| format!("{RANGE}: {range:?}"))?;
+    let mut ports = [0u16; N];
+    for i in 0..N {
+        ports[i] = if ephemeral > LOWEST + 1_000 {
+            draw_below(LOWEST, ephemeral, &ports[..i])?
+        } else {
+            TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()
+        };
     }
+    Ok(ports)
+}
+
+/// A port in `low..high`, not in `taken`, that nothing listens on now.
+fn draw_below(low: u16, high: u16, taken: &[u16]) -> Result<u16> {
     for _ in 0..100 {
-        let draw = std::collections::hash_map::RandomState::new().build_hasher().finish();
-        let port = LOWEST + (draw % u64::from(ephemeral - LOWEST)) as u16;
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+        let mut b = [0u8; 2];
+        // SAFETY: getrandom writes at most the buffer's length into it.
+        unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+        let port = low + u16::from_ne_bytes(b) % (high - low);
+        if !taken.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
             return Ok(port);
         }
     }
-    bail!("no free port in {LOWEST}..{ephemeral} after 100 draws")
+    bail!("no free port in {low}..{high} after 100 draws")
 }
 
 /// etcd or the API server exited while the API was awaited (most often: its port was taken).
@@ -120,7 +135,7 @@ impl KubeApi {
     fn start_once() -> Result<Self> {
         let dir = std::env::temp_dir().join(unique("meshpath-kube-"));
         std::fs::create_dir_all(&dir)?;
-        let (client_port, peer_port, port) = (free_port()?, free_port()?, free_port()?);
+        let [client_port, peer_port, port] = free_ports()?;
         let etcd_url = format!("http://127.0.0.1:{client_port}");
         let peer_url = format!("http://127.0.0.1:{peer_port}");
         let etcd = Command::new("etcd")
@@ -226,9 +241,9 @@ impl KubeApi {
                 .arg(format!("Authorization: Bearer {}", self.token))
                 .arg(format!("https://127.0.0.1:{}/readyz", self.port))
                 .output();
-            if out.is_ok_and(|o| o.stdout == b"200") {
-                return Ok(());
-            }
+            let answered = out.is_ok_and(|o| o.stdout == b"200");
+            // Checked even after a 200: an API server whose etcd exited (its port another
+            // test's etcd held) could be answering from that other etcd.
             let apiserver = self.apiserver.as_mut().and_then(|a| a.try_wait().ok().flatten());
             for (what, status, log) in [
                 ("etcd", self.etcd.try_wait().ok().flatten(), "etcd.log"),
@@ -238,6 +253,9 @@ impl KubeApi {
                     let tail = self.log_tail(log);
                     return Err(Exited { what, status, tail }.into());
                 }
+            }
+            if answered {
+                return Ok(());
             }
             if Instant::now() > deadline {
                 bail!("the API server did not become ready:\n{}", self.log_tail("apiserver.log"));

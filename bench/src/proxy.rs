@@ -288,8 +288,7 @@ fn usage(pid: u32) -> Result<(f64, f64)> {
         .get(11)
         .zip(fields.get(12))
         .map_or(0.0, |(u, s)| u.parse::<f64>().unwrap_or(0.0) + s.parse::<f64>().unwrap_or(0.0));
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let hz = stats::clock_ticks_per_s();
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     let rss = status
         .lines()
@@ -378,7 +377,7 @@ fn scenario(
         Some(v) => v.as_f64().map_or("failed".to_owned(), |x| format!("{x:.1}")),
     };
     eprintln!(
-        "bench: {name}: {} Gbit/s (4 streams {}), {} conn/s ({} from 100 clients), rr p50 {} us p99 {} us (100 clients: {} / {}), cpu {} s/GB",
+        "bench: {name}: {} Gbit/s (4 streams {}), {} conn/s ({} from 100 clients), rr p50 {} us p99 {} us (100 clients: {} / {}), cpu {} s/GB (machine {})",
         f(&out, "throughput_gbps"),
         f(&out, "throughput_4_gbps"),
         f(&out, "conn_per_s"),
@@ -388,6 +387,7 @@ fn scenario(
         f(&out, "rr_p50_us_100"),
         f(&out, "rr_p99_us_100"),
         f(&out, "cpu_s_per_gb"),
+        f(&out, "machine_cpu_s_per_gb"),
     );
     let hold = |n: usize| -> Result<Vec<TcpStream>> {
         (0..n)

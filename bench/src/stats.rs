@@ -224,9 +224,13 @@ pub struct Rr {
 /// The whole machine's busy CPU time so far, in seconds (every process and the kernel: what a
 /// proxy's own time leaves out when its work moves into the kernel in others' contexts).
 pub fn machine_busy_s() -> Result<f64> {
+    Ok(cpu_jiffies()?.0 as f64 / clock_ticks_per_s())
+}
+
+/// The clock ticks /proc counts CPU time in, per second.
+pub fn clock_ticks_per_s() -> f64 {
     // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    Ok(cpu_jiffies()?.0 as f64 / hz)
+    unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64
 }
 
 /// Busy and total jiffies of all CPUs so far (/proc/stat's `cpu` line; idle and iowait are
@@ -272,8 +276,7 @@ pub fn rr_latency(
         let mut samples: Vec<Duration> = in_threads(clients, client)?.concat();
         let (busy1, total1) = cpu_jiffies()?;
         let trips = ((warmup + count) * clients.max(1)) as f64;
-        // SAFETY: sysconf has no preconditions.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        let hz = clock_ticks_per_s();
         let busy = (busy1 - busy0) as f64;
         Ok(Rr {
             p50_us: percentile_us(&mut samples, 0.50),

@@ -436,6 +436,17 @@ impl TwoNodes {
         cert: &meshpath_proxy::identity::WorkloadCert,
     ) -> Result<meshpath_proxy::proxy::hbone::Connection, meshpath_proxy::proxy::hbone::HboneError>
     {
+        self.hbone_conn_to_b_trusting(cert, std::slice::from_ref(&self.ca.cert_der)).await
+    }
+
+    /// [`Self::hbone_conn_to_b`], checking node 2's certificate against `roots` (a CA root
+    /// rotation's), not the test's CA alone.
+    async fn hbone_conn_to_b_trusting(
+        &self,
+        cert: &meshpath_proxy::identity::WorkloadCert,
+        roots: &[rustls::pki_types::CertificateDer<'static>],
+    ) -> Result<meshpath_proxy::proxy::hbone::Connection, meshpath_proxy::proxy::hbone::HboneError>
+    {
         let gateway = self.b(false, 15008);
         let std = self
             .pods
@@ -445,28 +456,18 @@ impl TwoNodes {
             .run(|| TcpStream::connect(gateway))
             .expect("netns")
             .expect("tcp");
-        let roots = std::slice::from_ref(&self.ca.cert_der);
         self.hbone_handshake_to_b(std, cert, roots).await
     }
 
-    /// [`Self::hbone_to_b`], checking node 2's certificate against `roots` (a CA root
-    /// rotation's), not the test's CA alone.
+    /// [`Self::hbone_to_b`] with [`Self::hbone_conn_to_b_trusting`]'s `roots`.
     pub async fn hbone_to_b_trusting(
         &self,
         cert: &meshpath_proxy::identity::WorkloadCert,
         roots: &[rustls::pki_types::CertificateDer<'static>],
         dst: SocketAddr,
     ) -> Result<(), meshpath_proxy::proxy::hbone::HboneError> {
+        let conn = self.hbone_conn_to_b_trusting(cert, roots).await?;
         let gateway = self.b(false, 15008);
-        let std = self
-            .pods
-            .b
-            .open()
-            .expect("b")
-            .run(|| TcpStream::connect(gateway))
-            .expect("netns")
-            .expect("tcp");
-        let conn = self.hbone_handshake_to_b(std, cert, roots).await?;
         meshpath_proxy::proxy::hbone::open_stream(conn, gateway, dst, &Default::default())
             .await
             .map(drop)
@@ -511,11 +512,7 @@ impl TwoNodes {
         cert: &meshpath_proxy::identity::WorkloadCert,
         dst: SocketAddr,
     ) -> Result<(), meshpath_proxy::proxy::hbone::HboneError> {
-        let conn = self.hbone_conn_to_b(cert).await?;
-        let gateway = self.b(false, 15008);
-        meshpath_proxy::proxy::hbone::open_stream(conn, gateway, dst, &Default::default())
-            .await
-            .map(drop)
+        self.hbone_to_b_trusting(cert, std::slice::from_ref(&self.ca.cert_der), dst).await
     }
 
     /// An echo server in pod b for one connection; returns the address it was connected from.

@@ -11,9 +11,10 @@
 //!   (again every 200 ms for up to 120 s until it can) and send `hello from LOCAL_ADDR`, the
 //!   address its own socket has, so the listener can tell whether it was reached by this
 //!   socket or by a proxy's (another port).
-//! - `send ADDR --bytes N [--seconds S]`: sends N bytes of a fixed pattern, spread over S
-//!   seconds, closes its side and prints the sink's answer; exits 1 unless the sink read
-//!   exactly what was sent.
+//! - `send ADDR --bytes N [--seconds S] [--until-stdin-closes]`: sends N bytes of a fixed
+//!   pattern, spread over S seconds (with `--until-stdin-closes`, the rest at once when its
+//!   standard input ends), closes its side and prints the sink's answer; exits 1 unless the
+//!   sink read exactly what was sent.
 //! - `get ADDR PATH`: one HTTP GET; prints the body; exits 1 unless the status is 200.
 //! - `loop ADDR --seconds S [--every-ms M] [--until-stdin-closes]`: opens a new connection to
 //!   the sink every M ms (20) for S seconds (or, with `--until-stdin-closes`, until its
@@ -42,7 +43,7 @@ use std::{
     net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs as _},
     process::ExitCode,
     sync::{
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
         Arc,
     },
     thread,
@@ -226,6 +227,15 @@ fn canonical(ip: std::net::IpAddr) -> std::net::IpAddr {
     }
 }
 
+/// Sets `flag` once this process's standard input ends (read to its end on a thread of its
+/// own): how a test that ran the app with `kubectl exec -i` tells it to finish.
+fn on_stdin_end(flag: Arc<AtomicBool>) {
+    thread::spawn(move || {
+        let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+        flag.store(true, Ordering::Relaxed);
+    });
+}
+
 fn resolve(addr: &str) -> Result<SocketAddr, String> {
     addr.to_socket_addrs()
         .map_err(|e| format!("{addr}: {e}"))?
@@ -240,6 +250,10 @@ fn send(args: &[String]) -> Result<(), String> {
     let seconds: f64 = flag(args, "--seconds")
         .map_or(Ok(0.0), |s| s.parse())
         .map_err(|e| format!("--seconds: {e}"))?;
+    let hurry = Arc::new(AtomicBool::new(false));
+    if args.iter().any(|a| a == "--until-stdin-closes") {
+        on_stdin_end(hurry.clone());
+    }
     let mut conn = TcpStream::connect_timeout(&addr, Duration::from_secs(10))
         .map_err(|e| format!("connecting to {addr}: {e}"))?;
     let started = Instant::now();
@@ -253,7 +267,7 @@ fn send(args: &[String]) -> Result<(), String> {
         conn.write_all(&chunk[..k]).map_err(|e| format!("sending at byte {sent}: {e}"))?;
         h = fnv(h, &chunk[..k]);
         sent += k as u64;
-        if seconds > 0.0 {
+        if seconds > 0.0 && !hurry.load(Ordering::Relaxed) {
             // Paced: byte `sent` is due at `sent / total` of the time.
             let due = Duration::from_secs_f64(seconds * sent as f64 / total as f64);
             if let Some(wait) = due.checked_sub(started.elapsed()) {
@@ -339,13 +353,9 @@ fn connect_loop(args: &[String]) -> Result<(), String> {
         .map_err(|e| format!("--every-ms: {e}"))?;
     let every = Duration::from_millis(every.max(1));
     let until = Instant::now() + Duration::from_secs(seconds);
-    let stdin_closed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stdin_closed = Arc::new(AtomicBool::new(false));
     if args.iter().any(|a| a == "--until-stdin-closes") {
-        let closed = stdin_closed.clone();
-        thread::spawn(move || {
-            let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
-            closed.store(true, std::sync::atomic::Ordering::Relaxed);
-        });
+        on_stdin_end(stdin_closed.clone());
     }
     let mut rounds = Vec::new();
     let began = Instant::now();
@@ -354,7 +364,7 @@ fn connect_loop(args: &[String]) -> Result<(), String> {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis());
     let mut next = began;
-    while Instant::now() < until && !stdin_closed.load(std::sync::atomic::Ordering::Relaxed) {
+    while Instant::now() < until && !stdin_closed.load(Ordering::Relaxed) {
         let at = began.elapsed();
         rounds.push((at, thread::spawn(move || one_round(addr))));
         next += every;
@@ -614,7 +624,7 @@ fn hold(args: &[String]) -> Result<(), String> {
     let addr = args.first().ok_or("hold ADDR --connections N --seconds S")?.clone();
     let n: usize = flag(args, "--connections").and_then(|v| v.parse().ok()).unwrap_or(60);
     let seconds: u64 = flag(args, "--seconds").and_then(|v| v.parse().ok()).unwrap_or(300);
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
     let stall_ms = Arc::new(AtomicU64::new(0));
     let bytes = Arc::new(AtomicU64::new(0));
     let mut threads = Vec::new();
@@ -627,20 +637,12 @@ fn hold(args: &[String]) -> Result<(), String> {
                 .map_err(|e| format!("connection {i} ({kind:?}): {e}"))
         }));
     }
-    let stdin_closed = {
-        let stop = stop.clone();
-        thread::spawn(move || {
-            let mut sink = Vec::new();
-            let _ = std::io::stdin().read_to_end(&mut sink);
-            stop.store(true, Ordering::Relaxed);
-        })
-    };
+    on_stdin_end(stop.clone());
     let deadline = Instant::now() + Duration::from_secs(seconds);
     while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
         thread::sleep(Duration::from_millis(100));
     }
     stop.store(true, Ordering::Relaxed);
-    drop(stdin_closed);
     let mut failures = Vec::new();
     for t in threads {
         match t.join() {
@@ -669,7 +671,7 @@ fn hold(args: &[String]) -> Result<(), String> {
 fn hold_one(
     conn: TcpStream,
     kind: Holding,
-    stop: &std::sync::atomic::AtomicBool,
+    stop: &AtomicBool,
     stall_ms: &AtomicU64,
     bytes: &AtomicU64,
 ) -> Result<(), String> {

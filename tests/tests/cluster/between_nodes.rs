@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use meshpath_tests::cluster::*;
 
-use super::{end_hold, set_up, LONG_BYTES};
+use super::{end_hold, set_up};
 
 /// A meshed namespace with `server` on the second node and `client` on the first, both
 /// published to both proxies as HBONE workloads of their nodes.
@@ -192,8 +192,12 @@ fn a_policy_denying_a_cross_node_pair_closes_its_open_connections_and_refuses_ne
     assert_eq!(after, accepted, "the server's app accepted a denied connection");
 }
 
-/// The seconds a cross-node transfer is spread over while both DaemonSets roll.
-const ROLL_SECONDS: &str = "90";
+/// A cross-node transfer while both DaemonSets roll: these bytes, paced to be spread over
+/// these seconds (about 250 KB/s), the rest sent at once when the roll has ended: under way
+/// from before the first pod is replaced to after the last is Ready, however long the roll
+/// takes, not a fixed time that a slow roll would outlast.
+const ROLL_BYTES: &str = "60000000";
+const ROLL_MAX_SECONDS: &str = "240";
 
 /// A rolling update of both DaemonSets, one node at a time (`maxUnavailable: 1`), while a
 /// cross-node transfer runs and a connect loop opens a connection every 20 ms across the
@@ -203,10 +207,18 @@ fn a_rolling_update_node_by_node_keeps_a_cross_node_transfer_and_answers_every_c
     set_up();
     let pair = cross_node_pair();
     let accepted = sink_count(pair.server.ip).expect("sink count");
-    let long = exec_spawn(
+    let mut long = exec_spawn_with_stdin(
         &pair.ns.name,
         &pair.client.name,
-        &["send", &pair.sink(), "--bytes", LONG_BYTES, "--seconds", ROLL_SECONDS],
+        &[
+            "send",
+            &pair.sink(),
+            "--bytes",
+            ROLL_BYTES,
+            "--seconds",
+            ROLL_MAX_SECONDS,
+            "--until-stdin-closes",
+        ],
     )
     .expect("the long transfer");
     wait_for("the long transfer to start", Duration::from_secs(30), || {
@@ -231,6 +243,8 @@ fn a_rolling_update_node_by_node_keeps_a_cross_node_transfer_and_answers_every_c
     }
     std::thread::sleep(Duration::from_secs(3));
     let looped = looping.end().expect("the connect loop's end");
+    // Its standard input closed: the transfer sends what is left and ends.
+    drop(long.stdin.take());
     let long = long.wait_with_output().expect("the long transfer's end");
     let transfer = format!(
         "{}{}",
@@ -239,7 +253,7 @@ fn a_rolling_update_node_by_node_keeps_a_cross_node_transfer_and_answers_every_c
     );
     println!("{}; loop: {looped}; transfer: {}", rolled.join(", "), transfer.trim());
     assert!(
-        long.status.success() && transfer.contains(&format!("bytes={LONG_BYTES}")),
+        long.status.success() && transfer.contains(&format!("bytes={ROLL_BYTES}")),
         "{transfer}"
     );
     let count = |k: &str| looped.count(k);

@@ -21,6 +21,7 @@ mod bpf_cost;
 mod charts;
 mod cni_setup;
 mod control_plane;
+mod interleaved;
 mod istio_rules;
 mod proxy;
 mod stats;

@@ -26,6 +26,11 @@
 //! carrying the same traffic as `hbone`, keeping the client's address on its connection to the
 //! app as both do when deployed (`ENABLE_ORIG_SRC`); the run then reports `hbone / ztunnel`.
 //!
+//! After the rounds, the one-client request/response latency of `direct`, `hbone`, `ztunnel`,
+//! `same_node` and `same_node_hbone` (those the run has) once more, all set up at once and
+//! measured in turn in short blocks (`interleaved.rs`; `interleaved_rr` in the results): ratios
+//! of latencies measured in one window rather than minutes apart.
+//!
 //! `--store-workloads N` lists N other workloads (and one service per ten of them) in the
 //! proxies' store before the two pods, as a large mesh would: what a connection costs when the
 //! proxy knows many workloads, not two.
@@ -46,7 +51,7 @@ use serde_json::{json, Value};
 
 use crate::stats::{self, record};
 
-const RR_PORT: u16 = 7100;
+pub(crate) const RR_PORT: u16 = 7100;
 const ONESHOT_PORT: u16 = 7101;
 const IPERF_PORT: u16 = 5202;
 
@@ -310,6 +315,39 @@ fn iperf3(pods: &PodPair, secs: f64, streams: u32) -> Result<(f64, f64)> {
     ))
 }
 
+/// What carries scenario `name`'s traffic between the pods (nothing for `direct`); dropped,
+/// it stops.
+pub(crate) struct Carrier {
+    hbone: Option<Hbone>,
+    forwarders: Option<Forwarders>,
+}
+
+/// Starts scenario `name`'s proxies (or forwarders) for `pods`.
+pub(crate) fn start_carrier(
+    name: &str,
+    pods: &PodPair,
+    proxy_args: &[String],
+    store: Store,
+    ztunnel: Option<&Path>,
+) -> Result<Carrier> {
+    let hbone = match name {
+        "hbone" | "hbone_sockmap" => {
+            let layout = Layout::TwoNodes { shortcut: name == "hbone_sockmap" };
+            Some(start_hbone(pods, proxy_args, &[], store, layout)?)
+        }
+        "same_node" => Some(start_hbone(pods, proxy_args, &[], store, Layout::SameNode)?),
+        "same_node_hbone" => {
+            let args: Vec<String> =
+                proxy_args.iter().cloned().chain(["--node-local-hbone".to_owned()]).collect();
+            Some(start_hbone(pods, &args, &[], store, Layout::SameNode)?)
+        }
+        "ztunnel" => Some(start_ztunnel(pods, ztunnel.context("no ztunnel build given")?)?),
+        _ => None,
+    };
+    let forwarders = if name == "forwarders" { Some(start_forwarders(pods)?) } else { None };
+    Ok(Carrier { hbone, forwarders })
+}
+
 fn scenario(
     name: &str,
     secs: f64,
@@ -324,21 +362,7 @@ fn scenario(
     stats::start_rr_server(&b, rr)?;
     stats::start_oneshot_server(&b, oneshot)?;
     let _iperf = pods.b.iperf3_server(pods.b_ip.into(), IPERF_PORT, false)?;
-    let mut hbone = match name {
-        "hbone" | "hbone_sockmap" => {
-            let layout = Layout::TwoNodes { shortcut: name == "hbone_sockmap" };
-            Some(start_hbone(&pods, proxy_args, &[], store, layout)?)
-        }
-        "same_node" => Some(start_hbone(&pods, proxy_args, &[], store, Layout::SameNode)?),
-        "same_node_hbone" => {
-            let args: Vec<String> =
-                proxy_args.iter().cloned().chain(["--node-local-hbone".to_owned()]).collect();
-            Some(start_hbone(&pods, &args, &[], store, Layout::SameNode)?)
-        }
-        "ztunnel" => Some(start_ztunnel(&pods, ztunnel.context("no ztunnel build given")?)?),
-        _ => None,
-    };
-    let forwarders = if name == "forwarders" { Some(start_forwarders(&pods)?) } else { None };
+    let Carrier { mut hbone, forwarders } = start_carrier(name, &pods, proxy_args, store, ztunnel)?;
     let pids: Vec<u32> = hbone
         .iter()
         .flat_map(|h| h.proxies.iter())
@@ -550,11 +574,18 @@ pub fn run(
     for (i, name) in names.iter().enumerate() {
         scenarios[*name] = summarize(name, &runs[i]);
     }
+    // After the rounds: one window with every latency path up at once.
+    eprintln!("bench: interleaved request/response");
+    let interleaved =
+        crate::interleaved::rr(&names, proxy_args, store, ztunnel).unwrap_or_else(|e| {
+            eprintln!("bench: interleaved request/response failed: {e:#}");
+            Some(json!({ "error": format!("{e:#}") }))
+        });
     let result = json!({
         "machine": crate::machine(), "commit": crate::commit(), "date": crate::date(),
         "steal_pct": steal.pct(), "proxy_args": proxy_args, "store_workloads": store.workloads,
         "store_policies": store.policies, "scenarios": scenarios,
-        "ztunnel": ztunnel.map(ztunnel_version),
+        "ztunnel": ztunnel.map(ztunnel_version), "interleaved_rr": interleaved,
     });
     if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir)?;
@@ -602,6 +633,7 @@ pub fn run(
             println!("{label}: rr p99 {p99:.2}");
         }
     }
+    crate::interleaved::print(&result["interleaved_rr"]);
     let added = |k: &str| Some(h[k].as_f64()? - d[k].as_f64()?);
     for (clients, p50, p99) in
         [(1, "rr_p50_us", "rr_p99_us"), (100, "rr_p50_us_100", "rr_p99_us_100")]

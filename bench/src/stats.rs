@@ -245,6 +245,32 @@ fn cpu_jiffies() -> Result<(u64, u64)> {
     Ok((busy, busy + at(3) + at(4)))
 }
 
+/// One request/response connection (to a [`start_rr_server`]), made from the calling thread's
+/// netns and kept across runs of round trips.
+pub struct RrClient(TcpStream);
+
+impl RrClient {
+    pub fn connect(to: SocketAddr) -> Result<Self> {
+        let c = TcpStream::connect(to).with_context(|| format!("connecting to {to}"))?;
+        c.set_nodelay(true)?;
+        Ok(Self(c))
+    }
+
+    /// `n` round trips of a MESSAGE-byte request and its response, one after the other; the
+    /// time each took.
+    pub fn round_trips(&mut self, n: usize) -> Result<Vec<Duration>> {
+        let mut buf = [0u8; MESSAGE];
+        let mut samples = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = Instant::now();
+            self.0.write_all(&[1u8; MESSAGE])?;
+            self.0.read_exact(&mut buf)?;
+            samples.push(t.elapsed());
+        }
+        Ok(samples)
+    }
+}
+
 /// Request/response latency from `clients` threads at once, each on its own connection:
 /// `count` round trips in all after `warmup` (both split evenly among the clients); the p50 and
 /// p99 over every client's round trips, and the CPU the whole run cost per round trip.
@@ -257,19 +283,9 @@ pub fn rr_latency(
 ) -> Result<Rr> {
     let (warmup, count) = (warmup / clients.max(1), count / clients.max(1));
     let client = || -> Result<Vec<Duration>> {
-        let mut c = TcpStream::connect(to)?;
-        c.set_nodelay(true)?;
-        let mut buf = [0u8; MESSAGE];
-        let mut samples = Vec::with_capacity(count);
-        for i in 0..warmup + count {
-            let t = Instant::now();
-            c.write_all(&[1u8; MESSAGE])?;
-            c.read_exact(&mut buf)?;
-            if i >= warmup {
-                samples.push(t.elapsed());
-            }
-        }
-        Ok(samples)
+        let mut c = RrClient::connect(to)?;
+        c.round_trips(warmup)?;
+        c.round_trips(count)
     };
     ns.run(|| -> Result<Rr> {
         let (busy0, total0) = cpu_jiffies()?;

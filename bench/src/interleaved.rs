@@ -1,0 +1,155 @@
+//! Request/response latency of several paths measured in one window, interleaved: every path
+//! set up at once (a pod pair each), then blocks of round trips taken from each in turn, the
+//! order rotated from block to block, so that whatever the machine does meanwhile (its host's
+//! other guests, frequency, the scheduler's mood) falls on all of them alike. The rounds of
+//! `meshpath-bench proxy` measure each scenario minutes apart, and one-client p50 moves by
+//! more than the gap between two proxies from one such minute to the next; here a ratio is
+//! taken between blocks measured back to back, and its spread over the blocks is reported.
+//!
+//! One client per path, on one connection kept for the whole run (the p50 of a single
+//! request/response stream, the figure `rr_p50_us` reports); for each path the p50 and p99
+//! over all its blocks, and for each pair the ratio of those and the median, lowest and
+//! highest ratio of the blocks' own p50s.
+
+use std::{net::SocketAddr, path::Path, time::Duration};
+
+use anyhow::{Context as _, Result};
+use meshpath_tests::PodPair;
+use serde_json::{json, Map, Value};
+
+use crate::{
+    proxy::{start_carrier, Carrier, RR_PORT},
+    stats::{self, RrClient},
+};
+
+/// The paths measured together, where the run has them.
+pub const PATHS: [&str; 5] = ["direct", "hbone", "ztunnel", "same_node", "same_node_hbone"];
+
+/// The ratios reported, (over, under), where the run has both. Not over `direct`: measured
+/// this way its two ends stay on one CPU (4.4 µs here, where `rr_p50_us` finds 60 to 70 µs in
+/// the same process), which says nothing of what a proxy adds.
+pub const PAIRS: [(&str, &str); 3] =
+    [("hbone", "ztunnel"), ("same_node", "same_node_hbone"), ("same_node", "ztunnel")];
+
+/// Blocks per path, round trips per block, and round trips before the first block.
+const BLOCKS: usize = 40;
+const PER_BLOCK: usize = 500;
+const WARMUP: usize = 2_000;
+
+/// One path: its pods, what carries the traffic, and its client. Fields drop in order: the
+/// client, then the proxies, then the pods.
+struct Measured {
+    name: &'static str,
+    client: RrClient,
+    _carrier: Carrier,
+    _pods: PodPair,
+    samples: Vec<Duration>,
+    block_p50_us: Vec<f64>,
+}
+
+/// Measures `names` (those of [`PATHS`] the run has; nothing with fewer than two) interleaved;
+/// the results object, or `None`.
+pub fn rr(
+    names: &[&str],
+    proxy_args: &[String],
+    store: crate::proxy::Store,
+    ztunnel: Option<&Path>,
+) -> Result<Option<Value>> {
+    let names: Vec<&'static str> = PATHS.into_iter().filter(|p| names.contains(p)).collect();
+    if names.len() < 2 {
+        return Ok(None);
+    }
+    let mut paths = Vec::new();
+    for name in names {
+        let pods = PodPair::new()?;
+        let (a, b) = (pods.a.open()?, pods.b.open()?);
+        let rr = SocketAddr::new(pods.b_ip.into(), RR_PORT);
+        stats::start_rr_server(&b, rr)?;
+        let carrier = start_carrier(name, &pods, proxy_args, store, ztunnel)
+            .with_context(|| format!("starting {name}"))?;
+        let mut client = a.run(|| RrClient::connect(rr))??;
+        client.round_trips(WARMUP).with_context(|| format!("{name}: warm-up"))?;
+        paths.push(Measured {
+            name,
+            client,
+            _carrier: carrier,
+            _pods: pods,
+            samples: Vec::with_capacity(BLOCKS * PER_BLOCK),
+            block_p50_us: Vec::with_capacity(BLOCKS),
+        });
+    }
+    let n = paths.len();
+    for block in 0..BLOCKS {
+        for k in 0..n {
+            let p = &mut paths[(block + k) % n];
+            let mut s = p.client.round_trips(PER_BLOCK).context(p.name)?;
+            p.block_p50_us.push(stats::percentile_us(&mut s, 0.50));
+            p.samples.extend(s);
+        }
+    }
+    let mut out = Map::new();
+    out.insert("blocks".into(), json!(BLOCKS));
+    out.insert("round_trips_per_block".into(), json!(PER_BLOCK));
+    for p in &mut paths {
+        out.insert(
+            p.name.into(),
+            json!({
+                "rr_p50_us": stats::percentile_us(&mut p.samples, 0.50),
+                "rr_p99_us": stats::percentile_us(&mut p.samples, 0.99),
+            }),
+        );
+    }
+    let find = |name: &str| paths.iter().find(|p| p.name == name);
+    for (over, under) in PAIRS {
+        let (Some(o), Some(u)) = (find(over), find(under)) else { continue };
+        let mut by_block: Vec<f64> =
+            o.block_p50_us.iter().zip(&u.block_p50_us).map(|(a, b)| a / b).collect();
+        by_block.sort_by(f64::total_cmp);
+        let ratio = |k: &str| Some(out[o.name][k].as_f64()? / out[u.name][k].as_f64()?);
+        out.insert(
+            format!("{over} / {under}"),
+            json!({
+                "rr_p50": ratio("rr_p50_us"),
+                "rr_p99": ratio("rr_p99_us"),
+                "rr_p50_by_block_median": by_block.get(by_block.len() / 2),
+                "rr_p50_by_block_min": by_block.first(),
+                "rr_p50_by_block_max": by_block.last(),
+            }),
+        );
+    }
+    Ok(Some(Value::Object(out)))
+}
+
+/// Prints what [`rr`] measured (nothing if it did not run; its error if it failed).
+pub fn print(v: &Value) {
+    if let Some(e) = v["error"].as_str() {
+        println!("\ninterleaved request/response failed: {e}");
+    }
+    if v["blocks"].is_null() {
+        return;
+    }
+    println!(
+        "\ninterleaved 1-client request/response ({} blocks of {} round trips per path, in turn):",
+        v["blocks"], v["round_trips_per_block"]
+    );
+    for name in PATHS {
+        let p = &v[name];
+        if let (Some(p50), Some(p99)) = (p["rr_p50_us"].as_f64(), p["rr_p99_us"].as_f64()) {
+            println!("  {name}: p50 {p50:.1} µs, p99 {p99:.1} µs");
+        }
+    }
+    for (over, under) in PAIRS {
+        let r = &v[format!("{over} / {under}")];
+        let f = |k: &str| r[k].as_f64().map_or("-".to_owned(), |x| format!("{x:.2}"));
+        if r.is_object() {
+            println!(
+                "  {over} / {under}: p50 {} (by block: median {}, {} to {}), p99 {}",
+                f("rr_p50"),
+                f("rr_p50_by_block_median"),
+                f("rr_p50_by_block_min"),
+                f("rr_p50_by_block_max"),
+                f("rr_p99"),
+            );
+        }
+    }
+}

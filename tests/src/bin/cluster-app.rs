@@ -13,8 +13,9 @@
 //!   socket or by a proxy's (another port).
 //! - `send ADDR --bytes N [--seconds S] [--until-stdin-closes]`: sends N bytes of a fixed
 //!   pattern, spread over S seconds (with `--until-stdin-closes`, the rest at once when its
-//!   standard input ends), closes its side and prints the sink's answer; exits 1 unless the
-//!   sink read exactly what was sent.
+//!   standard input ends, and `unsent_at_stdin_end=B` printed: the bytes still to send then),
+//!   closes its side and prints the sink's answer; exits 1 unless the sink read exactly what
+//!   was sent.
 //! - `get ADDR PATH`: one HTTP GET; prints the body; exits 1 unless the status is 200.
 //! - `loop ADDR --seconds S [--every-ms M] [--until-stdin-closes]`: opens a new connection to
 //!   the sink every M ms (20) for S seconds (or, with `--until-stdin-closes`, until its
@@ -228,7 +229,8 @@ fn canonical(ip: std::net::IpAddr) -> std::net::IpAddr {
 }
 
 /// Sets `flag` once this process's standard input ends (read to its end on a thread of its
-/// own): how a test that ran the app with `kubectl exec -i` tells it to finish.
+/// own): how a test that ran the app with `kubectl exec -i` (or `nsenter`, on a CNI node)
+/// tells it to finish.
 fn on_stdin_end(flag: Arc<AtomicBool>) {
     thread::spawn(move || {
         let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
@@ -244,7 +246,8 @@ fn resolve(addr: &str) -> Result<SocketAddr, String> {
 }
 
 fn send(args: &[String]) -> Result<(), String> {
-    let addr = resolve(args.first().ok_or("send ADDR --bytes N [--seconds S]")?)?;
+    let addr =
+        resolve(args.first().ok_or("send ADDR --bytes N [--seconds S] [--until-stdin-closes]")?)?;
     let total: u64 =
         flag(args, "--bytes").ok_or("--bytes N")?.parse().map_err(|e| format!("--bytes: {e}"))?;
     let seconds: f64 = flag(args, "--seconds")
@@ -258,6 +261,7 @@ fn send(args: &[String]) -> Result<(), String> {
         .map_err(|e| format!("connecting to {addr}: {e}"))?;
     let started = Instant::now();
     let (mut sent, mut h) = (0u64, FNV_OFFSET);
+    let mut unsent_at_stdin_end = None;
     let mut chunk = vec![0u8; 16 * 1024];
     while sent < total {
         let k = chunk.len().min((total - sent) as usize);
@@ -267,7 +271,10 @@ fn send(args: &[String]) -> Result<(), String> {
         conn.write_all(&chunk[..k]).map_err(|e| format!("sending at byte {sent}: {e}"))?;
         h = fnv(h, &chunk[..k]);
         sent += k as u64;
-        if seconds > 0.0 && !hurry.load(Ordering::Relaxed) {
+        if hurry.load(Ordering::Relaxed) && unsent_at_stdin_end.is_none() {
+            unsent_at_stdin_end = Some(total - sent);
+        }
+        if seconds > 0.0 && unsent_at_stdin_end.is_none() {
             // Paced: byte `sent` is due at `sent / total` of the time.
             let due = Duration::from_secs_f64(seconds * sent as f64 / total as f64);
             if let Some(wait) = due.checked_sub(started.elapsed()) {
@@ -279,6 +286,9 @@ fn send(args: &[String]) -> Result<(), String> {
     let mut answer = String::new();
     conn.read_to_string(&mut answer).map_err(|e| format!("reading the answer: {e}"))?;
     let want = format!("bytes={sent} hash={h:016x}");
+    if let Some(unsent) = unsent_at_stdin_end {
+        println!("unsent_at_stdin_end={unsent}");
+    }
     println!("sent {want}; the sink read {}", answer.trim());
     if answer.trim() != want {
         return Err(format!("the sink read {:?}, not {want:?}", answer.trim()));

@@ -194,8 +194,8 @@ fn a_policy_denying_a_cross_node_pair_closes_its_open_connections_and_refuses_ne
 
 /// A cross-node transfer while both DaemonSets roll: these bytes, paced to be spread over
 /// these seconds (about 250 KB/s), the rest sent at once when the roll has ended: under way
-/// from before the first pod is replaced to after the last is Ready, however long the roll
-/// takes, not a fixed time that a slow roll would outlast.
+/// from before the first pod is replaced to after the last is Ready (the test checks bytes
+/// were still unsent then), not a fixed time that a slow roll would outlast.
 const ROLL_BYTES: &str = "60000000";
 const ROLL_MAX_SECONDS: &str = "240";
 
@@ -256,6 +256,11 @@ fn a_rolling_update_node_by_node_keeps_a_cross_node_transfer_and_answers_every_c
         long.status.success() && transfer.contains(&format!("bytes={ROLL_BYTES}")),
         "{transfer}"
     );
+    // Under way across the whole roll: bytes were still to be sent when it had ended.
+    let unsent = transfer
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("unsent_at_stdin_end=")?.parse::<u64>().ok());
+    assert!(unsent.is_some_and(|n| n > 0), "the transfer ended before the roll: {transfer}");
     let count = |k: &str| looped.count(k);
     assert!(count("opened") > 1000, "the loop did not run: {looped}");
     assert_eq!(count("refused"), 0, "connections refused across the rolling update: {looped}");

@@ -342,7 +342,8 @@ pub(crate) fn start_carrier(
             Some(start_hbone(pods, &args, &[], store, Layout::SameNode)?)
         }
         "ztunnel" => Some(start_ztunnel(pods, ztunnel.context("no ztunnel build given")?)?),
-        _ => None,
+        "direct" | "forwarders" => None,
+        other => anyhow::bail!("no scenario {other}"),
     };
     let forwarders = if name == "forwarders" { Some(start_forwarders(pods)?) } else { None };
     Ok(Carrier { hbone, forwarders })

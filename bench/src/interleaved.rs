@@ -9,10 +9,12 @@
 //! One client per path, on one connection kept for the whole run (a single request/response
 //! stream, as `rr_p50_us`); for each path the p50 and p99 over all its blocks, and for each
 //! pair the ratio of those and the median, lowest and highest ratio of the blocks' own p50s.
-//! The absolute figures are not `rr_p50_us`'s: measured this way, `direct`'s two ends stay on
-//! one CPU (4.4 µs here against 60 to 70 µs), and a path's latency moves with what else is set
-//! up (a proxy path's p50 here has differed from its p50 in the rounds by up to 40%, either
-//! way). They are for the ratios, taken under one condition for all.
+//! The absolute figures are not `rr_p50_us`'s: measured this way, `direct` takes 4.5 µs here
+//! against 60 to 70 µs in the rounds (why was not found), and a path's latency moves with what
+//! else is set up, unevenly by its shape (in one run, from the rounds' p50: same_node −42%,
+//! hbone +15%, ztunnel +20%). The ratio of two paths of one shape (`hbone` and `ztunnel`: two
+//! proxies, HBONE between them) is what this is for; the others are reported with that caveat
+//! (results/README.md).
 //!
 //! Every path is up at once: up to four datapaths attached beside each other (their cgroup
 //! programs run at a connection's start and state changes, not per packet, so they cost a
@@ -34,9 +36,9 @@ use crate::{
 /// The paths measured together, where the run has them.
 pub const PATHS: [&str; 5] = ["direct", "hbone", "ztunnel", "same_node", "same_node_hbone"];
 
-/// The ratios reported, (over, under), where the run has both. Not over `direct`: measured
-/// this way its two ends stay on one CPU (4.4 µs here, where `rr_p50_us` finds 60 to 70 µs in
-/// the same process), which says nothing of what a proxy adds.
+/// The ratios reported, (over, under), where the run has both (see the module's caveat). Not
+/// over `direct`: 4.5 µs measured this way, where `rr_p50_us` finds 60 to 70 µs in the same
+/// process, says nothing of what a proxy adds.
 pub const PAIRS: [(&str, &str); 3] =
     [("hbone", "ztunnel"), ("same_node", "same_node_hbone"), ("same_node", "ztunnel")];
 

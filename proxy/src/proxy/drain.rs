@@ -233,8 +233,8 @@ impl Drain {
         self.stop.cancel();
         self.tasks.close();
         self.opening.close();
-        // Bounded by the outbound connect timeouts (each hold is released when its stream is
-        // open or has failed), and by the deadline.
+        // Each hold is released when its stream is open or has failed (a peer whose proxy is
+        // being replaced can hold it for minutes); bounded by the deadline.
         let _ = tokio::time::timeout_at(until, self.opening.wait()).await;
         self.stop_hbone.cancel();
         if tokio::time::timeout_at(until, self.tasks.wait()).await.is_err() {

@@ -38,6 +38,10 @@ pub fn server_builder() -> h2::server::Builder {
 pub enum HboneError {
     #[error("connecting to {0}: {1}")]
     Connect(SocketAddr, io::Error),
+    /// Every pooled connection to the peer was full and the streams before this one, each
+    /// opening a new one in turn, had not done so within the wait (`pool::Pool::get`).
+    #[error("connecting to {0}: no pooled connection had room in time")]
+    NoTurn(SocketAddr),
     #[error("TLS to {0}: {1}")]
     Tls(SocketAddr, io::Error),
     #[error("HTTP/2 with {0}: {1}")]
@@ -51,7 +55,8 @@ pub enum HboneError {
 impl HboneError {
     /// Whether this is a timeout (no answer), rather than a refusal.
     pub fn is_timeout(&self) -> bool {
-        matches!(self, Self::Connect(_, e) | Self::Tls(_, e) if e.kind() == io::ErrorKind::TimedOut)
+        matches!(self, Self::NoTurn(_))
+            || matches!(self, Self::Connect(_, e) | Self::Tls(_, e) if e.kind() == io::ErrorKind::TimedOut)
     }
 
     /// Whether the peer never processed the stream, so that it may be sent again on another
@@ -78,10 +83,17 @@ impl HboneError {
         matches!(self, Self::Tls(_, e) if e.kind() == io::ErrorKind::TimedOut)
     }
 
+    /// Whether the peer looks like a node whose proxy is being replaced: this connection's
+    /// handshake went unanswered, or it waited behind others' connections to the peer that did
+    /// not open in time (each of those dialing a handshake that goes unanswered).
+    pub fn is_peer_away(&self) -> bool {
+        self.is_unanswered_handshake() || matches!(self, Self::NoTurn(_))
+    }
+
     /// A short label for metrics.
     pub fn reason(&self) -> &'static str {
         match self {
-            Self::Connect(..) => "hbone_connect",
+            Self::Connect(..) | Self::NoTurn(_) => "hbone_connect",
             Self::Tls(..) => "hbone_tls",
             Self::H2(..) => "hbone_http2",
             Self::Status { status, .. } if *status == http::StatusCode::UNAUTHORIZED => {

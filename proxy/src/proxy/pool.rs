@@ -23,7 +23,6 @@
 use std::{
     collections::HashMap,
     future::Future,
-    io,
     net::SocketAddr,
     sync::{
         atomic::{AtomicUsize, Ordering},
@@ -240,10 +239,9 @@ impl Pool {
             Pick::Use(conn, permit) => return Ok((conn, permit)),
             Pick::Spread => None,
             Pick::Full(turn) => {
-                let held = tokio::time::timeout(wait, turn.lock_owned()).await.map_err(|_| {
-                    let why = "no pooled connection had room in time";
-                    HboneError::Connect(key.gateway, io::Error::new(io::ErrorKind::TimedOut, why))
-                })?;
+                let held = tokio::time::timeout(wait, turn.lock_owned())
+                    .await
+                    .map_err(|_| HboneError::NoTurn(key.gateway))?;
                 // The stream before this one may have opened a connection with room.
                 match self.pick(key, |dest| dest.opening += 1) {
                     Pick::Use(conn, permit) => return Ok((conn, permit)),

@@ -1029,11 +1029,12 @@ fn probe_failures(pod: &str) -> (u64, u64, String) {
     (count("Readiness probe failed"), count("Liveness probe failed"), events.to_string())
 }
 
-/// Readiness failures to see before judging: 11 of its 2 s periods, 20 s unready from the
-/// container's start (the first probe at its start), in which the liveness probe (initial
-/// delay 10 s, period 10 s) has run at least once. A liveness probe tied to readiness would
-/// fail there, and one failure shows as an Event (six in a row restart the container).
-const READINESS_FAILURES: u64 = 11;
+/// Readiness failures to see before judging: 4 of its 5 s periods, 20 s unready from the
+/// container's start, in which the liveness probe (initial delay 10 s, period 10 s) has run at
+/// least once. A liveness probe tied to readiness would fail there, and one failure shows as an
+/// Event (six in a row restart the container). Counted in periods: a shorter period needs more
+/// (11 at 2 s).
+const READINESS_FAILURES: u64 = 4;
 
 /// `pod` probed unready by the kubelet [`READINESS_FAILURES`] times while its liveness probe
 /// never failed and its container was never restarted (the proxy carries on as it is).

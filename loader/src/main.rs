@@ -179,12 +179,14 @@ struct AgentArgs {
     /// proxy that hands them over (meshpath-proxy; never Istio's ztunnel): connections wait
     /// in their backlog across a proxy restart instead of being refused, and are refused once
     /// this passes with no proxy back. 0: not held (connections are refused while no proxy runs).
-    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(0..=3600))]
+    #[arg(long, default_value_t = meshpath_zds::listeners::DEFAULT_HOLD.as_secs(),
+          value_parser = clap::value_parser!(u64).range(0..=3600))]
     hold_listeners_seconds: u64,
     /// Seconds the open connections a draining proxy (meshpath-proxy, on SIGTERM) handed over
     /// are held for the next proxy, which carries them on: a proxy upgrade keeps them. Past
     /// this with no proxy back, they close. 0: none is taken (the proxy drains them as before).
-    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(0..=3600))]
+    #[arg(long, default_value_t = meshpath_zds::connections::DEFAULT_HOLD.as_secs(),
+          value_parser = clap::value_parser!(u64).range(0..=3600))]
     hold_connections_seconds: u64,
 }
 

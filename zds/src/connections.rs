@@ -26,6 +26,10 @@ use std::os::fd::{AsFd, BorrowedFd};
 
 use nix::sys::socket::{self, sockopt, SockType};
 
+/// How long the agent holds a draining proxy's connections, by default, for the next proxy
+/// (`meshpath-loader agent --hold-connections-seconds`).
+pub const DEFAULT_HOLD: std::time::Duration = std::time::Duration::from_secs(120);
+
 /// Descriptors one held plain connection comes with: the accepted socket, then the opened one.
 pub const FDS_PER_CONNECTION: usize = 2;
 

@@ -21,6 +21,11 @@ use std::{
 use datapath_common::consts::ports;
 use nix::sys::socket::{self, sockopt, SockType, SockaddrStorage};
 
+/// How long the agent holds a pod's listeners, by default, while no proxy serves it
+/// (`meshpath-loader agent --hold-listeners-seconds`). A peer node's proxy waits as long for a
+/// new connection's handshake there (`PEER_REPLACED_WAIT` in the proxy's outbound path).
+pub const DEFAULT_HOLD: std::time::Duration = std::time::Duration::from_secs(120);
+
 /// At most this many listeners ride with one pod (ztunnel's set is seven: 15001, 15006, 15008
 /// on `[::]`, and DNS over UDP and TCP on `127.0.0.1` and `[::1]`).
 pub const MAX_PER_POD: usize = 8;

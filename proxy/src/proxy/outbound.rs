@@ -219,7 +219,8 @@ const OPEN_ATTEMPTS: u32 = 3;
 /// dial fails at once. Three connect timeouts (30 s) were not enough: a rolling update on a
 /// busy two-node cluster kept a node without a proxy longer, and 1216 of 4227 connections
 /// across it were reset (after 30 s of dialing, or 20 s waiting behind the dials of others).
-const PEER_REPLACED_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+/// A connection can wait this plus one connect timeout: the last dial starts before it ends.
+const PEER_REPLACED_WAIT: std::time::Duration = meshpath_zds::listeners::DEFAULT_HOLD;
 
 /// A CONNECT stream to `dst` through `gateway`, on a pooled HBONE connection or a new one; a
 /// connection that failed to answer it is evicted from the pool.

@@ -22,14 +22,14 @@
 //! large `--store-workloads`, four times the memory of a round). A path that fails to start is
 //! recorded as failed and the others are measured.
 
-use std::{net::SocketAddr, path::Path, time::Duration};
+use std::{path::Path, time::Duration};
 
 use anyhow::{Context as _, Result};
 use meshpath_tests::PodPair;
 use serde_json::{json, Map, Value};
 
 use crate::{
-    proxy::{start_carrier, Carrier, RR_PORT},
+    proxy::{rr_pods, start_carrier, Carrier},
     stats::{self, RrClient},
 };
 
@@ -66,10 +66,7 @@ fn start(
     store: crate::proxy::Store,
     ztunnel: Option<&Path>,
 ) -> Result<Measured> {
-    let pods = PodPair::new()?;
-    let (a, b) = (pods.a.open()?, pods.b.open()?);
-    let rr = SocketAddr::new(pods.b_ip.into(), RR_PORT);
-    stats::start_rr_server(&b, rr)?;
+    let (pods, a, _b, rr) = rr_pods()?;
     let carrier = start_carrier(name, &pods, proxy_args, store, ztunnel)?;
     let client = a.run(|| RrClient::connect(rr))??;
     Ok(Measured {

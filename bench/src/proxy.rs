@@ -44,14 +44,17 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use meshpath_loader::pods::{self, EnrolOptions};
+use meshpath_loader::{
+    netns::Netns,
+    pods::{self, EnrolOptions},
+};
 use meshpath_proxy::identity::LocalCa;
 use meshpath_tests::{sibling_bin, unique, CgroupGuard, PinRoot, PodPair, TestProxy};
 use serde_json::{json, Value};
 
 use crate::stats::{self, record};
 
-pub(crate) const RR_PORT: u16 = 7100;
+const RR_PORT: u16 = 7100;
 const ONESHOT_PORT: u16 = 7101;
 const IPERF_PORT: u16 = 5202;
 
@@ -349,6 +352,16 @@ pub(crate) fn start_carrier(
     Ok(Carrier { hbone, forwarders })
 }
 
+/// A new pod pair with the request/response server in pod b: the pods, pod a's and pod b's
+/// netns, and the server's address (what `scenario` and the interleaved step both start from).
+pub(crate) fn rr_pods() -> Result<(PodPair, Netns, Netns, SocketAddr)> {
+    let pods = PodPair::new()?;
+    let (a, b) = (pods.a.open()?, pods.b.open()?);
+    let rr = SocketAddr::new(pods.b_ip.into(), RR_PORT);
+    stats::start_rr_server(&b, rr)?;
+    Ok((pods, a, b, rr))
+}
+
 fn scenario(
     name: &str,
     secs: f64,
@@ -356,11 +369,8 @@ fn scenario(
     store: Store,
     ztunnel: Option<&Path>,
 ) -> Result<Value> {
-    let pods = PodPair::new()?;
-    let (a, b) = (pods.a.open()?, pods.b.open()?);
-    let rr = SocketAddr::new(pods.b_ip.into(), RR_PORT);
+    let (pods, a, b, rr) = rr_pods()?;
     let oneshot = SocketAddr::new(pods.b_ip.into(), ONESHOT_PORT);
-    stats::start_rr_server(&b, rr)?;
     stats::start_oneshot_server(&b, oneshot)?;
     let _iperf = pods.b.iperf3_server(pods.b_ip.into(), IPERF_PORT, false)?;
     let Carrier { mut hbone, forwarders } = start_carrier(name, &pods, proxy_args, store, ztunnel)?;
@@ -414,17 +424,15 @@ fn scenario(
         f(&out, "cpu_s_per_gb"),
         f(&out, "machine_cpu_s_per_gb"),
     );
-    let hold = |n: usize| -> Result<Vec<TcpStream>> {
+    // `n` connections from pod a, each through one round trip (so its stream is open).
+    let hold = |n: usize| -> Result<Vec<stats::RrClient>> {
         (0..n)
             .map(|_| {
-                a.run(|| -> std::io::Result<TcpStream> {
-                    let mut c = TcpStream::connect(rr)?;
-                    let mut buf = [0u8; stats::MESSAGE];
-                    c.write_all(&buf)?;
-                    c.read_exact(&mut buf)?;
+                a.run(|| {
+                    let mut c = stats::RrClient::connect(rr)?;
+                    c.round_trips(1)?;
                     Ok(c)
                 })?
-                .map_err(anyhow::Error::from)
             })
             .collect()
     };
@@ -527,7 +535,8 @@ fn summarize(name: &str, rounds: &[Value]) -> Value {
     Value::Object(m)
 }
 
-/// The scenarios, in the order each round runs them (`ztunnel` only with a ztunnel build).
+/// The scenarios, in the order the first round runs them (`ztunnel` only with a ztunnel build;
+/// each round after starts one further on).
 pub const SCENARIOS: [&str; 7] =
     ["direct", "forwarders", "hbone", "hbone_sockmap", "same_node", "same_node_hbone", "ztunnel"];
 
@@ -561,7 +570,10 @@ pub fn run(
     let mut runs: Vec<Vec<Value>> = vec![Vec::new(); names.len()];
     for round in 0..rounds {
         eprintln!("bench: round {}/{rounds}", round + 1);
-        for (i, name) in names.iter().enumerate() {
+        // Each round starts one scenario further on: none always runs first or last (ztunnel
+        // did, last), so a drift within a round does not favour one path in every round.
+        for i in (0..names.len()).map(|k| (k + round) % names.len()) {
+            let name = &names[i];
             // A round whose set-up failed is recorded as failed for every metric, and the
             // rounds go on.
             let round = scenario(name, secs, proxy_args, store, ztunnel).unwrap_or_else(|e| {

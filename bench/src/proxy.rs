@@ -535,8 +535,8 @@ fn summarize(name: &str, rounds: &[Value]) -> Value {
     Value::Object(m)
 }
 
-/// The scenarios, in the order the first round runs them (`ztunnel` only with a ztunnel build;
-/// each round after starts one further on).
+/// The scenarios, in the order the first round runs them (`ztunnel` only with a ztunnel
+/// build); the second runs them in reverse, the third as the first, and so on.
 pub const SCENARIOS: [&str; 7] =
     ["direct", "forwarders", "hbone", "hbone_sockmap", "same_node", "same_node_hbone", "ztunnel"];
 
@@ -570,9 +570,14 @@ pub fn run(
     let mut runs: Vec<Vec<Value>> = vec![Vec::new(); names.len()];
     for round in 0..rounds {
         eprintln!("bench: round {}/{rounds}", round + 1);
-        // Each round starts one scenario further on: none always runs first or last (ztunnel
-        // did, last), so a drift within a round does not favour one path in every round.
-        for i in (0..names.len()).map(|k| (k + round) % names.len()) {
+        // Every other round runs them in the reverse order: each pair of scenarios runs in both
+        // orders (ztunnel ran last in every round, after hbone), so a drift within a round
+        // does not favour one side of a ratio in every round.
+        let mut order: Vec<usize> = (0..names.len()).collect();
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for i in order {
             let name = &names[i];
             // A round whose set-up failed is recorded as failed for every metric, and the
             // rounds go on.

@@ -126,7 +126,7 @@ pub use oracle::{answer_dns, original_dst, LocalAddr};
 pub use pins::{loader, previous_loader, PinRoot};
 pub use test_proxy::TestProxy;
 pub use traffic::{
-    read_line, syns_sent, tcp_send, tcp_sink, transfer, transfer_counting_retransmits, Sentinel,
+    read_line, tcp_send, tcp_sink, transfer, transfer_counting_retransmits, Sentinel,
 };
 pub use waits::{
     again_after_eintr, assert_unanswered_within, read_within, wait_until, wait_until_async,

@@ -62,13 +62,6 @@ fn retransmitted_at_most(conn: &TcpStream) -> Result<u64> {
     Ok(u64::from(info.tcpi_total_retrans) * u64::from(info.tcpi_snd_mss))
 }
 
-/// How many SYNs a just-connected `conn` sent: its first and each retransmission (a loaded
-/// machine, a VM under emulation, may answer the first late). The receiving side's socket
-/// lookup, and each decision it counts, runs once for each.
-pub fn syns_sent(conn: &TcpStream) -> Result<u64> {
-    Ok(1 + u64::from(tcp_info(conn)?.tcpi_total_retrans))
-}
-
 fn tcp_info(conn: &TcpStream) -> Result<libc::tcp_info> {
     use std::os::fd::AsRawFd as _;
     // SAFETY: an all-zero tcp_info is valid; getsockopt writes at most `len` bytes into it.

@@ -18,7 +18,7 @@ use datapath_common::{
     node_flags,
 };
 use meshpath_loader::{decisions, pods::EnrolOptions};
-use meshpath_tests::{loader_bin, read_line, syns_sent, Mesh, PinRoot, Sentinel};
+use meshpath_tests::{loader_bin, read_line, Mesh, PinRoot, Sentinel};
 use serde_json::Value;
 
 /// `meshpath-loader monitor --json` on a test's datapath, stopped (SIGTERM) on drop.
@@ -100,19 +100,20 @@ impl Drop for Monitor {
     }
 }
 
-/// Asserts that pod a's inbound decisions are `decision (reason)` only, counted at least once
-/// per SYN the client sent. sk_lookup runs for every packet that finds no connection, not
-/// for each connection: a SYN sent again (a late SYN-ACK under QEMU) or another late packet is
-/// counted too, with the same decision, so the count may be higher than the SYNs.
-fn assert_inbound_only(mesh: &Mesh, decision: &str, reason: &str, syns: u64) {
+/// Asserts that pod a's inbound decisions are `decision (reason)` only, counted at least once.
+/// Not once per connection: sk_lookup runs for a packet that finds no socket (established,
+/// request or time-wait), so a packet that arrives after the connection's sockets are gone is
+/// counted again (a 6.1 VM counted two for one SYN), and a SYN sent again may or may not be,
+/// as it finds the request socket or not.
+fn assert_inbound_only(mesh: &Mesh, decision: &str, reason: &str) {
     let all = decisions::of(&mesh.datapath(), cookie_a(mesh)).expect("decisions");
     let inbound: Vec<_> = all.iter().filter(|d| d.hook == "inbound").collect();
     assert!(
         inbound.len() == 1
             && inbound[0].decision == decision
             && inbound[0].why == reason
-            && inbound[0].count >= syns,
-        "expected only `inbound {decision} ({reason})`, at least {syns} times; got {inbound:?}"
+            && inbound[0].count >= 1,
+        "expected only `inbound {decision} ({reason})`; got {inbound:?}"
     );
 }
 
@@ -325,11 +326,9 @@ fn inbound_to_the_hbone_port_is_counted_as_steered_to_a_proxy_port() {
     let monitor = Monitor::start(&mesh.root, &[]);
     let hbone = mesh.a(false, ports::HBONE);
     let server = mesh.echo_server_as_proxy_in_a(hbone);
-    let conn = mesh.connect_from_b(hbone, None).expect("connect to 15008");
-    let syns = syns_sent(&conn).expect("TCP_INFO");
-    drop(conn);
+    drop(mesh.connect_from_b(hbone, None).expect("connect to 15008"));
     server.join().expect("server").expect("15008 took the connection");
-    assert_inbound_only(&mesh, "steered", "proxy port", syns);
+    assert_inbound_only(&mesh, "steered", "proxy port");
     monitor.expect("inbound", "steered", "proxy port", Some(hbone));
 }
 
@@ -339,11 +338,9 @@ fn an_excluded_inbound_port_is_counted_as_passed() {
     let monitor = Monitor::start(&mesh.root, &[]);
     let dst = mesh.a(false, 2222);
     let app = mesh.echo_server_in_a(dst);
-    let conn = mesh.connect_from_b(dst, None).expect("excluded port reaches the app");
-    let syns = syns_sent(&conn).expect("TCP_INFO");
-    drop(conn);
+    drop(mesh.connect_from_b(dst, None).expect("excluded port reaches the app"));
     app.join().expect("app").expect("the app took the connection");
-    assert_inbound_only(&mesh, "passed", "excluded port", syns);
+    assert_inbound_only(&mesh, "passed", "excluded port");
     monitor.expect("inbound", "passed", "excluded port", Some(dst));
 }
 
@@ -356,11 +353,9 @@ fn an_excluded_inbound_client_prefix_is_counted_as_passed() {
     let monitor = Monitor::start(&mesh.root, &[]);
     let dst = mesh.a(false, 2224);
     let app = mesh.echo_server_in_a(dst);
-    let conn = mesh.connect_from_b(dst, None).expect("excluded client reaches the app");
-    let syns = syns_sent(&conn).expect("TCP_INFO");
-    drop(conn);
+    drop(mesh.connect_from_b(dst, None).expect("excluded client reaches the app"));
     app.join().expect("app").expect("the app took the connection");
-    assert_inbound_only(&mesh, "passed", "excluded cidr", syns);
+    assert_inbound_only(&mesh, "passed", "excluded cidr");
     monitor.expect("inbound", "passed", "excluded cidr", Some(dst));
 }
 

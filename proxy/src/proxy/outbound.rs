@@ -219,7 +219,9 @@ const OPEN_ATTEMPTS: u32 = 3;
 /// dial fails at once. Three connect timeouts (30 s) were not enough: a rolling update on a
 /// busy two-node cluster kept a node without a proxy longer, and 1216 of 4227 connections
 /// across it were reset (after 30 s of dialing, or 20 s waiting behind the dials of others).
-/// A connection can wait this plus one connect timeout: the last dial starts before it ends.
+/// A connection can wait a few connect timeouts longer: this wait starts at its first
+/// unanswered attempt (one connect timeout in, or two for a turn waited for in the pool), and
+/// its last attempt, started before the wait ends, runs its course (a turn and a dial).
 const PEER_REPLACED_WAIT: std::time::Duration = meshpath_zds::listeners::DEFAULT_HOLD;
 
 /// A CONNECT stream to `dst` through `gateway`, on a pooled HBONE connection or a new one; a

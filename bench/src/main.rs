@@ -82,6 +82,11 @@ enum Cmd {
         /// partial run needs `--out` (it never replaces results/proxy.json).
         #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(proxy::SCENARIOS))]
         scenarios: Vec<String>,
+        /// Let idle CPUs halt as the kernel chooses, instead of holding them polling for the
+        /// run (`IdlePolled`): in a VM, each wake of a halted vCPU then adds the hypervisor's
+        /// cost to every round trip.
+        #[arg(long)]
+        halt_idle: bool,
     },
     /// How fast the proxy takes istiod's state and what holding it costs: 1,000, 10,000 and
     /// 50,000 workloads over xDS (from the istiod stand-in), a delta of one, the first
@@ -148,8 +153,10 @@ fn main() -> std::process::ExitCode {
             store_policies,
             ztunnel,
             scenarios,
+            halt_idle,
         } => {
             let store = proxy::Store { workloads: store_workloads, policies: store_policies };
+            let _idle = IdlePolled::hold(!halt_idle);
             proxy::run(&out, secs, rounds, &proxy_args, store, ztunnel.as_deref(), &scenarios)
         }
         Cmd::ControlPlane { out } => control_plane::run(&out),
@@ -230,6 +237,63 @@ impl Steal {
 }
 
 /// The run's steal share, as a line before its table.
+/// Idle CPUs kept polling for the run (`/dev/cpu_dma_latency` held at 0 µs, as tuned's
+/// latency-performance profile holds it), instead of halting. In a VM, a halted vCPU that work
+/// is handed to wakes through the hypervisor: on the 2-core machine these results come from
+/// (cpuidle `haltpoll` with `guest_halt_poll_ns=0`) that added about 55 µs to every round
+/// trip between two threads, direct ones included (67 µs p50 against 10 with the CPUs
+/// polling), and swamped what the paths themselves cost. A polling CPU is still idle in
+/// /proc/stat, so the CPU figures are unchanged by it. Released when dropped.
+pub(crate) struct IdlePolled(Option<std::fs::File>);
+
+/// Whether an [`IdlePolled`] holds the CPUs polling now.
+static IDLE_POLLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+impl IdlePolled {
+    /// Holds the CPUs polling if `on` and the kernel lets it; says on stderr if it cannot.
+    pub(crate) fn hold(on: bool) -> Self {
+        if !on {
+            return Self(None);
+        }
+        let held = std::fs::OpenOptions::new().write(true).open("/dev/cpu_dma_latency").and_then(
+            |mut f| {
+                use std::io::Write as _;
+                f.write_all(&0i32.to_ne_bytes())?;
+                Ok(f)
+            },
+        );
+        match held {
+            Ok(f) => {
+                IDLE_POLLED.store(true, std::sync::atomic::Ordering::Relaxed);
+                Self(Some(f))
+            }
+            Err(e) => {
+                eprintln!(
+                    "bench: idle CPUs not held polling (/dev/cpu_dma_latency: {e}): they halt"
+                );
+                Self(None)
+            }
+        }
+    }
+}
+
+impl Drop for IdlePolled {
+    fn drop(&mut self) {
+        if self.0.take().is_some() {
+            IDLE_POLLED.store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+/// For the results: how idle CPUs waited (see [`IdlePolled`]).
+pub(crate) fn idle_cpus() -> &'static str {
+    if IDLE_POLLED.load(std::sync::atomic::Ordering::Relaxed) {
+        "polled (/dev/cpu_dma_latency 0)"
+    } else {
+        "as the kernel chose (halted)"
+    }
+}
+
 pub(crate) fn print_steal(r: &Value) {
     if let Some(pct) = r["steal_pct"].as_f64() {
         println!("CPU time stolen by the hypervisor over the run: {pct:.1}%\n");

@@ -604,12 +604,14 @@ pub fn run(
         "steal_pct": steal.pct(), "proxy_args": proxy_args, "store_workloads": store.workloads,
         "store_policies": store.policies, "scenarios": scenarios,
         "ztunnel": ztunnel.map(ztunnel_version), "interleaved_rr": interleaved,
+        "idle_cpus": crate::idle_cpus(),
     });
     if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir)?;
     }
     std::fs::write(out, serde_json::to_string_pretty(&result)? + "\n")?;
     crate::print_steal(&result);
+    println!("Idle CPUs over the run: {}\n", crate::idle_cpus());
     let heads: Vec<&str> = KEYS.iter().map(|(_, head)| *head).collect();
     println!("| scenario | {} |", heads.join(" | "));
     println!("|---|{}", "---|".repeat(KEYS.len()));

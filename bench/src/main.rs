@@ -240,7 +240,7 @@ impl Steal {
 /// Idle CPUs kept polling for the run (`/dev/cpu_dma_latency` held at 0 µs, as tuned's
 /// latency-performance profile holds it), instead of halting. In a VM, a halted vCPU that work
 /// is handed to wakes through the hypervisor: on the 2-core machine these results come from
-/// (cpuidle `haltpoll` with `guest_halt_poll_ns=0`) that added about 55 µs to every round
+/// (cpuidle `haltpoll` with `guest_halt_poll_ns=0`) that added about 57 µs to every round
 /// trip between two threads, direct ones included (67 µs p50 against 10 with the CPUs
 /// polling), and swamped what the paths themselves cost. A polling CPU is still idle in
 /// /proc/stat, so the CPU figures are unchanged by it. Released when dropped.

@@ -236,7 +236,6 @@ impl Steal {
     }
 }
 
-/// The run's steal share, as a line before its table.
 /// Idle CPUs kept polling for the run (`/dev/cpu_dma_latency` held at 0 µs, as tuned's
 /// latency-performance profile holds it), instead of halting. In a VM, a halted vCPU that work
 /// is handed to wakes through the hypervisor: on the 2-core machine these results come from
@@ -294,6 +293,7 @@ pub(crate) fn idle_cpus() -> &'static str {
     }
 }
 
+/// The run's steal share, as a line before its table.
 pub(crate) fn print_steal(r: &Value) {
     if let Some(pct) = r["steal_pct"].as_f64() {
         println!("CPU time stolen by the hypervisor over the run: {pct:.1}%\n");

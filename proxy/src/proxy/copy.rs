@@ -35,7 +35,7 @@ use tokio::{
 
 use crate::{
     metrics::Meter,
-    proxy::stop::{Stop, Watch},
+    proxy::stop::{when_woken, Stop, Watch},
 };
 
 /// The first read buffer a side takes once its socket is readable.
@@ -288,7 +288,7 @@ async fn both_or_idle<T>(
 ) -> io::Result<T> {
     tokio::select! {
         r = both => r,
-        quiet = idle.expired() => Err(io::Error::new(
+        quiet = when_woken(idle.expired()) => Err(io::Error::new(
             io::ErrorKind::TimedOut,
             format!("idle for {}s: closed", quiet.as_secs()),
         )),
@@ -339,9 +339,13 @@ pub async fn splice_resumable(
     let (r, mut w) = tcp.into_split();
     let mut r = GrowingReader::new(r);
     let ((x, ex), (y, ey)) = both_or_idle(&idle, async {
+        // `join!` polls both directions on every wake of the task. The stream's side is polled
+        // only when it woke the task: its poll takes h2's lock, which the connection's task
+        // holds as it reads and writes for every stream. The app's side is polled on every
+        // wake (a readiness check): it sees the peer's pause, which the stream's side flags.
         let (x, y) = tokio::join!(
             copy_to_h2(&mut r, &mut send, out, &idle, pause),
-            copy_from_h2(recv, &mut w, back, &idle, peer)
+            when_woken(copy_from_h2(recv, &mut w, back, &idle, peer))
         );
         Ok::<_, io::Error>((x?, y?))
     })

@@ -20,7 +20,7 @@ use std::{
 
 use meshpath_loglimit::PerSecond;
 
-use crate::state::Synced;
+use crate::{proxy::stop::when_woken, state::Synced};
 
 use tokio::{
     net::{TcpListener, TcpStream},
@@ -206,7 +206,7 @@ impl Drain {
                                     r = fut => if let Err(e) = r {
                                         log_failed(&failed_logged, what, peer, &e);
                                     },
-                                    () = kill.cancelled() => {}
+                                    () = when_woken(kill.cancelled()) => {}
                                 }
                             });
                         }

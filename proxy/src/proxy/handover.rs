@@ -43,7 +43,13 @@ use tracing::{info, info_span, warn, Instrument as _};
 
 use crate::{
     metrics::{ConnGuard, ConnInfo, Direction, Meter},
-    proxy::{authorized::Authorized, copy, pod::Pod, stop::Stop, Proxy},
+    proxy::{
+        authorized::Authorized,
+        copy,
+        pod::Pod,
+        stop::{when_woken, Stop},
+        Proxy,
+    },
     state::authorization,
 };
 
@@ -326,7 +332,7 @@ pub fn take(proxy: &Arc<Proxy>, held: HeldConnection, fds: Vec<OwnedFd>) -> Resu
                 r = resume(&pod, &plain, a, b) => if let Err(e) = r {
                     warn!(error = %format!("{e:#}"), "resumed connection failed");
                 },
-                () = kill.cancelled() => {}
+                () = when_woken(kill.cancelled()) => {}
             }
         }
         .instrument(span),
@@ -402,7 +408,7 @@ async fn resume(pod: &Arc<Pod>, plain: &Plain, a: TcpStream, b: TcpStream) -> an
             Ok(_) => guard.finish(None),
             Err(e) => guard.finish(Some(&e.to_string())),
         },
-        () = denied => guard.finish(Some("a policy change denies it")),
+        () = when_woken(denied) => guard.finish(Some("a policy change denies it")),
     }
     Ok(())
 }

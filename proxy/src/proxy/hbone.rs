@@ -9,6 +9,8 @@ use bytes::Bytes;
 use h2::{RecvStream, SendStream};
 use tokio::net::TcpStream;
 
+use super::stop::when_woken;
+
 /// HTTP/2 stream window.
 pub const STREAM_WINDOW: u32 = 4 << 20;
 /// HTTP/2 connection window.
@@ -233,7 +235,7 @@ pub async fn handshake_with(
         .handshake(tls)
         .await
         .map_err(|e| HboneError::H2(gateway, e))?;
-    let dead = stopped_answering(conn.ping_pong(), keepalive);
+    let dead = when_woken(stopped_answering(conn.ping_pong(), keepalive));
     tokio::spawn(async move {
         tokio::select! {
             ended = &mut conn => {

@@ -31,7 +31,7 @@ use crate::{
     identity::Identity,
     metrics::{ConnGuard, ConnInfo, Direction},
     proxy::pod::Pod,
-    proxy::{authorized::Authorized, copy, hbone, read_ahead::ReadAhead, resume},
+    proxy::{authorized::Authorized, copy, hbone, read_ahead::ReadAhead, resume, stop::when_woken},
     state::{authorization, canonical},
 };
 
@@ -125,9 +125,11 @@ async fn serve_connection(tcp: TcpStream, peer: SocketAddr, pod: &Arc<Pod>) -> a
     // told with GOAWAY to open no new stream here; the streams it has finish. A peer that stops
     // answering PINGs is gone: its connection is closed.
     let mut first = true;
-    let stopping = proxy.drain.hbone_stopping();
+    // Each wake of this task is the connection's bytes moving: the branches beside them are
+    // polled only when they woke it (`when_woken`).
+    let stopping = when_woken(proxy.drain.hbone_stopping());
     tokio::pin!(stopping);
-    let dead = hbone::stopped_answering(conn.ping_pong(), proxy.settings.keepalive);
+    let dead = when_woken(hbone::stopped_answering(conn.ping_pong(), proxy.settings.keepalive));
     tokio::pin!(dead);
     // The connection's open streams; never "open" for new ones, so that `wait` resolves
     // whenever none is left.
@@ -143,7 +145,7 @@ async fn serve_connection(tcp: TcpStream, peer: SocketAddr, pod: &Arc<Pod>) -> a
             }
         };
         // Made anew with every stream accepted: it counts from the last stream's end.
-        let idle = idle_for(&streams, proxy.settings.hbone_idle);
+        let idle = when_woken(idle_for(&streams, proxy.settings.hbone_idle));
         let next = tokio::select! {
             n = accept => Some(n),
             () = &mut stopping, if !going_away => None,
@@ -365,7 +367,7 @@ async fn serve_stream(
                 return Err(e);
             }
         },
-        () = allowed.closed.cancelled() => guard.finish(Some("a policy change denies it")),
+        () = when_woken(allowed.closed.cancelled()) => guard.finish(Some("a policy change denies it")),
     }
     Ok(())
 }

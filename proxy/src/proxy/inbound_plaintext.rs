@@ -13,7 +13,7 @@ use tracing::{info_span, warn, Instrument as _};
 use crate::{
     metrics::{ConnGuard, ConnInfo, Direction},
     proxy::pod::Pod,
-    proxy::{authorized::Authorized, handover, outbound::original_dst},
+    proxy::{authorized::Authorized, handover, outbound::original_dst, stop::when_woken},
     state::authorization,
 };
 
@@ -111,7 +111,7 @@ async fn handle(conn: TcpStream, peer: SocketAddr, pod: &Pod) -> anyhow::Result<
             Ok(_) => guard.finish(None),
             Err(e) => guard.finish(Some(&e.to_string())),
         },
-        () = allowed.closed.cancelled() => guard.finish(Some("a policy change denies it")),
+        () = when_woken(allowed.closed.cancelled()) => guard.finish(Some("a policy change denies it")),
     }
     Ok(())
 }

@@ -33,7 +33,7 @@ use crate::{
     metrics::{ConnGuard, ConnInfo, Direction},
     proxy::{
         authorized::Authorized, handover, inbound, open_connections, pod::Pod, resolve::Target,
-        transparent, Proxy,
+        stop::when_woken, transparent, Proxy,
     },
     state::store::WorkloadStore,
 };
@@ -194,8 +194,8 @@ async fn relay(
     let meters = (&out.from_client, &out.to_client);
     let end = tokio::select! {
         r = handover::relay(src, plain, a, b, meters) => r.err().map(|e| e.to_string()),
-        () = allowed.closed.cancelled() => Some("a policy change denies it".to_owned()),
-        () = dst.gone.cancelled() => Some("the destination pod left".to_owned()),
+        () = when_woken(allowed.closed.cancelled()) => Some("a policy change denies it".to_owned()),
+        () = when_woken(dst.gone.cancelled()) => Some("the destination pod left".to_owned()),
     };
     inb.finish(end.as_deref());
     out.finish(end.as_deref());
@@ -235,7 +235,7 @@ pub fn take(src: Arc<Pod>, held: HeldConnection, fds: Vec<OwnedFd>) -> Result<()
                 r = resume(&proxy, &src, &plain, a, b) => if let Err(e) = r {
                     warn!(error = %e, "resumed node-local connection ended");
                 },
-                () = kill.cancelled() => {}
+                () = when_woken(kill.cancelled()) => {}
             }
         }
         .instrument(span),

@@ -25,6 +25,7 @@ use crate::{
         held_listeners::PodListeners,
         netns::SocketFactory,
         per_source::{PerSource, SourceSlot},
+        stop::when_woken,
         Proxy,
     },
     state::{store::WorkloadStore, workloads::Workload},
@@ -235,7 +236,7 @@ impl Pod {
         self.proxy.drain.spawn(async move {
             tokio::select! {
                 () = task => {}
-                () = gone.cancelled() => {}
+                () = when_woken(gone.cancelled()) => {}
             }
         });
     }

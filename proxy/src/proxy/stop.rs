@@ -1,5 +1,10 @@
-//! A stop that every connection's copy loop watches on each wake (the hand-over's: `handover`):
-//! fired once, then seen with one atomic load.
+//! What a connection's task pays, on each wake, for being stoppable.
+//!
+//! A [`Stop`] is fired once and seen with one atomic load: the hand-over's, which every copy
+//! loop asks about on every wake. [`when_woken`] wraps a future that sits in a `select!` beside
+//! a connection's bytes and is almost never ready (a pod's removal, a policy's close, a drain, a
+//! keepalive timer): `select!` polls every branch on every wake, and the wrapped one is then
+//! polled only when it woke the task itself.
 //!
 //! A `CancellationToken` polled on every wake costs two mutexes each time (its tree node's, then
 //! its `Notify`'s), and where every connection watches the same token, the same two mutexes for
@@ -8,10 +13,13 @@
 //! stoppable is a load, not two locks (results/README.md, "Why the proxy has its shape").
 
 use std::{
-    future::Future as _,
+    future::Future,
     pin::Pin,
-    sync::atomic::{AtomicBool, Ordering},
-    task::{Context, Poll, Waker},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
+    task::{Context, Poll, Wake, Waker},
 };
 
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
@@ -77,6 +85,77 @@ impl Watch<'_> {
     }
 }
 
+/// `fut`, polled only when it woke its task itself (and at its first poll): for a `select!`
+/// branch beside a connection's bytes that is almost never ready. Its poll on any other wake is
+/// a comparison of wakers and a load, where a token's `cancelled()` takes two mutexes (shared by
+/// every connection of a pod, for a pod's token) and a timer registers its waker again.
+pub fn when_woken<F: Future>(fut: F) -> WhenWoken<F> {
+    WhenWoken { fut, woken: None }
+}
+
+pin_project_lite::pin_project! {
+    /// See [`when_woken`].
+    pub struct WhenWoken<F> {
+        #[pin]
+        fut: F,
+        // Made at the first poll: the flag `fut` wakes, the waker that sets it, and the task's
+        // waker the flag wakes in turn (kept to see whether the task's has changed).
+        woken: Option<(Arc<Woken>, Waker, Waker)>,
+    }
+}
+
+/// Set when the wrapped future wakes; wakes the task.
+struct Woken {
+    flag: AtomicBool,
+    task: Mutex<Waker>,
+}
+
+impl Wake for Woken {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        // Set before the task is woken: the poll the wake causes sees it.
+        self.flag.store(true, Ordering::Release);
+        let task = self.task.lock().map(|t| t.clone());
+        if let Ok(task) = task {
+            task.wake();
+        }
+    }
+}
+
+impl<F: Future> Future for WhenWoken<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.project();
+        let (woken, own, task) = this.woken.get_or_insert_with(|| {
+            // Set: the first poll polls `fut`, which registers its waker.
+            let woken = Arc::new(Woken {
+                flag: AtomicBool::new(true),
+                task: Mutex::new(cx.waker().clone()),
+            });
+            (woken.clone(), Waker::from(woken), cx.waker().clone())
+        });
+        if !task.will_wake(cx.waker()) {
+            // Another waker (a spawned tokio task's is the same on every poll; a `block_on`'s
+            // may not be): the one woken from now on, set before the flag is read so that a
+            // wake after the read reaches it; and `fut` polled, in case a wake went to the old.
+            if let Ok(mut t) = woken.task.lock() {
+                *t = cx.waker().clone();
+            }
+            *task = cx.waker().clone();
+            woken.flag.store(true, Ordering::Release);
+        }
+        // Cleared before `fut` is polled: a wake during its poll sets it again.
+        if !woken.flag.load(Ordering::Acquire) || !woken.flag.swap(false, Ordering::AcqRel) {
+            return Poll::Pending;
+        }
+        this.fut.poll(&mut Context::from_waker(own))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::{future::poll_fn, sync::Arc, time::Duration};
@@ -117,5 +196,54 @@ mod tests {
         let mut watch = stop.watch();
         poll_fn(|cx| watch.poll_fired(cx)).await;
         stop.fired().await;
+    }
+
+    #[tokio::test]
+    async fn a_quiet_branch_is_polled_only_when_it_woke_the_task() {
+        // In a task of its own, as a connection is: a task's waker is the same on every poll.
+        let polls = tokio::spawn(async {
+            let polls = std::sync::atomic::AtomicUsize::new(0);
+            // Never ready, and registers no waker: only the wrapper decides when it is polled.
+            let quiet = when_woken(poll_fn(|_| {
+                polls.fetch_add(1, Ordering::Relaxed);
+                Poll::<()>::Pending
+            }));
+            tokio::pin!(quiet);
+            // The first poll polls it; then woken for something else three times: not polled.
+            for _ in 0..4 {
+                assert!(poll_fn(|cx| Poll::Ready(quiet.as_mut().poll(cx).is_pending())).await);
+                tokio::task::yield_now().await;
+            }
+            polls.load(Ordering::Relaxed)
+        });
+        assert_eq!(polls.await.expect("the task"), 1);
+    }
+
+    #[tokio::test]
+    async fn a_quiet_branch_that_wakes_its_task_is_polled_and_seen_ready() {
+        let stop = Arc::new(tokio_util::sync::CancellationToken::new());
+        let waiting = {
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let quiet = when_woken(stop.cancelled());
+                tokio::pin!(quiet);
+                // A busy branch woken again and again beside it, as a connection's bytes are.
+                let mut busy = 0u32;
+                loop {
+                    tokio::select! {
+                        () = &mut quiet => return busy,
+                        () = tokio::task::yield_now() => busy += 1,
+                    }
+                }
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiting.is_finished(), "done before the token was cancelled");
+        stop.cancel();
+        let busy = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("not woken by the cancel")
+            .expect("the waiting task");
+        assert!(busy > 0);
     }
 }

@@ -17,7 +17,7 @@ use std::{
     pin::Pin,
     sync::{
         atomic::{AtomicBool, Ordering},
-        Arc, Mutex,
+        Arc, Mutex, PoisonError,
     },
     task::{Context, Poll, Wake, Waker},
 };
@@ -90,7 +90,7 @@ impl Watch<'_> {
 /// a comparison of wakers and a load, where a token's `cancelled()` takes two mutexes (shared by
 /// every connection of a pod, for a pod's token) and a timer registers its waker again.
 pub fn when_woken<F: Future>(fut: F) -> WhenWoken<F> {
-    WhenWoken { fut, woken: None }
+    WhenWoken { fut, woken: None, done: false }
 }
 
 pin_project_lite::pin_project! {
@@ -101,6 +101,9 @@ pin_project_lite::pin_project! {
         // Made at the first poll: the flag `fut` wakes, the waker that sets it, and the task's
         // waker the flag wakes in turn (kept to see whether the task's has changed).
         woken: Option<(Arc<Woken>, Waker, Waker)>,
+        // `fut` returned Ready: polled again, this panics, as an `async fn` does (the flag
+        // could otherwise be set and the finished `fut` polled).
+        done: bool,
     }
 }
 
@@ -116,12 +119,10 @@ impl Wake for Woken {
     }
 
     fn wake_by_ref(self: &Arc<Self>) {
-        // Set before the task is woken: the poll the wake causes sees it.
+        // Set before the task is woken: the poll the wake causes sees it. Woken under the lock
+        // (a tokio waker only schedules the task); a poisoned lock still holds a waker.
         self.flag.store(true, Ordering::Release);
-        let task = self.task.lock().map(|t| t.clone());
-        if let Ok(task) = task {
-            task.wake();
-        }
+        self.task.lock().unwrap_or_else(PoisonError::into_inner).wake_by_ref();
     }
 }
 
@@ -130,6 +131,7 @@ impl<F: Future> Future for WhenWoken<F> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         let this = self.project();
+        assert!(!*this.done, "`when_woken` polled after it completed");
         let (woken, own, task) = this.woken.get_or_insert_with(|| {
             // Set: the first poll polls `fut`, which registers its waker.
             let woken = Arc::new(Woken {
@@ -142,9 +144,12 @@ impl<F: Future> Future for WhenWoken<F> {
             // Another waker (a spawned tokio task's is the same on every poll; a `block_on`'s
             // may not be): the one woken from now on, set before the flag is read so that a
             // wake after the read reaches it; and `fut` polled, in case a wake went to the old.
-            if let Ok(mut t) = woken.task.lock() {
-                *t = cx.waker().clone();
-            }
+            let old = {
+                let mut t = woken.task.lock().unwrap_or_else(PoisonError::into_inner);
+                std::mem::replace(&mut *t, cx.waker().clone())
+            };
+            // Dropped outside the lock: its drop is another's code.
+            drop(old);
             *task = cx.waker().clone();
             woken.flag.store(true, Ordering::Release);
         }
@@ -152,7 +157,9 @@ impl<F: Future> Future for WhenWoken<F> {
         if !woken.flag.load(Ordering::Acquire) || !woken.flag.swap(false, Ordering::AcqRel) {
             return Poll::Pending;
         }
-        this.fut.poll(&mut Context::from_waker(own))
+        let polled = this.fut.poll(&mut Context::from_waker(own));
+        *this.done = polled.is_ready();
+        polled
     }
 }
 

@@ -9,10 +9,13 @@
 //! One client per path, on one connection kept for the whole run (a single request/response
 //! stream, as `rr_p50_us`); for each path the p50 and p99 over all its blocks, and for each
 //! pair the ratio of those and the median, lowest and highest ratio of the blocks' own p50s.
-//! The absolute figures are not `rr_p50_us`'s: measured this way, `direct` takes 4.5 µs here
-//! against 60 to 70 µs in the rounds (why was not found), and a path's latency moves with what
-//! else is set up, unevenly by its shape (in one run, from the rounds' p50: same_node −42%,
-//! hbone +15%, ztunnel +20%). The ratio of two paths of one shape (`hbone` and `ztunnel`: two
+//! The absolute figures are not `rr_p50_us`'s: measured this way, `direct` takes 4.4 µs here
+//! against about 10 µs in the rounds (60 to 70 with idle CPUs halting). In the rounds' samples
+//! the client and the server ran on different CPUs (`perf record -a`, 2026-12-07); a client on
+//! the calling thread instead of a thread of its own changed nothing (9.6 µs); why the
+//! scheduler places them otherwise here was not found. A path's latency moves with what else
+//! is set up, unevenly by its shape (on 4773e6b, from the rounds' p50: same_node −35%, hbone
+//! +43%, ztunnel +50%). The ratio of two paths of one shape (`hbone` and `ztunnel`: two
 //! proxies, HBONE between them) is what this is for; the others are reported with that caveat
 //! (results/README.md).
 //!
@@ -37,7 +40,7 @@ use crate::{
 pub const PATHS: [&str; 5] = ["direct", "hbone", "ztunnel", "same_node", "same_node_hbone"];
 
 /// The ratios reported, (over, under), where the run has both (see the module's caveat). Not
-/// over `direct`: 4.5 µs measured this way, where `rr_p50_us` finds 60 to 70 µs in the same
+/// over `direct`: 4.4 µs measured this way, where `rr_p50_us` finds about 10 µs in the same
 /// process, says nothing of what a proxy adds.
 pub const PAIRS: [(&str, &str); 3] =
     [("hbone", "ztunnel"), ("same_node", "same_node_hbone"), ("same_node", "ztunnel")];

@@ -767,6 +767,106 @@ pub fn daemonset_pod_on(name: &str, node: Node) -> Result<String> {
         .with_context(|| format!("no pod of {name}"))
 }
 
+/// The logs of every pod of some DaemonSets, the replaced ones included, from when it was
+/// made until it is dropped: each pod's `kubectl logs -f --timestamps` followed from when the
+/// pod appears (checked every 500 ms), so that a pod deleted by a roll leaves its log behind.
+/// For what a test prints when it fails.
+pub struct DaemonSetLogs {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    poller: Option<std::thread::JoinHandle<()>>,
+    logs: std::sync::Arc<std::sync::Mutex<Vec<(String, std::sync::Arc<std::sync::Mutex<String>>)>>>,
+}
+
+impl DaemonSetLogs {
+    pub fn follow(daemonsets: &[&str]) -> Self {
+        use std::sync::{atomic::Ordering, Arc, Mutex};
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let logs: Arc<Mutex<Vec<(String, Arc<Mutex<String>>)>>> = Arc::default();
+        let selector = format!("app.kubernetes.io/name in ({})", daemonsets.join(","));
+        let (stop2, logs2) = (stop.clone(), logs.clone());
+        let poller = std::thread::spawn(move || {
+            // Followers of pods whose log could be read; a pod not started yet is tried again.
+            let mut following: Vec<(String, std::process::Child, std::thread::JoinHandle<()>)> =
+                Vec::new();
+            while !stop2.load(Ordering::SeqCst) {
+                let pods = get_json(&["pods", "-n", SYSTEM_NS, "-l", &selector]);
+                let names: Vec<String> = pods
+                    .iter()
+                    .flat_map(|p| p["items"].as_array().cloned().unwrap_or_default())
+                    .filter(|p| p["status"]["phase"] != "Pending")
+                    .filter_map(|p| p["metadata"]["name"].as_str().map(str::to_owned))
+                    .collect();
+                for name in names {
+                    if following.iter().any(|(n, ..)| *n == name) {
+                        continue;
+                    }
+                    let mut c = in_node("kubectl");
+                    c.arg("--kubeconfig")
+                        .arg(Path::new(DIR).join("admin.kubeconfig"))
+                        .args(["logs", "-f", "--timestamps", "-n", SYSTEM_NS, &name])
+                        .stdin(Stdio::null())
+                        .stdout(Stdio::piped())
+                        .stderr(Stdio::null());
+                    let Ok(mut child) = c.spawn() else { continue };
+                    let Some(out) = child.stdout.take() else { continue };
+                    let text = Arc::new(Mutex::new(String::new()));
+                    logs2
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push((name.clone(), text.clone()));
+                    let reader = std::thread::spawn(move || {
+                        use std::io::BufRead as _;
+                        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                            let mut t = text.lock().unwrap_or_else(|e| e.into_inner());
+                            t.push_str(&line);
+                            t.push('\n');
+                        }
+                    });
+                    following.push((name, child, reader));
+                }
+                std::thread::sleep(Duration::from_millis(500));
+            }
+            for (_, mut child, reader) in following {
+                let _ = child.kill();
+                let _ = child.wait();
+                let _ = reader.join();
+            }
+        });
+        Self { stop, poller: Some(poller), logs }
+    }
+
+    /// Every line so far that contains one of `needles`, each prefixed with its pod's name,
+    /// pod by pod in the order they appeared; `limit` lines at most.
+    pub fn lines_with(&self, needles: &[&str], limit: usize) -> Vec<String> {
+        let logs = self.logs.lock().unwrap_or_else(|e| e.into_inner());
+        logs.iter()
+            .flat_map(|(pod, text)| {
+                let text = text.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                text.lines()
+                    .filter(|l| needles.iter().any(|n| l.contains(n)))
+                    .map(|l| format!("{pod}: {l}"))
+                    .collect::<Vec<_>>()
+            })
+            .take(limit)
+            .collect()
+    }
+
+    /// The pods followed, in the order they appeared.
+    pub fn pods(&self) -> Vec<String> {
+        let logs = self.logs.lock().unwrap_or_else(|e| e.into_inner());
+        logs.iter().map(|(pod, _)| pod.clone()).collect()
+    }
+}
+
+impl Drop for DaemonSetLogs {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(p) = self.poller.take() {
+            let _ = p.join();
+        }
+    }
+}
+
 /// A namespace of its own for one test (labelled for ambient when `ambient`), deleted on drop.
 #[derive(Debug)]
 pub struct TestNamespace {

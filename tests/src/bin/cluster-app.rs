@@ -400,7 +400,7 @@ fn connect_loop(args: &[String]) -> Result<(), String> {
                     std::io::ErrorKind::ConnectionReset => reset += 1,
                     _ => other += 1,
                 }
-                if errors.len() < 5 {
+                if errors.len() < 20 {
                     errors.push(format!("opened at {} ms: {text}", at.as_millis()));
                 }
                 if failed_at.len() < 100 {

@@ -225,6 +225,8 @@ fn a_rolling_update_node_by_node_keeps_a_cross_node_transfer_and_answers_every_c
         Ok((sink_count(pair.server.ip)? > accepted).then_some(()))
     })
     .expect("the transfer started");
+    // Every agent's and proxy's log, the replaced ones' too, for a failure to be explained.
+    let logs = DaemonSetLogs::follow(&[AGENT_DS, PROXY_DS]);
     let looping = pair.connect_loop();
     let started = std::time::Instant::now();
     let mut rolled = Vec::new();
@@ -252,6 +254,22 @@ fn a_rolling_update_node_by_node_keeps_a_cross_node_transfer_and_answers_every_c
         String::from_utf8_lossy(&long.stderr)
     );
     println!("{}; loop: {looped}; transfer: {}", rolled.join(", "), transfer.trim());
+    if !looped.all_answered() {
+        // The failed connections' own lines (by their client ports), and what any agent or
+        // proxy warned of, from every pod of the roll.
+        let ports: Vec<String> = looped
+            .text
+            .split_whitespace()
+            .filter_map(|w| w.strip_prefix(&format!("{}:", pair.client.ip)))
+            .map(|p| format!(":{}", p.trim_end_matches(',')))
+            .collect();
+        let mut needles: Vec<&str> = ports.iter().map(String::as_str).collect();
+        needles.extend([" WARN ", " ERROR ", "drain", "hand", "listener", "stopping"]);
+        println!("pods followed: {:?}", logs.pods());
+        for line in logs.lines_with(&needles, 400) {
+            println!("{line}");
+        }
+    }
     assert!(
         long.status.success() && transfer.contains(&format!("bytes={ROLL_BYTES}")),
         "{transfer}"

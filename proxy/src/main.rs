@@ -323,7 +323,7 @@ fn certs(cli: &Cli, metrics: &Arc<meshpath_proxy::metrics::Metrics>) -> Result<C
 fn run(cli: Cli, log: LogControl) -> Result<()> {
     meshpath_proxy::proxy::netns::open_home().context("opening the proxy's own netns")?;
     // Stamped before reading: a change written meanwhile is reloaded, not missed.
-    let stamp = cli.workloads.as_deref().and_then(meshpath_proxy::certs::mtime);
+    let stamp = cli.workloads.as_deref().and_then(meshpath_proxy::certs::file_stamp);
     let store = match &cli.workloads {
         Some(path) => WorkloadStore::load(path)?,
         // Empty until istiod's first response.

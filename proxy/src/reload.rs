@@ -9,21 +9,26 @@
 use std::{
     path::{Path, PathBuf},
     sync::Arc,
-    time::{Duration, SystemTime},
+    time::Duration,
 };
 
 use tracing::{error, info};
 
-use crate::{certs::mtime, metrics::ErrorLabels, proxy::Proxy, state::store::WorkloadStore};
+use crate::{
+    certs::{file_stamp, FileStamp},
+    metrics::ErrorLabels,
+    proxy::Proxy,
+    state::store::WorkloadStore,
+};
 
-/// Runs the refresh loop until the process ends; `seen` is the workload file's modification
-/// time when the store in force was read. Supervised: if an iteration panics, the loop is
+/// Runs the refresh loop until the process ends; `seen` is the workload file's stamp when the
+/// store in force was read. Supervised: if an iteration panics, the loop is
 /// started again (counted in `meshpath_refresh_restarts_total`), so certificates keep being
 /// renewed and readiness keeps telling the truth.
 pub fn spawn(
     proxy: Arc<Proxy>,
     workloads: Option<PathBuf>,
-    seen: Option<SystemTime>,
+    seen: Option<FileStamp>,
     every: Duration,
 ) {
     tokio::spawn(async move {
@@ -47,7 +52,7 @@ pub fn spawn(
 async fn refresh(
     proxy: Arc<Proxy>,
     workloads: Option<PathBuf>,
-    seen: Option<SystemTime>,
+    seen: Option<FileStamp>,
     every: Duration,
 ) {
     let mut seen = seen;
@@ -57,7 +62,7 @@ async fn refresh(
         tick.tick().await;
         // In xDS mode there is no file: the store changes as istiod's responses arrive.
         if let Some(workloads) = &workloads {
-            let now = mtime(workloads);
+            let now = file_stamp(workloads);
             if now != seen {
                 seen = now;
                 reload_store(&proxy, workloads);

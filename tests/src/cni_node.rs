@@ -730,11 +730,12 @@ impl CniNode {
             &format!("serviceAccount: {service_account}, protocol: HBONE, workloadIps: [{ip}]}}"),
         );
         std::fs::write(self.dir.join("workloads.yaml"), known).expect("workloads");
-        let proxy = self.proxy.as_ref().expect("proxy");
-        assert!(
-            proxy.wait_for_text("workload store reloaded", std::time::Duration::from_secs(10)),
-            "the proxy did not reload its workloads"
-        );
+        // Its store, not a log line: a reload that read the file half written logs one too.
+        let ip = format!("\"{ip}\"");
+        let known = crate::wait_until(std::time::Duration::from_secs(10), || {
+            self.proxy_config_dump().is_ok_and(|d| d["workloads"].to_string().contains(&ip))
+        });
+        assert!(known, "the proxy's store did not take {service_account}'s address {ip}");
     }
 
     /// The proxy's admin view: uids of the pods it serves.

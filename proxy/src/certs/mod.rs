@@ -26,10 +26,23 @@ use crate::{
     identity::{Identity, IdentityError, LocalCa, WorkloadCert},
 };
 
-/// A file's modification time (what a change is detected by: certificates and the workloads
-/// file).
-pub fn mtime(p: &Path) -> Option<SystemTime> {
-    std::fs::metadata(p).and_then(|m| m.modified()).ok()
+/// What a change to a file is detected by (certificates and the workloads file): its
+/// modification time, size and inode. The time alone misses a file truncated and written again
+/// within one tick of the file system's coarse clock: a reader in between saw it empty (a
+/// workloads file read so emptied the store and kept it empty), and the finished write has the
+/// same time. The inode catches a file replaced by rename within that tick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileStamp {
+    modified: SystemTime,
+    len: u64,
+    inode: u64,
+}
+
+/// `p`'s stamp; `None` if it cannot be read.
+pub fn file_stamp(p: &Path) -> Option<FileStamp> {
+    use std::os::unix::fs::MetadataExt as _;
+    let m = std::fs::metadata(p).ok()?;
+    Some(FileStamp { modified: m.modified().ok()?, len: m.len(), inode: m.ino() })
 }
 
 /// Why a certificate could not be had.
@@ -58,7 +71,7 @@ enum Source {
 /// The certificate source and the trust roots.
 pub struct Certs {
     source: Source,
-    roots: RwLock<(Arc<Vec<CertificateDer<'static>>>, Option<SystemTime>)>,
+    roots: RwLock<(Arc<Vec<CertificateDer<'static>>>, Option<FileStamp>)>,
 }
 
 impl std::fmt::Debug for Certs {
@@ -91,7 +104,7 @@ impl Certs {
     /// Reads per-identity files under `dir`, trusting `bundle`.
     pub fn files(dir: PathBuf, bundle: PathBuf) -> Result<Self, CertError> {
         let roots = read_chain(&bundle)?;
-        let stamp = mtime(&bundle);
+        let stamp = file_stamp(&bundle);
         Ok(Self {
             source: Source::Files { dir, bundle },
             roots: RwLock::new((Arc::new(roots), stamp)),
@@ -145,7 +158,7 @@ impl Certs {
             return Ok(true);
         }
         let Source::Files { bundle, .. } = &self.source else { return Ok(false) };
-        let stamp = mtime(bundle);
+        let stamp = file_stamp(bundle);
         if self.roots.read().map(|r| r.1 == stamp).unwrap_or(false) {
             return Ok(false);
         }
@@ -207,15 +220,15 @@ impl Certs {
         }
     }
 
-    /// What identifies the version of `id`'s files (their modification times; nothing in
+    /// What identifies the version of `id`'s files (their stamps; nothing in
     /// local-CA mode). Taken before a fetch, compared by `stale`: a clock comparison would miss
     /// a file written within the same coarse timestamp tick as the fetch.
-    pub fn stamp(&self, id: &Identity) -> Vec<Option<SystemTime>> {
+    pub fn stamp(&self, id: &Identity) -> Vec<Option<FileStamp>> {
         match &self.source {
             Source::Istiod { .. } | Source::LocalCa { .. } => Vec::new(),
             Source::Files { dir, .. } => {
                 let (c, k) = Self::files_of(dir, id);
-                vec![mtime(&c), mtime(&k)]
+                vec![file_stamp(&c), file_stamp(&k)]
             }
         }
     }
@@ -227,7 +240,7 @@ impl Certs {
         id: &Identity,
         cert: &WorkloadCert,
         fetched: SystemTime,
-        stamp: &[Option<SystemTime>],
+        stamp: &[Option<FileStamp>],
     ) -> bool {
         match &self.source {
             // The CA client renews on its own schedule; a pod takes the new one once it is held.
@@ -248,6 +261,25 @@ mod tests {
     //! The files source: what it refuses, and when a certificate it gave is replaced.
 
     use super::*;
+
+    /// A file emptied and written again within one tick of the file system's clock (its
+    /// modification time the same) has another stamp: a reader that saw it empty reads it again.
+    #[test]
+    fn a_file_rewritten_within_one_clock_tick_changes_its_stamp() {
+        let dir = Dir::new("stamp");
+        let path = dir.0.join("workloads.yaml");
+        std::fs::write(&path, "").expect("write");
+        let empty = file_stamp(&path).expect("stamp");
+        let modified = std::fs::metadata(&path).and_then(|m| m.modified()).expect("mtime");
+        std::fs::write(&path, "workloads: []\n").expect("write");
+        std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .and_then(|f| f.set_modified(modified))
+            .expect("set the time back");
+        assert_eq!(std::fs::metadata(&path).and_then(|m| m.modified()).ok(), Some(modified));
+        assert_ne!(file_stamp(&path), Some(empty), "the rewrite went unseen");
+    }
 
     /// A directory of its own under the system's temporary one, removed on drop.
     struct Dir(PathBuf);

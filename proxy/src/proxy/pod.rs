@@ -37,7 +37,7 @@ struct PodTls {
     identity: Arc<Identity>,
     cert: Arc<WorkloadCert>,
     fetched: SystemTime,
-    stamp: Vec<Option<SystemTime>>,
+    stamp: Vec<Option<crate::certs::FileStamp>>,
     /// The trust roots its configurations check peers with: the proxy's when they were made.
     /// Other roots now (a bundle changed) make them stale until a refresh succeeds.
     roots: Arc<Vec<CertificateDer<'static>>>,

@@ -17,8 +17,9 @@
 //! the paused stream by its token and carries on. The side going away hands its app's socket to
 //! the node agent (`handover`, `HeldConnection::stream`), which gives it to the next proxy: a
 //! client side dials from there, a server side waits there. A paused stream waits at most
-//! `Settings::resume_within` (60 s by default, each from when it paused or from when the next
-//! proxy took it): the client side stops dialing, the server side closes its app's socket.
+//! `Settings::resume_within` (by default 120 s, the agent's hold of the other side; each from
+//! when it paused or from when the next proxy took it): the client side stops dialing, the
+//! server side closes its app's socket.
 //!
 //! Security: a paused stream resumes only with the identity that held it (its mTLS peer), from
 //! the same source address, to the same destination, with its token (128 random bits, sent only

@@ -19,9 +19,13 @@ pub const HBONE_IDLE_SECONDS: u64 = 600;
 /// (ours up to `POOL_SPREAD`, ztunnel one per key); a gateway or waypoint carrying many
 /// clients' traffic may open more in a burst, and each handshake takes milliseconds.
 pub const MAX_HANDSHAKES_PER_SOURCE: usize = 64;
-/// How long a paused HBONE stream waits to be resumed (`--resume-within-seconds`): the length
-/// of an upgrade of the peer's proxy, with room for a slow image pull of the next one.
-pub const RESUME_WITHIN_SECONDS: u64 = 60;
+/// How long a paused HBONE stream waits to be resumed (`--resume-within-seconds`): as long as
+/// the node agent holds the other side's socket for the peer's next proxy
+/// (`--hold-connections-seconds`), so that a side that stays outwaits the one whose proxy is
+/// replaced. It was 60 s, half the agent's hold: a next proxy that started 65 s after the last
+/// one (a busy two-node cluster; a slow image pull does as much) took its paused stream from
+/// the agent, dialed, and was answered 404: the side that stayed had closed it 5 s before.
+pub const RESUME_WITHIN_SECONDS: u64 = meshpath_zds::connections::DEFAULT_HOLD.as_secs();
 
 /// Tunables, from the command line.
 #[derive(Debug, Clone)]

@@ -774,14 +774,18 @@ pub fn daemonset_pod_on(name: &str, node: Node) -> Result<String> {
 pub struct DaemonSetLogs {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     poller: Option<std::thread::JoinHandle<()>>,
-    logs: std::sync::Arc<std::sync::Mutex<Vec<(String, std::sync::Arc<std::sync::Mutex<String>>)>>>,
+    logs: PodLogs,
 }
+
+/// Each pod followed, with its log so far (written by its reader thread).
+type PodLogs =
+    std::sync::Arc<std::sync::Mutex<Vec<(String, std::sync::Arc<std::sync::Mutex<String>>)>>>;
 
 impl DaemonSetLogs {
     pub fn follow(daemonsets: &[&str]) -> Self {
         use std::sync::{atomic::Ordering, Arc, Mutex};
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let logs: Arc<Mutex<Vec<(String, Arc<Mutex<String>>)>>> = Arc::default();
+        let logs: PodLogs = Arc::default();
         let selector = format!("app.kubernetes.io/name in ({})", daemonsets.join(","));
         let (stop2, logs2) = (stop.clone(), logs.clone());
         let poller = std::thread::spawn(move || {

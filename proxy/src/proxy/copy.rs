@@ -35,10 +35,7 @@ use tokio::{
 
 use crate::{
     metrics::Meter,
-    proxy::{
-        stop::{when_woken, Stop, Watch},
-        zero_copy::Pipe,
-    },
+    proxy::stop::{when_woken, Stop, Watch},
 };
 
 /// The first read buffer a side takes once its socket is readable.
@@ -79,12 +76,6 @@ impl GrowingReader {
                 Poll::Ready(Ok(Some(buf)))
             }
         }
-    }
-
-    /// Whether reads have filled every size up to the largest: a bulk transfer, which a plain
-    /// relay moves through a pipe instead (`zero_copy`).
-    fn is_bulk(&self) -> bool {
-        self.next >= MAX_READ
     }
 }
 
@@ -260,8 +251,6 @@ async fn copy_from_h2(
 /// Copies one plain socket into another, shutting the other's write side down at the end;
 /// or, once `stop` fires, stops at the next read with everything read written out
 /// (`Ok(None)`: the bytes not yet read stay in the socket's buffer, for whoever takes it next).
-/// A bulk stretch goes through a pipe, socket to socket inside the kernel (`zero_copy`), until
-/// its reads turn small again.
 async fn copy_plain(
     from: &mut GrowingReader,
     to: &mut OwnedWriteHalf,
@@ -271,60 +260,22 @@ async fn copy_plain(
 ) -> io::Result<Option<u64>> {
     let mut total = 0u64;
     let mut stopped = stop.watch();
-    let mut pipe: Option<Pipe> = None;
-    // One try per bulk stretch: a pipe refused (descriptors, pipe pages) is not asked for on
-    // every read.
-    let mut pipe_refused = false;
     loop {
-        if pipe.is_none() && !pipe_refused && from.is_bulk() {
-            pipe = Pipe::new()
-                .map_err(|e| tracing::debug!(error = %e, "no pipe: read and write"))
-                .ok();
-            pipe_refused = pipe.is_none();
-        }
         // A stop is seen before more data. Not reading loses nothing: the bytes stay in the
         // socket for whoever takes it next.
-        let n = if let Some(p) = &mut pipe {
-            let half: &TcpStream = from.half.as_ref();
-            let next = poll_fn(|cx| {
-                if stopped.poll_fired(cx).is_ready() {
-                    return Poll::Ready(Ok(None));
-                }
-                p.poll_fill(half, cx).map_ok(Some)
-            })
-            .await?;
-            let Some(n) = next else { return Ok(None) };
-            if n == 0 {
-                break;
+        let next = poll_fn(|cx| {
+            if stopped.poll_fired(cx).is_ready() {
+                return Poll::Ready(Ok(None));
             }
-            idle.touch();
-            let (to_half, mut left): (&TcpStream, usize) = (to.as_ref(), n);
-            poll_fn(|cx| p.poll_empty_into(to_half, &mut left, cx)).await?;
-            #[cfg(test)]
-            tests::SPLICED.with(|s| s.set(s.get() + n as u64));
-            if n < FIRST_READ {
-                // Small again: read and write, the pipe given back, until reads grow.
-                pipe = None;
-                pipe_refused = false;
-                from.next = FIRST_READ;
-            }
-            n as u64
-        } else {
-            let next = poll_fn(|cx| {
-                if stopped.poll_fired(cx).is_ready() {
-                    return Poll::Ready(Ok(None));
-                }
-                from.poll_read(cx).map_ok(Some)
-            })
-            .await?;
-            let Some(next) = next else { return Ok(None) };
-            let Some(buf) = next else { break };
-            idle.touch();
-            to.write_all(&buf).await?;
-            buf.len() as u64
-        };
-        total += n;
-        meter.add(n);
+            from.poll_read(cx).map_ok(Some)
+        })
+        .await?;
+        let Some(next) = next else { return Ok(None) };
+        let Some(buf) = next else { break };
+        idle.touch();
+        to.write_all(&buf).await?;
+        total += buf.len() as u64;
+        meter.add(buf.len() as u64);
     }
     to.shutdown().await?;
     Ok(Some(total))
@@ -454,54 +405,12 @@ mod tests {
     use super::*;
     use tokio::{io::AsyncReadExt as _, net::TcpListener};
 
-    thread_local! {
-        /// Bytes `copy_plain` moved through a pipe on this thread (a `#[tokio::test]` runs on
-        /// one).
-        pub static SPLICED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-    }
-
     /// A connected pair of loopback sockets: (the end the relay holds, the far end).
     async fn pair() -> (TcpStream, TcpStream) {
         let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let far = TcpStream::connect(l.local_addr().expect("addr")).await.expect("connect");
         let (near, _) = l.accept().await.expect("accept");
         (near, far)
-    }
-
-    /// A bulk transfer through a plain relay moves through a pipe (`zero_copy`), socket to
-    /// socket, and arrives byte-exact, counted.
-    #[tokio::test]
-    async fn a_bulk_relay_moves_its_bytes_through_a_pipe_byte_exact() {
-        let data: Vec<u8> = (0..32 << 20).map(|i| (i % 251) as u8).collect();
-        let ((src, mut writer), (dst, mut reader)) = (pair().await, pair().await);
-        let (r, _src_w) = src.into_split();
-        let (_dst_r, mut to) = dst.into_split();
-        let mut from = GrowingReader::new(r);
-        let sent = data.clone();
-        let sender = tokio::spawn(async move {
-            for c in sent.chunks(1 << 20) {
-                writer.write_all(c).await.expect("send");
-            }
-            writer.shutdown().await.expect("end");
-            writer
-        });
-        let receiver = tokio::spawn(async move {
-            let mut got = Vec::new();
-            reader.read_to_end(&mut got).await.expect("receive");
-            got
-        });
-        let before = SPLICED.with(std::cell::Cell::get);
-        let meter = Meter::default();
-        let stop = Stop::default();
-        let copied = copy_plain(&mut from, &mut to, &meter, &Idle::new(None), &stop).await;
-        let copied = copied.expect("relay").expect("ended, not stopped");
-        let spliced = SPLICED.with(std::cell::Cell::get) - before;
-        drop(to);
-        let got = receiver.await.expect("receiver");
-        drop(sender.await.expect("sender"));
-        assert_eq!((copied, meter.get()), (data.len() as u64, data.len() as u64));
-        assert!(got == data, "{} bytes of {}, or out of order", got.len(), data.len());
-        assert!(spliced > copied / 2, "only {spliced} of {copied} bytes went through a pipe");
     }
 
     /// The hand-over's promise: a relay stopped in the middle of a bulk transfer has written

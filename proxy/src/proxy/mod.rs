@@ -2,8 +2,7 @@
 //! waypoints), inbound HBONE (15008) and plaintext (15006), DNS (15053), and what they share: the node proxy (`node`: the store, certificates, pool,
 //! telemetry, the pods served) and its tunables (`settings`, with `memory` for the default
 //! connection cap), a pod as the paths see it (`pod`, its sockets made inside its netns by
-//! `netns`, its listeners held across restarts by the node agent: `held_listeners`), the HBONE protocol, the connection pool, the byte copy (a plain relay's bulk moved by the
-//! kernel: `zero_copy`), accept loops with their
+//! `netns`, its listeners held across restarts by the node agent: `held_listeners`), the HBONE protocol, the connection pool, the byte copy, accept loops with their
 //! caps and draining, the per-source cap on unauthenticated inbound, the large reads under TLS,
 //! the allowed connections a policy change re-checks, the open ones the admin dump lists
 //! (`open_connections`), the plain connections handed to the next proxy at shutdown
@@ -34,7 +33,6 @@ pub mod resume;
 pub mod settings;
 pub mod stop;
 pub mod transparent;
-pub mod zero_copy;
 
 pub use node::Proxy;
 pub use settings::Settings;

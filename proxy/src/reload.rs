@@ -22,9 +22,9 @@ use crate::{
 };
 
 /// Runs the refresh loop until the process ends; `seen` is the workload file's stamp when the
-/// store in force was read. Supervised: if an iteration panics, the loop is
-/// started again (counted in `meshpath_refresh_restarts_total`), so certificates keep being
-/// renewed and readiness keeps telling the truth.
+/// store in force was read. Supervised: if an iteration panics, the loop is started again
+/// (counted in `meshpath_refresh_restarts_total`), so certificates keep being renewed and
+/// readiness keeps telling the truth.
 pub fn spawn(
     proxy: Arc<Proxy>,
     workloads: Option<PathBuf>,

@@ -789,7 +789,8 @@ impl DaemonSetLogs {
         let selector = format!("app.kubernetes.io/name in ({})", daemonsets.join(","));
         let (stop2, logs2) = (stop.clone(), logs.clone());
         let poller = std::thread::spawn(move || {
-            // Followers of pods whose log could be read; a pod not started yet is tried again.
+            // The pods followed. A pod is taken once it has left Pending (its container
+            // started), and followed until it ends or the logs are dropped.
             let mut following: Vec<(String, std::process::Child, std::thread::JoinHandle<()>)> =
                 Vec::new();
             while !stop2.load(Ordering::SeqCst) {

@@ -254,9 +254,10 @@ fn a_rolling_update_node_by_node_keeps_a_cross_node_transfer_and_answers_every_c
         String::from_utf8_lossy(&long.stderr)
     );
     println!("{}; loop: {looped}; transfer: {}", rolled.join(", "), transfer.trim());
-    if !looped.all_answered() {
+    let transferred = long.status.success() && transfer.contains(&format!("bytes={ROLL_BYTES}"));
+    if !looped.all_answered() || !transferred {
         // The failed connections' own lines (by their client ports), and what any agent or
-        // proxy warned of, from every pod of the roll.
+        // proxy warned of (a paused transfer's end among them), from every pod of the roll.
         let ports: Vec<String> = looped
             .text
             .split_whitespace()
@@ -270,10 +271,7 @@ fn a_rolling_update_node_by_node_keeps_a_cross_node_transfer_and_answers_every_c
             println!("{line}");
         }
     }
-    assert!(
-        long.status.success() && transfer.contains(&format!("bytes={ROLL_BYTES}")),
-        "{transfer}"
-    );
+    assert!(transferred, "{transfer}");
     // Under way across the whole roll: bytes were still to be sent when it had ended.
     let unsent = transfer
         .split_whitespace()
